@@ -1,0 +1,35 @@
+"""The README's quick start stays true: CI runs its test command verbatim."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def readme_commands() -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    return [line.strip() for block in blocks[:2] for line in block.splitlines() if line.strip()]
+
+
+def test_quick_start_is_two_commands():
+    install_and_run, install_and_test = readme_commands()
+    assert install_and_run.startswith("pip install") and "vllm-mlx generate" in install_and_run
+    assert install_and_test.startswith("pip install") and "pytest" in install_and_test
+
+
+def test_ci_runs_the_readme_test_command():
+    _, install_and_test = readme_commands()
+    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert install_and_test in ci_lines
+
+
+def test_console_script_points_at_the_cli():
+    import tomllib
+
+    from vllm_mlx.entrypoints import cli
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["scripts"]["vllm-mlx"] == "vllm_mlx.entrypoints.cli:main"
+    assert callable(cli.main)

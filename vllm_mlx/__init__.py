@@ -1,0 +1,133 @@
+"""
+vllm-mlx: Apple Silicon MLX backend for vLLM
+
+This package provides native Apple Silicon GPU acceleration for vLLM using
+Apple's MLX framework, mlx-lm for LLMs, and mlx-vlm for vision-language models.
+
+Features:
+- Continuous batching via vLLM-style scheduler
+- OpenAI-compatible API server
+- Support for LLM and multimodal models
+
+Every public name is loaded lazily (module ``__getattr__``), so ``import vllm_mlx``
+imports neither mlx, mlx-lm, numpy, torch nor vllm, and works where they are missing.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.4.1"
+
+__all__ = [
+    # vLLM integration components (require torch)
+    "MLXPlatform",
+    "MLXWorker",
+    "MLXModelRunner",
+    "MLXAttentionBackend",
+    # Request management
+    "Request",
+    "RequestOutput",
+    "RequestStatus",
+    "SamplingParams",
+    # Scheduler
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    # Engine
+    "EngineCore",
+    "AsyncEngineCore",
+    "EngineConfig",
+    # Model registry
+    "get_registry",
+    "ModelOwnershipError",
+    # Prefix cache
+    "PrefixCacheManager",
+    "PrefixCacheStats",
+    "BlockAwarePrefixCache",
+    # Paged cache
+    "PagedCacheManager",
+    "CacheBlock",
+    "BlockTable",
+    "CacheStats",
+    # MLLM cache (with legacy VLM aliases)
+    "MLLMCacheManager",
+    "MLLMCacheStats",
+    "VLMCacheManager",
+    "VLMCacheStats",
+    # Version
+    "__version__",
+]
+
+# Public name -> (submodule of vllm_mlx, attribute in that submodule).
+_EXPORTS: dict[str, tuple[str, str]] = {
+    "Request": ("request", "Request"),
+    "RequestOutput": ("request", "RequestOutput"),
+    "RequestStatus": ("request", "RequestStatus"),
+    "SamplingParams": ("request", "SamplingParams"),
+    "Scheduler": ("scheduler", "Scheduler"),
+    "SchedulerConfig": ("scheduler", "SchedulerConfig"),
+    "SchedulerOutput": ("scheduler", "SchedulerOutput"),
+    "EngineCore": ("engine_core", "EngineCore"),
+    "AsyncEngineCore": ("engine_core", "AsyncEngineCore"),
+    "EngineConfig": ("engine_core", "EngineConfig"),
+    "PrefixCacheManager": ("prefix_cache", "PrefixCacheManager"),
+    "PrefixCacheStats": ("prefix_cache", "PrefixCacheStats"),
+    "BlockAwarePrefixCache": ("prefix_cache", "BlockAwarePrefixCache"),
+    "PagedCacheManager": ("paged_cache", "PagedCacheManager"),
+    "CacheBlock": ("paged_cache", "CacheBlock"),
+    "BlockTable": ("paged_cache", "BlockTable"),
+    "CacheStats": ("paged_cache", "CacheStats"),
+    "MLLMCacheManager": ("mllm_cache", "MLLMCacheManager"),
+    "MLLMCacheStats": ("mllm_cache", "MLLMCacheStats"),
+    # Legacy names kept for compatibility.
+    "VLMCacheManager": ("mllm_cache", "MLLMCacheManager"),
+    "VLMCacheStats": ("mllm_cache", "MLLMCacheStats"),
+    "get_registry": ("model_registry", "get_registry"),
+    "ModelOwnershipError": ("model_registry", "ModelOwnershipError"),
+    # torch and vllm are imported only by these modules.
+    "MLXPlatform": ("vllm_platform", "MLXPlatform"),
+    "MLXWorker": ("worker", "MLXWorker"),
+    "MLXModelRunner": ("model_runner", "MLXModelRunner"),
+    "MLXAttentionBackend": ("attention", "MLXAttentionBackend"),
+    # High-level offline API; not part of the seed's __all__.
+    "LLM": ("llm", "LLM"),
+}
+
+
+def __getattr__(name: str):
+    """Lazy load all components to avoid mlx_lm import on non-Apple platforms.
+
+    Raises AttributeError for names this package does not export, and ImportError
+    for exported names whose module cannot be imported (a submodule not written
+    yet, or a missing dependency such as torch, whose error propagates as is).
+    """
+    try:
+        module_name, attr = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+    qualified = f"{__name__}.{module_name}"
+    try:
+        module = importlib.import_module(qualified)
+    except ModuleNotFoundError as exc:
+        if exc.name != qualified:
+            raise  # a dependency of the submodule is missing: keep its message
+        raise ImportError(
+            f"vllm_mlx.{name} is not available yet: module {qualified} "
+            "is not implemented in this version",
+            name=qualified,
+        ) from exc
+
+    try:
+        value = getattr(module, attr)
+    except AttributeError as exc:
+        # An exported name must never look like a missing attribute to callers.
+        message = f"cannot import name {attr!r} from {qualified!r}"
+        raise ImportError(message, name=qualified) from exc
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, "LLM"])

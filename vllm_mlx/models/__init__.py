@@ -1,0 +1,72 @@
+"""Model sources: local MLX directories, hub ids, GGUF files and the built-in default model.
+
+``resolve_model(source)`` turns any source into a local MLX model directory (preparing it if
+needed); ``load_model(source)`` loads it with mlx-lm. Failures raise ``ModelSourceError`` with a
+one-line message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_mlx.errors import ModelSourceError
+from vllm_mlx.models.default import DEFAULT_MODEL_ALIASES, prepare_default_model
+from vllm_mlx.models.hub import looks_like_repo_id, resolve_repo
+from vllm_mlx.models.store import CachedModel, cache_root, list_cached_models, models_dir
+
+__all__ = [
+    "CachedModel",
+    "LoadedModel",
+    "ModelSourceError",
+    "cache_root",
+    "list_cached_models",
+    "load_model",
+    "models_dir",
+    "resolve_model",
+]
+
+
+def resolve_model(source: str | Path) -> Path:
+    """The local MLX model directory for ``source``: a directory, a ``.gguf`` file, ``default``
+    (or ``smollm2-135m-instruct``), or a Hugging Face repo id."""
+    text = str(source)
+    if text.lower() in DEFAULT_MODEL_ALIASES:
+        return prepare_default_model()
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelSourceError(f"{path} is not an MLX model directory (no config.json)")
+        return path
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelSourceError(f"{path} is a file but not a .gguf model")
+        from vllm_mlx.models.gguf import resolve_gguf
+
+        return resolve_gguf(path)
+    if looks_like_repo_id(text) and not text.startswith((".", "/", "~")):
+        return resolve_repo(text)
+    raise ModelSourceError(f"model not found: {text!r} is neither a local path, a hub repo id, nor 'default'")
+
+
+@dataclass
+class LoadedModel:
+    """An mlx-lm model with its tokenizer wrapper, config and the directory it came from."""
+
+    model: Any
+    tokenizer: Any
+    config: dict
+    path: Path
+
+
+def load_model(source: str | Path) -> LoadedModel:
+    """Resolve ``source`` and load it with mlx-lm."""
+    import mlx_lm
+
+    path = resolve_model(source)
+    try:
+        model, tokenizer, config = mlx_lm.load(str(path), return_config=True)
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        raise ModelSourceError(f"cannot load the model in {path}: {exc}".splitlines()[0]) from exc
+    return LoadedModel(model, tokenizer, config, path)

@@ -129,7 +129,7 @@ def test_cli_corrupt_gguf_is_one_line(tmp_path):
     bad.write_bytes(b"GGUF" + b"\xff" * 64)
     result = run_cli("generate", "--model", str(bad), "hi", env={"VLLM_MLX_CACHE": str(tmp_path / "c")})
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert "cannot read GGUF file" in result.stderr
+    assert "broken.gguf is truncated or corrupt" in result.stderr
 
 
 @pytest.mark.e2e

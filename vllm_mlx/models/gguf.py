@@ -23,11 +23,11 @@ from collections import Counter
 from pathlib import Path
 
 from vllm_mlx.errors import ModelSourceError
+from vllm_mlx.models.gguf_header import check_gguf_header
 from vllm_mlx.models.gguf_tokenizer import write_tokenizer_files
 from vllm_mlx.models.store import MANIFEST, atomic_directory, models_dir, write_manifest
 
 SUPPORTED_ARCHITECTURES = ("llama",)
-GGUF_MAGIC = b"GGUF"
 GGUF_GROUP_SIZE = 32
 
 # GGUF tensor name -> Hugging Face / mlx-lm llama parameter name.
@@ -48,9 +48,12 @@ _TENSOR_RE = re.compile(r"^(?:blk\.(\d+)\.)?([a-z_]+)\.(weight|scales|biases)$")
 
 def file_sha256(path: Path, chunk_size: int = 1 << 22) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_size):
-            digest.update(chunk)
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(chunk_size):
+                digest.update(chunk)
+    except OSError as exc:
+        raise ModelSourceError(f"cannot read {path}: {exc.strerror or exc}") from exc
     return digest.hexdigest()
 
 
@@ -65,9 +68,7 @@ def read_gguf(path: Path) -> tuple[dict, dict]:
     """Load a GGUF file's tensors and metadata, turning every failure into a one-line error."""
     import mlx.core as mx
 
-    with open(path, "rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            raise ModelSourceError(f"{path} is not a GGUF file (bad magic bytes)")
+    check_gguf_header(path)
     try:
         tensors, metadata = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError) as exc:
@@ -96,6 +97,8 @@ def hf_config_from_metadata(metadata: dict) -> dict:
 
     hidden = int(field("embedding_length"))
     heads = int(field("attention.head_count"))
+    if "tokenizer.ggml.tokens" not in metadata:
+        raise ModelSourceError("the GGUF file has no tokenizer (tokenizer.ggml.tokens)")
     return {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
@@ -104,7 +107,7 @@ def hf_config_from_metadata(metadata: dict) -> dict:
         "num_attention_heads": heads,
         "num_key_value_heads": int(field("attention.head_count_kv", heads)),
         "num_hidden_layers": int(field("block_count")),
-        "head_dim": int(field("rope.dimension_count", hidden // heads)),
+        "head_dim": int(field("attention.key_length", hidden // heads)),
         # GGUF stores float32; round to the decimal it was written from (9.9999997e-06 -> 1e-05).
         "rms_norm_eps": float(f'{field("attention.layer_norm_rms_epsilon", 1e-5):.7g}'),
         "rope_theta": float(field("rope.freq_base", 10000.0)),
@@ -194,7 +197,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, scale_dtype: str | None = No
     if quantization:
         config["quantization"] = quantization
     with atomic_directory(out_dir) as tmp:
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        try:
+            mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        except RuntimeError as exc:  # MLX reports failed writes (EFBIG, ENOSPC) as RuntimeError
+            raise OSError(f"cannot write model.safetensors: {exc}") from exc
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         write_tokenizer_files(metadata, tmp)
         write_manifest(tmp, source=source or str(gguf_path), format="gguf", scale_dtype=scale_dtype)

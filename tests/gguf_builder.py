@@ -1,0 +1,157 @@
+"""Write a tiny random-weight llama GGUF the way llama.cpp's converter lays one out.
+
+Independent of ``vllm_mlx``: only numpy and gguf-py (llama.cpp's own Python writer and
+quantizers). Weights are drawn in the Hugging Face layout and then stored as llama.cpp stores
+them: Q and K rows permuted for GGML's interleaved RoPE, layer matrices quantized (Q4_1 by
+default), the token embedding Q8_0, norms float32. Tests must take their oracle from the file
+(``tests/gguf_reference.py``), never from the arrays drawn here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from gguf.quants import quantize
+
+CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "F32")
+
+
+def bytes_to_unicode() -> list[str]:
+    """GPT-2's 256 byte-level symbols, in its canonical order (byte value of the symbol's source)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    codes = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + n)
+            n += 1
+    return [chr(c) for c in codes]
+
+
+def tiny_vocab() -> tuple[list[str], list[int]]:
+    tokens = CONTROL_TOKENS + bytes_to_unicode() + [m.replace(" ", "") for m in MERGES]
+    n_control = len(CONTROL_TOKENS)
+    types = [int(TokenType.CONTROL)] * n_control + [int(TokenType.NORMAL)] * (len(tokens) - n_control)
+    assert len(set(tokens)) == len(tokens)
+    return tokens, types
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute``: HF rotary-half rows -> GGML interleaved rows."""
+    rows, cols = w.shape
+    return w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _add(writer: GGUFWriter, name: str, array: np.ndarray, qtype: GGMLQuantizationType) -> None:
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        writer.add_tensor(name, quantize(array, qtype))
+    else:
+        writer.add_tensor(name, quantize(array, qtype), raw_dtype=qtype)
+
+
+def write_tiny_llama_gguf(
+    path: str | Path,
+    *,
+    arch: str = "llama",
+    quant: str = "Q4_1",
+    seed: int = 0,
+    n_layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    ffn: int = 128,
+    tied: bool = True,
+    qk_std: float = 0.15,
+) -> dict:
+    """Write the GGUF at ``path``; return its config numbers.
+
+    ``quant`` is the type of the layer matrices; the embedding (and untied output) is Q8_0 when
+    ``quant`` is a quantized type and ``quant`` itself otherwise. Weights are larger than a
+    trained model's 0.02 (embedding 0.5, projections 0.2, Q/K ``qk_std``) so that with hidden
+    size 64 attention is far from uniform, logits span ~±15 with clear argmax gaps, and a wrong
+    RoPE layout moves the logits by about as much as their scale.
+    """
+    if quant not in QUANT_TYPES:
+        raise ValueError(f"quant must be one of {QUANT_TYPES}")
+    layer_type = GGMLQuantizationType[quant]
+    embd_type = layer_type if quant in ("F16", "F32") else GGMLQuantizationType.Q8_0
+    rng = np.random.default_rng(seed)
+    head_dim = hidden // heads
+    tokens, types = tiny_vocab()
+    vocab = len(tokens)
+
+    def proj(rows: int, cols: int, std: float = 0.02) -> np.ndarray:
+        return rng.normal(0.0, std, size=(rows, cols)).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + rng.normal(0.0, 0.1, size=n)).astype(np.float32)
+
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name("tiny-llama-test")
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_block_count(n_layers)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(head_dim)
+
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML_TEMPLATE)
+
+    _add(writer, "token_embd.weight", proj(vocab, hidden, 0.5), embd_type)
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        _add(writer, p + "attn_norm.weight", norm(hidden), GGMLQuantizationType.F32)
+        q = proj(heads * head_dim, hidden, qk_std)  # Hugging Face row order ...
+        k = proj(kv_heads * head_dim, hidden, qk_std)
+        _add(writer, p + "attn_q.weight", llama_cpp_permute(q, heads), layer_type)  # ... stored as llama.cpp does
+        _add(writer, p + "attn_k.weight", llama_cpp_permute(k, kv_heads), layer_type)
+        _add(writer, p + "attn_v.weight", proj(kv_heads * head_dim, hidden, 0.2), layer_type)
+        _add(writer, p + "attn_output.weight", proj(hidden, heads * head_dim, 0.2), layer_type)
+        _add(writer, p + "ffn_norm.weight", norm(hidden), GGMLQuantizationType.F32)
+        _add(writer, p + "ffn_gate.weight", proj(ffn, hidden, 0.2), layer_type)
+        _add(writer, p + "ffn_up.weight", proj(ffn, hidden, 0.2), layer_type)
+        _add(writer, p + "ffn_down.weight", proj(hidden, ffn, 0.2), layer_type)
+    _add(writer, "output_norm.weight", norm(hidden), GGMLQuantizationType.F32)
+    if not tied:
+        _add(writer, "output.weight", proj(vocab, hidden, 0.5), embd_type)
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return {
+        "arch": arch,
+        "quant": quant,
+        "n_layers": n_layers,
+        "hidden": hidden,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "ffn": ffn,
+        "vocab": vocab,
+        "tied": tied,
+    }

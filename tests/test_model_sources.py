@@ -126,7 +126,7 @@ def test_cli_errors_are_one_line(args, message):
 
 def test_cli_corrupt_gguf_is_one_line(tmp_path):
     bad = tmp_path / "broken.gguf"
-    bad.write_bytes(b"GGUF" + b"\xff" * 64)
+    bad.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + b"\xff" * 64)
     result = run_cli("generate", "--model", str(bad), "hi", env={"VLLM_MLX_CACHE": str(tmp_path / "c")})
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "broken.gguf is truncated or corrupt" in result.stderr

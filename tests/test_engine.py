@@ -1,0 +1,240 @@
+"""The engine on real MLX: batched == solo, chunked prefill and preemption, sampling features.
+
+Most tests use the tiny random-weight llama (fast); ``e2e`` ones use the real default model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import pytest
+
+from vllm_mlx import SamplingParams
+from vllm_mlx.engine_core import EngineCore
+from vllm_mlx.llm import LLM
+from vllm_mlx.model_registry import ModelOwnershipError
+
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog and keeps running far away.",
+    "One two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen",
+    "Why?",
+    "A much longer prompt " * 6,
+]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+def engine_factory(tiny_model_dir):
+    engines = []
+
+    def make(**options) -> EngineCore:
+        engine = EngineCore(model=str(tiny_model_dir), **options)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+
+
+def run_all(engine: EngineCore) -> dict:
+    final = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        steps += 1
+        assert steps < 10_000
+    return final
+
+
+def solo_tokens(engine_factory, prompts, params=GREEDY) -> list[list[int]]:
+    engine = engine_factory()
+    result = []
+    for prompt in prompts:
+        rid = engine.add_request(prompt, params)
+        result.append(run_all(engine)[rid].outputs[0].token_ids)
+    engine.shutdown()
+    return result
+
+
+def test_batched_equals_solo(engine_factory):
+    expected = solo_tokens(engine_factory, PROMPTS)
+    engine = engine_factory()
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    final = run_all(engine)
+    assert [final[i].outputs[0].token_ids for i in ids] == expected
+    assert max(len(r.request_ids) for r in engine.step_records) == len(PROMPTS)  # really batched
+    assert engine.kv_cache.stats().num_used_blocks == 0
+
+
+def test_staggered_arrivals_chunked_prefill_and_preemption_equal_solo(engine_factory):
+    expected = solo_tokens(engine_factory, PROMPTS)
+    # 12 usable blocks of 4 tokens cannot hold all five requests: preemption must happen.
+    engine = engine_factory(block_size=4, num_kv_blocks=13, max_num_batched_tokens=8)
+    request_ids, final = [], {}
+    for step in range(2000):
+        if step % 3 == 0 and len(request_ids) < len(PROMPTS):  # a new arrival every third step
+            request_ids.append(engine.add_request(PROMPTS[len(request_ids)], GREEDY))
+        elif not engine.has_unfinished_requests():
+            break
+        final.update((out.request_id, out) for out in engine.step() if out.finished)
+        engine.kv_cache.check_invariants()
+    assert [final[i].outputs[0].token_ids for i in request_ids] == expected
+    assert engine.scheduler.num_preemptions > 0
+    assert any(n > 1 and n < 20 for r in engine.step_records for n in r.num_new_tokens)  # chunks
+    assert engine.kv_cache.stats().num_used_blocks == 0
+
+
+def test_seeded_sampling_is_the_same_alone_and_batched(engine_factory):
+    params = [SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+    engine = engine_factory()
+    alone = []
+    for p in params:
+        rid = engine.add_request(PROMPTS[1], p)
+        alone.append(run_all(engine)[rid].outputs[0].token_ids)
+    ids = [engine.add_request(PROMPTS[1], p) for p in params] + [engine.add_request(PROMPTS[0], GREEDY)]
+    final = run_all(engine)
+    assert [final[i].outputs[0].token_ids for i in ids[:3]] == alone
+    assert len({tuple(t) for t in alone}) == 3  # different seeds, different samples
+
+
+def test_stop_string_across_tokens(engine_factory):
+    engine = engine_factory()
+    rid = engine.add_request(PROMPTS[2], GREEDY)
+    full = run_all(engine)[rid].outputs[0].text
+    stop = full[5:9]
+    assert len(stop) == 4 and full.index(stop) == 5
+    rid = engine.add_request(PROMPTS[2], GREEDY.clone(stop=[stop]))
+    streamed = []
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed.append(out.new_text)
+            final = out
+    assert final.outputs[0].text == full[:5]
+    assert "".join(streamed) == full[:5]
+    assert final.outputs[0].finish_reason == "stop" and final.outputs[0].stop_reason == stop
+
+
+def test_min_tokens_and_stop_token_ids(engine_factory):
+    engine = engine_factory()
+    rid = engine.add_request(PROMPTS[1], GREEDY)
+    tokens = run_all(engine)[rid].outputs[0].token_ids
+    stop_id = tokens[1]
+    rid = engine.add_request(PROMPTS[1], GREEDY.clone(stop_token_ids=[stop_id]))
+    out = run_all(engine)[rid].outputs[0]
+    assert out.token_ids == tokens[:2] and out.finish_reason == "stop" and out.stop_reason == stop_id
+    # min_tokens masks the stop id in the sampler: the request must run to its min length at least
+    rid = engine.add_request(PROMPTS[1], GREEDY.clone(stop_token_ids=[stop_id], min_tokens=6))
+    out = run_all(engine)[rid].outputs[0]
+    assert len(out.token_ids) >= 6 and stop_id not in out.token_ids[:6]
+
+
+def test_n_completions_share_the_prompt(engine_factory):
+    engine = engine_factory()
+    params = SamplingParams(max_tokens=8, temperature=1.0, n=3, seed=7, ignore_eos=True)
+    rid = engine.add_request(PROMPTS[4], params)
+    out = run_all(engine)[rid]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    singles = []
+    for i in range(3):
+        r = engine.add_request(PROMPTS[4], params.clone(n=1, seed=7 + i))
+        singles.append(run_all(engine)[r].outputs[0].token_ids)
+    assert [o.token_ids for o in out.outputs] == singles
+
+
+def test_logprobs_match_a_direct_softmax(engine_factory, tiny_model_dir):
+    import mlx_lm
+
+    engine = engine_factory()
+    rid = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0, logprobs=5, ignore_eos=True))
+    out = run_all(engine)[rid].outputs[0]
+    assert len(out.logprobs) == 3
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry and len(entry) <= 6
+        assert sum(math.exp(v) for v in entry.values()) <= 1 + 1e-5
+    model, tokenizer = mlx_lm.load(str(tiny_model_dir))
+    prompt = tokenizer.encode(PROMPTS[0])
+    logits = model(mx.array([prompt]))[0, -1].astype(mx.float32)
+    direct = (logits - mx.logsumexp(logits)).tolist()
+    for token_id, lp in out.logprobs[0].items():
+        assert lp == pytest.approx(direct[token_id], abs=1e-4)
+    assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(out.token_ids, out.logprobs)))
+
+
+def test_prompt_too_long_fails_alone(engine_factory):
+    engine = engine_factory(block_size=4, num_kv_blocks=9)  # 32 tokens of KV in all
+    bad = engine.add_request(PROMPTS[4] * 3, GREEDY)
+    good = engine.add_request(PROMPTS[0], GREEDY)
+    final = run_all(engine)
+    assert final[bad].finish_reason == "error" and "limit" in final[bad].error
+    assert final[good].finish_reason == "length" and len(final[good].token_ids) == 12
+
+
+def test_abort_frees_blocks_and_unknown_abort_is_a_noop(engine_factory):
+    engine = engine_factory()
+    rid = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.kv_cache.stats().num_used_blocks > 0
+    engine.abort_request(rid)
+    engine.abort_request(rid)
+    engine.abort_request("nope")
+    outs = engine.step()
+    assert [o.finish_reason for o in outs] == ["abort"]
+    assert engine.kv_cache.stats().num_used_blocks == 0
+    assert not engine.has_unfinished_requests()
+
+
+def test_model_ownership(engine_factory, tiny_model_dir):
+    first = engine_factory()
+    with pytest.raises(ModelOwnershipError):
+        EngineCore(model=str(tiny_model_dir))
+    second = engine_factory(force_model_takeover=True)
+    first.shutdown()
+    second.shutdown()
+    third = engine_factory()  # released: no error
+    assert third.model_path == tiny_model_dir
+
+
+def test_llm_front_door(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir))
+    try:
+        assert llm.model_path == tiny_model_dir
+        outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+        assert [len(o.outputs[0].token_ids) for o in outs] == [5, 5]
+        assert all(o.outputs[0].finish_reason == "length" for o in outs)
+        chats = llm.chat(
+            [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Bye"}]],
+            [SamplingParams(max_tokens=3, temperature=0), SamplingParams(max_tokens=4, temperature=0)],
+        )
+        assert [len(c.token_ids) for c in chats] == [3, 4]
+        with pytest.raises(ValueError, match="temperature"):
+            llm.generate("x", SamplingParams(temperature=-1))
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.e2e
+def test_engine_equals_mlx_lm_on_the_default_model(default_model_dir):
+    import mlx_lm
+
+    prompts = ["What is the capital of France?", "Write a haiku about the sea.", "List three colors."]
+    model, tokenizer = mlx_lm.load(str(default_model_dir))
+    expected = []
+    for p in prompts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+        tokens = [r.token for r in mlx_lm.stream_generate(model, tokenizer, ids, max_tokens=10)]
+        expected.append(tokens)
+    del model
+    llm = LLM("default")
+    try:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], SamplingParams(max_tokens=10, temperature=0))
+        assert [o.token_ids for o in outs] == expected
+        assert "Paris" in outs[0].text
+    finally:
+        llm.shutdown()

@@ -1,0 +1,308 @@
+"""EngineCore: schedule -> execute -> update, on the thread that owns the model.
+
+``EngineCore`` is synchronous and single-threaded: whoever calls ``step()`` must be the thread
+that created it (MLX streams are thread-local). ``AsyncEngineCore`` (``async_engine.py``) runs
+one on a dedicated thread and serves callers from any thread or asyncio loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vllm_mlx.detokenizer import IncrementalDetokenizer
+from vllm_mlx.model_registry import get_registry
+from vllm_mlx.paged_cache import PagedCacheManager
+from vllm_mlx.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
+from vllm_mlx.scheduler import Scheduler, SchedulerConfig, TokenLogprobs
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
+
+
+@dataclass
+class EngineConfig:
+    """Everything needed to build an engine; CLI flags and ``LLM(**options)`` map onto it."""
+
+    model: str = "default"
+    """Model source: MLX directory, .gguf file, hub id, or 'default'."""
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    """KV blocks in the pool; None = as many as ``kv_cache_memory`` holds."""
+    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
+    """Bytes for the KV pool when ``num_kv_blocks`` is None."""
+    max_model_len: int | None = None
+    """Longest prompt + output; None = the model's context length."""
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int | None = None
+    """Seed for the per-request seeds drawn when a request brings none (None = random)."""
+    force_model_takeover: bool = False
+    """Take the model over from another live engine instead of raising ModelOwnershipError."""
+
+    def scheduler_config(self, num_blocks: int, context_len: int | None) -> SchedulerConfig:
+        limits = [n for n in (self.max_model_len, context_len) if n]
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            block_size=self.block_size,
+            num_blocks=num_blocks,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            enable_prefix_caching=self.enable_prefix_caching,
+            max_model_len=min(limits) if limits else None,
+        )
+
+
+@dataclass
+class _Completion:
+    """Engine-side state of one sequence (one of a request's ``n`` completions)."""
+
+    group_id: str
+    request: Request
+    index: int
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, float]] | None
+    cumulative_logprob: float | None
+    num_detokenized: int = 0
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+
+    def completion_output(self) -> CompletionOutput:
+        r = self.request
+        return CompletionOutput(
+            index=self.index,
+            text=self.detokenizer.text,
+            token_ids=list(r.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            finish_reason=r.finish_reason,
+            stop_reason=r.stop_reason,
+        )
+
+
+@dataclass
+class _Group:
+    """A caller's request: ``n`` completions that share one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    completions: list[_Completion] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.request.is_finished for c in self.completions)
+
+
+class EngineCore:
+    """The synchronous engine: owns the model, the scheduler, the KV cache and the runner."""
+
+    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
+        from vllm_mlx.attention import check_supported
+        from vllm_mlx.model_runner import MLXModelRunner
+        from vllm_mlx.models import load_model
+
+        config = config or EngineConfig()
+        for name, value in overrides.items():
+            if not hasattr(config, name):
+                raise TypeError(f"unknown engine option {name!r}")
+            setattr(config, name, value)
+        self.config = config
+        loaded = load_model(config.model)
+        check_supported(loaded.model, loaded.config.get("model_type", "?"))
+        self.model_path: Path = loaded.path
+        get_registry().claim(str(self.model_path), self, force=config.force_model_takeover)
+        self.tokenizer = loaded.tokenizer
+        self.model_config = loaded.config
+        num_blocks = config.num_kv_blocks or blocks_for_budget(loaded.config, config.kv_cache_memory, config.block_size)
+        self.kv_cache = PagedCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        context_len = loaded.config.get("max_position_embeddings")
+        self.scheduler = Scheduler(
+            config.scheduler_config(num_blocks, context_len), self.kv_cache, cache_namespace=str(self.model_path)
+        )
+        self.runner = MLXModelRunner(loaded.model, num_blocks, config.block_size)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self.step_records: deque = deque(maxlen=4096)
+        self._groups: dict[str, _Group] = {}
+        self._completion_of: dict[str, _Completion] = {}
+        self._pending: list[RequestOutput] = []
+        self._ids = itertools.count()
+        self._seed_rng = random.Random(config.seed)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> str:
+        """Queue a prompt (text or token ids); returns the request id. Outputs come from ``step()``.
+
+        A prompt the engine cannot serve (longer than the context or the KV cache) finishes at
+        once with ``finish_reason == "error"``; other requests are untouched.
+        """
+        params = sampling_params or SamplingParams()
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._encode(prompt)
+        group = _Group(request_id, text, token_ids)
+        base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        for index in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            child_params = params.clone(n=1, seed=base_seed + index)
+            request = Request(
+                child_id, token_ids, child_params, prompt=text,
+                eos_token_ids=self.eos_token_ids, cache_salt=cache_salt,
+            )  # fmt: skip
+            completion = _Completion(
+                request_id, request, index,
+                IncrementalDetokenizer(self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop),
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )  # fmt: skip
+            group.completions.append(completion)
+            self._completion_of[child_id] = completion
+            self.scheduler.add_request(request)
+        self._groups[request_id] = group
+        if group.finished:  # refused at admission (e.g. prompt too long)
+            self._pending.append(self._finish_group(group))
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort a request (all its completions); unknown or finished ids are a no-op."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return
+        for completion in group.completions:
+            self.scheduler.abort_request(completion.request.request_id)
+        self._pending.append(self._finish_group(group))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_unfinished_requests()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one batched forward pass, update; return the outputs that changed."""
+        outputs, self._pending = self._pending, []
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return outputs
+        runner_output = self.runner.execute_model(scheduler_output)
+        self.step_records.append(self.runner.last_step)
+        advanced = self.scheduler.update_from_output(scheduler_output, runner_output)
+        touched: dict[str, _Group] = {}
+        for request in advanced:
+            completion = self._completion_of.get(request.request_id)
+            if completion is None:
+                continue
+            self._absorb(completion, runner_output.logprobs.get(request.request_id))
+            touched[completion.group_id] = None
+        for group_id in touched:
+            group = self._groups.get(group_id)
+            if group is not None:
+                outputs.append(self._finish_group(group) if group.finished else self._group_output(group))
+        return outputs
+
+    def _absorb(self, completion: _Completion, logprobs: TokenLogprobs | None) -> None:
+        """Detokenize the completion's new tokens, apply stop strings, record logprobs."""
+        request = completion.request
+        completion.detokenizer.add_tokens(request.output_token_ids[completion.num_detokenized :])
+        completion.num_detokenized = request.num_output_tokens
+        if completion.detokenizer.stop_string is not None and not request.is_finished:
+            self.scheduler.finish_request(
+                request.request_id, RequestStatus.FINISHED_STOPPED, completion.detokenizer.stop_string
+            )
+        if request.is_finished and completion.detokenizer.stop_string is None:
+            completion.detokenizer.finish()
+        if logprobs is not None and completion.logprobs is not None:
+            completion.logprobs.append({logprobs.token_id: logprobs.logprob, **logprobs.top})
+            completion.cumulative_logprob += logprobs.logprob
+
+    def _group_output(self, group: _Group) -> RequestOutput:
+        first = group.completions[0]
+        outputs = [c.completion_output() for c in group.completions]
+        new_ids = first.request.output_token_ids[first.num_sent_tokens :]
+        new_text = first.detokenizer.text[first.num_sent_chars :]
+        for c in group.completions:
+            c.num_sent_tokens = c.request.num_output_tokens
+            c.num_sent_chars = len(c.detokenizer.text)
+        r = first.request
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=outputs,
+            finished=group.finished,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            num_cached_tokens=r.num_cached_tokens,
+            arrival_time=r.arrival_time,
+            first_token_time=r.first_token_time,
+            finish_time=max((c.request.finish_time or 0.0) for c in group.completions) or None,
+            error=next((c.request.error_message for c in group.completions if c.request.error_message), None),
+        )
+
+    def _finish_group(self, group: _Group) -> RequestOutput:
+        """The final output of a group; forgets the group."""
+        for completion in group.completions:
+            if completion.detokenizer.stop_string is None:
+                completion.detokenizer.finish()
+            self._completion_of.pop(completion.request.request_id, None)
+        self._groups.pop(group.request_id, None)
+        return self._group_output(group)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        token_ids = [int(t) for t in prompt]
+        vocab = self.model_config.get("vocab_size")
+        if vocab and any(t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        return None, token_ids
+
+    def get_stats(self) -> dict:
+        return {"scheduler": self.scheduler.stats(), "kv_cache": self.kv_cache.stats().to_dict()}
+
+    def shutdown(self) -> None:
+        """Release the model for other engines; outstanding requests are aborted."""
+        for request_id in list(self._groups):
+            self.abort_request(request_id)
+        get_registry().release(str(self.model_path), self)
+
+
+def kv_bytes_per_token(model_config: dict, dtype_bytes: int = 4) -> int:
+    """Keys + values of one token across all layers."""
+    config = model_config.get("text_config", model_config)
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes
+
+
+def blocks_for_budget(model_config: dict, budget_bytes: int, block_size: int) -> int:
+    """How many blocks (plus the null block) a KV memory budget holds."""
+    per_block = kv_bytes_per_token(model_config) * block_size
+    num_blocks = budget_bytes // per_block + 1
+    if num_blocks < 2:
+        raise ValueError(f"kv_cache_memory={budget_bytes} bytes holds no block ({per_block} bytes each)")
+    return int(num_blocks)
+
+
+def __getattr__(name: str):
+    # The seed exports AsyncEngineCore from this module; it lives in async_engine.py.
+    if name == "AsyncEngineCore":
+        from vllm_mlx.async_engine import AsyncEngineCore
+
+        return AsyncEngineCore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,95 @@
+"""``LLM``: the friendly, synchronous front door (vLLM's ``LLM`` shape).
+
+    llm = LLM()                                   # the built-in default model
+    outs = llm.generate(["Hello", "Bonjour"], SamplingParams(max_tokens=32))
+    print(outs[0].outputs[0].text)
+
+All prompts of one call run together in the continuous-batching engine, on the calling thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from vllm_mlx.engine_core import EngineConfig, EngineCore
+from vllm_mlx.request import RequestOutput, SamplingParams
+
+Prompt = str | list[int]
+Message = dict
+
+
+class LLM:
+    """Offline batched generation. ``engine_options`` are ``EngineConfig`` fields."""
+
+    def __init__(self, model: str = "default", **engine_options) -> None:
+        self.engine = EngineCore(EngineConfig(model=str(model)), **engine_options)
+
+    @property
+    def model_path(self) -> Path:
+        """The resolved local MLX model directory."""
+        return self.engine.model_path
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or a list (text or token ids); outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = _per_prompt(sampling_params, len(prompts))
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        return self._run(ids)
+
+    def chat(
+        self,
+        messages: list[Message] | Sequence[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Chat completion for one conversation (a list of OpenAI-style messages) or a batch."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"the model in {self.model_path} has no chat template; use generate()")
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True))
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        try:
+            while len(final) < len(request_ids):
+                for output in self.engine.step():
+                    if output.finished:
+                        final[output.request_id] = output
+        except BaseException:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            self.engine.step()
+            raise
+        return [final[i] for i in request_ids]
+
+    def cache_snapshot(self) -> dict:
+        return self.engine.cache_snapshot()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def _per_prompt(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+    return params

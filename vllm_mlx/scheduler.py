@@ -1,0 +1,427 @@
+"""Continuous-batching scheduler: token budgets, chunked prefill, preemption.
+
+Pure bookkeeping (no MLX). The scheduler talks to the KV cache through three calls of
+``PagedCacheManager`` (find computed blocks, allocate slots, free) and never touches KV arrays.
+The model runner sees only a ``SchedulerOutput`` and answers with a ``ModelRunnerOutput``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from vllm_mlx.paged_cache import CacheBlock, PagedCacheManager
+from vllm_mlx.prefix_cache import compute_block_hashes
+from vllm_mlx.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    """Limits of one engine step and of the KV cache."""
+
+    max_num_seqs: int = 32
+    """Most requests running at once."""
+    max_num_batched_tokens: int = 512
+    """Token budget of one step (prefill chunks + one token per decoding request)."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_blocks: int | None = None
+    """KV blocks in the pool (including the reserved null block); None = derive from the budget."""
+    kv_cache_memory: int | None = None
+    """KV budget in bytes used to size the pool when num_blocks is None."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps so running streams keep decoding."""
+    enable_prefix_caching: bool = True
+    """Reuse computed full blocks across requests with the same prefix."""
+    max_model_len: int | None = None
+    """Longest prompt + output a request may reach (the model's context); None = unlimited."""
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's work in a step: compute ``num_new_tokens`` tokens starting at
+    ``num_computed_tokens`` (i.e. token ids ``request.all_token_ids[start:start + n]``)."""
+
+    request: Request
+    num_computed_tokens: int
+    num_new_tokens: int
+    block_ids: list[int]
+    """The request's whole block table after this step's allocation."""
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the known tokens, so a token is sampled.
+        A prefill chunk that stops short of the prompt's end samples nothing."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What the model runner executes in one step."""
+
+    step_id: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    """Requests preempted while building this step (their blocks are already freed)."""
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities for one generated token (from the raw model distribution)."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float]
+    """The top-N token ids and their logprobs (N = SamplingParams.logprobs; may be empty)."""
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens of one step, keyed by request id (only requests whose step samples)."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens (vLLM v1 style).
+
+    One ``schedule()`` → model runner → ``update_from_output()`` cycle is a step; the two calls
+    alternate. Running requests are served first, in admission order, then waiting requests
+    FIFO, all under one token budget. When the block pool runs dry, the most recently admitted
+    request is preempted: its blocks are freed and it is recomputed later (prefix hits included).
+
+    Invariants at step boundaries (checked by :meth:`check_invariants`):
+
+    * every unfinished request is in exactly one of ``waiting`` / ``running``; finished requests
+      are in neither and hold no blocks;
+    * a waiting request holds no blocks and has ``num_computed_tokens == 0``;
+    * a running request's block table covers its ``num_computed_tokens`` and it still has
+      tokens to compute (``num_computed_tokens < num_tokens``);
+    * no running request holds a shared block that is not full: prefix hits are whole blocks
+      and stop before the block of the last known token, so writes never touch a shared block;
+    * ``num_tokens < max_model_len`` for every unfinished request, where ``max_model_len`` is
+      the *effective* limit (see ``__init__``), so any request can always finish alone.
+    """
+
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: PagedCacheManager, cache_namespace: str = ""
+    ) -> None:
+        """``max_model_len`` = min(config.max_model_len, pool capacity in tokens), and, with
+        chunked prefill off, at most ``max_num_batched_tokens + 1`` so that a preempted request
+        can always be recomputed in one step. ``cache_namespace`` (model identity) and each
+        request's ``cache_salt`` are folded into its block hashes."""
+        _check_config(config, kv_cache)
+        self.config = config
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.cache_namespace = cache_namespace
+        self.enable_prefix_caching = config.enable_prefix_caching and kv_cache.enable_caching
+        limits = [kv_cache.num_usable_blocks * self.block_size]
+        if config.max_model_len is not None:
+            limits.append(config.max_model_len)
+        if not config.enable_chunked_prefill:
+            limits.append(config.max_num_batched_tokens + 1)
+        self.max_model_len = min(limits)
+
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.block_hashes: dict[str, list[bytes]] = {}  # full-block hashes, grown incrementally
+        self.num_preemptions = 0
+        self.step_id = 0  # number of schedule() calls so far
+
+    # ---- requests in and out ---------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue ``request``; a prompt that can never fit finishes at once with FINISHED_ERROR."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already scheduled")
+        if request.is_finished:
+            return
+        if request.num_tokens >= self.max_model_len:
+            request.error(
+                f"prompt has {request.num_tokens} tokens but the limit is {self.max_model_len} "
+                "(context length / KV cache capacity)"
+            )
+            return
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(
+        self, request_id: str, status: RequestStatus, reason: str | int | None = None
+    ) -> Request | None:
+        """End a request from outside (stop string, error, abort); free its blocks.
+
+        For FINISHED_ERROR a str ``reason`` becomes the error message. Unknown or already
+        finished ids are a no-op (returns None). Allowed between ``schedule()`` and
+        ``update_from_output()``: the update then skips the request.
+        """
+        if not status.is_finished:
+            raise ValueError(f"status must be a finished status, got {status.name}")
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        if status == RequestStatus.FINISHED_ERROR:
+            request.error(reason if isinstance(reason, str) else "request failed")
+        else:
+            request.finish(status, reason)
+        self._release(request)
+        return request
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Cancel a request (FINISHED_ABORTED); unknown or finished ids are a no-op."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work under one token budget: running requests, then waiting ones.
+
+        A running request computes its remaining tokens (1 when decoding), capped by the budget
+        (chunked prefill). Waiting requests are admitted FIFO only if nothing was preempted in
+        this step, while budget and ``max_num_seqs`` allow and blocks can be allocated.
+        """
+        self.step_id += 1
+        output = SchedulerOutput(step_id=self.step_id)
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(output, budget)
+        if not output.preempted_ids:
+            self._schedule_waiting(output, budget)
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            total = request.num_computed_tokens + num_new
+            while self.kv_cache.allocate_slots(request.request_id, total) is None:
+                victim = self.running.pop()  # the tail: most recently admitted
+                self._preempt(victim, output)
+                if victim is request:
+                    break
+            else:
+                output.scheduled.append(self._scheduled(request, num_new))
+                budget -= num_new
+                i += 1
+        return budget
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits = self._find_cached_prefix(request)
+            num_hit = len(hits) * self.block_size
+            num_new = request.num_tokens - num_hit
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if self.kv_cache.allocate_slots(request.request_id, num_hit + num_new, hits) is None:
+                break
+            self.waiting.popleft()
+            self._admit(request, num_hit)
+            output.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[Request]:
+        """Apply a finished step: advance computed tokens, register newly full blocks, append
+        sampled tokens, check token-level stops, free finished requests.
+
+        Returns the requests that advanced (got a token, or finished) in this step. Requests
+        finished or aborted since ``schedule()`` are skipped. Stop *strings* are the engine's
+        job (it detokenizes, then calls :meth:`finish_request`).
+        """
+        advanced: list[Request] = []
+        for scheduled in scheduler_output.scheduled:
+            request = scheduled.request
+            if self.requests.get(request.request_id) is not request:
+                continue  # finished or aborted meanwhile
+            samples = scheduled.samples
+            request.num_computed_tokens += scheduled.num_new_tokens
+            self._cache_computed_blocks(request, scheduled)
+            if not samples:
+                continue
+            token_id = runner_output.sampled_token_ids.get(request.request_id)
+            if token_id is None:
+                request.error("the model runner returned no token for this request")
+            else:
+                request.append_output_token(token_id)
+                self._check_stop(request)
+            advanced.append(request)
+        finished = [r for r in advanced if r.is_finished]
+        if finished:
+            self.running = [r for r in self.running if not r.is_finished]
+            for request in finished:
+                self._release(request)
+        return advanced
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        block_ids = self.kv_cache.get_block_ids(request.request_id)
+        return ScheduledRequest(request, request.num_computed_tokens, num_new, block_ids)
+
+    def _find_cached_prefix(self, request: Request) -> list[CacheBlock]:
+        """Cached blocks for the request's prefix, never including the block of its last known
+        token: at least one token is computed (for logits), and no write lands in a shared block."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(request)[:max_blocks]
+        return self.kv_cache.get_computed_blocks(request.request_id, hashes)
+
+    def _admit(self, request: Request, num_hit: int) -> None:
+        if self.enable_prefix_caching:
+            self.kv_cache.record_prefix_query(request.num_tokens, num_hit)
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_hit
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit
+        self.running.append(request)
+
+    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
+        self.kv_cache.free(request.request_id)
+        request.preempt()
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+        output.preempted_ids.append(request.request_id)
+
+    def _release(self, request: Request) -> None:
+        self.kv_cache.free(request.request_id)
+        self.requests.pop(request.request_id, None)
+        self.block_hashes.pop(request.request_id, None)
+
+    def _block_hashes(self, request: Request) -> list[bytes]:
+        hashes = self.block_hashes.setdefault(request.request_id, [])
+        if len(hashes) < request.num_tokens // self.block_size:  # a block filled up since
+            extra = (self.cache_namespace, request.cache_salt)
+            compute_block_hashes(request.all_token_ids, self.block_size, extra, hashes)
+        return hashes
+
+    def _cache_computed_blocks(self, request: Request, scheduled: ScheduledRequest) -> None:
+        # Only tokens whose KV was computed count: a freshly sampled token's KV is not.
+        bs = self.block_size
+        num_full = request.num_computed_tokens // bs
+        if not self.enable_prefix_caching or num_full == scheduled.num_computed_tokens // bs:
+            return
+        hashes = self._block_hashes(request)
+        self.kv_cache.cache_full_blocks(
+            request.request_id, hashes, request.all_token_ids, num_full_blocks=num_full
+        )
+
+    def _check_stop(self, request: Request) -> None:
+        """Token-level stops, after ``request``'s newest token was appended."""
+        params = request.sampling_params
+        token_id = request.output_token_ids[-1]
+        may_stop = request.num_output_tokens > params.min_tokens  # min_tokens came before it
+        if may_stop and token_id in params.stop_token_ids:
+            request.finish(RequestStatus.FINISHED_STOPPED, token_id)
+        elif may_stop and not params.ignore_eos and token_id in request.eos_token_ids:
+            request.finish(RequestStatus.FINISHED_STOPPED)
+        elif request.num_output_tokens >= params.max_tokens:
+            request.finish(RequestStatus.FINISHED_LENGTH_CAPPED)
+        elif request.num_tokens >= self.max_model_len:
+            request.finish(RequestStatus.FINISHED_LENGTH_CAPPED)
+
+    # ---- observation ---------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self.requests.get(request_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def stats(self) -> dict:
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "preemptions": self.num_preemptions,
+            "steps": self.step_id,
+            "kv_cache": self.kv_cache.stats().to_dict(),
+        }
+
+    def snapshot(self) -> dict:
+        """Plain data per unfinished request id (running first, then waiting in queue order)."""
+        return {r.request_id: self._request_view(r) for r in [*self.running, *self.waiting]}
+
+    def _request_view(self, request: Request) -> dict:
+        return {
+            "status": request.status.name,
+            "num_prompt_tokens": request.num_prompt_tokens,
+            "num_computed_tokens": request.num_computed_tokens,
+            "num_cached_tokens": request.num_cached_tokens,
+            "num_output_tokens": request.num_output_tokens,
+            "num_preemptions": request.num_preemptions,
+            "block_ids": self.kv_cache.get_block_ids(request.request_id),
+        }
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if a step-boundary invariant (class docstring) is broken."""
+        live = [*self.running, *self.waiting]
+        _require(len({id(r) for r in live}) == len(live), "a request is queued twice")
+        _require({r.request_id for r in live} == set(self.requests), "queues != request map")
+        for request in self.waiting:
+            _require(request.status in _WAITING_STATES, f"{request.request_id} waits while done")
+            _require(request.num_computed_tokens == 0, f"{request.request_id} waits computed")
+            _require(not self.kv_cache.get_block_ids(request.request_id), "a waiter holds blocks")
+        for request in self.running:
+            self._check_running(request)
+
+    def _check_running(self, request: Request) -> None:
+        rid, bs = request.request_id, self.block_size
+        _require(request.status == RequestStatus.RUNNING, f"{rid} runs as {request.status.name}")
+        _require(request.num_computed_tokens < request.num_tokens, f"{rid} has nothing to do")
+        _require(request.num_tokens < self.max_model_len, f"{rid} exceeds max_model_len")
+        block_ids = self.kv_cache.get_block_ids(rid)
+        _require(len(block_ids) * bs >= request.num_computed_tokens, f"{rid} table too short")
+        for bid in block_ids:
+            block = self.kv_cache.blocks[bid]
+            shared_partial = block.ref_cnt > 1 and block.block_hash is None
+            _require(not shared_partial, f"{rid} holds shared partial block {bid}")
+
+
+_WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+def _check_config(config: SchedulerConfig, kv_cache: PagedCacheManager) -> None:
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
+    if config.max_model_len is not None and config.max_model_len < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {config.max_model_len}")
+    if config.block_size != kv_cache.block_size:
+        raise ValueError(
+            f"config.block_size {config.block_size} != kv_cache.block_size {kv_cache.block_size}"
+        )
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)

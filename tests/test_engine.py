@@ -238,3 +238,32 @@ def test_engine_equals_mlx_lm_on_the_default_model(default_model_dir):
         assert "Paris" in outs[0].text
     finally:
         llm.shutdown()
+
+
+def test_n_siblings_reuse_the_prompt_blocks(engine_factory):
+    engine = engine_factory(block_size=4)
+    rid = engine.add_request(PROMPTS[4], SamplingParams(max_tokens=4, temperature=1.0, n=3, seed=1, ignore_eos=True))
+    shared = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        snapshot = engine.cache_snapshot()
+        shared = max(shared, sum(1 for b in snapshot["blocks"] if b["ref_cnt"] == 3))
+    prompt_blocks = (len(engine.tokenizer.encode(PROMPTS[4])) - 1) // 4
+    assert shared == prompt_blocks  # every full prompt block held by all three completions
+    assert rid not in engine.cache_snapshot()["requests"]
+    assert engine.kv_cache.stats().num_used_blocks == 0
+
+
+def test_cache_snapshot_is_plain_data(engine_factory):
+    import json
+
+    engine = engine_factory(block_size=4)
+    engine.add_request(PROMPTS[1], GREEDY, request_id="a")
+    engine.step()
+    snapshot = engine.cache_snapshot()
+    json.dumps(snapshot)  # plain data only
+    table = snapshot["requests"]["a"]["block_ids"]
+    blocks = {b["id"]: b for b in snapshot["blocks"]}
+    assert all(blocks[i]["state"] == "used" and blocks[i]["owners"] == ["a"] for i in table)
+    assert "".join(blocks[i]["text"] for i in table).startswith("The quick brown fox")
+    assert snapshot["stats"]["num_used_blocks"] == len(table)

@@ -18,6 +18,7 @@ from vllm_mlx.model_registry import get_registry
 from vllm_mlx.paged_cache import PagedCacheManager
 from vllm_mlx.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
 from vllm_mlx.scheduler import Scheduler, SchedulerConfig, TokenLogprobs
+from vllm_mlx.snapshot import CacheSnapshotter
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
 
@@ -126,10 +127,12 @@ class EngineCore:
         )
         self.runner = MLXModelRunner(loaded.model, num_blocks, config.block_size)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self.snapshotter = CacheSnapshotter(self.kv_cache, self.scheduler, self.tokenizer)
         self.step_records: deque = deque(maxlen=4096)
         self._groups: dict[str, _Group] = {}
         self._completion_of: dict[str, _Completion] = {}
         self._pending: list[RequestOutput] = []
+        self._deferred: dict[str, list[Request]] = {}  # n > 1 siblings waiting for the prompt
         self._ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
 
@@ -170,23 +173,44 @@ class EngineCore:
             )  # fmt: skip
             group.completions.append(completion)
             self._completion_of[child_id] = completion
-            self.scheduler.add_request(request)
         self._groups[request_id] = group
+        self._admit(group)
         if group.finished:  # refused at admission (e.g. prompt too long)
             self._pending.append(self._finish_group(group))
         return request_id
+
+    def _admit(self, group: _Group) -> None:
+        """Queue a group's completions. With prefix caching, siblings of an ``n > 1`` request
+        wait until the first one has prefilled the prompt, so they share its blocks."""
+        leader, *siblings = [c.request for c in group.completions]
+        self.scheduler.add_request(leader)
+        if siblings and self.config.enable_prefix_caching and not leader.is_finished:
+            self._deferred[group.request_id] = siblings
+            return
+        for request in siblings:
+            self.scheduler.add_request(request)
+
+    def _release_deferred(self) -> None:
+        for group_id, siblings in list(self._deferred.items()):
+            leader = self._groups[group_id].completions[0].request
+            if leader.num_output_tokens > 0 or leader.is_finished:
+                del self._deferred[group_id]
+                for request in siblings:
+                    self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request (all its completions); unknown or finished ids are a no-op."""
         group = self._groups.get(request_id)
         if group is None:
             return
+        self._deferred.pop(request_id, None)
         for completion in group.completions:
             self.scheduler.abort_request(completion.request.request_id)
+            completion.request.finish(RequestStatus.FINISHED_ABORTED)  # covers deferred siblings
         self._pending.append(self._finish_group(group))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_unfinished_requests()
+        return bool(self._pending or self._deferred) or self.scheduler.has_unfinished_requests()
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -210,6 +234,7 @@ class EngineCore:
             group = self._groups.get(group_id)
             if group is not None:
                 outputs.append(self._finish_group(group) if group.finished else self._group_output(group))
+        self._release_deferred()
         return outputs
 
     def _absorb(self, completion: _Completion, logprobs: TokenLogprobs | None) -> None:
@@ -273,6 +298,14 @@ class EngineCore:
 
     def get_stats(self) -> dict:
         return {"scheduler": self.scheduler.stats(), "kv_cache": self.kv_cache.stats().to_dict()}
+
+    def cache_snapshot(self) -> dict:
+        """Plain data: ``blocks``, ``requests``, ``free_queue``, ``stats`` (see snapshot.py)."""
+        return self.snapshotter.snapshot()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the hashes of unreferenced blocks (blocks in use keep theirs)."""
+        return self.kv_cache.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Release the model for other engines; outstanding requests are aborted."""

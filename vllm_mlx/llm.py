@@ -9,7 +9,7 @@ All prompts of one call run together in the continuous-batching engine, on the c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from vllm_mlx.engine_core import EngineConfig, EngineCore
@@ -30,6 +30,10 @@ class LLM:
         """The resolved local MLX model directory."""
         return self.engine.model_path
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.engine.tokenizer, "chat_template", None))
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 
@@ -45,6 +49,21 @@ class LLM:
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         return self._run(ids)
 
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield the outputs of one request as they come (``new_text`` holds each new piece)."""
+        request_id = self.engine.add_request(prompt, sampling_params)
+        finished = False
+        try:
+            while not finished:
+                for output in self.engine.step():
+                    if output.request_id == request_id:
+                        finished = output.finished
+                        yield output
+        finally:
+            if not finished:
+                self.engine.abort_request(request_id)
+                self.engine.step()
+
     def chat(
         self,
         messages: list[Message] | Sequence[list[Message]],
@@ -58,10 +77,9 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
+        if not self.has_chat_template:
             raise ValueError(f"the model in {self.model_path} has no chat template; use generate()")
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True))
+        return list(self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True))
 
     def _run(self, request_ids: list[str]) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

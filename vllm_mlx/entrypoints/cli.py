@@ -19,16 +19,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"vllm-mlx {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    generate = commands.add_parser("generate", help="generate text for one or more prompts")
+    generate = commands.add_parser("generate", help="generate text for one or more prompts (batched)")
     generate.add_argument("prompts", nargs="+", metavar="PROMPT")
-    generate.add_argument("--model", default="default", help="MLX directory, .gguf file, hub id or 'default'")
+    add_model_arguments(generate)
     generate.add_argument("--max-tokens", type=int, default=128)
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
-                          help="apply the model's chat template (default: on)")  # fmt: skip
+                          help="apply the model's chat template, if it has one (default: on)")  # fmt: skip
+    generate.add_argument("--stream", action="store_true", help="print text as it is generated")
     generate.set_defaults(handler=run_generate)
 
     models = commands.add_parser("models", help="list the models prepared in the cache")
@@ -40,20 +41,59 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Model and engine options shared by the commands that run the engine."""
+    parser.add_argument("--model", default="default", help="MLX directory, .gguf file, hub id or 'default'")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--max-num-seqs", type=int, default=32, help="most requests in one batch")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
+    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    engine.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV pool size, e.g. 512M or 2G")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    options = {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "block_size": args.block_size,
+    }
+    if args.kv_cache_memory is not None:
+        options["kv_cache_memory"] = args.kv_cache_memory
+    return options
+
+
+def parse_bytes(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("B")
+    try:
+        if text[-1:] in units:
+            return int(float(text[:-1]) * units[text[-1]])
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 2G)") from None
+
+
 def run_generate(args: argparse.Namespace) -> int:
+    from vllm_mlx.llm import LLM
     from vllm_mlx.request import SamplingParams
-    from vllm_mlx.simple_generate import generate_text
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed,
     )  # fmt: skip
-    for i, prompt in enumerate(args.prompts):
-        if len(args.prompts) > 1:
-            print(f"--- [{i}] {prompt}")
-        for piece in generate_text(args.model, prompt, params, chat=args.chat):
-            print(piece, end="", flush=True)
+    llm = LLM(args.model, **engine_options(args))
+    use_template = args.chat and llm.has_chat_template
+    prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) if use_template else p for p in args.prompts]
+    if args.stream and len(prompts) == 1:
+        for output in llm.stream(prompts[0], params):
+            print(output.new_text, end="", flush=True)
         print()
+    else:
+        for i, output in enumerate(llm.generate(prompts, params)):
+            if len(prompts) > 1:
+                print(f"--- [{i}] {args.prompts[i]}")
+            print(output.text)
+    llm.shutdown()
     return 0
 
 

@@ -1,0 +1,68 @@
+"""Plain-data views of the KV cache for observers (stats endpoint, notebook inspector).
+
+Observers read only these snapshots, never cache internals. A snapshot is cheap enough to take
+a few times per second while generating: one pass over the blocks, and block texts decoded once
+per distinct token tuple (memoised).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from vllm_mlx.paged_cache import PagedCacheManager
+from vllm_mlx.scheduler import Scheduler
+
+MAX_BLOCK_TEXT = 64
+_TEXT_MEMO_SIZE = 8192
+
+
+class CacheSnapshotter:
+    """Builds ``cache_snapshot()`` dicts: ``blocks``, ``requests``, ``free_queue``, ``stats``."""
+
+    def __init__(self, kv_cache: PagedCacheManager, scheduler: Scheduler, tokenizer) -> None:
+        self.kv_cache = kv_cache
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self._texts: OrderedDict[tuple[int, ...], str] = OrderedDict()
+
+    def snapshot(self) -> dict:
+        kv = self.kv_cache.snapshot()
+        requests = self.scheduler.snapshot()
+        self._fill_block_tokens(kv["blocks"], requests)
+        for block in kv["blocks"]:
+            block["text"] = self._text(block["token_ids"]) if block["token_ids"] else ""
+        stats = kv["stats"]
+        stats.update(self.scheduler.stats())
+        stats.pop("kv_cache", None)
+        return {
+            "block_size": kv["block_size"],
+            "blocks": kv["blocks"],
+            "requests": requests,
+            "free_queue": kv["free_queue"],
+            "stats": stats,
+        }
+
+    def _fill_block_tokens(self, blocks: list[dict], requests: dict) -> None:
+        """Blocks still being filled carry no token ids of their own: take them from an owner."""
+        size = self.kv_cache.block_size
+        for request_id, view in requests.items():
+            request = self.scheduler.get_request(request_id)
+            if request is None:
+                continue
+            tokens = request.all_token_ids[: request.num_computed_tokens]
+            for index, block_id in enumerate(view["block_ids"]):
+                block = blocks[block_id]
+                if block["token_ids"] is None:
+                    block["token_ids"] = tokens[index * size : (index + 1) * size]
+
+    def _text(self, token_ids: list[int]) -> str:
+        key = tuple(token_ids)
+        text = self._texts.get(key)
+        if text is None:
+            text = self.tokenizer.decode(list(key))[:MAX_BLOCK_TEXT]
+            self._texts[key] = text
+            if len(self._texts) > _TEXT_MEMO_SIZE:
+                self._texts.popitem(last=False)
+        else:
+            self._texts.move_to_end(key)
+        return text

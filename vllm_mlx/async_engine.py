@@ -6,10 +6,14 @@ per-request stream, which is both a blocking iterator (any thread) and an async 
 asyncio loop). The engine thread blocks on the command queue when idle (no busy-wait).
 
 Guarantees:
-- every stream ends: with its final output, or with the exception that stopped the engine;
-- a consumer that stops early (breaks out, is cancelled, is garbage collected) aborts its
+- every stream ends: with its final output, or with an ``EngineDeadError`` (chained to the
+  engine's exception when the engine failed); a request the engine refuses (a bad prompt) raises
+  its own error through its stream and leaves the others running;
+- a consumer that stops early (breaks out, is cancelled, drops the stream unread) aborts its
   request, which frees its KV blocks;
-- ``stop()`` aborts what is running, joins the thread and releases the model.
+- ``stop()`` aborts what is running (those streams end with a ``finish_reason == "abort"``
+  output), joins the thread and releases the model; requests and calls submitted after the
+  engine stopped or failed raise ``EngineDeadError``, they never hang.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import asyncio
 import itertools
 import queue
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -26,18 +31,17 @@ from vllm_mlx.engine_core import EngineConfig, EngineCore
 from vllm_mlx.errors import VllmMlxError
 from vllm_mlx.request import RequestOutput, SamplingParams
 
-_END = object()
-
 
 class EngineDeadError(VllmMlxError):
     """The engine thread stopped (it failed, or was stopped) before the request finished."""
 
 
 class RequestStream:
-    """Outputs of one request, fed by the engine thread.
+    """Outputs of one request, fed by the engine thread; read by one consumer.
 
-    Iterate it (blocking) or ``async for`` it; both end after the final output and re-raise an
-    engine failure. Leaving the iteration early aborts the request.
+    Iterate it (blocking, any thread) or ``async for`` it (any loop); both end after the final
+    output (``finished=True``) and raise the request's or the engine's error. Leaving the
+    iteration early, or dropping the stream unread, aborts the request.
     """
 
     def __init__(self, request_id: str, engine: AsyncEngineCore) -> None:
@@ -50,12 +54,17 @@ class RequestStream:
         self.finished = False
 
     # engine thread side
-    def put(self, item: RequestOutput | BaseException | object) -> None:
+    def put(self, item: RequestOutput | BaseException) -> bool:
+        """Hand an output or an error to the consumer; False when its event loop is closed."""
         with self._lock:
-            if self._loop is not None:
-                self._loop.call_soon_threadsafe(self._async_queue.put_nowait, item)
-            else:
+            if self._loop is None:
                 self._queue.put(item)
+                return True
+            try:
+                self._loop.call_soon_threadsafe(self._async_queue.put_nowait, item)
+            except RuntimeError:  # the consumer's loop is closed: nobody will read this
+                return False
+            return True
 
     # consumer side
     def _bind_loop(self) -> None:
@@ -66,10 +75,7 @@ class RequestStream:
                 while not self._queue.empty():  # outputs that arrived before the first await
                     self._async_queue.put_nowait(self._queue.get())
 
-    def _unwrap(self, item) -> RequestOutput:
-        if item is _END:
-            self.finished = True
-            raise StopIteration
+    def _unwrap(self, item: RequestOutput | BaseException) -> RequestOutput:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -80,25 +86,17 @@ class RequestStream:
     def __iter__(self) -> Iterator[RequestOutput]:
         try:
             while not self.finished:
-                try:
-                    yield self._unwrap(self._queue.get())
-                except StopIteration:
-                    return
+                yield self._unwrap(self._queue.get())
         finally:
-            if not self.finished:
-                self._engine.abort(self.request_id)
+            self._abort_if_unfinished()
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         self._bind_loop()
         try:
             while not self.finished:
-                try:
-                    yield self._unwrap(await self._async_queue.get())
-                except StopIteration:
-                    return
+                yield self._unwrap(await self._async_queue.get())
         finally:
-            if not self.finished:
-                self._engine.abort(self.request_id)
+            self._abort_if_unfinished()
 
     def result(self) -> RequestOutput:
         """Block until the request finishes; return its final output."""
@@ -107,9 +105,12 @@ class RequestStream:
             pass
         return last
 
-    def __del__(self) -> None:
-        if not self.finished and self._engine.is_running:
+    def _abort_if_unfinished(self) -> None:
+        if not self.finished:
             self._engine.abort(self.request_id)
+
+    def __del__(self) -> None:  # dropped unread: the engine holds only a weak reference
+        self._abort_if_unfinished()
 
 
 @dataclass
@@ -129,6 +130,11 @@ class _Call:
     future: Future = field(default_factory=Future)
 
 
+@dataclass
+class _Abort:
+    request_id: str
+
+
 _STOP = object()
 
 
@@ -139,9 +145,11 @@ class AsyncEngineCore:
         self.config = config or EngineConfig()
         self._overrides = overrides
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: dict[str, weakref.ref[RequestStream]] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
+        self._lock = threading.Lock()  # orders "submit a command" against "stop accepting"
+        self._accepting = False
         self._error: BaseException | None = None
         self._ids = itertools.count()
         self.engine: EngineCore | None = None
@@ -149,23 +157,39 @@ class AsyncEngineCore:
     # -- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> AsyncEngineCore:
-        """Start the engine thread and wait until the model is loaded (re-raising load errors)."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="vllm-mlx-engine", daemon=True)
-            self._thread.start()
+        """Start the engine thread and wait until the model is loaded.
+
+        A load error is re-raised here, after the thread has ended. Starting a running engine
+        is a no-op; a stopped or failed one cannot be restarted (``EngineDeadError``).
+        """
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="vllm-mlx-engine", daemon=True)
+                self._thread.start()
         self._ready.wait()
-        if self._error is not None:
+        if self.engine is None:  # the load failed
+            self._thread.join()
             raise self._error
+        if not self.is_running:
+            raise EngineDeadError("the engine was stopped; create a new AsyncEngineCore") from self._error
         return self
 
     def stop(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
+        """Abort the running requests, join the engine thread and release the model.
+
+        Streams of aborted requests end with a ``finish_reason == "abort"`` output. Idempotent,
+        and prompt after a failure (the thread has already ended). Called on the engine thread
+        (from a ``call()`` function) it only requests the stop.
+        """
+        if self._thread is not None:
             self._commands.put(_STOP)
-            self._thread.join()
+            if threading.current_thread() is not self._thread:
+                self._thread.join()
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._error is None
+        """True between a successful ``start()`` and ``stop()`` or a failure."""
+        return self._accepting
 
     def __enter__(self) -> AsyncEngineCore:
         return self.start()
@@ -190,33 +214,46 @@ class AsyncEngineCore:
         *,
         cache_salt: str | None = None,
     ) -> RequestStream:
-        """Submit a request from any thread; returns its output stream at once."""
-        if not self.is_running:
-            raise EngineDeadError("the engine is not running") from self._error
+        """Submit a request from any thread; returns its output stream at once.
+
+        Raises ``EngineDeadError`` when the engine is not running. Errors of the request itself
+        (a bad prompt, a duplicate id) are raised by its stream.
+        """
         request_id = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(request_id, self)
-        self._commands.put(_Add(request_id, prompt, sampling_params or SamplingParams(), cache_salt, stream))
+        params = sampling_params or SamplingParams()
+        self._submit(_Add(request_id, prompt, params, cache_salt, stream))
         return stream
 
-    def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None, **kwargs) -> AsyncIterator[RequestOutput]:
+    def generate(
+        self, prompt: str | list[int], sampling_params: SamplingParams | None = None, **kwargs
+    ) -> AsyncIterator[RequestOutput]:
         """Async iterator of a new request's outputs (the vLLM ``AsyncLLM.generate`` shape)."""
         return self.add_request(prompt, sampling_params, **kwargs).__aiter__()
 
     def abort(self, request_id: str) -> None:
-        """Abort a request from any thread; unknown or finished ids are a no-op."""
-        if self.is_running:
-            self._commands.put(("abort", request_id))
+        """Abort a request from any thread; unknown or finished ids are a no-op.
+
+        Lock-free (it runs from ``__del__``): an abort that races the engine's end is dropped.
+        """
+        if self._accepting:
+            self._commands.put(_Abort(request_id))
 
     def call(self, fn: Callable[[EngineCore], object], timeout: float | None = None):
         """Run ``fn(engine)`` on the engine thread between steps and return its result."""
-        if not self.is_running:
-            raise EngineDeadError("the engine is not running") from self._error
         command = _Call(fn)
-        self._commands.put(command)
+        self._submit(command)
         return command.future.result(timeout)
 
     def get_stats(self) -> dict:
         return self.call(lambda engine: engine.get_stats())
+
+    def _submit(self, command: _Add | _Call) -> None:
+        """Queue a command the engine must answer; raise EngineDeadError if it no longer can."""
+        with self._lock:
+            if not self._accepting:
+                raise EngineDeadError("the engine is not running") from self._error
+            self._commands.put(command)
 
     # -- the engine thread ------------------------------------------------------------------
 
@@ -227,21 +264,18 @@ class AsyncEngineCore:
             self._error = exc
             self._ready.set()
             return
+        self._accepting = True
         self._ready.set()
+        error = None
         try:
-            self._loop()
+            self._serve()
         except BaseException as exc:  # noqa: BLE001 - delivered to every waiting caller
-            self._error = exc
-            self._fail_all(exc)
-        finally:
-            self.engine.shutdown()
+            error = exc
+        self._close(error)
 
-    def _loop(self) -> None:
-        while True:
-            block = not self.engine.has_unfinished_requests()
-            if not self._drain_commands(block):
-                self._abort_all()
-                return
+    def _serve(self) -> None:
+        """Apply commands and step until asked to stop; block on the queue when idle."""
+        while self._drain_commands(block=not self.engine.has_unfinished_requests()):
             for output in self.engine.step():
                 self._deliver(output)
 
@@ -251,58 +285,96 @@ class AsyncEngineCore:
             command = self._commands.get(block=block)
         except queue.Empty:
             return True
-        while True:
-            if command is _STOP:
-                return False
+        while command is not _STOP:
             self._apply(command)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return True
+        return False
 
-    def _apply(self, command) -> None:
-        engine = self.engine
+    def _apply(self, command: _Add | _Call | _Abort) -> None:
         if isinstance(command, _Add):
-            self._streams[command.request_id] = command.stream
-            try:
-                engine.add_request(command.prompt, command.params, command.request_id, cache_salt=command.cache_salt)
-            except Exception as exc:  # a bad request fails alone
-                self._streams.pop(command.request_id, None)
-                command.stream.put(exc)
+            self._add(command)
         elif isinstance(command, _Call):
             try:
-                command.future.set_result(command.fn(engine))
-            except Exception as exc:
+                command.future.set_result(command.fn(self.engine))
+            except Exception as exc:  # the caller's function failed, not the engine
                 command.future.set_exception(exc)
         else:
-            _, request_id = command
-            engine.abort_request(request_id)
+            self.engine.abort_request(command.request_id)
+
+    def _add(self, command: _Add) -> None:
+        """Admit a request; a request the engine refuses fails alone, through its stream."""
+        try:
+            self.engine.add_request(
+                command.prompt, command.params, command.request_id, cache_salt=command.cache_salt
+            )
+        except Exception as exc:
+            command.stream.put(exc)
+            return
+        self._streams[command.request_id] = weakref.ref(command.stream)
 
     def _deliver(self, output: RequestOutput) -> None:
-        stream = self._streams.get(output.request_id)
-        if stream is None:
+        """Hand an output to its stream; abort the request if nobody will read it."""
+        ref = self._streams.get(output.request_id)
+        if ref is None:
             return
-        stream.put(output)
-        if output.finished:
+        stream = ref()
+        delivered = stream is not None and stream.put(output)
+        if output.finished or not delivered:
             del self._streams[output.request_id]
+        if not delivered and not output.finished:
+            self.engine.abort_request(output.request_id)
 
-    def _abort_all(self) -> None:
+    # -- the end of the engine thread -------------------------------------------------------
+
+    def _close(self, error: BaseException | None) -> None:
+        """Stop accepting work, release the model, then end every stream and queued call."""
+        with self._lock:
+            self._accepting = False
+            self._error = error
+        outputs: list[RequestOutput] = []
+        try:
+            if error is None:
+                outputs = self._abort_running()
+            self.engine.shutdown()
+        except BaseException as exc:  # noqa: BLE001 - still end every stream below
+            error = self._error = error or exc
+        for output in outputs:
+            self._deliver(output)
+        self._fail_streams(error)
+        self._fail_queued_commands(error)
+
+    def _abort_running(self) -> list[RequestOutput]:
+        """On stop: abort every running request; return their final "abort" outputs."""
         for request_id in list(self._streams):
             self.engine.abort_request(request_id)
-        for output in self.engine.step():
-            self._deliver(output)
-        self._fail_all(EngineDeadError("the engine was stopped"))
+        return self.engine.step()  # nothing is left to run: only the abort outputs
 
-    def _fail_all(self, exc: BaseException) -> None:
-        for stream in self._streams.values():
-            stream.put(exc)
+    def _fail_streams(self, error: BaseException | None) -> None:
+        for ref in self._streams.values():
+            stream = ref()
+            if stream is not None:
+                stream.put(self._dead_error(error))
         self._streams.clear()
-        while True:  # calls queued behind the failure must not hang
+
+    def _fail_queued_commands(self, error: BaseException | None) -> None:
+        """Commands queued before ``_accepting`` went False must not hang their callers."""
+        while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
             if isinstance(command, _Call):
-                command.future.set_exception(EngineDeadError("the engine stopped"))
+                command.future.set_exception(self._dead_error(error))
             elif isinstance(command, _Add):
-                command.stream.put(EngineDeadError("the engine stopped"))
+                command.stream.put(self._dead_error(error))
+
+    @staticmethod
+    def _dead_error(cause: BaseException | None) -> EngineDeadError:
+        """A fresh error per waiter (one exception object raised in many threads is unsafe)."""
+        message = f"the engine failed: {cause!r}" if cause is not None else "the engine was stopped"
+        error = EngineDeadError(message)
+        error.__cause__ = cause
+        return error

@@ -223,8 +223,11 @@ def test_llm_front_door(tiny_model_dir):
 def test_engine_equals_mlx_lm_on_the_default_model(default_model_dir):
     import mlx_lm
 
+    from vllm_mlx.cpu_backend import choose_weight_format, prepare_model_weights
+
     prompts = ["What is the capital of France?", "Write a haiku about the sea.", "List three colors."]
     model, tokenizer = mlx_lm.load(str(default_model_dir))
+    prepare_model_weights(model, choose_weight_format("auto"))  # the weights the engine runs
     expected = []
     for p in prompts:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)

@@ -17,6 +17,12 @@ from __future__ import annotations
 
 import importlib
 
+# First, before any submodule can import mlx: let an optimised BLAS serve MLX's CPU matmuls
+# (Linux only; VLLM_MLX_FAST_BLAS=0 turns it off). Imports neither mlx nor numpy.
+from vllm_mlx.cpu_backend import preload_fast_blas as _preload_fast_blas
+
+_preload_fast_blas()
+
 __version__ = "0.4.1"
 
 __all__ = [

@@ -42,6 +42,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int | None = None
     """Seed for the per-request seeds drawn when a request brings none (None = random)."""
+    weight_format: str = "auto"
+    """"auto", "quantized" or "float32". Auto keeps quantized weights on Metal/CUDA and
+    dequantizes to float32 on the CPU backend when an optimised BLAS is loaded (cpu_backend.py)."""
     force_model_takeover: bool = False
     """Take the model over from another live engine instead of raising ModelOwnershipError."""
 
@@ -104,6 +107,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         from vllm_mlx.attention import check_supported
+        from vllm_mlx.cpu_backend import choose_weight_format, prepare_model_weights
         from vllm_mlx.model_runner import MLXModelRunner
         from vllm_mlx.models import load_model
 
@@ -115,6 +119,7 @@ class EngineCore:
         self.config = config
         loaded = load_model(config.model)
         check_supported(loaded.model, loaded.config.get("model_type", "?"))
+        self.weight_format = prepare_model_weights(loaded.model, choose_weight_format(config.weight_format))
         self.model_path: Path = loaded.path
         get_registry().claim(str(self.model_path), self, force=config.force_model_takeover)
         self.tokenizer = loaded.tokenizer

@@ -1,4 +1,4 @@
-"""The ``vllm-mlx`` command line: ``generate``, ``models``, ``pull``.
+"""The ``vllm-mlx`` command line: ``generate``, ``bench``, ``serve``, ``models``, ``pull``.
 
 Errors the user can fix (a missing model path, a bad GGUF, a failed download, bad sampling
 values) print one line to stderr and exit with status 1, never a traceback.
@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from vllm_mlx import __version__
+from vllm_mlx.entrypoints.openai.cli_args import add_serve_arguments, serve_engine_options
 from vllm_mlx.errors import VllmMlxError
 
 
@@ -31,6 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
                           help="apply the model's chat template, if it has one (default: on)")  # fmt: skip
     generate.add_argument("--stream", action="store_true", help="print text as it is generated")
     generate.set_defaults(handler=run_generate)
+
+    bench = commands.add_parser("bench", add_help=False, help="throughput and TTFT vs mlx-lm (see: bench --help)")
+    bench.set_defaults(handler=run_bench)  # its own parser takes the rest (see main)
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (needs vllm-mlx[server])")
+    add_model_arguments(serve)
+    add_serve_arguments(serve, parse_bytes)
+    serve.set_defaults(handler=run_serve)
 
     models = commands.add_parser("models", help="list the models prepared in the cache")
     models.set_defaults(handler=run_models)
@@ -97,6 +106,22 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    from vllm_mlx.entrypoints import bench
+
+    return bench.main(rest)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        from vllm_mlx.entrypoints.openai.server import run_server
+    except ImportError as exc:
+        print(f"vllm-mlx: error: the server needs extra packages ({exc.name}): pip install 'vllm-mlx[server]'", file=sys.stderr)
+        return 1
+    args.model = args.model_arg or args.model
+    return run_server(args, {**engine_options(args), **serve_engine_options(args)})
+
+
 def run_models(args: argparse.Namespace) -> int:
     from vllm_mlx.models import list_cached_models, models_dir
 
@@ -116,8 +141,13 @@ def run_pull(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, rest = build_parser().parse_known_args(argv)
     try:
+        if args.handler is run_bench:
+            return run_bench(args, rest)
+        if rest:
+            build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
         return args.handler(args)
     except (VllmMlxError, ValueError) as exc:
         print(f"vllm-mlx: error: {exc}", file=sys.stderr)

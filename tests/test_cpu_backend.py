@@ -1,0 +1,237 @@
+"""The CPU backend's fast paths: BLAS preload, weight-format choice, dequantization."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_mlx import cpu_backend
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LINUX = sys.platform.startswith("linux")
+
+
+def _openblas_installed() -> bool:
+    if any(os.path.exists(p) for p in cpu_backend._CANDIDATES):
+        return True
+    import ctypes.util
+
+    return ctypes.util.find_library("openblas") is not None
+
+
+PROBE = """
+import json, sys
+import vllm_mlx.engine_core
+import mlx.core as mx
+from vllm_mlx import cpu_backend
+a = mx.ones((64, 64))
+mx.eval(a @ a)
+maps = [line.split()[-1] for line in open("/proc/self/maps") if "libopenblas" in line]
+print(json.dumps({
+    "fast_blas": cpu_backend.FAST_BLAS_PATH,
+    "provider": cpu_backend.blas_provider(),
+    "openblas_mapped": sorted(set(maps)),
+    "backend": cpu_backend.describe_backend(),
+}))
+"""
+
+
+def _probe(fast_blas: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_MLX_FAST_BLAS", "LD_PRELOAD")}
+    if fast_blas is not None:
+        env["VLLM_MLX_FAST_BLAS"] = fast_blas
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# --- choose_weight_format ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["quantized", "float32"])
+def test_explicit_format_is_honoured(fmt):
+    assert cpu_backend.choose_weight_format(fmt) == fmt
+
+
+def test_bad_format_names_the_allowed_values():
+    with pytest.raises(ValueError) as info:
+        cpu_backend.choose_weight_format("int8")
+    message = str(info.value)
+    assert "'int8'" in message
+    for allowed in ("auto", "quantized", "float32"):
+        assert repr(allowed) in message
+
+
+def test_auto_is_float32_on_cpu_and_quantized_on_accelerators(monkeypatch):
+    monkeypatch.setattr(cpu_backend, "_backend", lambda: "cpu")
+    assert cpu_backend.choose_weight_format() == "float32"
+    assert cpu_backend.choose_weight_format("auto") == "float32"
+    for device in ("metal", "cuda"):
+        monkeypatch.setattr(cpu_backend, "_backend", lambda device=device: device)
+        assert cpu_backend.choose_weight_format("auto") == "quantized"
+        assert cpu_backend.choose_weight_format("float32") == "float32"
+
+
+def test_auto_matches_this_machine():
+    import mlx.core as mx
+
+    expected = "quantized" if mx.metal.is_available() or mx.cuda.is_available() else "float32"
+    assert cpu_backend.choose_weight_format() == expected
+
+
+# --- BLAS preload -----------------------------------------------------------------------------
+
+
+def test_preload_is_a_no_op_once_mlx_is_imported(monkeypatch):
+    import mlx.core  # noqa: F401
+
+    monkeypatch.setattr(cpu_backend, "_PRELOAD_DONE", False)
+    monkeypatch.setattr(cpu_backend, "FAST_BLAS_PATH", None)
+    monkeypatch.delenv("VLLM_MLX_FAST_BLAS", raising=False)
+    assert cpu_backend.preload_fast_blas() is None
+
+
+def test_preload_never_raises(monkeypatch):
+    monkeypatch.setattr(cpu_backend, "_PRELOAD_DONE", False)
+    monkeypatch.setattr(cpu_backend, "FAST_BLAS_PATH", None)
+    monkeypatch.setattr(cpu_backend, "_candidates", lambda: 1 / 0)
+    monkeypatch.delitem(sys.modules, "mlx.core", raising=False)
+    monkeypatch.delenv("VLLM_MLX_FAST_BLAS", raising=False)
+    assert cpu_backend.preload_fast_blas() is None
+
+
+@pytest.mark.skipif(not LINUX, reason="the BLAS preload is Linux-only")
+def test_switch_off_keeps_the_bundled_blas():
+    info = _probe("0")
+    assert info["fast_blas"] is None
+    assert info["openblas_mapped"] == []
+    assert info["provider"] is None
+    assert info["backend"]["blas"] == "bundled"
+
+
+@pytest.mark.skipif(not LINUX, reason="the BLAS preload is Linux-only")
+@pytest.mark.skipif(
+    LINUX and not _openblas_installed(),
+    reason="no optimised BLAS installed (Debian/Ubuntu: apt-get install libopenblas0-pthread)",
+)
+def test_importing_the_package_preloads_openblas_for_mlx():
+    info = _probe(None)
+    assert info["fast_blas"]
+    assert info["openblas_mapped"], "libopenblas is not mapped in the process"
+    # The library MLX's cblas_sgemm binds to is the preloaded one, not the bundled reference BLAS.
+    assert info["provider"] and "libopenblas" in Path(info["provider"]).name
+    assert info["backend"]["blas"] == info["provider"]
+
+
+def test_fast_blas_matmul_is_correct():
+    """Whatever BLAS serves MLX in this process, a float32 matmul matches numpy."""
+    import mlx.core as mx
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((96, 576), dtype=np.float32)
+    b = rng.standard_normal((576, 160), dtype=np.float32)
+    got = np.array(mx.array(a) @ mx.array(b))
+    expected = a.astype(np.float64) @ b.astype(np.float64)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-3)
+
+
+def test_describe_backend():
+    import mlx.core as mx
+
+    info = cpu_backend.describe_backend()
+    assert info["mlx_version"] == mx.__version__
+    assert info["device"] in ("cpu", "metal", "cuda")
+    assert info["fast_blas"] == cpu_backend.FAST_BLAS_PATH
+    json.dumps(info)
+
+
+# --- prepare_model_weights --------------------------------------------------------------------
+
+
+def _tiny_llama(seed: int = 0):
+    import mlx.core as mx
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, num_hidden_layers=2, rms_norm_eps=1e-5, vocab_size=256,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    mx.random.seed(seed)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def _quantized_layers(model) -> list[str]:
+    return [name for name, m in model.named_modules() if cpu_backend._is_quantized(m)]
+
+
+def test_dequantized_model_gives_the_quantized_logits():
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    model = _tiny_llama()
+    nn.quantize(model, group_size=32, bits=4)
+    assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)  # tied head is quantized too
+    tokens = mx.array([[1, 5, 9, 42, 7, 200, 3, 3]])
+    expected = model(tokens)
+    mx.eval(expected)
+
+    assert cpu_backend.prepare_model_weights(model, "quantized") == "quantized"
+    assert _quantized_layers(model)
+
+    assert cpu_backend.prepare_model_weights(model, "float32") == "float32"
+    assert _quantized_layers(model) == []
+    assert isinstance(model.model.embed_tokens, nn.Embedding)
+    assert {v.dtype for _, v in tree_flatten(model.parameters())} == {mx.float32}
+    got = model(tokens)
+    assert got.shape == expected.shape
+    assert mx.allclose(got, expected, atol=1e-4, rtol=1e-4).item()
+
+
+def test_float16_scales_dequantize_to_float32():
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    model = _tiny_llama()
+    model.set_dtype(mx.float16)
+    nn.quantize(model, group_size=32, bits=4)
+    tokens = mx.array([[4, 8, 15, 16, 23, 42]])
+    expected = model(tokens).astype(mx.float32)
+    assert cpu_backend.prepare_model_weights(model, "float32") == "float32"
+    assert {v.dtype for _, v in tree_flatten(model.parameters())} == {mx.float32}
+    # The quantized model computed in float16; the float32 one is at least as accurate.
+    assert mx.allclose(model(tokens), expected, atol=5e-2, rtol=5e-2).item()
+
+
+@pytest.mark.parametrize("fmt", ["float32", "quantized", "auto"])
+def test_float_model_is_left_unchanged(fmt):
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    model = _tiny_llama()
+    before = {k: v for k, v in tree_flatten(model.parameters())}
+    assert cpu_backend.prepare_model_weights(model, fmt) == "float32"
+    after = dict(tree_flatten(model.parameters()))
+    assert after.keys() == before.keys()
+    assert all(after[k] is before[k] for k in before)
+
+    model.set_dtype(mx.bfloat16)
+    assert cpu_backend.prepare_model_weights(model, fmt) == "bfloat16"
+
+
+def test_prepare_rejects_unknown_format():
+    with pytest.raises(ValueError, match="allowed values"):
+        cpu_backend.prepare_model_weights(_tiny_llama(), "fp8")

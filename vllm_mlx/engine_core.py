@@ -8,6 +8,7 @@ one on a dedicated thread and serves callers from any thread or asyncio loop.
 from __future__ import annotations
 
 import itertools
+import os
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -34,8 +35,9 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     """KV blocks in the pool; None = as many as ``kv_cache_memory`` holds."""
-    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
-    """Bytes for the KV pool when ``num_kv_blocks`` is None."""
+    kv_cache_memory: int | float = DEFAULT_KV_CACHE_MEMORY
+    """KV pool size when ``num_kv_blocks`` is None: bytes (an int), or a fraction in (0, 1] of
+    the memory available when the engine starts (a float)."""
     max_model_len: int | None = None
     """Longest prompt + output; None = the model's context length."""
     enable_prefix_caching: bool = True
@@ -124,7 +126,8 @@ class EngineCore:
         get_registry().claim(str(self.model_path), self, force=config.force_model_takeover)
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
-        num_blocks = config.num_kv_blocks or blocks_for_budget(loaded.config, config.kv_cache_memory, config.block_size)
+        budget = kv_budget_bytes(config.kv_cache_memory)
+        num_blocks = config.num_kv_blocks or blocks_for_budget(loaded.config, budget, config.block_size)
         self.kv_cache = PagedCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         context_len = loaded.config.get("max_position_embeddings")
         self.scheduler = Scheduler(
@@ -310,13 +313,36 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         """Forget the hashes of unreferenced blocks (blocks in use keep theirs)."""
-        return self.kv_cache.reset_prefix_cache()
+        return self.scheduler.prefix_cache.reset()
 
     def shutdown(self) -> None:
         """Release the model for other engines; outstanding requests are aborted."""
         for request_id in list(self._groups):
             self.abort_request(request_id)
         get_registry().release(str(self.model_path), self)
+
+
+def available_memory() -> int:
+    """Bytes of memory available now (Linux: MemAvailable; elsewhere: physical memory)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_budget_bytes(kv_cache_memory: int | float) -> int:
+    """An absolute byte count, or a fraction of the available memory."""
+    if isinstance(kv_cache_memory, float):
+        if not 0 < kv_cache_memory <= 1:
+            raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {kv_cache_memory}")
+        return int(kv_cache_memory * available_memory())
+    if kv_cache_memory <= 0:
+        raise ValueError(f"kv_cache_memory must be > 0 bytes, got {kv_cache_memory}")
+    return int(kv_cache_memory)
 
 
 def kv_bytes_per_token(model_config: dict, dtype_bytes: int = 4) -> int:

@@ -15,7 +15,8 @@ from pathlib import Path
 from vllm_mlx.engine_core import EngineConfig, EngineCore
 from vllm_mlx.request import RequestOutput, SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict
+"""Text, token ids, or a dict with "prompt" or "prompt_token_ids" and optionally "cache_salt"."""
 Message = dict
 
 
@@ -43,15 +44,26 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list (text or token ids); outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids = [self._add(p, sp) for p, sp in zip(prompts, params)]
         return self._run(ids)
+
+    def _add(self, prompt: Prompt, params: SamplingParams | None) -> str:
+        if not isinstance(prompt, dict):
+            return self.engine.add_request(prompt, params)
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+        if unknown:
+            raise ValueError(f"unsupported prompt keys: {sorted(unknown)}")
+        text = prompt.get("prompt_token_ids", prompt.get("prompt"))
+        if text is None:
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        return self.engine.add_request(text, params, cache_salt=prompt.get("cache_salt"))
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the outputs of one request as they come (``new_text`` holds each new piece)."""
-        request_id = self.engine.add_request(prompt, sampling_params)
+        request_id = self._add(prompt, sampling_params)
         finished = False
         try:
             while not finished:
@@ -96,7 +108,11 @@ class LLM:
         return [final[i] for i in request_ids]
 
     def cache_snapshot(self) -> dict:
+        """Plain data about the KV blocks, requests and cache stats (see EngineCore)."""
         return self.engine.cache_snapshot()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.engine.shutdown()

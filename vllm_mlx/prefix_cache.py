@@ -16,8 +16,19 @@ import hashlib
 import sys
 from array import array
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 
-__all__ = ["ROOT_HASH", "compute_block_hashes", "hash_block"]
+from vllm_mlx.paged_cache import CacheBlock, PagedCacheManager
+from vllm_mlx.request import Request
+
+__all__ = [
+    "ROOT_HASH",
+    "BlockAwarePrefixCache",
+    "PrefixCacheManager",
+    "PrefixCacheStats",
+    "compute_block_hashes",
+    "hash_block",
+]
 
 ROOT_HASH = bytes(32)
 """Parent of a request's first block (sha256-sized, all zeros)."""
@@ -82,3 +93,115 @@ def _encode_key(key: object) -> bytes:
     if isinstance(key, tuple):
         return b"(" + b"".join(_encode_key(k) for k in key) + b")"
     raise TypeError(f"extra keys must be None/bool/int/str/bytes/tuple, got {type(key).__name__}")
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache effectiveness since the engine started (or the last ``reset_stats``)."""
+
+    queries: int = 0
+    """Lookups: one per admission of a request (a preempted request resuming counts again)."""
+    query_tokens: int = 0
+    """Tokens those requests had when looked up."""
+    hits: int = 0
+    """Lookups that found at least one cached block."""
+    hit_tokens: int = 0
+    """Tokens served from cached blocks: prefill work saved."""
+    evictions: int = 0
+    """Cached blocks reclaimed for new content (from the block pool)."""
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of looked-up tokens that came from the cache."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    @property
+    def tokens_saved(self) -> int:
+        return self.hit_tokens
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "hit_rate": self.hit_rate, "tokens_saved": self.tokens_saved}
+
+
+class PrefixCacheManager:
+    """Token-level prefix cache over a ``PagedCacheManager``'s hash map.
+
+    ``lookup`` finds the longest run of cached full blocks for a token sequence; ``register``
+    publishes a sequence's computed full blocks. Both work on hashes chained as described in
+    the module docstring, with ``namespace`` (the model's identity) in every block's extra keys.
+    """
+
+    def __init__(self, kv_cache: PagedCacheManager, namespace: str = "", enabled: bool = True) -> None:
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.namespace = namespace
+        self.enabled = enabled and kv_cache.enable_caching
+        self._stats = PrefixCacheStats()
+
+    def extra_keys(self, cache_salt: str | None = None) -> tuple:
+        return (self.namespace, cache_salt)
+
+    def lookup(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[CacheBlock]:
+        """Cached blocks holding the longest cached prefix of ``token_ids`` (no ref counting)."""
+        if not self.enabled:
+            return []
+        hashes = compute_block_hashes(token_ids, self.block_size, self.extra_keys(cache_salt))
+        return self.kv_cache.get_computed_blocks("", hashes)
+
+    def num_cached_tokens(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """How many leading tokens of ``token_ids`` are cached right now."""
+        return len(self.lookup(token_ids, cache_salt)) * self.block_size
+
+    def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self._stats.queries += 1
+        self._stats.query_tokens += num_tokens
+        self._stats.hits += num_hit_tokens > 0
+        self._stats.hit_tokens += num_hit_tokens
+        self.kv_cache.record_prefix_query(num_tokens, num_hit_tokens)
+
+    def stats(self) -> PrefixCacheStats:
+        stats = PrefixCacheStats(**asdict(self._stats))
+        stats.evictions = self.kv_cache.stats().evictions
+        return stats
+
+    def reset(self) -> bool:
+        """Forget every unreferenced cached block (blocks in use keep their hashes)."""
+        return self.kv_cache.reset_prefix_cache()
+
+
+class BlockAwarePrefixCache(PrefixCacheManager):
+    """The prefix cache as the scheduler uses it: per request, on the paged blocks.
+
+    A hit maps the new request's block table onto the same physical blocks (ref count + 1,
+    zero copy). Each request's block hashes are computed once, incrementally, as blocks fill.
+    A hit never includes the block holding the request's last known token: at least one token
+    is computed (there must be logits to sample), and no request ever writes into a shared block.
+    """
+
+    def __init__(self, kv_cache: PagedCacheManager, namespace: str = "", enabled: bool = True) -> None:
+        super().__init__(kv_cache, namespace, enabled)
+        self._hashes: dict[str, list[bytes]] = {}
+
+    def find_cached_blocks(self, request: Request) -> list[CacheBlock]:
+        if not self.enabled:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._request_hashes(request)[:max_blocks]
+        return self.kv_cache.get_computed_blocks(request.request_id, hashes)
+
+    def cache_computed_blocks(self, request: Request, num_computed_before: int) -> None:
+        """Publish the blocks that became full of computed KV since ``num_computed_before``."""
+        num_full = request.num_computed_tokens // self.block_size
+        if not self.enabled or num_full == num_computed_before // self.block_size:
+            return
+        hashes = self._request_hashes(request)
+        self.kv_cache.cache_full_blocks(request.request_id, hashes, request.all_token_ids, num_full_blocks=num_full)
+
+    def forget(self, request_id: str) -> None:
+        self._hashes.pop(request_id, None)
+
+    def _request_hashes(self, request: Request) -> list[bytes]:
+        hashes = self._hashes.setdefault(request.request_id, [])
+        if len(hashes) < request.num_tokens // self.block_size:  # a block filled up since
+            compute_block_hashes(request.all_token_ids, self.block_size, self.extra_keys(request.cache_salt), hashes)
+        return hashes

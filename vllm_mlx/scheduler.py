@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from vllm_mlx.paged_cache import CacheBlock, PagedCacheManager
-from vllm_mlx.prefix_cache import compute_block_hashes
+from vllm_mlx.paged_cache import PagedCacheManager
+from vllm_mlx.prefix_cache import BlockAwarePrefixCache
 from vllm_mlx.request import Request, RequestStatus
 
 
@@ -128,7 +128,7 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.cache_namespace = cache_namespace
-        self.enable_prefix_caching = config.enable_prefix_caching and kv_cache.enable_caching
+        self.prefix_cache = BlockAwarePrefixCache(kv_cache, cache_namespace, config.enable_prefix_caching)
         limits = [kv_cache.num_usable_blocks * self.block_size]
         if config.max_model_len is not None:
             limits.append(config.max_model_len)
@@ -139,7 +139,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request
-        self.block_hashes: dict[str, list[bytes]] = {}  # full-block hashes, grown incrementally
         self.num_preemptions = 0
         self.step_id = 0  # number of schedule() calls so far
 
@@ -226,7 +225,7 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            hits = self._find_cached_prefix(request)
+            hits = self.prefix_cache.find_cached_blocks(request)
             num_hit = len(hits) * self.block_size
             num_new = request.num_tokens - num_hit
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -256,7 +255,7 @@ class Scheduler:
                 continue  # finished or aborted meanwhile
             samples = scheduled.samples
             request.num_computed_tokens += scheduled.num_new_tokens
-            self._cache_computed_blocks(request, scheduled)
+            self.prefix_cache.cache_computed_blocks(request, scheduled.num_computed_tokens)
             if not samples:
                 continue
             token_id = runner_output.sampled_token_ids.get(request.request_id)
@@ -279,18 +278,9 @@ class Scheduler:
         block_ids = self.kv_cache.get_block_ids(request.request_id)
         return ScheduledRequest(request, request.num_computed_tokens, num_new, block_ids)
 
-    def _find_cached_prefix(self, request: Request) -> list[CacheBlock]:
-        """Cached blocks for the request's prefix, never including the block of its last known
-        token: at least one token is computed (for logits), and no write lands in a shared block."""
-        if not self.enable_prefix_caching:
-            return []
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hashes = self._block_hashes(request)[:max_blocks]
-        return self.kv_cache.get_computed_blocks(request.request_id, hashes)
-
     def _admit(self, request: Request, num_hit: int) -> None:
-        if self.enable_prefix_caching:
-            self.kv_cache.record_prefix_query(request.num_tokens, num_hit)
+        if self.prefix_cache.enabled:
+            self.prefix_cache.record_query(request.num_tokens, num_hit)
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_hit
         request.status = RequestStatus.RUNNING
@@ -307,25 +297,7 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         self.kv_cache.free(request.request_id)
         self.requests.pop(request.request_id, None)
-        self.block_hashes.pop(request.request_id, None)
-
-    def _block_hashes(self, request: Request) -> list[bytes]:
-        hashes = self.block_hashes.setdefault(request.request_id, [])
-        if len(hashes) < request.num_tokens // self.block_size:  # a block filled up since
-            extra = (self.cache_namespace, request.cache_salt)
-            compute_block_hashes(request.all_token_ids, self.block_size, extra, hashes)
-        return hashes
-
-    def _cache_computed_blocks(self, request: Request, scheduled: ScheduledRequest) -> None:
-        # Only tokens whose KV was computed count: a freshly sampled token's KV is not.
-        bs = self.block_size
-        num_full = request.num_computed_tokens // bs
-        if not self.enable_prefix_caching or num_full == scheduled.num_computed_tokens // bs:
-            return
-        hashes = self._block_hashes(request)
-        self.kv_cache.cache_full_blocks(
-            request.request_id, hashes, request.all_token_ids, num_full_blocks=num_full
-        )
+        self.prefix_cache.forget(request.request_id)
 
     def _check_stop(self, request: Request) -> None:
         """Token-level stops, after ``request``'s newest token was appended."""

@@ -34,6 +34,7 @@ class CacheSnapshotter:
         stats = kv["stats"]
         stats.update(self.scheduler.stats())
         stats.pop("kv_cache", None)
+        stats["prefix_cache"] = self.scheduler.prefix_cache.stats().to_dict()
         return {
             "block_size": kv["block_size"],
             "blocks": kv["blocks"],

@@ -270,3 +270,32 @@ def test_cache_snapshot_is_plain_data(engine_factory):
     assert all(blocks[i]["state"] == "used" and blocks[i]["owners"] == ["a"] for i in table)
     assert "".join(blocks[i]["text"] for i in table).startswith("The quick brown fox")
     assert snapshot["stats"]["num_used_blocks"] == len(table)
+
+
+def test_another_architecture_runs_unmodified(tmp_path, default_model_dir):
+    from tiny_model import build_tiny_llama
+
+    qwen2 = build_tiny_llama(tmp_path / "qwen2", default_model_dir, model_type="qwen2", seed=3)
+    engine = EngineCore(model=str(qwen2))
+    try:
+        alone = []
+        for p in PROMPTS[:3]:
+            rid = engine.add_request(p, GREEDY)
+            alone.append(run_all(engine)[rid].token_ids)
+        ids = [engine.add_request(p, GREEDY) for p in PROMPTS[:3]]
+        final = run_all(engine)
+        assert [final[i].token_ids for i in ids] == alone
+    finally:
+        engine.shutdown()
+
+
+def test_sliding_window_architecture_is_refused(tmp_path, default_model_dir):
+    from tiny_model import build_tiny_llama
+
+    from vllm_mlx.attention import UnsupportedModelError
+
+    path = build_tiny_llama(
+        tmp_path / "swa", default_model_dir, layer_types=["full_attention", "sliding_attention"], sliding_window=8
+    )
+    with pytest.raises(UnsupportedModelError, match="'llama' needs RotatingKVCache"):
+        EngineCore(model=str(path))

@@ -27,14 +27,18 @@ TINY_CONFIG = {
 
 
 def build_tiny_llama(out_dir: Path, tokenizer_dir: Path, *, seed: int = 0, **overrides) -> Path:
+    """A tiny model of ``model_type`` (default llama; any mlx-lm architecture whose args accept
+    the llama-style config, e.g. qwen2, mistral)."""
+    import importlib
+
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
 
     config = {**TINY_CONFIG, **overrides}
     config["vocab_size"] = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
+    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model = arch.Model(arch.ModelArgs.from_dict(config))
     # Larger-than-init weights so logits are peaked: greedy choices are far from ties.
     weights = {k: v * 4 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -101,7 +101,10 @@ class BatchLayout:
 
 
 class KVPool:
-    """Keys and values of every layer, ``[num_slots, n_kv_heads, head_dim]`` per layer.
+    """Keys and values of every layer, ``[n_kv_heads, num_slots, head_dim]`` per layer.
+
+    Head-major, so that a gather through the block tables yields, per head and row, the context's
+    keys as contiguous ``[L, head_dim]`` rows: attention reads them without another copy.
 
     Slot ``s`` belongs to block ``s // block_size``. Arrays are allocated on the first write, with
     the dtype and head shape the model produces, so the pool never guesses the activation dtype.
@@ -114,12 +117,18 @@ class KVPool:
         self.values: list[mx.array | None] = [None] * num_layers
 
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
+        """Store ``keys``/``values`` (``[n_kv_heads, len(slots), head_dim]``) at ``slots``."""
         if self.keys[layer] is None:
-            shape = (self.num_slots, *keys.shape[1:])
-            self.keys[layer] = mx.zeros(shape, dtype=keys.dtype)
-            self.values[layer] = mx.zeros(shape, dtype=values.dtype)
-        self.keys[layer][slots] = keys
-        self.values[layer][slots] = values
+            self.keys[layer] = mx.zeros((keys.shape[0], self.num_slots, keys.shape[2]), dtype=keys.dtype)
+            self.values[layer] = mx.zeros((values.shape[0], self.num_slots, values.shape[2]), dtype=values.dtype)
+        self.keys[layer][:, slots] = keys
+        self.values[layer][:, slots] = values
+
+    def gather(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
+        """Keys and values at ``slots`` (``[B, L]``), as ``[B, n_kv_heads, L, head_dim]``."""
+        keys = self.keys[layer][:, slots].transpose(1, 0, 2, 3)
+        values = self.values[layer][:, slots].transpose(1, 0, 2, 3)
+        return keys, values
 
     def arrays(self) -> list[mx.array]:
         return [a for a in self.keys + self.values if a is not None]
@@ -142,14 +151,12 @@ class PagedLayerCache:
         return self.layout.offsets
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        batch, heads, num_new, head_dim = keys.shape
-        flat_k = keys.transpose(0, 2, 1, 3).reshape(batch * num_new, heads, head_dim)
-        flat_v = values.transpose(0, 2, 1, 3).reshape(batch * num_new, heads, values.shape[-1])
+        batch, heads, num_new, _ = keys.shape
+        # [B, H, T, D] -> [H, B*T, D]: one row per new token, in write_slots order.
+        flat_k = keys.transpose(1, 0, 2, 3).reshape(heads, batch * num_new, keys.shape[-1])
+        flat_v = values.transpose(1, 0, 2, 3).reshape(heads, batch * num_new, values.shape[-1])
         self.pool.write(self.layer, self.layout.write_slots, flat_k, flat_v)
-        gather = self.layout.gather_slots
-        context_k = self.pool.keys[self.layer][gather].transpose(0, 2, 1, 3)
-        context_v = self.pool.values[self.layer][gather].transpose(0, 2, 1, 3)
-        return context_k, context_v
+        return self.pool.gather(self.layer, self.layout.gather_slots)
 
     def make_mask(self, num_tokens: int, return_array: bool = False, window_size: int | None = None):
         if window_size is not None:

@@ -157,3 +157,16 @@ def test_llm_accepts_cache_options(tiny_model_dir):
             llm.generate({"prompt": "x", "images": []}, GREEDY)
     finally:
         llm.shutdown()
+
+
+def test_async_engine_exposes_snapshot_and_reset(tiny_model_dir):
+    from vllm_mlx.async_engine import AsyncEngineCore
+
+    with AsyncEngineCore(model=str(tiny_model_dir), block_size=4, force_model_takeover=True) as engine:
+        prompt = block(0) + block(1) + [5]
+        engine.add_request(prompt, GREEDY).result()
+        assert engine.add_request(prompt, GREEDY).result().num_cached_tokens == 8
+        snapshot = engine.cache_snapshot()
+        assert snapshot["stats"]["num_cached_free_blocks"] >= 2
+        assert engine.reset_prefix_cache()
+        assert engine.cache_snapshot()["stats"]["num_cached_free_blocks"] == 0

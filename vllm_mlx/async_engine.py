@@ -248,6 +248,13 @@ class AsyncEngineCore:
     def get_stats(self) -> dict:
         return self.call(lambda engine: engine.get_stats())
 
+    def cache_snapshot(self) -> dict:
+        """The engine's ``cache_snapshot()``, taken on the engine thread between steps."""
+        return self.call(lambda engine: engine.cache_snapshot())
+
+    def reset_prefix_cache(self) -> bool:
+        return self.call(lambda engine: engine.reset_prefix_cache())
+
     def _submit(self, command: _Add | _Call) -> None:
         """Queue a command the engine must answer; raise EngineDeadError if it no longer can."""
         with self._lock:

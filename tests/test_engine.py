@@ -299,3 +299,24 @@ def test_sliding_window_architecture_is_refused(tmp_path, default_model_dir):
     )
     with pytest.raises(UnsupportedModelError, match="'llama' needs RotatingKVCache"):
         EngineCore(model=str(path))
+
+
+def test_split_head_is_used_only_when_exact(tiny_model_dir):
+    import mlx_lm
+
+    from vllm_mlx.model_runner import SplitModel
+
+    model, _ = mlx_lm.load(str(tiny_model_dir))
+    split = SplitModel.probe(model)
+    assert split is not None
+    tokens = mx.array([[5, 6, 7]])
+    assert mx.array_equal(split.head(split.backbone(tokens)), model(tokens)).item()
+
+    class ScaledLogits:  # a model whose __call__ does more than head(backbone(x))
+        def __init__(self, inner):
+            self.model, self.lm_head = inner.model, inner.model.embed_tokens.as_linear
+
+        def __call__(self, x, cache=None):
+            return self.lm_head(self.model(x, cache=cache)) * 0.5
+
+    assert SplitModel.probe(ScaledLogits(model)) is None

@@ -57,7 +57,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-seqs", type=int, default=32, help="most requests in one batch")
     engine.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    engine.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV pool size, e.g. 512M or 2G")
+    engine.add_argument("--kv-cache-memory", type=parse_memory, default=None,
+                        help="KV pool size: bytes (512M, 2G) or a fraction of available memory (0.3)")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -69,6 +70,16 @@ def engine_options(args: argparse.Namespace) -> dict:
     if args.kv_cache_memory is not None:
         options["kv_cache_memory"] = args.kv_cache_memory
     return options
+
+
+def parse_memory(text: str) -> int | float:
+    """A KV budget: a size like 512M / 2G, or a fraction of available memory like 0.3."""
+    if "." in text and not text.strip()[-1:].isalpha():
+        try:
+            return float(text)
+        except ValueError:
+            pass
+    return parse_bytes(text)
 
 
 def parse_bytes(text: str) -> int:
@@ -116,7 +127,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         from vllm_mlx.entrypoints.openai.server import run_server
     except ImportError as exc:
-        print(f"vllm-mlx: error: the server needs extra packages ({exc.name}): pip install 'vllm-mlx[server]'", file=sys.stderr)
+        hint = "pip install 'vllm-mlx[server]'"
+        print(f"vllm-mlx: error: the server needs extra packages ({exc.name}): {hint}", file=sys.stderr)
         return 1
     args.model = args.model_arg or args.model
     return run_server(args, {**engine_options(args), **serve_engine_options(args)})

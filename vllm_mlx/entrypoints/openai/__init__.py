@@ -1,0 +1,12 @@
+"""The OpenAI-compatible server (``vllm-mlx serve``).
+
+- ``protocol``: the wire format (pydantic request/response models, the error shape);
+- ``serving``, ``serving_chat``, ``serving_completion``: OpenAI requests <-> the engine;
+- ``server``: the FastAPI app factory ``build_app(engine)`` and the uvicorn runner;
+- ``middleware``: API key and body-size limit; ``metrics``: Prometheus; ``cli_args``: flags.
+
+Importing this package is cheap; FastAPI and uvicorn load with ``server`` (``pip install
+'vllm-mlx[server]'``).
+"""
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB: the request-body limit (413 above it)

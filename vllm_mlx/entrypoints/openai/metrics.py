@@ -1,0 +1,151 @@
+"""Prometheus metrics of one server app, in their own ``CollectorRegistry``.
+
+Counters and latency histograms are fed by the serving code as outputs arrive (``track()``);
+the engine's gauges (requests running/waiting, KV usage, prefix-cache hit rate) are read from
+``AsyncEngineCore.get_stats()`` at scrape time, so they are never stale. Names follow vLLM's
+(``vllm:...``) so existing dashboards work. A per-app registry (not the global one) lets several
+apps live in one process, as they do in the tests.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from vllm_mlx.request import RequestOutput
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class EngineStatsCollector(Collector):
+    """Gauges and counters read from the engine's stats when Prometheus scrapes."""
+
+    def __init__(self, engine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self):
+        try:
+            stats = self.engine.get_stats()
+        except Exception:  # a dead engine: /health says so; the scrape still succeeds
+            return
+        sched, kv = stats["scheduler"], stats["kv_cache"]
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Requests in the running batch.", sched["running"]),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", sched["waiting"]),
+            ("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", kv["usage"]),
+            (
+                "vllm:prefix_cache_hit_rate",
+                "Prompt tokens found in the prefix cache / looked up.",
+                kv["prefix_hit_rate"],
+            ),
+        ):
+            yield self._family(GaugeMetricFamily, name, doc, value)
+        for name, doc, value in (
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv["prefix_queries"]),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv["prefix_hits"]),
+            ("vllm:num_preemptions", "Requests preempted (KV blocks ran out).", sched["preemptions"]),
+        ):
+            yield self._family(CounterMetricFamily, name, doc, value)
+
+    def _family(self, cls, name: str, doc: str, value: float):
+        family = cls(name, doc, labels=["model_name"])
+        family.add_metric([self.model_name], value)
+        return family
+
+
+class ServerMetrics:
+    """Everything ``GET /metrics`` exports for one app."""
+
+    def __init__(self, engine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        r = self.registry
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", labels, registry=r)
+        self.cached_tokens = Counter(
+            "vllm:prompt_cached_tokens", "Prompt tokens served from the prefix cache.", labels, registry=r
+        )
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels, registry=r)
+        self.request_aborted = Counter(
+            "vllm:request_aborted", "Requests aborted before they finished (client disconnects).", labels, registry=r
+        )
+        self.request_success = Counter(
+            "vllm:request_success", "Finished requests by finish reason.", [*labels, "finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Request submitted to the engine -> first token.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Time between output tokens.",
+            labels,
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Request submitted to the engine -> finished.",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.registry.register(EngineStatsCollector(engine, model_name))
+
+    def track(self) -> RequestTracker:
+        """A tracker for one engine request, started now (just after it was submitted)."""
+        return RequestTracker(self)
+
+    def render(self) -> bytes:
+        """The Prometheus text format (blocks on an engine call: run it off the event loop)."""
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """Feeds one engine request's outputs into the histograms and counters."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.start = self.last = time.monotonic()
+        self.num_tokens = self.prompt_tokens = self.cached_tokens = 0
+        self.finished = False
+
+    def observe(self, output: RequestOutput) -> None:
+        m, label = self.metrics, self.metrics.model_name
+        now = time.monotonic()
+        new = output.num_completion_tokens - self.num_tokens
+        if new > 0:
+            if self.num_tokens == 0:
+                m.ttft.labels(label).observe(now - self.start)
+            else:
+                for _ in range(new):
+                    m.tpot.labels(label).observe((now - self.last) / new)
+            self.num_tokens, self.last = output.num_completion_tokens, now
+        self.prompt_tokens, self.cached_tokens = output.num_prompt_tokens, output.num_cached_tokens
+        if output.finished:
+            self.finished = True
+            m.e2e.labels(label).observe(now - self.start)
+            m.request_success.labels(label, output.finish_reason or "unknown").inc()
+            self._count_tokens()
+
+    def abandon(self) -> None:
+        """The consumer left before the end (the request is being aborted)."""
+        if not self.finished:
+            self.finished = True
+            self.metrics.request_aborted.labels(self.metrics.model_name).inc()
+            self._count_tokens()
+
+    def _count_tokens(self) -> None:
+        m, label = self.metrics, self.metrics.model_name
+        m.prompt_tokens.labels(label).inc(self.prompt_tokens)
+        m.cached_tokens.labels(label).inc(self.cached_tokens)
+        m.generation_tokens.labels(label).inc(self.num_tokens)

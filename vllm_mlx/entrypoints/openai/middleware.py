@@ -1,0 +1,90 @@
+"""ASGI middleware: API-key check and request-body size limit, both answering in OpenAI's error shape.
+
+Both are plain ASGI (not ``BaseHTTPMiddleware``), so streaming responses and client-disconnect
+notifications pass through untouched.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from starlette.exceptions import HTTPException
+
+from vllm_mlx.entrypoints.openai import DEFAULT_MAX_BODY_BYTES
+
+
+async def send_error(
+    send,
+    status: int,
+    message: str,
+    *,
+    code: str | None = None,
+    type: str = "invalid_request_error",
+    headers: list[tuple[bytes, bytes]] = (),
+) -> None:
+    body = json.dumps({"error": {"message": message, "type": type, "param": None, "code": code}}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class ApiKeyMiddleware:
+    """Require ``Authorization: Bearer <key>`` on ``/v1/...`` (compared in constant time)."""
+
+    def __init__(self, app, api_key: str, prefix: str = "/v1") -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.prefix = prefix
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith(self.prefix):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                message = "Missing API key." if not given else "Incorrect API key provided."
+                await send_error(send, 401, message, code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")])
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from ``receive`` when a body without (or with a lying) Content-Length grows too big.
+    An ``HTTPException`` so that FastAPI's body parsing passes it through as a 413."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"Request body too large (limit {limit} bytes).")
+
+
+class BodySizeLimitMiddleware:
+    """413 for request bodies over ``max_bytes``: by Content-Length up front, else while reading."""
+
+    def __init__(self, app, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            await send_error(
+                send, 413, f"Request body too large (limit {self.max_bytes} bytes).", code="request_too_large"
+            )
+            return
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, limited_receive, send)

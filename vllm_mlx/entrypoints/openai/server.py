@@ -1,0 +1,223 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app over one ``AsyncEngineCore``, run by uvicorn.
+
+    vllm-mlx serve [MODEL] --host 127.0.0.1 --port 8000 [--api-key KEY]
+
+``build_app(engine)`` wires routes, middleware and error handlers around a started engine (the
+caller owns the engine; several apps may share one, as the tests do). Every error is OpenAI's
+``{"error": {message, type, param, code}}``: FastAPI's 422 validation errors become 400s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from vllm_mlx import __version__
+from vllm_mlx.async_engine import AsyncEngineCore, EngineDeadError
+from vllm_mlx.engine_core import EngineConfig
+from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
+from vllm_mlx.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware, BodySizeLimitMiddleware
+from vllm_mlx.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from vllm_mlx.entrypoints.openai.serving import ClientDisconnected, ModelInfo, OpenAIError
+from vllm_mlx.entrypoints.openai.serving_chat import ChatServing
+from vllm_mlx.entrypoints.openai.serving_completion import CompletionServing
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events; the generator is always closed, so a disconnect aborts its requests."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def build_app(
+    engine: AsyncEngineCore,
+    *,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    owns_engine: bool = False,
+) -> FastAPI:
+    """The app for a started engine; ``served_model_name`` defaults to the model directory's name.
+    With ``owns_engine`` the app stops the engine when it shuts down."""
+    info = ModelInfo.read(engine)
+    name = served_model_name or Path(info.path).name
+    metrics = ServerMetrics(engine, name)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-mlx-tokenize")
+    chat = ChatServing(engine, name, metrics, info, pool)
+    completion = CompletionServing(engine, name, metrics, info, pool)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        pool.shutdown(wait=False, cancel_futures=True)
+        if owns_engine:  # here, not after uvicorn returns: it re-raises SIGTERM/SIGINT on exit
+            await run_in_threadpool(engine.stop)
+
+    app = FastAPI(title="vllm-mlx", version=__version__, lifespan=lifespan)
+    app.state.engine, app.state.metrics, app.state.model_name = engine, metrics, name
+    _add_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)  # outermost: before the body is read
+
+    async def engine_call(method):
+        """A blocking engine method, off the event loop; a dead engine is a 503."""
+        try:
+            return await run_in_threadpool(method)
+        except EngineDeadError as exc:
+            raise OpenAIError(503, f"The engine is not running: {exc}", code="engine_dead") from None
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            return _error_response(OpenAIError(503, "The engine is not running.", code="engine_dead"))
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = ModelCard(id=name, root=info.path, max_model_len=info.max_model_len)
+        return ModelList(data=[card]).model_dump()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _respond(chat.create(body, request))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _respond(completion.create(body, request))
+
+    @app.get("/v1/cache/stats")
+    async def cache_stats() -> dict:
+        return summarize_snapshot(await engine_call(engine.cache_snapshot))
+
+    @app.delete("/v1/cache")
+    async def reset_cache() -> dict:
+        return {"reset": bool(await engine_call(engine.reset_prefix_cache))}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(await run_in_threadpool(metrics.render), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _respond(pending) -> Response:
+    try:
+        result = await pending
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody is listening; the requests were aborted
+    if isinstance(result, BaseModel):
+        return JSONResponse(result.model_dump(mode="json"))
+    return SSEResponse(result, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def summarize_snapshot(snapshot: dict) -> dict:
+    """The stats endpoint's view of ``cache_snapshot()``: counts, not the block list."""
+    requests = {
+        request_id: {**{k: v for k, v in view.items() if k != "block_ids"}, "num_blocks": len(view["block_ids"])}
+        for request_id, view in snapshot["requests"].items()
+    }
+    return {
+        "block_size": snapshot["block_size"],
+        "stats": snapshot["stats"],
+        "block_states": dict(Counter(block["state"] for block in snapshot["blocks"])),
+        "free_queue_length": len(snapshot["free_queue"]),
+        "requests": requests,
+    }
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+def _error_response(exc: OpenAIError) -> JSONResponse:
+    return JSONResponse(exc.to_dict(), status_code=exc.status)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(validation_to_openai(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+        response = _error_response(OpenAIError(exc.status_code, str(exc.detail), code=code))
+        response.headers.update(exc.headers or {})
+        return response
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        return _error_response(OpenAIError(500, f"Internal server error: {exc!r}"))
+
+
+def validation_to_openai(errors) -> OpenAIError:
+    """FastAPI/pydantic validation errors -> one 400 naming the first bad field."""
+    errors = list(errors)
+    if any(e.get("type") == "json_invalid" for e in errors):
+        detail = next(e for e in errors if e.get("type") == "json_invalid").get("ctx", {}).get("error", "")
+        return OpenAIError(400, f"Malformed JSON body: {detail}".rstrip(": "), code="invalid_json")
+    parts, param = [], None
+    for error in errors[:3]:
+        loc = [str(x) for x in error.get("loc", ()) if x != "body"]
+        param = param or (loc[0] if loc else None)
+        parts.append(f"{'.'.join(loc) or 'body'}: {error.get('msg', 'invalid')}")
+    more = f" (and {len(errors) - 3} more errors)" if len(errors) > 3 else ""
+    return OpenAIError(400, "Invalid request: " + "; ".join(parts) + more, param=param, code="invalid_request")
+
+
+# -- running it -------------------------------------------------------------------------------
+
+
+def served_name(model: str, path: Path) -> str:
+    """The default model id: a hub id as given; the directory name for a path or 'default'."""
+    if model != "default" and not Path(model).expanduser().exists():
+        return model
+    return path.name
+
+
+def run_server(args: argparse.Namespace, engine_options: dict) -> int:
+    """``vllm-mlx serve``: start the engine, serve until interrupted, stop the engine."""
+    import mlx_lm.sample_utils  # noqa: F401 - see below
+    import uvicorn
+
+    # mlx-lm creates MLX's random state at import; created first on the engine thread, the
+    # process aborts at exit ("terminate called without an active exception"). Import it here.
+    engine = AsyncEngineCore(EngineConfig(model=args.model, **engine_options)).start()
+    try:
+        name = args.served_model_name or served_name(args.model, engine.call(lambda e: e.model_path))
+        app = build_app(
+            engine, served_model_name=name, api_key=args.api_key, max_body_bytes=args.max_body_size, owns_engine=True
+        )
+        print(f"vllm-mlx: serving {name!r} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+        if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+            print("vllm-mlx: warning: listening beyond loopback without --api-key", file=sys.stderr, flush=True)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        engine.stop()
+    return 0

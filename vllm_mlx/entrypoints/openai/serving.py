@@ -1,0 +1,305 @@
+"""Translation between OpenAI requests and the engine: the part chat and completions share.
+
+``OpenAIServing`` holds one ``AsyncEngineCore`` and what the server needs to know about its
+model (tokenizer, context limit, vocabulary), read once at startup through ``engine.call``: the
+server never reaches into the scheduler or the cache. It turns requests into token ids and
+``SamplingParams`` (every bad value is an ``OpenAIError`` with a status), submits them, and
+iterates their outputs as one merged stream, watching for the client going away: leaving the
+iteration (a disconnect, an error, a cancelled task) aborts every engine request it started,
+which frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import lru_cache
+
+from pydantic import BaseModel
+
+from vllm_mlx.async_engine import AsyncEngineCore, EngineDeadError, RequestStream
+from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
+from vllm_mlx.entrypoints.openai.protocol import SamplingFields, UsageInfo
+from vllm_mlx.request import RequestOutput, SamplingParams
+
+DISCONNECT_POLL_S = 0.25
+
+
+class OpenAIError(Exception):
+    """An error the client sees as ``{"error": {message, type, param, code}}`` with ``status``."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None, type: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def to_dict(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the response was ready."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the server knows about the engine's model, read once at startup."""
+
+    tokenizer: object
+    max_model_len: int
+    vocab_size: int | None
+    path: str
+
+    @classmethod
+    def read(cls, engine: AsyncEngineCore) -> ModelInfo:
+        def info(core) -> ModelInfo:
+            return cls(
+                core.tokenizer, core.scheduler.max_model_len, core.model_config.get("vocab_size"), str(core.model_path)
+            )
+
+        return engine.call(info)
+
+
+class OpenAIServing:
+    """Shared request plumbing for ``ChatServing`` and ``CompletionServing``."""
+
+    def __init__(
+        self,
+        engine: AsyncEngineCore,
+        model_name: str,
+        metrics: ServerMetrics,
+        info: ModelInfo | None = None,
+        tokenize_pool: ThreadPoolExecutor | None = None,
+    ) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+        self.info = info or ModelInfo.read(engine)
+        self.tokenizer = self.info.tokenizer
+        # One thread tokenizes (off the event loop, never two encodes at once); share it.
+        self.tokenize_pool = tokenize_pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-mlx-tokenize")
+        self.token_text = lru_cache(maxsize=65536)(self._token_text)
+
+    def close(self) -> None:
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- checks and translation ---------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise OpenAIError(
+                404,
+                f"The model `{name}` does not exist (this server serves `{self.model_name}`).",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def run_tokenizer(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
+
+    def check_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
+        limit = self.info.max_model_len
+        if not token_ids:
+            raise OpenAIError(400, "The prompt is empty.", param=param)
+        if len(token_ids) >= limit:
+            raise OpenAIError(
+                400,
+                f"The prompt has {len(token_ids)} tokens but the limit is {limit} "
+                f"(prompt + completion must fit the context length / KV cache capacity of {limit} tokens).",
+                param=param,
+                code="context_length_exceeded",
+            )
+        vocab = self.info.vocab_size
+        if vocab and any(t < 0 or t >= vocab for t in token_ids):
+            raise OpenAIError(400, f"Prompt token ids must be in [0, {vocab}).", param=param)
+
+    def sampling_params(
+        self, req: SamplingFields, max_tokens: int | None, prompt_len: int, logprobs: int | None
+    ) -> SamplingParams:
+        """``SamplingParams`` for one prompt; ``max_tokens=None`` means "up to the limit"."""
+        if req.logit_bias:
+            raise OpenAIError(400, "logit_bias is not supported.", param="logit_bias")
+        limit = self.info.max_model_len
+        room = limit - prompt_len
+        fields = {
+            "max_tokens": room if max_tokens is None else max_tokens,
+            "min_tokens": req.min_tokens,
+            "n": req.n,
+            "seed": req.seed,
+            "stop": req.stop,
+            "stop_token_ids": req.stop_token_ids,
+            "ignore_eos": req.ignore_eos,
+            "skip_special_tokens": req.skip_special_tokens,
+            "logprobs": logprobs,
+        }
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
+            if getattr(req, name) is not None:
+                fields[name] = getattr(req, name)
+        try:
+            params = SamplingParams(**fields)
+        except ValueError as exc:
+            field = str(exc).split(" ", 1)[0]
+            raise OpenAIError(400, str(exc), param=field if field in fields else None) from None
+        if params.max_tokens > room:
+            raise OpenAIError(
+                400,
+                f"This model's context limit is {limit} tokens. However, you requested "
+                f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the prompt, "
+                f"{params.max_tokens} in the completion). Reduce the prompt or max_tokens.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return params
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    # -- running requests ---------------------------------------------------------------------
+
+    def submit(
+        self, prompts: list[list[int]], params: list[SamplingParams], prefix: str, cache_salt: str | None
+    ) -> list[RequestStream]:
+        """Submit one engine request per prompt; ids are ``prefix`` (+ ``-i`` for a batch)."""
+        streams: list[RequestStream] = []
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                request_id = prefix if len(prompts) == 1 else f"{prefix}-{i}"
+                streams.append(self.engine.add_request(prompt, sp, request_id, cache_salt=cache_salt))
+        except EngineDeadError as exc:
+            for stream in streams:
+                self.engine.abort(stream.request_id)
+            raise OpenAIError(503, f"The engine is not running: {exc}", code="engine_dead") from None
+        return streams
+
+    async def outputs(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Merge the streams: ``(prompt index, output)`` as they come; metrics recorded.
+
+        Raises ``OpenAIError`` for a request that failed (before or after it started). Closing
+        the iterator early aborts the requests still running.
+        """
+        queue: asyncio.Queue = asyncio.Queue()
+        trackers = [self.metrics.track() for _ in streams]
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                async for output in stream:
+                    queue.put_nowait((index, output))
+            except Exception as exc:  # delivered to the consumer, in order
+                queue.put_nowait((index, exc))
+            queue.put_nowait((index, None))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise engine_error(item)
+                trackers[index].observe(item)
+                if item.finished:
+                    check_finished(item)
+                yield index, item
+        finally:
+            for task, tracker in zip(tasks, trackers):
+                task.cancel()  # unwinding a stream's iteration aborts its request
+                tracker.abandon()
+
+    async def until_disconnected(self, awaitable: Awaitable, raw_request) -> object:
+        """Await ``awaitable``; cancel it (aborting its requests) if the client disconnects."""
+        task = asyncio.ensure_future(awaitable)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if raw_request is not None and await raw_request.is_disconnected():
+                    raise ClientDisconnected()
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def collect(self, streams: list[RequestStream], raw_request) -> list[RequestOutput]:
+        """The final output of every stream (non-streaming responses)."""
+        finals: list[RequestOutput | None] = [None] * len(streams)
+
+        async def run() -> None:
+            async for index, output in self.outputs(streams):
+                if output.finished:
+                    finals[index] = output
+
+        await self.until_disconnected(run(), raw_request)
+        return finals
+
+    async def first_output(self, streams: list[RequestStream], raw_request):
+        """Start a streaming response: wait for the first output so that errors (a refused
+        prompt, a dead engine) are still HTTP statuses; return it and the rest of the stream."""
+        merged = self.outputs(streams)
+        first = await self.until_disconnected(anext(merged), raw_request)
+        return first, merged
+
+
+def sse(event: BaseModel) -> str:
+    return f"data: {event.model_dump_json()}\n\n"
+
+
+def sse_error(exc: OpenAIError) -> str:
+    """An error after the stream started (the status is already 200): an error event."""
+    return f"data: {json.dumps(exc.to_dict())}\n\n"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_finished(output: RequestOutput) -> None:
+    """Map the engine's non-success endings to errors; never report "abort" as a success."""
+    reasons = {c.finish_reason for c in output.outputs}
+    if "error" in reasons:
+        message = output.error or "the request failed"
+        status = 400 if "limit" in message else 500
+        raise OpenAIError(status, message, code="context_length_exceeded" if status == 400 else None)
+    if "abort" in reasons:
+        raise OpenAIError(503, "The request was aborted: the engine is shutting down.", code="aborted")
+
+
+def engine_error(exc: BaseException) -> OpenAIError:
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return OpenAIError(503, f"The engine is not running: {exc}", code="engine_dead")
+    if isinstance(exc, ValueError):  # the engine refused the request itself
+        return OpenAIError(400, str(exc))
+    return OpenAIError(500, f"Internal error: {exc!r}")
+
+
+def usage_of(finals: list[RequestOutput]) -> UsageInfo:
+    prompt = sum(f.num_prompt_tokens for f in finals)
+    completion = sum(f.num_completion_tokens for f in finals)
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details={"cached_tokens": sum(f.num_cached_tokens for f in finals)},
+    )
+
+
+def top_entries(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The ``k`` most likely (token id, logprob) of one position (the sampled one may be extra)."""
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]

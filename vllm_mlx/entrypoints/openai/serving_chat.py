@@ -1,0 +1,161 @@
+"""``POST /v1/chat/completions``: messages -> chat template -> engine -> OpenAI's chat shapes.
+
+One engine request per HTTP request; ``n`` choices come back in one ``RequestOutput``
+(``outputs[i]``). Streaming sends, per choice, a first chunk with the role, then content
+deltas (each choice's text diffed against what was sent for it), the finish reason once, an
+optional usage chunk (``stream_options.include_usage``) and ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from vllm_mlx.entrypoints.openai.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprob,
+    ChatLogprobs,
+    ChatMessage,
+    DeltaMessage,
+    ImagePart,
+    TopLogprob,
+)
+from vllm_mlx.entrypoints.openai.serving import (
+    OpenAIError,
+    OpenAIServing,
+    new_id,
+    sse,
+    sse_error,
+    top_entries,
+    usage_of,
+)
+from vllm_mlx.request import CompletionOutput
+
+
+class ChatServing(OpenAIServing):
+    async def create(self, req: ChatCompletionRequest, raw_request=None) -> ChatCompletionResponse | AsyncIterator[str]:
+        """A response model, or (``stream=True``) an async iterator of SSE lines."""
+        self.check_model(req.model)
+        _check_supported(req)
+        messages = [_message_dict(m) for m in req.messages]
+        token_ids = await self.run_tokenizer(self._apply_template, messages, req.add_generation_prompt)
+        self.check_prompt(token_ids, param="messages")
+        top_k = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self.sampling_params(req, max_tokens, len(token_ids), top_k)
+        request_id = new_id("chatcmpl")
+        streams = self.submit([token_ids], [params], request_id, req.cache_salt)
+        if req.stream:
+            first, rest = await self.first_output(streams, raw_request)
+            return self._stream(req, request_id, top_k, first, rest)
+        [final] = await self.collect(streams, raw_request)
+        choices = [
+            ChatChoice(
+                index=c.index,
+                message=AssistantMessage(content=c.text),
+                finish_reason=c.finish_reason,
+                logprobs=self._logprobs(c, 0, top_k),
+            )
+            for c in final.outputs
+        ]
+        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage_of([final]))
+
+    def _apply_template(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise OpenAIError(400, "This model has no chat template; use /v1/completions.", param="messages")
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+        except Exception as exc:  # a template that rejects the conversation (e.g. role order)
+            raise OpenAIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
+        if hasattr(ids, "keys"):  # newer transformers may return a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    async def _stream(self, req, request_id, top_k, first, rest) -> AsyncIterator[str]:
+        created = int(time.time())
+        n = req.n
+        sent_chars, sent_tokens, done = [0] * n, [0] * n, [False] * n
+
+        def chunk(choices, usage=None) -> str:
+            return sse(
+                ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices, usage=usage)
+            )
+
+        try:
+            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(n)])
+            item, final = first, None
+            while item is not None:
+                output = item[1]
+                for c in output.outputs:
+                    i = c.index
+                    delta, lp = c.text[sent_chars[i] :], self._logprobs(c, sent_tokens[i], top_k)
+                    sent_chars[i], sent_tokens[i] = len(c.text), len(c.token_ids)
+                    finish = c.finish_reason if not done[i] else None
+                    done[i] = done[i] or finish is not None
+                    if delta or finish or (lp and lp.content):
+                        choice = ChatChunkChoice(
+                            index=i, delta=DeltaMessage(content=delta), logprobs=lp, finish_reason=finish
+                        )
+                        yield chunk([choice])
+                final = output if output.finished else final
+                item = await anext(rest, None)
+            if req.stream_options and req.stream_options.include_usage and final is not None:
+                yield chunk([], usage=usage_of([final]))
+        except OpenAIError as exc:
+            yield sse_error(exc)
+        finally:
+            await rest.aclose()
+        yield "data: [DONE]\n\n"
+
+    def _logprobs(self, c: CompletionOutput, start: int, top_k: int | None) -> ChatLogprobs | None:
+        if top_k is None or c.logprobs is None:
+            return None
+        content = []
+        for token_id, entry in zip(c.token_ids[start:], c.logprobs[start:]):
+            text = self.token_text(token_id)
+            tops = [_top(self.token_text(i), lp) for i, lp in top_entries(entry, top_k)]
+            content.append(ChatLogprob(**_top(text, entry[token_id]).model_dump(), top_logprobs=tops))
+        return ChatLogprobs(content=content)
+
+
+def _top(text: str, logprob: float) -> TopLogprob:
+    return TopLogprob(token=text, logprob=max(logprob, -9999.0), bytes=list(text.encode("utf-8")))
+
+
+def _check_supported(req: ChatCompletionRequest) -> None:
+    if req.tools:
+        raise OpenAIError(400, "Tool calling is not supported by this server.", param="tools")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise OpenAIError(
+            400,
+            f"response_format {req.response_format.type!r} is not supported (only 'text').",
+            param="response_format",
+        )
+    if req.top_logprobs and not req.logprobs:
+        raise OpenAIError(400, "top_logprobs requires logprobs: true.", param="top_logprobs")
+
+
+def _message_dict(message: ChatMessage) -> dict:
+    """A message for the chat template: text parts joined; image parts refused (VLMs come later)."""
+    content = message.content
+    if isinstance(content, list):
+        if any(isinstance(part, ImagePart) for part in content):
+            raise OpenAIError(
+                400,
+                "Image content parts are not supported yet: this server runs text-only models "
+                "(vision-language support is planned). Send text content only.",
+                param="messages",
+                code="unsupported_content",
+            )
+        content = "\n".join(part.text for part in content)
+    out = {"role": message.role, "content": content or ""}
+    if message.name is not None:
+        out["name"] = message.name
+    return out

@@ -296,7 +296,7 @@ def test_engine_failure_reaches_every_waiting_caller(make_engine):
         c.start()
     for c in consumers:
         assert c.started_streaming.wait(TIMEOUT)
-    engine.call(lambda e: setattr(e.runner, "model", None), timeout=TIMEOUT)  # the next step raises
+    engine.call(lambda e: setattr(e.runner, "attention", None), timeout=TIMEOUT)  # the next step raises
     causes = set()  # each stream raises the engine's exception, or EngineDeadError chained to it
     for c in consumers:
         c.finish()

@@ -32,6 +32,16 @@ from vllm_mlx.errors import VllmMlxError
 from vllm_mlx.request import RequestOutput, SamplingParams
 
 
+def _create_mlx_random_state_here() -> None:
+    """MLX's global random state, created first on the engine thread, was seen to abort the
+    process at exit ("terminate called without an active exception") under uvicorn; mlx-lm
+    creates it at import. Creating it on the thread that starts the engine avoids that."""
+    import mlx.core as mx
+    import mlx_lm.sample_utils  # noqa: F401
+
+    mx.random.state  # noqa: B018 - touching it creates it
+
+
 class EngineDeadError(VllmMlxError):
     """The engine thread stopped (it failed, or was stopped) before the request finished."""
 
@@ -164,6 +174,7 @@ class AsyncEngineCore:
         """
         with self._lock:
             if self._thread is None:
+                _create_mlx_random_state_here()
                 self._thread = threading.Thread(target=self._run, name="vllm-mlx-engine", daemon=True)
                 self._thread.start()
         self._ready.wait()

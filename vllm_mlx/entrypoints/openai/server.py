@@ -203,11 +203,8 @@ def served_name(model: str, path: Path) -> str:
 
 def run_server(args: argparse.Namespace, engine_options: dict) -> int:
     """``vllm-mlx serve``: start the engine, serve until interrupted, stop the engine."""
-    import mlx_lm.sample_utils  # noqa: F401 - see below
     import uvicorn
 
-    # mlx-lm creates MLX's random state at import; created first on the engine thread, the
-    # process aborts at exit ("terminate called without an active exception"). Import it here.
     engine = AsyncEngineCore(EngineConfig(model=args.model, **engine_options)).start()
     try:
         name = args.served_model_name or served_name(args.model, engine.call(lambda e: e.model_path))

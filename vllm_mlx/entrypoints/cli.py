@@ -59,16 +59,29 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     engine.add_argument("--kv-cache-memory", type=parse_memory, default=None,
                         help="KV pool size: bytes (512M, 2G) or a fraction of available memory (0.3)")
+    engine.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
+    engine.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse KV blocks of repeated prefixes (default: on)")
+    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                        help="prefill long prompts in chunks between decode steps (default: on)")
+    engine.add_argument("--weight-format", default="auto", choices=["auto", "quantized", "float32"],
+                        help="auto: quantized on Metal/CUDA, float32 on the CPU backend")  # fmt: skip
 
 
 def engine_options(args: argparse.Namespace) -> dict:
+    """The ``EngineConfig`` fields set by ``add_model_arguments`` (unset ones keep their defaults)."""
     options = {
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "block_size": args.block_size,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "enable_chunked_prefill": args.enable_chunked_prefill,
+        "weight_format": args.weight_format,
     }
-    if args.kv_cache_memory is not None:
-        options["kv_cache_memory"] = args.kv_cache_memory
+    for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
     return options
 
 

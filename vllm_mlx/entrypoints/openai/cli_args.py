@@ -24,25 +24,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser, parse_bytes) -> None:
         "--max-body-size", type=parse_bytes, default=DEFAULT_MAX_BODY_BYTES, help="request body limit, e.g. 4M"
     )
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    engine = parser.add_argument_group("engine and cache")
-    engine.add_argument(
-        "--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)"
-    )
-    engine.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
-    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    engine.add_argument("--seed", type=int, default=None, help="seed for requests that bring none")
-    engine.add_argument("--weight-format", default="auto", choices=["auto", "quantized", "float32"])
+    # Engine flags shared with other commands come from cli.add_model_arguments; this one is the
+    # server's own (``generate`` uses --seed for its sampling).
+    parser.add_argument("--seed", type=int, default=None, help="seed drawn from for requests that bring none")
 
 
 def serve_engine_options(args: argparse.Namespace) -> dict:
     """The ``EngineConfig`` fields set by the flags above."""
-    options = {
-        "enable_prefix_caching": args.enable_prefix_caching,
-        "enable_chunked_prefill": args.enable_chunked_prefill,
-        "weight_format": args.weight_format,
-    }
-    for name in ("max_model_len", "num_kv_blocks", "seed"):
-        if getattr(args, name) is not None:
-            options[name] = getattr(args, name)
-    return options
+    return {"seed": args.seed} if args.seed is not None else {}

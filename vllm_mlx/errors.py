@@ -7,3 +7,7 @@ class VllmMlxError(Exception):
 
 class ModelSourceError(VllmMlxError):
     """A model source cannot be resolved: a missing path, a bad GGUF, a failed download."""
+
+
+class ImageInputError(VllmMlxError):
+    """An image input cannot be used: missing, unreadable, too large, or a failed fetch."""

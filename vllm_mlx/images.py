@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
-from vllm_mlx.errors import VllmMlxError
+from vllm_mlx.errors import ImageInputError
 
 if TYPE_CHECKING:
     from PIL import Image as PILImage
@@ -51,10 +51,6 @@ _CHUNK = 64 * 1024
 _HASH_VERSION = b"vllm-mlx-image-v1\0"
 
 ImageSource = Union[str, os.PathLike, bytes, bytearray, "PILImage.Image"]
-
-
-class ImageInputError(VllmMlxError):
-    """An image input cannot be used: missing, unreadable, too large, or a failed fetch."""
 
 
 # ---- loading -----------------------------------------------------------------------------

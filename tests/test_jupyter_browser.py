@@ -1,0 +1,202 @@
+"""A real browser: JupyterLab + headless Chromium (Playwright) run the quickstart notebook.
+
+The recipe follows DESIGN.md §8: Lab on 127.0.0.1 with a token, its own config/settings dirs
+(no news, no update checks, read-only extension manager, no cell windowing), the app exposed
+as ``window.jupyterapp``; Debian's Chromium binary through ``launch_persistent_context``; "run
+all" without awaiting its promise; assertions on the DOM; the kernel shut down in ``finally``.
+
+Skipped (with the reason) when Playwright or Chromium is missing or Chromium cannot start.
+The inspector screenshot is saved to ``$VLLM_MLX_TEST_ARTIFACTS`` (default: a temp dir).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = Path(os.environ.get("VLLM_MLX_CHROMIUM", "/usr/lib/chromium/chromium"))
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run"]  # fmt: skip
+NUM_KV_BLOCKS = 128  # what quickstart.ipynb loads with
+LONG_CELL = "%%generate -n long --min-tokens 1800 --max-tokens 1800\nCount slowly from one to one thousand."
+SETTINGS = {
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"checkForUpdates": False, "fetchNews": "false"},
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+}
+
+
+def artifacts_dir() -> Path:
+    path = Path(os.environ.get("VLLM_MLX_TEST_ARTIFACTS") or Path(tempfile.gettempdir()) / "vllm_mlx_test_artifacts")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"JupyterLab exited with status {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.3)
+    raise TimeoutError(f"JupyterLab did not answer {url} within {timeout} s")
+
+
+def _notebook_with_long_cell(dest: Path) -> None:
+    import nbformat
+
+    nb = nbformat.read(ROOT / "notebooks" / "quickstart.ipynb", as_version=4)
+    cell = nbformat.v4.new_code_cell(LONG_CELL)
+    cell["id"] = "browser-test-long"
+    nb.cells.append(cell)
+    nbformat.write(nb, dest / "quickstart.ipynb")
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory, default_model_dir):
+    """A JupyterLab server on 127.0.0.1 serving a copy of quickstart.ipynb (the default model:
+    slow enough on a CPU that the long generation is still running when the test clicks)."""
+    pytest.importorskip("jupyterlab")
+    base = tmp_path_factory.mktemp("lab")
+    root = base / "root"
+    root.mkdir()
+    _notebook_with_long_cell(root)
+    for name, value in SETTINGS.items():
+        path = base / "settings" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(value))
+    token, port = secrets.token_hex(16), _free_port()
+    env = {
+        **os.environ,
+        "JUPYTER_CONFIG_DIR": str(base / "config"),
+        "JUPYTER_RUNTIME_DIR": str(base / "runtime"),
+        "JUPYTERLAB_SETTINGS_DIR": str(base / "settings"),
+        "JUPYTERLAB_WORKSPACES_DIR": str(base / "workspaces"),
+    }
+    env.pop("VLLM_MLX_JUPYTER_MODEL", None)
+    command = [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip=127.0.0.1",
+               f"--port={port}", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
+               "--LabApp.expose_app_in_browser=True", "--LabApp.extension_manager=readonly"]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    with open(base / "lab.log", "wb") as log:
+        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _wait_http(f"{url}/api/status?token={token}", proc)
+            yield {"url": url, "token": token, "root": root}
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture
+def page(tmp_path):
+    """A headless Chromium page (skips when Chromium cannot be launched)."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (never 'playwright install')")
+    if not CHROMIUM.exists():
+        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium)")
+    with sync_api.sync_playwright() as playwright:
+        try:
+            context = playwright.chromium.launch_persistent_context(
+                str(tmp_path / "chromium"), executable_path=str(CHROMIUM), headless=True,
+                args=CHROMIUM_ARGS, viewport={"width": 1400, "height": 1000},
+            )  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - any launch failure is a reason to skip
+            pytest.skip(f"Chromium at {CHROMIUM} cannot be launched: {exc}")
+        try:
+            yield context.pages[0] if context.pages else context.new_page()
+        finally:
+            context.close()
+
+
+KERNEL_IDLE = """() => {
+  const w = window.jupyterapp?.shell?.currentWidget;
+  const kernel = w?.sessionContext?.session?.kernel;
+  return !!kernel && kernel.status === 'idle' && (w.content?.widgets?.length ?? 0) > 0;
+}"""
+ALL_EXECUTED = """() => {
+  const w = window.jupyterapp.shell.currentWidget;
+  const cells = w.content.widgets.filter((c) => c.model.type === 'code');
+  return cells.every((c) => c.model.executionCount !== null) && w.sessionContext.session.kernel.status === 'idle';
+}"""
+HIGHLIGHT_MATCHES_ROW = """() => {
+  const row = document.querySelector('.vmi-requests tr.vmi-selected[data-id="long"]');
+  if (!row) return false;
+  const blocks = Number(row.cells[5].textContent);
+  return blocks > 0 && document.querySelectorAll('.vmi-block.vmi-hl').length === blocks;
+}"""
+
+
+def test_quickstart_runs_in_jupyterlab(lab, page):
+    page.set_default_timeout(60_000)
+    page.goto(f"{lab['url']}/lab/tree/quickstart.ipynb?reset&token={lab['token']}")
+    try:
+        page.wait_for_function(KERNEL_IDLE, timeout=90_000)
+        page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+        page.wait_for_function(ALL_EXECUTED, timeout=120_000)
+
+        # The three concurrent cells streamed to the end; nothing failed.
+        assert page.locator('.vllm-mlx-status[data-state="done"]').count() >= 3
+        assert page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").count() == 0
+        assert page.locator(".jp-RenderedText[data-mime-type='application/vnd.jupyter.error']").count() == 0
+
+        # The inspector draws every KV block of the pool (the null block included).
+        inspector = page.locator(".vmi").first
+        page.wait_for_function(f"() => document.querySelectorAll('.vmi-grid .vmi-block').length === {NUM_KV_BLOCKS}")
+
+        # Hovering a block that holds tokens shows its details.
+        inspector.locator(".vmi-block.vmi-used, .vmi-block.vmi-cached").first.hover()
+        tip = inspector.locator(".vmi-tip")
+        tip.wait_for(state="visible")
+        assert "Block" in tip.inner_text() and "hash" in tip.inner_text()
+
+        # Clicking the running request highlights exactly its block table.
+        row = inspector.locator('.vmi-requests tr[data-id="long"]')
+        page.wait_for_function("""() => {
+          const row = document.querySelector('.vmi-requests tr[data-id="long"]');
+          return !!row && Number(row.cells[5].textContent) > 0 && row.cells[1].textContent !== 'done';
+        }""")
+        row.click()
+        page.wait_for_function(HIGHLIGHT_MATCHES_ROW, timeout=10_000)
+        inspector.screenshot(path=str(artifacts_dir() / "inspector.png"))
+
+        # The stop button aborts the generation.
+        page.locator("button.vllm-mlx-stop").last.click()
+        page.wait_for_function(
+            """() => [...document.querySelectorAll('.vllm-mlx-status')]
+            .some((s) => s.dataset.state === 'aborted' && s.textContent.includes('long'))""",
+            timeout=20_000,
+        )
+
+        # Pause freezes the view; "Reset prefix cache" (handled once the kernel is idle) forgets
+        # the cached blocks, the aborted generation's included.
+        inspector.locator("button.vmi-pause").click()
+        assert inspector.locator("button.vmi-pause").inner_text() == "Resume"
+        inspector.locator("button.vmi-pause").click()
+        page.wait_for_function("() => document.querySelectorAll('.vmi-block.vmi-cached').length > 0")
+        inspector.locator("button.vmi-reset").click()
+        page.wait_for_function("() => document.querySelectorAll('.vmi-block.vmi-cached').length === 0")
+    finally:
+        page.evaluate("() => window.jupyterapp?.shell?.currentWidget?.sessionContext?.shutdown()")

@@ -1,0 +1,101 @@
+"""The notebooks in notebooks/ run top to bottom, unattended, in a real kernel (nbclient).
+
+They run on the tiny llama (``VLLM_MLX_JUPYTER_MODEL``, read by ``GenerateMagics.model``), and
+the quick start once more on the real default model (e2e).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+STATUS = re.compile(r"^(?P<name>\S+) · (?P<state>[a-z]+)")
+
+
+def execute(name: str, tmp_path: Path) -> nbformat.NotebookNode:
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    client = nbclient.NotebookClient(
+        nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
+    client.execute()
+    return nb
+
+
+def outputs(nb) -> list[dict]:
+    return [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
+
+
+def generations(nb) -> dict[str, tuple[str, str]]:
+    """name -> (final status line, final text) of every %%generate cell."""
+    found = {}
+    for cell in nb.cells:
+        if cell.cell_type != "code" or not cell.source.startswith("%%generate"):
+            continue
+        texts = [
+            o["data"]["text/plain"]
+            for o in cell.outputs
+            if o.get("output_type") == "display_data" and "text/plain" in o["data"]
+        ]
+        status, body = texts[0], texts[-1]
+        found[STATUS.match(status)["name"]] = (status, body)
+    return found
+
+
+def assert_clean(nb) -> None:
+    errors = [o for o in outputs(nb) if o["output_type"] == "error" or o.get("name") == "stderr"]
+    assert not errors, errors
+
+
+@pytest.fixture
+def tiny(monkeypatch, tiny_model_dir):
+    monkeypatch.setenv("VLLM_MLX_JUPYTER_MODEL", str(tiny_model_dir))
+
+
+def test_quickstart(tiny, tmp_path):
+    nb = execute("quickstart.ipynb", tmp_path)
+    assert_clean(nb)
+    gens = generations(nb)
+    assert set(gens) == {"haiku", "joke", "capital"}
+    for status, text in gens.values():
+        assert " · done (" in status and text.strip(), (status, text)
+    inspector = [o for o in outputs(nb) if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+                 and o["data"]["text/plain"].startswith("KV cache")]  # fmt: skip
+    assert inspector and "<span title=" in inspector[0]["data"]["text/html"]
+
+
+def test_prefix_caching(tiny, tmp_path):
+    nb = execute("prefix_caching.ipynb", tmp_path)
+    assert_clean(nb)
+    gens = generations(nb)
+    assert all(" · done (" in status for status, _ in gens.values()), gens
+    printed = "".join(o.get("text", "") for o in outputs(nb) if o["output_type"] == "stream")
+    cached = {m[1]: int(m[2]) for m in re.finditer(r"(\w+): (\d+) of \d+ prompt tokens from the cache", printed)}
+    assert cached["first"] == 0 and cached["second"] > 0 and cached["third"] > 0
+    assert "after the reset: 0 prompt tokens from the cache" in printed
+
+
+def test_chat(tiny, tmp_path):
+    nb = execute("chat.ipynb", tmp_path)
+    assert_clean(nb)
+    gens = generations(nb)
+    assert set(gens) == {"trip-1", "trip-2"} and all(" · done (" in s for s, _ in gens.values())
+    printed = "".join(o.get("text", "") for o in outputs(nb) if o["output_type"] == "stream")
+    assert "[system] You are a concise travel guide." in printed and "[user] What should I eat there?" in printed
+    assert re.search(r"turn 2: [1-9]\d* of \d+ prompt tokens from the cache", printed)
+
+
+@pytest.mark.e2e
+def test_quickstart_on_the_default_model(monkeypatch, default_model_dir, tmp_path):
+    monkeypatch.delenv("VLLM_MLX_JUPYTER_MODEL", raising=False)
+    nb = execute("quickstart.ipynb", tmp_path)
+    assert_clean(nb)
+    gens = generations(nb)
+    assert set(gens) == {"haiku", "joke", "capital"}
+    for status, text in gens.values():
+        assert " · done (" in status and text.strip(), (status, text)

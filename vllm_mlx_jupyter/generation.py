@@ -1,0 +1,281 @@
+"""Generation: the handle of one ``%%generate`` request.
+
+Threads. The kernel thread creates a generation, shows its live views and reads it. One
+consumer thread per generation reads the engine's stream and renders; the session's monitor
+thread moves ``queued`` to ``prefilling`` and flushes throttled renders. ``_lock`` orders state
+changes, view registration and renders.
+
+Invariants:
+- ``state`` only moves forward: queued -> prefilling -> generating -> done | aborted | error.
+- Every view gets a final render before ``done`` becomes true, and nothing renders after it.
+- Renders are throttled to one per ``interval`` (>= 0.1 s), except the final one.
+- A generation that waits for ``after`` (the previous turn of its chat) builds its prompt only
+  once ``after`` is done, so the prompt includes that turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+QUEUED, PREFILLING, GENERATING = "queued", "prefilling", "generating"
+DONE, ABORTED, ERROR = "done", "aborted", "error"
+FINAL_STATES = frozenset({DONE, ABORTED, ERROR})
+_ORDER = {QUEUED: 0, PREFILLING: 1, GENERATING: 2, DONE: 3, ABORTED: 3, ERROR: 3}
+MIN_INTERVAL = 0.1  # at most 10 renders per second
+
+
+class GenerationError(RuntimeError):
+    """The request failed (the engine refused it, or the engine stopped)."""
+
+
+class Generation:
+    """A running (or finished) ``%%generate`` request.
+
+    ``.text`` is the text so far, ``.done`` tells whether it finished, ``.output`` is the latest
+    ``RequestOutput``. ``.result(timeout)`` blocks and returns the final text (an aborted
+    generation returns its partial text; a failed one raises ``GenerationError``);
+    ``await gen`` does the same without blocking the event loop. ``.cancel()`` aborts it.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        engine,
+        params,
+        build_prompt: Callable[[], str | list[int]],
+        *,
+        after: Generation | None = None,
+        on_finish: Callable[[Generation], None] | None = None,
+        format: str = "markdown",
+        interval: float = MIN_INTERVAL,
+    ) -> None:
+        self.name = name
+        self.request_id = name
+        self.params = params
+        self.format = format
+        self.state = QUEUED
+        self.output = None
+        self.error: BaseException | None = None
+        self.prompt: str | list[int] | None = None
+        self.num_prompt_tokens: int | None = None
+        self.submitted_at: float | None = None
+        self._engine = engine
+        self._build_prompt = build_prompt
+        self._after = after
+        self._on_finish = on_finish
+        self._interval = max(float(interval), MIN_INTERVAL)
+        self._lock = threading.RLock()
+        self._views: list = []
+        self._stream = None
+        self._cancelled = False
+        self._dirty = False
+        self._last_render = 0.0
+        self._final_rendered = False
+        self._done = threading.Event()
+        self._future: Future = Future()
+        self.republished = False
+
+    # -- reading --------------------------------------------------------------------------
+
+    @property
+    def text(self) -> str:
+        output = self.output
+        return output.text if output is not None else ""
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.output.finish_reason if self.output is not None else None
+
+    def __repr__(self) -> str:
+        return f"<Generation {self.name!r} {self.state}: {len(self.text)} chars>"
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> Generation:
+        """Submit now (unless waiting for ``after``) and start the consumer thread.
+
+        A prompt that cannot be built, or an engine that is not running, raises here.
+        """
+        if self._after is None or self._after.done:
+            self._submit()
+        threading.Thread(target=self._run, name=f"vllm-mlx-{self.name}", daemon=True).start()
+        return self
+
+    def _submit(self) -> None:
+        with self._lock:
+            if self._cancelled or self._stream is not None:
+                return
+            self.prompt = self._build_prompt()
+            if isinstance(self.prompt, list):
+                self.num_prompt_tokens = len(self.prompt)
+            self.submitted_at = time.monotonic()
+            self._stream = self._engine.add_request(self.prompt, self.params, self.request_id)
+
+    def _run(self) -> None:
+        try:
+            if self._stream is None:
+                self._after._done.wait()
+                self._submit()
+            if self._stream is not None:
+                for output in self._stream:
+                    self._on_output(output)
+        except BaseException as exc:  # noqa: BLE001 - delivered through result()
+            self.error = exc
+        finally:
+            self._finish()
+
+    def _on_output(self, output) -> None:
+        with self._lock:
+            self.output = output
+            self.num_prompt_tokens = len(output.prompt_token_ids)
+            if output.token_ids:
+                self._advance(GENERATING)
+            self._dirty = True
+            self._render()
+
+    def observe(self, view: dict | None) -> None:
+        """Monitor hook: the engine's view of this request (``cache_snapshot()["requests"]``)."""
+        with self._lock:
+            if view is not None and view["status"] == "RUNNING":
+                self._advance(PREFILLING)
+                self._dirty = True
+            self._render()
+
+    def tick(self) -> None:
+        """Monitor hook: render a change the throttle held back."""
+        with self._lock:
+            self._render()
+
+    def _advance(self, state: str) -> None:
+        if _ORDER[state] > _ORDER[self.state]:
+            self.state = state
+
+    def _finish(self) -> None:
+        with self._lock:
+            output = self.output
+            if self.error is not None or (output is not None and output.finish_reason == "error"):
+                self.state = ERROR
+                if self.error is None:
+                    self.error = GenerationError(output.error or "the request failed")
+            elif self._cancelled or output is None or output.finish_reason == "abort":
+                self.state = ABORTED
+            else:
+                self.state = DONE
+        if self.state == DONE and self._on_finish is not None:
+            try:
+                self._on_finish(self)
+            except Exception as exc:  # noqa: BLE001 - a hook must not leave the handle hanging
+                self.error, self.state = exc, ERROR
+        with self._lock:
+            self._render(final=True)
+        if self.state == ERROR:
+            self._future.set_exception(_as_generation_error(self.error))
+        else:
+            self._future.set_result(self.text)
+        self._done.set()
+
+    # -- control --------------------------------------------------------------------------
+
+    def cancel(self) -> bool:
+        """Abort the request; False when it had already finished."""
+        with self._lock:
+            if self.done or self._cancelled:
+                return False
+            self._cancelled = True
+            stream = self._stream
+        if stream is not None:
+            self._engine.abort(self.request_id)
+        return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until done (False on timeout). An interrupt aborts the request and re-raises."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not self._done.wait(0.05):
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+        except KeyboardInterrupt:
+            self.cancel()
+            self._done.wait(5.0)
+            raise
+        return True
+
+    def result(self, timeout: float | None = None) -> str:
+        """The final text; blocks until done (``TimeoutError`` after ``timeout`` seconds)."""
+        if not self.wait(timeout):
+            raise TimeoutError(f"generation {self.name!r} is still running after {timeout} s")
+        return self._future.result()
+
+    def __await__(self):
+        return self._wait_async().__await__()
+
+    async def _wait_async(self) -> str:
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+
+        def wake(_future) -> None:
+            try:
+                loop.call_soon_threadsafe(lambda: waiter.done() or waiter.set_result(None))
+            except RuntimeError:  # the loop closed before the generation ended
+                pass
+
+        self._future.add_done_callback(wake)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+        return self._future.result()
+
+    # -- views ----------------------------------------------------------------------------
+
+    def add_view(self, view) -> None:
+        """Register a live view; it is rendered now and on every later (throttled) change."""
+        with self._lock:
+            self._views.append(view)
+            view.update(self, final=self._final_rendered)
+
+    def republish(self) -> None:
+        """Send every view's current state again (``%vllm_mlx wait`` does this for finished
+        generations: a headless runner such as nbclient drops updates sent between cells)."""
+        with self._lock:
+            for view in self._views:
+                view.update(self, final=self._final_rendered, force=True)
+
+    def has_view_in(self, execution_count: int) -> bool:
+        return any(v.execution_count == execution_count for v in self._views)
+
+    def _render(self, final: bool = False) -> None:
+        """Push the state to every view: throttled, and never after the final render."""
+        if self._final_rendered:
+            return
+        now = time.monotonic()
+        if not final and (not self._dirty or now - self._last_render < self._interval):
+            return
+        self._last_render, self._dirty = now, False
+        self._final_rendered = final
+        for view in self._views:
+            view.update(self, final=final)
+
+    def _ipython_display_(self) -> None:
+        """Displaying a handle shows a live view (once per cell: the magic already showed one)."""
+        from vllm_mlx_jupyter.render import LiveView, current_execution_count
+
+        if not self.has_view_in(current_execution_count()):
+            LiveView.show(self)
+
+
+def _as_generation_error(error: BaseException | None) -> BaseException:
+    if isinstance(error, GenerationError):
+        return error
+    wrapped = GenerationError(f"generation failed: {error}")
+    wrapped.__cause__ = error
+    return wrapped

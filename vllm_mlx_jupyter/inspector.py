@@ -1,0 +1,270 @@
+"""CacheInspector: a live picture of the engine's paged KV cache (an anywidget).
+
+It reads only ``cache_snapshot()`` (of an ``AsyncEngineCore``, an ``LLM``, or the notebook
+session) and pushes it a few times per second from a background thread. Everything
+interactive — hover details, highlighting a request's block table — happens in the widget's
+JavaScript (``static/inspector.js``), because Python-side callbacks wait for the busy cell;
+Python handles only actions: pause/resume and "reset prefix cache".
+
+Synced state (small, binary where it is per block; little-endian):
+- ``block_state`` uint8 (0 null, 1 free, 2 cached = evictable prefix block, 3 used),
+  ``block_ref`` uint8 (ref count, capped at 255), ``block_owner`` int32 (index in ``requests``
+  of the first owner, -1 none), ``block_tokens`` uint16, ``block_evict`` int32 (position in the
+  eviction queue, -1 when not queued); at most ``MAX_GRID_BLOCKS`` blocks (``num_blocks``
+  counts them all).
+- ``block_info``: ``{block id: [hash, text]}`` for blocks that hold tokens.
+- ``requests``: table rows ``{id, name, status, prompt_tokens, cached_tokens, output_tokens,
+  num_blocks, offset, color}``; ``block_tables`` int32 holds their tables back to back
+  (``offset``/``num_blocks`` index it).
+- ``stats`` (usage, hit rate, evictions, tokens saved, ...) and ``mllm``: the multimodal cache
+  entries (hash, size, tokens, hits, base64 thumbnail) from ``cache_snapshot()["mllm"]``, an
+  empty list while the engine's snapshot has none.
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import anywidget
+import numpy as np
+import traitlets
+from ipywidgets.widgets.trait_types import bytes_serialization
+
+STATIC = Path(__file__).parent / "static"
+STATE_CODES = {"null": 0, "free": 1, "cached": 2, "used": 3}
+STATE_NAMES = {v: k for k, v in STATE_CODES.items()}
+MAX_GRID_BLOCKS = 8192
+PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948",
+           "#b07aa1", "#ff9da7", "#9c755f", "#17becf", "#bcbd22", "#8c564b"]  # fmt: skip
+_ARRAYS = {"block_state": "u1", "block_ref": "u1", "block_owner": "<i4", "block_tokens": "<u2",
+           "block_evict": "<i4", "block_tables": "<i4"}  # fmt: skip
+_STAT_KEYS = ("num_blocks", "num_used_blocks", "num_cached_free_blocks", "num_free_blocks", "usage",
+              "evictions", "running", "waiting", "preemptions", "steps")  # fmt: skip
+
+
+def encode_snapshot(snapshot: dict, rows: Iterable[dict] = (), colors: dict[str, int] | None = None) -> dict:
+    """The widget's trait values for a ``cache_snapshot()`` dict.
+
+    ``rows`` name requests and add ones the engine no longer lists (finished); ``colors`` maps
+    request ids to palette slots and is extended in place, so colours stay put across pushes.
+    """
+    colors = {} if colors is None else colors
+    blocks = snapshot["blocks"][:MAX_GRID_BLOCKS]
+    n = len(blocks)
+    requests, tables = _request_rows(snapshot["requests"], rows, colors)
+    owner = np.full(n, -1, dtype="<i4")
+    for index, request in reversed(list(enumerate(requests))):  # first owner wins
+        ids = np.asarray(tables[request["offset"] : request["offset"] + request["num_blocks"]], dtype=np.int64)
+        owner[ids[ids < n]] = index
+    evict = np.full(n, -1, dtype="<i4")
+    queue = np.asarray(snapshot["free_queue"], dtype=np.int64)
+    shown = queue < n
+    evict[queue[shown]] = np.arange(len(queue), dtype="<i4")[shown]
+    return {
+        "num_blocks": len(snapshot["blocks"]),
+        "block_size": snapshot["block_size"],
+        "block_state": bytes(np.fromiter((STATE_CODES[b["state"]] for b in blocks), "u1", n)),
+        "block_ref": bytes(np.fromiter((min(b["ref_cnt"], 255) for b in blocks), "u1", n)),
+        "block_owner": owner.tobytes(),
+        "block_tokens": bytes(np.fromiter((b["num_tokens"] for b in blocks), "<u2", n)),
+        "block_evict": evict.tobytes(),
+        "block_info": {str(b["id"]): [b["hash"] or "", b.get("text") or ""] for b in blocks if b["num_tokens"]},
+        "requests": requests,
+        "block_tables": np.asarray(tables, dtype="<i4").tobytes(),
+        "stats": _stats(snapshot["stats"]),
+        "mllm": _mllm_entries(snapshot.get("mllm")),
+    }
+
+
+_MLLM_FIELDS = ("hash", "width", "height", "bytes", "num_tokens", "hits", "thumbnail_base64")
+
+
+def _mllm_entries(mllm) -> list[dict]:
+    """Multimodal cache entries (``{"entries": [...]}`` or a list), JSON fields only."""
+    entries = mllm.get("entries", []) if isinstance(mllm, dict) else (mllm or [])
+    return [{k: e[k] for k in _MLLM_FIELDS if k in e} for e in entries]
+
+
+def _request_rows(live: dict, rows: Iterable[dict], colors: dict[str, int]) -> tuple[list[dict], list[int]]:
+    """Table rows (known rows in order, then live requests nobody named) and their tables."""
+    known = {r["id"]: r for r in rows}
+    order = list(known) + [rid for rid in live if rid not in known]
+    requests, tables = [], []
+    for rid in order:
+        view, row = live.get(rid), known.get(rid, {})
+        block_ids = view["block_ids"] if view is not None else []
+        status = row.get("status") or view["status"].lower()
+        if view is not None and status in ("done", "aborted", "error"):
+            status = view["status"].lower()  # the engine still lists it: not finished yet
+        requests.append({
+            "id": rid, "name": row.get("name", rid), "status": status,
+            "prompt_tokens": view["num_prompt_tokens"] if view else row.get("prompt_tokens", 0),
+            "cached_tokens": view["num_cached_tokens"] if view else row.get("cached_tokens", 0),
+            "output_tokens": view["num_output_tokens"] if view else row.get("output_tokens", 0),
+            "num_blocks": len(block_ids), "offset": len(tables),
+            "color": colors.setdefault(rid, len(colors)) % len(PALETTE),
+        })  # fmt: skip
+        tables.extend(block_ids)
+    return requests, tables
+
+
+def _stats(stats: dict) -> dict:
+    prefix = stats.get("prefix_cache", {})
+    out = {k: stats[k] for k in _STAT_KEYS if k in stats}
+    out.update(hit_rate=prefix.get("hit_rate", 0.0), queries=prefix.get("queries", 0), hits=prefix.get("hits", 0),
+               tokens_saved=prefix.get("tokens_saved", 0), prefix_evictions=prefix.get("evictions", 0))  # fmt: skip
+    return out
+
+
+def decode_state(state: dict) -> dict:
+    """Binary traits back to lists (tests, the HTML fallback); other keys as they are."""
+    out = dict(state)
+    for key, dtype in _ARRAYS.items():
+        if key in out:
+            out[key] = np.frombuffer(bytes(out[key]), dtype=dtype).tolist()
+    return out
+
+
+class CacheInspector(anywidget.AnyWidget):
+    """A grid of KV blocks by state, a request table and cache stats, updated live.
+
+    ``CacheInspector(engine)`` works with anything that has ``cache_snapshot()`` (and
+    ``reset_prefix_cache()`` for the button); ``rows()`` may name requests (see
+    ``encode_snapshot``). Pushes come every ``interval`` seconds while requests run (1 s when
+    idle), never more often than 20x a snapshot's cost. ``close()`` stops the thread.
+    """
+
+    _esm = STATIC / "inspector.js"
+    _css = STATIC / "inspector.css"
+
+    num_blocks = traitlets.Int(0).tag(sync=True)
+    block_size = traitlets.Int(0).tag(sync=True)
+    block_state = traitlets.Bytes(b"").tag(sync=True, **bytes_serialization)
+    block_ref = traitlets.Bytes(b"").tag(sync=True, **bytes_serialization)
+    block_owner = traitlets.Bytes(b"").tag(sync=True, **bytes_serialization)
+    block_tokens = traitlets.Bytes(b"").tag(sync=True, **bytes_serialization)
+    block_evict = traitlets.Bytes(b"").tag(sync=True, **bytes_serialization)
+    block_info = traitlets.Dict().tag(sync=True)
+    requests = traitlets.List().tag(sync=True)
+    block_tables = traitlets.Bytes(b"").tag(sync=True, **bytes_serialization)
+    stats = traitlets.Dict().tag(sync=True)
+    mllm = traitlets.List().tag(sync=True)
+    paused = traitlets.Bool(False).tag(sync=True)
+    engine_state = traitlets.Unicode("no engine").tag(sync=True)
+
+    def __init__(
+        self, source, *, rows: Callable[[], list[dict]] | None = None, interval: float = 0.3, **kwargs
+    ) -> None:
+        super().__init__(**kwargs)
+        self._source = source
+        self._rows = rows
+        self._interval = interval
+        self._colors: dict[str, int] = {}
+        self._push_lock = threading.Lock()
+        self._closed = threading.Event()
+        self.on_msg(self._on_message)
+        self.refresh()
+        threading.Thread(target=self._loop, name="vllm-mlx-inspector", daemon=True).start()
+
+    def refresh(self) -> bool:
+        """Snapshot now and push it (one message); False when there is no engine to read."""
+        with self._push_lock:
+            try:
+                snapshot = self._source.cache_snapshot()
+            except Exception as exc:  # noqa: BLE001 - no engine (yet, or any more): say so
+                self.engine_state = f"no engine: {exc}"
+                return False
+            values = encode_snapshot(snapshot, self._rows() if self._rows else (), self._colors)
+            with self.hold_sync():
+                for name, value in values.items():
+                    setattr(self, name, value)
+                self.engine_state = "running"
+            return True
+
+    def _loop(self) -> None:
+        period = self._interval
+        while not self._closed.wait(period):
+            if self.paused:
+                period = self._interval
+                continue
+            start = time.monotonic()
+            ok = self.refresh()
+            busy = ok and (self.stats.get("running", 0) or self.stats.get("waiting", 0) or self._rows_active())
+            period = max(self._interval if busy else 1.0, 20 * (time.monotonic() - start))
+
+    def _rows_active(self) -> bool:
+        return any(r["status"] in ("queued", "prefilling", "generating") for r in self.requests)
+
+    def _on_message(self, _widget, content: dict, _buffers) -> None:
+        if content.get("type") == "reset":
+            try:
+                self._source.reset_prefix_cache()
+            except Exception as exc:  # noqa: BLE001 - shown in the widget, not raised into a cell
+                self.engine_state = f"reset failed: {exc}"
+        self.refresh()
+
+    def close(self) -> None:
+        self._closed.set()
+        super().close()
+
+    # -- frontends without widgets ----------------------------------------------------------
+
+    def _repr_mimebundle_(self, **kwargs):
+        bundle = super()._repr_mimebundle_(**kwargs)  # anywidget: (data, metadata)
+        data = bundle[0] if isinstance(bundle, tuple) else bundle
+        if isinstance(data, dict):
+            data["text/plain"] = self.summary()
+            data["text/html"] = self._repr_html_()
+        return bundle
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+    def summary(self) -> str:
+        s = self.stats
+        if not s:
+            return f"CacheInspector ({self.engine_state})"
+        return (f"KV cache: {s.get('num_used_blocks', 0)} used, {s.get('num_cached_free_blocks', 0)} cached, "
+                f"{s.get('num_free_blocks', 0)} free of {s.get('num_blocks', 0)} blocks; "
+                f"hit rate {s.get('hit_rate', 0):.0%}, {s.get('tokens_saved', 0)} tokens saved, "
+                f"{s.get('evictions', 0)} evictions; {len(self.requests)} requests")  # fmt: skip
+
+    def _repr_html_(self) -> str:
+        return static_html(self.get_state())
+
+
+_FALLBACK_COLORS = {0: "#555", 1: "#e8e8e8", 2: "#b9dcb9"}
+
+
+def static_html(state: dict, max_blocks: int = 2048) -> str:
+    """A static HTML picture of the widget state (for nbconvert, GitHub, ...)."""
+    data = decode_state(state)
+    requests = data.get("requests", [])
+    cells = []
+    for i, code in enumerate(data.get("block_state", [])[:max_blocks]):
+        owner, ref = data["block_owner"][i], data["block_ref"][i]
+        color = (
+            PALETTE[requests[owner]["color"]]
+            if code == 3 and 0 <= owner < len(requests)
+            else _FALLBACK_COLORS.get(code, "#ccc")
+        )
+        border = "outline:1px solid #000;" if ref > 1 else ""
+        cells.append(f'<span title="block {i}: {STATE_NAMES[code]}, ref {ref}" style="display:inline-block;'
+                     f'width:9px;height:9px;margin:1px;background:{color};{border}"></span>')  # fmt: skip
+    rows = "".join(
+        f"<tr><td>{html.escape(r['name'])}</td><td>{html.escape(r['status'])}</td><td>{r['prompt_tokens']}</td>"
+        f"<td>{r['cached_tokens']}</td><td>{r['output_tokens']}</td><td>{r['num_blocks']}</td></tr>"
+        for r in requests
+    )
+    s = data.get("stats", {})
+    head = (f"KV cache — usage {s.get('usage', 0):.0%} of {s.get('num_blocks', 0)} blocks, "
+            f"hit rate {s.get('hit_rate', 0):.0%}, {s.get('tokens_saved', 0)} tokens saved, "
+            f"{s.get('evictions', 0)} evictions")  # fmt: skip
+    table = ("<table><tr><th>name</th><th>status</th><th>prompt</th><th>cached</th><th>generated</th>"
+             f"<th>blocks</th></tr>{rows}</table>") if rows else ""  # fmt: skip
+    grid = f'<div style="max-width:640px">{"".join(cells)}</div>'
+    return f'<div class="vllm-mlx-inspector-static"><div>{html.escape(head)}</div>{grid}{table}</div>'

@@ -1,0 +1,304 @@
+"""``%%generate`` and ``%vllm_mlx``: the notebook's way to talk to the kernel-resident engine.
+
+``%%generate`` returns at once with a live output area; several cells in a row generate
+concurrently in one engine batch (the concurrency comes from the engine thread, not from the
+kernel). Defaults are traitlets: ``%config GenerateMagics.max_tokens = 64``.
+"""
+
+from __future__ import annotations
+
+import codecs
+import html
+import os
+import shlex
+from pathlib import Path
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class, no_var_expand
+from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.display import display
+from traitlets import Bool, Dict, Enum, Float, Int, Unicode, default, validate
+
+from vllm_mlx_jupyter.prompt import interpolate
+from vllm_mlx_jupyter.session import Session, SessionError
+
+MODEL_ENV = "VLLM_MLX_JUPYTER_MODEL"
+FORMATS = ("markdown", "text", "code")
+
+USAGE = """\
+%vllm_mlx COMMAND [ARGS]
+
+  load [MODEL] [--OPTION VALUE ...]  load a model (default: GenerateMagics.model) and start the engine;
+                                     options are EngineConfig fields, e.g. --num-kv-blocks 256
+  status                             model, running/waiting requests, KV usage, hit rates
+  inspect                            show the KV-cache inspector widget
+  wait [NAME ...]                    block until these (default: all) generations are done
+  abort NAME ...|all                 abort generations
+  reset-cache                        forget the prefix cache (blocks in use keep theirs)
+  history SESSION                    show a chat session's turns
+  reset SESSION                      forget a chat session
+  shutdown                           stop the engine (the next %%generate loads it again)
+"""
+
+
+@magics_class
+class GenerateMagics(Magics):
+    """The vllm_mlx magics; their defaults are configurable (``%config GenerateMagics``)."""
+
+    model = Unicode(help=f"Model for %vllm_mlx load / auto-load (default: ${MODEL_ENV} or 'default').").tag(config=True)
+    engine_options = Dict(help="EngineConfig options for loading, e.g. {'num_kv_blocks': 256}.").tag(config=True)
+    auto_load = Bool(True, help="Load the model on the first %%generate if none is loaded.").tag(config=True)
+    max_tokens = Int(256, help="Default --max-tokens.").tag(config=True)
+    temperature = Float(0.7, help="Default --temperature (0 = greedy).").tag(config=True)
+    top_p = Float(1.0, help="Default --top-p.").tag(config=True)
+    top_k = Int(0, help="Default --top-k (0 = off).").tag(config=True)
+    seed = Int(None, allow_none=True, help="Default --seed (None = random).").tag(config=True)
+    system = Unicode(None, allow_none=True, help="Default --system prompt.").tag(config=True)
+    format = Enum(FORMATS, "markdown", help="Default --format.").tag(config=True)
+    update_interval = Float(0.1, help="Seconds between live updates of a cell (>= 0.1).").tag(config=True)
+
+    @default("model")
+    def _default_model(self) -> str:
+        return os.environ.get(MODEL_ENV) or "default"
+
+    @validate("update_interval")
+    def _check_interval(self, proposal) -> float:
+        return max(float(proposal["value"]), 0.1)
+
+    def __init__(self, shell=None, **kwargs) -> None:
+        super().__init__(shell=shell, **kwargs)
+        self.session = Session()
+
+    # -- %%generate ---------------------------------------------------------------------------
+
+    @no_var_expand
+    @magic_arguments()
+    @argument("-n", "--name", help="name of the generation (and of its engine request)")
+    @argument("-o", "--out", metavar="VAR", help="store the generation handle in this variable")
+    @argument("--max-tokens", type=int, help="most tokens to generate")
+    @argument("--min-tokens", type=int, help="no end-of-sequence before this many tokens")
+    @argument("--temperature", type=float, help="0 = greedy")
+    @argument("--top-p", type=float)
+    @argument("--top-k", type=int)
+    @argument("--seed", type=int)
+    @argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable; \\n escapes work)")
+    @argument("--system", help="system prompt")
+    @argument("--chat", metavar="SESSION", help="multi-turn: earlier turns of SESSION are prepended")
+    @argument("--raw", action="store_true", help="send the cell as is (no chat template)")
+    @argument("--image", action="append", metavar="PATH_OR_VAR", help="an image (not supported by the engine yet)")
+    @argument("--wait", action="store_true", help="block until done (an interrupt aborts)")
+    @argument("--format", choices=FORMATS, help="how to show the text")
+    @argument("--raw-braces", action="store_true", help="no {name} interpolation")
+    @cell_magic
+    def generate(self, line: str, cell: str):
+        """Generate from the cell body (the prompt); returns a ``Generation`` handle at once.
+
+        ``{name}`` in the prompt is replaced by the value of ``name`` from the notebook when it
+        exists; other braces are left alone (``--raw-braces`` turns this off). The live output
+        shows the text as it streams, a status line and a stop button. The handle has
+        ``.text``, ``.done``, ``.result(timeout)``, ``.cancel()``, ``.output`` and is awaitable.
+        """
+        args = _parse(self.generate, line)
+        if args.image:
+            self._refuse_images(args.image)
+        prompt = cell.strip("\n") if args.raw else cell.strip()
+        if not prompt:
+            raise UsageError("%%generate: the cell is empty; write the prompt in the cell body")
+        system = args.system if args.system is not None else self.system
+        if not args.raw_braces:
+            prompt = interpolate(prompt, self.shell.user_ns)
+            system = interpolate(system, self.shell.user_ns) if system else system
+        params = self._sampling_params(args)
+        self._ensure_loaded()
+        try:
+            gen = self.session.generate(
+                prompt, params, name=args.name, chat=args.chat, system=system, raw=args.raw,
+                format=args.format or self.format, interval=self.update_interval,
+            )  # fmt: skip
+        except SessionError as exc:
+            raise UsageError(str(exc)) from None
+        if args.out:
+            self.shell.user_ns[args.out] = gen
+        from vllm_mlx_jupyter.render import LiveView
+
+        LiveView.show(gen)
+        if args.wait:
+            gen.wait()
+        return gen
+
+    def _sampling_params(self, args):
+        from vllm_mlx.request import SamplingParams
+
+        def pick(value, fallback):
+            return fallback if value is None else value
+
+        stop = [codecs.decode(s, "unicode_escape") for s in args.stop or []]
+        try:
+            return SamplingParams(
+                max_tokens=pick(args.max_tokens, self.max_tokens), min_tokens=pick(args.min_tokens, 0),
+                temperature=pick(args.temperature, self.temperature),
+                top_p=pick(args.top_p, self.top_p), top_k=pick(args.top_k, self.top_k),
+                seed=pick(args.seed, self.seed), stop=stop,
+            )  # fmt: skip
+        except ValueError as exc:
+            raise UsageError(f"%%generate: {exc}") from None
+
+    def _refuse_images(self, images: list[str]) -> None:
+        for image in images:
+            if image not in self.shell.user_ns and not Path(image).expanduser().exists():
+                raise UsageError(f"--image {image}: no such file, and no variable of that name")
+        raise UsageError("--image: images are not supported yet (the engine has no vision-language path); "
+                         "drop --image to generate from text")  # fmt: skip
+
+    def _ensure_loaded(self) -> None:
+        if self.session.loaded:
+            return
+        if not self.auto_load:
+            raise UsageError("no model is loaded: run %vllm_mlx load [MODEL]")
+        self._load(self.model, dict(self.engine_options))
+
+    def _load(self, model: str, options: dict) -> None:
+        from vllm_mlx.errors import VllmMlxError
+
+        handle = display(_note("loading…"), raw=True, display_id=True)
+        try:
+            engine = self.session.load(model, options, progress=lambda msg: handle.update(_note(msg), raw=True))
+        except (VllmMlxError, ValueError, TypeError, OSError) as exc:
+            handle.update(_note(f"could not load {model}: {exc}", error=True), raw=True)
+            raise UsageError(f"could not load {model!r}: {exc}") from None
+        kv = engine.get_stats()["kv_cache"]
+        handle.update(_note(f"loaded {model}: {kv['num_blocks']} KV blocks × {kv['block_size']} tokens"), raw=True)
+
+    # -- %vllm_mlx ----------------------------------------------------------------------------
+
+    @no_var_expand
+    @line_magic
+    def vllm_mlx(self, line: str):
+        """Manage the engine: load, status, inspect, wait, abort, reset-cache, history, reset, shutdown."""
+        try:
+            argv = split_line(line)
+        except ValueError as exc:
+            raise UsageError(f"%vllm_mlx: {exc}\n\n{USAGE}") from None
+        if not argv or argv[0] in ("help", "-h", "--help"):
+            print(USAGE)
+            return None
+        command = getattr(self, "_cmd_" + argv[0].replace("-", "_"), None)
+        if command is None:
+            raise UsageError(f"%vllm_mlx: unknown command {argv[0]!r}\n\n{USAGE}")
+        try:
+            return command(argv[1:])
+        except SessionError as exc:
+            raise UsageError(str(exc)) from None
+
+    def _cmd_load(self, argv: list[str]) -> None:
+        from vllm_mlx_jupyter.options import parse_load
+
+        model, options = parse_load(argv)
+        self._load(model or self.model, {**self.engine_options, **options})
+
+    def _cmd_status(self, argv: list[str]) -> None:
+        display(_status_bundle(self.session.status()), raw=True)
+
+    def _cmd_inspect(self, argv: list[str]) -> None:
+        display(self.session.inspector())
+
+    def _cmd_wait(self, argv: list[str]) -> None:
+        self.session.wait(argv)
+
+    def _cmd_abort(self, argv: list[str]) -> None:
+        if not argv:
+            raise UsageError("%vllm_mlx abort NAME ...|all")
+        aborted = self.session.abort(argv)
+        print(f"aborted: {', '.join(aborted)}" if aborted else "nothing to abort")
+
+    def _cmd_reset_cache(self, argv: list[str]) -> None:
+        ok = self.session.reset_prefix_cache()
+        print("prefix cache reset" if ok else "prefix cache not reset (is prefix caching on?)")
+
+    def _cmd_history(self, argv: list[str]) -> None:
+        print(self._chat(argv).transcript())
+
+    def _cmd_reset(self, argv: list[str]) -> None:
+        chat = self._chat(argv)
+        del self.session.chats[chat.name]
+        print(f"chat session {chat.name!r} forgotten")
+
+    def _cmd_shutdown(self, argv: list[str]) -> None:
+        self.session.shutdown()
+        print("engine stopped")
+
+    def _chat(self, argv: list[str]):
+        if len(argv) != 1:
+            raise UsageError("give one chat session name")
+        try:
+            return self.session.chats[argv[0]]
+        except KeyError:
+            known = ", ".join(self.session.chats) or "none yet"
+            raise UsageError(f"no chat session {argv[0]!r} (known: {known})") from None
+
+
+def split_line(line: str) -> list[str]:
+    """Shell-like words (quotes, backslashes); an unquoted word starting with ``#`` starts a
+    comment, so ``%vllm_mlx load  # note`` works while ``--stop "#"`` and ``-n a#1`` stay."""
+    quote, escaped, previous = None, False, " "
+    for index, char in enumerate(line):
+        if escaped:
+            escaped = False
+        elif char == "\\" and quote != "'":
+            escaped = True
+        elif quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and previous.isspace():
+            line = line[:index]
+            break
+        previous = char
+    return shlex.split(line)
+
+
+def _parse(magic, line: str):
+    """magic_arguments parsing (shell-like quoting), with the help text on a bad flag."""
+    try:
+        return magic.parser.parse_args(split_line(line))
+    except UsageError as exc:
+        raise UsageError(f"%%{magic.__name__}: {exc}\n\n{magic.parser.format_help()}") from None
+    except ValueError as exc:  # unbalanced quotes
+        raise UsageError(f"%%{magic.__name__}: {exc}\n\n{magic.parser.format_usage()}") from None
+
+
+def _note(text: str, error: bool = False) -> dict:
+    color = "#e53935" if error else "#666"
+    return {
+        "text/plain": text,
+        "text/html": f'<div style="font:12px monospace;color:{color}">{html.escape(text)}</div>',
+    }
+
+
+def _status_bundle(status: dict) -> dict:
+    if not status.get("loaded"):
+        text = "no model loaded (run %vllm_mlx load, or just %%generate)"
+        return {"text/plain": text, "text/html": f"<div>{html.escape(text)}</div>"}
+    prefix = status["prefix_cache"]
+    kv = (
+        f"{status.get('usage', 0):.0%} ({status.get('num_used_blocks', 0)} of {status.get('num_blocks', 0)} blocks "
+        f"in use; {status.get('num_cached_free_blocks', 0)} cached, {status.get('num_free_blocks', 0)} free)"
+    )
+    hits = (
+        f"hit rate {prefix.get('hit_rate', 0):.0%}, {prefix.get('tokens_saved', 0)} tokens saved, "
+        f"{status.get('evictions', 0)} evictions"
+    )
+    rows = [
+        ("model", status["model"]),
+        ("requests", f"{status.get('running', 0)} running, {status.get('waiting', 0)} waiting"),
+        ("KV usage", kv),
+        ("prefix cache", hits),
+        ("active", ", ".join(status["active"]) or "none"),
+    ]
+    text = "\n".join(f"{k:>13}: {v}" for k, v in rows)
+    cells = "".join(
+        f"<tr><th style='text-align:right'>{html.escape(k)}</th>"
+        f"<td style='text-align:left'>{html.escape(str(v))}</td></tr>"
+        for k, v in rows
+    )
+    return {"text/plain": text, "text/html": f"<table>{cells}</table>"}

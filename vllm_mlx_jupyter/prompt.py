@@ -1,0 +1,59 @@
+"""Turning a ``%%generate`` cell into a prompt: variable interpolation and chat messages.
+
+Interpolation is deliberately narrow: ``{name}`` is replaced only when ``name`` is a plain
+identifier bound to a *value* in the user namespace. Everything else in braces stays as
+written — code, JSON, dict literals, f-string fields with format specs (``{x:>10}``), Jinja's
+``{{ x }}``, names that do not exist, and modules, functions and classes (whose repr is never
+what a prompt means).
+"""
+
+from __future__ import annotations
+
+import re
+import types
+from dataclasses import dataclass, field
+
+_FIELD = re.compile(r"(?<!\{)\{([A-Za-z_][A-Za-z0-9_]*)\}(?!\})")
+_NOT_VALUES = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, type)
+
+
+def interpolate(text: str, namespace: dict) -> str:
+    """Replace ``{name}`` with ``str(namespace[name])`` where that is a value; keep the rest."""
+
+    def replace(match: re.Match) -> str:
+        name = match.group(1)
+        if name not in namespace or isinstance(namespace[name], _NOT_VALUES):
+            return match.group(0)
+        return str(namespace[name])
+
+    return _FIELD.sub(replace, text)
+
+
+@dataclass
+class ChatSession:
+    """The completed turns of one ``--chat`` session.
+
+    Invariant: ``messages`` alternates user/assistant and holds only finished turns, so the
+    next turn's prompt starts with the previous turn's prompt (the prefix cache serves it).
+    A turn that is aborted or fails leaves the history unchanged.
+    """
+
+    name: str
+    system: str | None = None
+    messages: list[dict] = field(default_factory=list)
+    turns: int = 0
+    pending: object = field(default=None, repr=False)
+    """The latest turn's ``Generation``: the next turn waits for it."""
+
+    def conversation(self, user: str) -> list[dict]:
+        """The messages of the next turn: system (if any), history, then ``user``."""
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return [*system, *self.messages, {"role": "user", "content": user}]
+
+    def record(self, user: str, assistant: str) -> None:
+        self.messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+
+    def transcript(self) -> str:
+        lines = [f"[system] {self.system}"] if self.system else []
+        lines += [f"[{m['role']}] {m['content']}" for m in self.messages]
+        return "\n".join(lines) if lines else f"(chat session {self.name!r} has no turns yet)"

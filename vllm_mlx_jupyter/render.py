@@ -1,0 +1,144 @@
+"""The live output area of a generation: a status line, a stop button and the text.
+
+Status and text are display outputs bound by ``display_id`` (updated from the consumer thread,
+they land in the cell that started the generation, and they are saved with the notebook); the
+stop button is an ipywidgets ``Button`` whose click aborts the request. Nothing here prints.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+import time
+
+from vllm_mlx_jupyter.generation import ABORTED, DONE, ERROR, GENERATING, PREFILLING, QUEUED
+
+_COLORS = {
+    QUEUED: "#9e9e9e",
+    PREFILLING: "#ef6c00",
+    GENERATING: "#1e88e5",
+    DONE: "#43a047",
+    ABORTED: "#616161",
+    ERROR: "#e53935",
+}
+
+
+def current_execution_count() -> int:
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    return getattr(shell, "execution_count", 0) if shell is not None else 0
+
+
+def status_parts(gen) -> list[str]:
+    """The status line as parts: name, state, tokens, tok/s, TTFT, cached prompt tokens."""
+    out = gen.output
+    state = gen.state
+    if state == DONE and out is not None and out.finish_reason:
+        state = f"done ({out.finish_reason})"
+    if state == ERROR:
+        state = f"error: {gen.error}"
+    parts = [gen.name, state]
+    if out is not None:
+        n = len(out.token_ids)
+        parts.append(f"{n} token{'s' if n != 1 else ''}")
+        rate = _tokens_per_second(out, n)
+        if rate is not None:
+            parts.append(f"{rate:.1f} tok/s")
+        if out.ttft is not None:
+            parts.append(f"TTFT {out.ttft:.2f} s")
+        parts.append(f"{out.num_cached_tokens}/{len(out.prompt_token_ids)} prompt tokens from cache")
+    elif gen.num_prompt_tokens is not None:
+        parts.append(f"{gen.num_prompt_tokens} prompt tokens")
+    return parts
+
+
+def _tokens_per_second(out, n: int) -> float | None:
+    if n < 2 or out.first_token_time is None:
+        return None
+    end = out.finish_time or time.monotonic()
+    elapsed = end - out.first_token_time
+    return (n - 1) / elapsed if elapsed > 0 else None
+
+
+def status_bundle(gen) -> dict:
+    parts = status_parts(gen)
+    color = _COLORS.get(gen.state, "#9e9e9e")
+    text = " · ".join(html.escape(p) for p in parts)
+    markup = (
+        f'<div class="vllm-mlx-status" data-state="{gen.state}" '
+        f'style="font:12px/1.6 var(--jp-code-font-family, monospace);color:#666">'
+        f'<span style="color:{color}">●</span> {text}</div>'
+    )
+    return {"text/plain": " · ".join(parts), "text/html": markup}
+
+
+def body_bundle(gen) -> dict:
+    """The text in the generation's format: markdown, text, or a code block."""
+    text = gen.text
+    if gen.format == "text":
+        return {"text/plain": text}
+    if gen.format == "code":
+        fence = "`" * max(3, _longest_backtick_run(text) + 1)
+        return {"text/markdown": f"{fence}\n{text}\n{fence}", "text/plain": text}
+    return {"text/markdown": text, "text/plain": text}
+
+
+def _longest_backtick_run(text: str) -> int:
+    return max((len(m) for m in re.findall(r"`+", text)), default=0)
+
+
+class _StopButton:
+    """A lazily imported ipywidgets Button (``vllm-mlx-stop``) that aborts the generation."""
+
+    @staticmethod
+    def create(gen):
+        import ipywidgets as widgets
+
+        class StopButton(widgets.Button):
+            def _repr_mimebundle_(self, **kwargs):  # saved notebooks: no widget repr as text
+                bundle = super()._repr_mimebundle_(**kwargs)
+                if isinstance(bundle, dict):
+                    bundle["text/plain"] = ""
+                return bundle
+
+        button = StopButton(description="Stop", icon="stop", tooltip=f"abort {gen.name}",
+                            layout=widgets.Layout(width="auto"))  # fmt: skip
+        button.add_class("vllm-mlx-stop")
+        button.on_click(lambda _button: gen.cancel())
+        return button
+
+
+class LiveView:
+    """One live output area of a generation in the current cell."""
+
+    def __init__(self, gen, with_button: bool = True) -> None:
+        from IPython.display import display
+
+        self.execution_count = current_execution_count()
+        self._sent_status, self._sent_body = status_bundle(gen), body_bundle(gen)
+        self.status = display(self._sent_status, raw=True, display_id=True)
+        self.button = None
+        if with_button and not gen.done:
+            self.button = _StopButton.create(gen)
+            display(self.button)
+        self.body = display(self._sent_body, raw=True, display_id=True)
+
+    @classmethod
+    def show(cls, gen) -> LiveView:
+        view = cls(gen)
+        gen.add_view(view)
+        return view
+
+    def update(self, gen, final: bool, force: bool = False) -> None:
+        """Send what changed (the text is re-sent whole, hence the throttle upstream)."""
+        status, body = status_bundle(gen), body_bundle(gen)
+        if force or status != self._sent_status:
+            self.status.update(status, raw=True)
+            self._sent_status = status
+        if force or body != self._sent_body:
+            self.body.update(body, raw=True)
+            self._sent_body = body
+        if final and self.button is not None:
+            self.button.disabled = True
+            self.button.layout.display = "none"

@@ -1,0 +1,316 @@
+"""The kernel-resident engine: one ``AsyncEngineCore`` per kernel, its generations and chats.
+
+The engine thread owns the model; this module only submits requests, reads streams and
+snapshots, and keeps the notebook-side state (named generations, chat sessions). Nothing here
+imports MLX until a model is loaded.
+
+A monitor thread runs while generations are active: it moves queued requests to
+"prefilling" (from ``cache_snapshot()["requests"]``) and flushes throttled renders. It spends
+at most ~5% of the engine's time on snapshots (its period is 20x a snapshot's cost).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from vllm_mlx_jupyter.generation import PREFILLING, QUEUED, Generation
+from vllm_mlx_jupyter.prompt import ChatSession
+
+MONITOR_PERIOD = 0.25
+FINISHED_ROWS = 16  # finished generations the inspector keeps listing
+
+
+class SessionError(ValueError):
+    """A request the session cannot serve as asked (bad name, no chat template, ...)."""
+
+
+class Session:
+    """The notebook's engine and everything submitted to it."""
+
+    def __init__(self) -> None:
+        self.engine = None
+        self.model: str | None = None
+        self.options: dict = {}
+        self.generations: dict[str, Generation] = {}
+        self.chats: dict[str, ChatSession] = {}
+        self._names = itertools.count(1)
+        self._tokenizer = None
+        self._tokenizer_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._closing = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self._inspector = None
+
+    # -- the engine -------------------------------------------------------------------------
+
+    @property
+    def loaded(self) -> bool:
+        return self.engine is not None and self.engine.is_running
+
+    def load(self, model: str, options: dict | None = None, progress: Callable[[str], None] | None = None):
+        """Stop the current engine (if any) and start one on ``model``; blocks until loaded.
+
+        ``options`` are ``EngineConfig`` fields. An interrupt while loading stops the half-made
+        engine in the background and re-raises.
+        """
+        from vllm_mlx.async_engine import AsyncEngineCore
+        from vllm_mlx.engine_core import EngineConfig
+
+        self.shutdown()
+        options = dict(options or {})
+        engine = AsyncEngineCore(EngineConfig(model=str(model)), **options)
+        ticker = _Ticker(progress, f"loading {model}")
+        try:
+            engine.start()
+        except KeyboardInterrupt:
+            threading.Thread(target=engine.stop, daemon=True).start()
+            raise
+        finally:
+            ticker.stop()
+        self.engine, self.model, self.options = engine, str(model), options
+        self._tokenizer = self._load_template_tokenizer(engine)
+        return engine
+
+    @staticmethod
+    def _load_template_tokenizer(engine):
+        """The kernel's own tokenizer for chat templates (the engine's is the engine thread's)."""
+        from mlx_lm.utils import load_tokenizer
+
+        return load_tokenizer(engine.call(lambda core: core.model_path))
+
+    def require_engine(self):
+        if not self.loaded:
+            raise SessionError("no model is loaded: run %vllm_mlx load [MODEL]")
+        return self.engine
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tokenizer, "chat_template", None))
+
+    def chat_token_ids(self, messages: list[dict]) -> list[int]:
+        """Apply the model's chat template (any thread: the template tokenizer is locked)."""
+        if not self.has_chat_template:
+            raise SessionError(f"the model {self.model!r} has no chat template: use --raw")
+        with self._tokenizer_lock:
+            return list(self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine: running generations end as aborted; chat histories are kept."""
+        engine, self.engine = self.engine, None
+        if engine is None:
+            return
+        gens = list(self.generations.values())
+        for gen in gens:  # first, so that chat turns waiting for a previous one never submit
+            gen.cancel()
+        engine.stop()
+        for gen in gens:
+            gen.wait(timeout)
+
+    def close(self) -> None:
+        """Shut down and end the monitor and the inspector (``%unload_ext``)."""
+        self.shutdown()
+        self._closing.set()
+        self._wakeup.set()
+        if self._inspector is not None:
+            self._inspector.close()
+            self._inspector = None
+
+    # -- generations ------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str,
+        params,
+        *,
+        name: str | None = None,
+        chat: str | None = None,
+        system: str | None = None,
+        raw: bool = False,
+        format: str = "markdown",
+        interval: float = 0.1,
+    ) -> Generation:
+        """Submit a prompt; returns its started ``Generation`` at once."""
+        engine = self.require_engine()
+        if chat is not None and raw:
+            raise SessionError("--chat needs the chat template; it cannot be combined with --raw")
+        session = self.chats.setdefault(chat, ChatSession(chat)) if chat is not None else None
+        name = name or self._next_name(session)
+        previous = self.generations.get(name)
+        if previous is not None and not previous.done:
+            raise SessionError(f"generation {name!r} is still running: abort it or choose another --name")
+        build, after, on_finish = self._prompt_plan(prompt, session, system, raw)
+        gen = Generation(name, engine, params, build, after=after, on_finish=on_finish,
+                         format=format, interval=interval)  # fmt: skip
+        gen.start()
+        with self._lock:
+            self.generations.pop(name, None)
+            self.generations[name] = gen
+        if session is not None:
+            session.pending = gen
+        self._ensure_monitor()
+        return gen
+
+    def _prompt_plan(self, prompt: str, session: ChatSession | None, system: str | None, raw: bool):
+        """(build_prompt, after, on_finish) for a plain, raw or chat request."""
+        if session is not None:
+            if system is not None:
+                session.system = system
+            session.turns += 1
+            after = session.pending if session.pending is not None and not session.pending.done else None
+            return (lambda: self.chat_token_ids(session.conversation(prompt)), after,
+                    lambda gen: session.record(prompt, gen.text))  # fmt: skip
+        if raw or not self.has_chat_template:
+            text = f"{system}\n\n{prompt}" if system else prompt
+            return (lambda: text), None, None
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        return (lambda: self.chat_token_ids(messages)), None, None
+
+    def _next_name(self, session: ChatSession | None) -> str:
+        while True:
+            name = f"{session.name}-{session.turns + 1}" if session is not None else f"gen-{next(self._names)}"
+            if name not in self.generations or session is not None:
+                return name
+
+    def get(self, name: str) -> Generation:
+        try:
+            return self.generations[name]
+        except KeyError:
+            known = ", ".join(self.generations) or "none yet"
+            raise SessionError(f"no generation named {name!r} (known: {known})") from None
+
+    def active(self) -> list[Generation]:
+        with self._lock:
+            return [g for g in self.generations.values() if not g.done]
+
+    def wait(self, names: Iterable[str] = ()) -> list[Generation]:
+        """Block until the named (default: all active) generations are done.
+
+        An interrupt aborts every generation being waited for and re-raises.
+        """
+        gens = [self.get(n) for n in names] or self.active()
+        try:
+            for gen in gens:
+                while not gen.wait(0.5):
+                    pass
+        except KeyboardInterrupt:
+            for gen in gens:
+                gen.cancel()
+            for gen in gens:
+                gen.wait(5.0)
+            raise
+        self._republish_finished()
+        if self._inspector is not None:
+            self._inspector.refresh()
+        return gens
+
+    def _republish_finished(self) -> None:
+        """Re-send the final views of generations that finished since the last wait."""
+        with self._lock:
+            finished = [g for g in self.generations.values() if g.done and not g.republished]
+        for gen in finished:
+            gen.republish()
+            gen.republished = True
+
+    def abort(self, names: Iterable[str]) -> list[str]:
+        """Abort the named generations (``["all"]``: every active one); returns those aborted."""
+        names = list(names)
+        gens = self.active() if names == ["all"] else [self.get(n) for n in names]
+        return [g.name for g in gens if g.cancel()]
+
+    # -- cache and stats --------------------------------------------------------------------
+
+    def cache_snapshot(self) -> dict:
+        return self.require_engine().cache_snapshot()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.require_engine().reset_prefix_cache()
+
+    def status(self) -> dict:
+        """Model, request counts and cache stats, as plain data."""
+        if not self.loaded:
+            return {"model": None, "loaded": False, "generations": len(self.generations)}
+        stats = self.engine.cache_snapshot()["stats"]
+        return {"model": self.model, "loaded": True, "options": dict(self.options),
+                "active": [g.name for g in self.active()], **stats}  # fmt: skip
+
+    def request_rows(self) -> list[dict]:
+        """The inspector's names and states for requests (it merges them with the engine's
+        snapshot, which has only the live ones), oldest first."""
+        with self._lock:
+            gens = list(self.generations.values())
+        rows = []
+        for gen in gens:
+            out = gen.output
+            rows.append({
+                "id": gen.request_id, "name": gen.name, "status": gen.state,
+                "prompt_tokens": gen.num_prompt_tokens or 0,
+                "cached_tokens": out.num_cached_tokens if out is not None else 0,
+                "output_tokens": len(out.token_ids) if out is not None else 0,
+            })  # fmt: skip
+        return rows[-FINISHED_ROWS:]
+
+    def inspector(self):
+        """The session's cache inspector widget (one per session, bound to whatever is loaded)."""
+        if self._inspector is None:
+            from vllm_mlx_jupyter.inspector import CacheInspector
+
+            self._inspector = CacheInspector(self, rows=self.request_rows)
+        return self._inspector
+
+    # -- the monitor ------------------------------------------------------------------------
+
+    def _ensure_monitor(self) -> None:
+        if self._monitor is None or not self._monitor.is_alive():
+            self._monitor = threading.Thread(target=self._monitor_loop, name="vllm-mlx-monitor", daemon=True)
+            self._monitor.start()
+        self._wakeup.set()
+
+    def _monitor_loop(self) -> None:
+        while not self._closing.is_set():
+            active = self.active()
+            if not active:
+                self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            cost = self._observe([g for g in active if g.state in (QUEUED, PREFILLING) and g.submitted_at])
+            for gen in active:
+                gen.tick()
+            self._closing.wait(max(MONITOR_PERIOD, 20 * cost))
+
+    def _observe(self, pending: list[Generation]) -> float:
+        """Tell pending generations what the engine does with them; returns the snapshot cost."""
+        engine = self.engine
+        if not pending or engine is None:
+            return 0.0
+        start = time.monotonic()
+        try:
+            requests = engine.cache_snapshot()["requests"]
+        except Exception:  # noqa: BLE001 - the engine stopped: the streams report it
+            return 0.0
+        cost = time.monotonic() - start
+        for gen in pending:
+            gen.observe(requests.get(gen.request_id))
+        return cost
+
+
+class _Ticker:
+    """Calls ``progress("<what>… N s")`` once a second from a thread until stopped."""
+
+    def __init__(self, progress: Callable[[str], None] | None, what: str) -> None:
+        self._progress, self._what = progress, what
+        self._stopped = threading.Event()
+        self._start = time.monotonic()
+        if progress is not None:
+            progress(f"{what}…")
+            threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(1.0):
+            self._progress(f"{self._what}… {time.monotonic() - self._start:.0f} s")
+
+    def stop(self) -> None:
+        self._stopped.set()

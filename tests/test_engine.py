@@ -320,3 +320,13 @@ def test_split_head_is_used_only_when_exact(tiny_model_dir):
             return self.lm_head(self.model(x, cache=cache)) * 0.5
 
     assert SplitModel.probe(ScaledLogits(model)) is None
+
+
+def test_cache_snapshot_without_blocks_is_requests_and_stats(engine_factory):
+    engine = engine_factory(block_size=4)
+    engine.add_request(PROMPTS[1], GREEDY, request_id="a")
+    engine.step()
+    full, light = engine.cache_snapshot(), engine.cache_snapshot(include_blocks=False)
+    assert light["blocks"] == [] and light["free_queue"] == []
+    assert light["requests"] == full["requests"]
+    assert light["stats"] == full["stats"]

@@ -149,7 +149,14 @@ _STOP = object()
 
 
 class AsyncEngineCore:
-    """An ``EngineCore`` on its own thread. ``start()``/``stop()``, or use ``with``/``async with``."""
+    """An ``EngineCore`` on its own thread. ``start()``/``stop()``, or use ``with``/``async with``.
+
+    Nothing is loaded until ``start()``: the engine thread loads the model and runs every step.
+
+    Args:
+        config: The engine's settings; None for the defaults (the built-in default model).
+        **overrides: ``EngineConfig`` fields that replace ``config``'s, applied on ``start()``.
+    """
 
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         self.config = config or EngineConfig()
@@ -171,6 +178,14 @@ class AsyncEngineCore:
 
         A load error is re-raised here, after the thread has ended. Starting a running engine
         is a no-op; a stopped or failed one cannot be restarted (``EngineDeadError``).
+
+        Returns:
+            The engine itself, so that ``engine = AsyncEngineCore(...).start()`` reads well.
+
+        Raises:
+            EngineDeadError: The engine was stopped (or failed) before.
+            Exception: Whatever building the ``EngineCore`` raised (``ModelSourceError``,
+                ``ModelOwnershipError``, ``TypeError`` for an unknown option, ...).
         """
         with self._lock:
             if self._thread is None:
@@ -229,6 +244,19 @@ class AsyncEngineCore:
 
         Raises ``EngineDeadError`` when the engine is not running. Errors of the request itself
         (a bad prompt, a duplicate id) are raised by its stream.
+
+        Args:
+            prompt: Text or token ids.
+            sampling_params: How to sample; None for the defaults.
+            request_id: A unique id; None draws ``"req-<number>"``.
+            cache_salt: Folded into the prefix-cache block hashes (see ``EngineCore.add_request``).
+
+        Returns:
+            The request's ``RequestStream``: iterate it (blocking) or ``async for`` it. Leaving
+            the iteration early, or dropping the stream unread, aborts the request.
+
+        Raises:
+            EngineDeadError: The engine is not running.
         """
         request_id = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(request_id, self)
@@ -239,7 +267,19 @@ class AsyncEngineCore:
     def generate(
         self, prompt: str | list[int], sampling_params: SamplingParams | None = None, **kwargs
     ) -> AsyncIterator[RequestOutput]:
-        """Async iterator of a new request's outputs (the vLLM ``AsyncLLM.generate`` shape)."""
+        """Async iterator of a new request's outputs (the vLLM ``AsyncLLM.generate`` shape).
+
+        Args:
+            prompt: Text or token ids.
+            sampling_params: How to sample; None for the defaults.
+            **kwargs: ``request_id`` and ``cache_salt``, as for ``add_request``.
+
+        Returns:
+            An async iterator of ``RequestOutput``s; the last has ``finished=True``.
+
+        Raises:
+            EngineDeadError: The engine is not running.
+        """
         return self.add_request(prompt, sampling_params, **kwargs).__aiter__()
 
     def abort(self, request_id: str) -> None:
@@ -251,19 +291,34 @@ class AsyncEngineCore:
             self._commands.put(_Abort(request_id))
 
     def call(self, fn: Callable[[EngineCore], object], timeout: float | None = None):
-        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        """Run ``fn(engine)`` on the engine thread between steps and return its result.
+
+        Args:
+            fn: Called with the ``EngineCore``; it must not block for long (the engine waits).
+            timeout: Seconds to wait for the result; None waits as long as it takes.
+
+        Returns:
+            What ``fn`` returned.
+
+        Raises:
+            EngineDeadError: The engine is not running.
+            TimeoutError: The result did not come within ``timeout``.
+            Exception: Whatever ``fn`` raised.
+        """
         command = _Call(fn)
         self._submit(command)
         return command.future.result(timeout)
 
     def get_stats(self) -> dict:
+        """The engine's ``get_stats()``, taken on the engine thread between steps."""
         return self.call(lambda engine: engine.get_stats())
 
-    def cache_snapshot(self) -> dict:
+    def cache_snapshot(self, include_blocks: bool = True) -> dict:
         """The engine's ``cache_snapshot()``, taken on the engine thread between steps."""
-        return self.call(lambda engine: engine.cache_snapshot())
+        return self.call(lambda engine: engine.cache_snapshot(include_blocks))
 
     def reset_prefix_cache(self) -> bool:
+        """Forget the hashes of every cached block not in use; returns True."""
         return self.call(lambda engine: engine.reset_prefix_cache())
 
     def _submit(self, command: _Add | _Call) -> None:

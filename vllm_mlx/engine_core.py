@@ -46,11 +46,12 @@ class EngineConfig:
     """Seed for the per-request seeds drawn when a request brings none (None = random)."""
     weight_format: str = "auto"
     """"auto", "quantized" or "float32". Auto keeps quantized weights on Metal/CUDA and
-    dequantizes to float32 on the CPU backend when an optimised BLAS is loaded (cpu_backend.py)."""
+    dequantizes to float32 on the CPU backend, where they run faster (cpu_backend.py)."""
     force_model_takeover: bool = False
     """Take the model over from another live engine instead of raising ModelOwnershipError."""
 
     def scheduler_config(self, num_blocks: int, context_len: int | None) -> SchedulerConfig:
+        """The scheduler's limits for a pool of ``num_blocks`` and a model context of ``context_len``."""
         limits = [n for n in (self.max_model_len, context_len) if n]
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -105,7 +106,22 @@ class _Group:
 
 
 class EngineCore:
-    """The synchronous engine: owns the model, the scheduler, the KV cache and the runner."""
+    """The synchronous engine: owns the model, the scheduler, the KV cache and the runner.
+
+    Single-threaded: create it, and call every method, on the thread that owns the model.
+
+    Args:
+        config: The engine's settings; None for the defaults (the built-in default model).
+        **overrides: ``EngineConfig`` fields that replace ``config``'s (``config`` is updated).
+
+    Raises:
+        ModelSourceError: The model cannot be found, downloaded, converted or loaded.
+        ModelOwnershipError: Another live engine owns the model and
+            ``force_model_takeover`` is False.
+        UnsupportedModelError: The architecture needs sliding-window or recurrent caches.
+        TypeError: An unknown option in ``overrides``.
+        ValueError: A bad option value (e.g. a KV budget that holds no block).
+    """
 
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         from vllm_mlx.attention import check_supported
@@ -158,6 +174,20 @@ class EngineCore:
 
         A prompt the engine cannot serve (longer than the context or the KV cache) finishes at
         once with ``finish_reason == "error"``; other requests are untouched.
+
+        Args:
+            prompt: Text (tokenized with the model's tokenizer) or token ids.
+            sampling_params: How to sample; None for the defaults. With ``n > 1`` the
+                completions share the prompt's KV blocks.
+            request_id: A unique id; None draws ``"req-<number>"``.
+            cache_salt: Folded into the prefix-cache block hashes: requests with different
+                salts never share cached blocks.
+
+        Returns:
+            The request id, which later ``RequestOutput``s carry.
+
+        Raises:
+            ValueError: ``request_id`` is already in use, or a token id is outside the vocabulary.
         """
         params = sampling_params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
@@ -218,12 +248,18 @@ class EngineCore:
         self._pending.append(self._finish_group(group))
 
     def has_unfinished_requests(self) -> bool:
+        """True while any request is queued, running, or has an output not yet returned."""
         return bool(self._pending or self._deferred) or self.scheduler.has_unfinished_requests()
 
     # -- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one batched forward pass, update; return the outputs that changed."""
+        """Schedule, run one batched forward pass, update; return the outputs that changed.
+
+        Returns:
+            One ``RequestOutput`` per request that advanced (or was refused or aborted) since
+            the last step; a finished request's last output has ``finished=True``.
+        """
         outputs, self._pending = self._pending, []
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
@@ -305,11 +341,12 @@ class EngineCore:
         return None, token_ids
 
     def get_stats(self) -> dict:
+        """Plain data: ``{"scheduler": {running, waiting, preemptions, steps, ...}, "kv_cache": {...}}``."""
         return {"scheduler": self.scheduler.stats(), "kv_cache": self.kv_cache.stats().to_dict()}
 
-    def cache_snapshot(self) -> dict:
+    def cache_snapshot(self, include_blocks: bool = True) -> dict:
         """Plain data: ``blocks``, ``requests``, ``free_queue``, ``stats`` (see snapshot.py)."""
-        return self.snapshotter.snapshot()
+        return self.snapshotter.snapshot(include_blocks)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the hashes of unreferenced blocks (blocks in use keep theirs)."""

@@ -25,12 +25,18 @@ class CacheSnapshotter:
         self.tokenizer = tokenizer
         self._texts: OrderedDict[tuple[int, ...], str] = OrderedDict()
 
-    def snapshot(self) -> dict:
-        kv = self.kv_cache.snapshot()
+    def snapshot(self, include_blocks: bool = True) -> dict:
+        """The whole view; without ``include_blocks`` only requests and stats (cost independent
+        of the pool size: ``blocks`` and ``free_queue`` come back empty)."""
         requests = self.scheduler.snapshot()
-        self._fill_block_tokens(kv["blocks"], requests)
-        for block in kv["blocks"]:
-            block["text"] = self._text(block["token_ids"]) if block["token_ids"] else ""
+        if include_blocks:
+            kv = self.kv_cache.snapshot()
+            self._fill_block_tokens(kv["blocks"], requests)
+            for block in kv["blocks"]:
+                block["text"] = self._text(block["token_ids"]) if block["token_ids"] else ""
+        else:
+            kv = {"block_size": self.kv_cache.block_size, "blocks": [], "free_queue": [],
+                  "stats": self.kv_cache.stats().to_dict()}  # fmt: skip
         stats = kv["stats"]
         stats.update(self.scheduler.stats())
         stats.pop("kv_cache", None)

@@ -233,7 +233,7 @@ class Session:
         """Model, request counts and cache stats, as plain data."""
         if not self.loaded:
             return {"model": None, "loaded": False, "generations": len(self.generations)}
-        stats = self.engine.cache_snapshot()["stats"]
+        stats = self.engine.cache_snapshot(include_blocks=False)["stats"]
         return {"model": self.model, "loaded": True, "options": dict(self.options),
                 "active": [g.name for g in self.active()], **stats}  # fmt: skip
 
@@ -288,7 +288,7 @@ class Session:
             return 0.0
         start = time.monotonic()
         try:
-            requests = engine.cache_snapshot()["requests"]
+            requests = engine.cache_snapshot(include_blocks=False)["requests"]
         except Exception:  # noqa: BLE001 - the engine stopped: the streams report it
             return 0.0
         cost = time.monotonic() - start

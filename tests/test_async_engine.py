@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import subprocess
+import sys
 import threading
 import time
 
@@ -387,3 +389,27 @@ def test_stop_with_requests_in_flight_ends_streams_with_abort_and_releases_the_m
             return again.is_running
 
     assert bounded(start_again_without_force)
+
+
+def test_a_script_using_the_engine_exits_cleanly(tiny_model_dir):
+    # MLX aborts a process whose engine thread left streams behind (ml-explore/mlx#3126).
+    script = (
+        "import sys\n"
+        "from vllm_mlx import AsyncEngineCore, SamplingParams\n"
+        "with AsyncEngineCore(model=sys.argv[1], num_kv_blocks=64) as engine:\n"
+        "    out = engine.add_request('Hi', SamplingParams(max_tokens=3, ignore_eos=True)).result()\n"
+        "print(len(out.token_ids))\n"
+    )
+    for _ in range(3):  # the abort was intermittent
+        done = subprocess.run([sys.executable, "-c", script, str(tiny_model_dir)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-500:]
+        assert done.stdout.strip() == "3"
+
+
+def test_engine_core_refuses_work_after_shutdown(tiny_model_dir):
+    from vllm_mlx.errors import VllmMlxError
+
+    core = EngineCore(model=str(tiny_model_dir), num_kv_blocks=64, force_model_takeover=True)
+    core.shutdown()
+    with pytest.raises(VllmMlxError, match="shut down"):
+        core.add_request("Hi")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_mlx.detokenizer import IncrementalDetokenizer
+from vllm_mlx.errors import VllmMlxError
 from vllm_mlx.model_registry import get_registry
 from vllm_mlx.paged_cache import PagedCacheManager
 from vllm_mlx.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
@@ -189,6 +190,8 @@ class EngineCore:
         Raises:
             ValueError: ``request_id`` is already in use, or a token id is outside the vocabulary.
         """
+        if self.runner.model is None:
+            raise VllmMlxError("the engine is shut down")
         params = sampling_params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._groups:
@@ -357,6 +360,7 @@ class EngineCore:
         for request_id in list(self._groups):
             self.abort_request(request_id)
         get_registry().release(str(self.model_path), self)
+        self.runner.release()
 
 
 def available_memory() -> int:

@@ -85,6 +85,14 @@ class MLXModelRunner:
         self.attention = MLXAttentionBackend(self.pool, self.num_layers)
         self.last_step: StepRecord | None = None
 
+    def release(self) -> None:
+        """Drop the model and the KV pool (MLX arrays), on the thread that made them. MLX
+        arrays still alive at interpreter exit after being used on another thread abort the
+        process ("terminate called without an active exception")."""
+        self.model = self.split = None
+        self.pool.keys = [None] * self.num_layers
+        self.pool.values = [None] * self.num_layers
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         groups = group_for_padding(scheduler_output.scheduled)
         sampled: list[ScheduledRequest] = []

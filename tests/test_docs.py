@@ -5,7 +5,7 @@
 - The configuration reference's tables are checked against the dataclasses and the ``argparse``
   parsers (names, types, defaults), the environment variables against the source.
 - The API reference covers every name in ``vllm_mlx.__all__`` and ``LLM``.
-- Every ```` ```python ```` and ```` ```bash ```` block under ``docs/`` runs, unless the line
+- Every ```` ```python ````, ```` ```ipython ```` (notebook cells) and ```` ```bash ```` block under ``docs/`` runs, unless the line
   before its fence is a marker:
 
   ``<!-- not-run: REASON -->``
@@ -42,7 +42,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 BIN = Path(sys.executable).parent
-RUNNABLE = ("python", "bash")
+RUNNABLE = ("python", "bash", "ipython")
 PLUGIN_NAMES = {"MLXPlatform": "vllm_mlx.vllm_platform", "MLXWorker": "vllm_mlx.worker"}
 
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`\s]*)[^`]*$")
@@ -250,13 +250,36 @@ for path, line, code in json.load(sys.stdin):
         traceback.print_exc()
         sys.stdout.flush()
         sys.exit(f"FAILED: the block at {path}:{line}")
-# Free the page's engines before interpreter teardown: an AsyncEngineCore object that survives
-# into it can abort the process in MLX's C++ teardown ("terminate called without an active
-# exception"), an engine bug that this test is not the place to catch.
+# Leave no engine for interpreter teardown (a reader's script would end the same way).
 namespace.clear()
 import gc
 gc.collect()
 """
+
+
+IPYTHON_RUNNER = r"""
+import json, sys
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+for path, line, code in json.load(sys.stdin):
+    print(f"----- {path}:{line}", flush=True)
+    if not shell.run_cell(code).success:
+        sys.exit(f"FAILED: the block at {path}:{line}")
+if "vllm_mlx" in shell.magics_manager.magics["line"]:
+    shell.run_line_magic("vllm_mlx", "wait")  # the cells' generations must finish cleanly
+    shell.run_line_magic("vllm_mlx", "shutdown")
+"""
+
+
+def run_ipython_blocks(blocks: list[Block], cwd: Path, env: dict) -> None:
+    """Notebook cells (magics included) run in order in one IPython shell."""
+    payload = json.dumps([[str(b.path), b.line, b.code] for b in blocks])
+    result = subprocess.run(
+        [sys.executable, "-c", IPYTHON_RUNNER], input=payload, cwd=cwd, env=env,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    assert "Traceback" not in result.stdout, result.stdout
 
 
 def run_python_blocks(blocks: list[Block], cwd: Path, env: dict) -> None:
@@ -295,6 +318,9 @@ def test_page_code_runs(page, tmp_path, default_model_dir):
         python = [b for b in runnable if b.lang == "python"]
         if python:
             run_python_blocks(python, tmp_path, env)
+        notebook_cells = [b for b in runnable if b.lang == "ipython"]
+        if notebook_cells:
+            run_ipython_blocks(notebook_cells, tmp_path, env)
 
 
 # -- the configuration reference matches the code -------------------------------------------------

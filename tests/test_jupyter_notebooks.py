@@ -6,6 +6,7 @@ the quick start once more on the real default model (e2e).
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -99,3 +100,30 @@ def test_quickstart_on_the_default_model(monkeypatch, default_model_dir, tmp_pat
     assert set(gens) == {"haiku", "joke", "capital"}
     for status, text in gens.values():
         assert " · done (" in status and text.strip(), (status, text)
+
+
+def test_demo_command_runs_the_quickstart_and_summarises(tmp_path, tiny_model_dir):
+    import subprocess
+    import sys
+
+    output = tmp_path / "quickstart.executed.ipynb"
+    done = subprocess.run(
+        [sys.executable, "-m", "vllm_mlx.entrypoints.cli", "demo", "notebooks/quickstart.ipynb",
+         "--output", str(output), "--model", str(tiny_model_dir)],
+        cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "3 requests, up to 3 in one batch" in done.stdout
+    assert "tok/s aggregate" in done.stdout and "time to first token: haiku" in done.stdout
+    executed = json.loads(output.read_text())
+    assert not any("VLLM_MLX_DEMO_SUMMARY" in "".join(c["source"]) for c in executed["cells"])
+    assert any(c.get("outputs") for c in executed["cells"] if c["cell_type"] == "code")
+
+
+def test_demo_without_the_notebook_is_a_clear_error(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "vllm_mlx.entrypoints.cli", "demo", str(tmp_path / "nope.ipynb")],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 1 and "no notebook at" in done.stderr and "Traceback" not in done.stderr

@@ -15,7 +15,7 @@ def readme_commands() -> list[str]:
 
 def test_quick_start_is_two_commands():
     install_and_run, install_and_test = readme_commands()
-    assert install_and_run.startswith("pip install") and "vllm-mlx generate" in install_and_run
+    assert install_and_run.startswith("pip install") and "vllm-mlx demo" in install_and_run
     assert install_and_test.startswith("pip install") and "pytest" in install_and_test
 
 

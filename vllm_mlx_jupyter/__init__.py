@@ -7,7 +7,7 @@ stops the engine (running generations end as aborted) and removes the magics.
 
 from __future__ import annotations
 
-__all__ = ["load_ipython_extension", "unload_ipython_extension"]
+__all__ = ["get_session", "load_ipython_extension", "unload_ipython_extension"]
 
 _MAGICS: dict[int, object] = {}  # id(shell) -> GenerateMagics
 
@@ -20,6 +20,19 @@ def load_ipython_extension(ipython) -> None:
     magics = GenerateMagics(shell=ipython)
     ipython.register_magics(magics)
     _MAGICS[id(ipython)] = magics
+
+
+def get_session(ipython=None):
+    """The kernel-resident ``Session`` (its ``engine``, ``generations``, ``chats``) of a shell
+    where the extension is loaded; the current shell by default."""
+    if ipython is None:
+        from IPython import get_ipython
+
+        ipython = get_ipython()
+    magics = _MAGICS.get(id(ipython))
+    if magics is None:
+        raise RuntimeError("vllm_mlx_jupyter is not loaded in this shell: %load_ext vllm_mlx_jupyter")
+    return magics.session
 
 
 def unload_ipython_extension(ipython) -> None:

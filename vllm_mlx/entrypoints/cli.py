@@ -1,4 +1,4 @@
-"""The ``vllm-mlx`` command line: ``generate``, ``bench``, ``serve``, ``models``, ``pull``.
+"""The ``vllm-mlx`` command line: ``generate``, ``demo``, ``bench``, ``serve``, ``models``, ``pull``.
 
 Errors the user can fix (a missing model path, a bad GGUF, a failed download, bad sampling
 values) print one line to stderr and exit with status 1, never a traceback.
@@ -40,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(serve)
     add_serve_arguments(serve, parse_bytes)
     serve.set_defaults(handler=run_serve)
+
+    demo = commands.add_parser("demo", help="run the quick-start notebook headlessly and summarise it")
+    demo.add_argument("notebook", nargs="?", default="notebooks/quickstart.ipynb")
+    demo.add_argument("--output", default=None, help="where to write the executed notebook")
+    demo.add_argument("--model", default=None, help="the model the notebook loads (default: 'default')")
+    demo.set_defaults(handler=run_demo)
 
     models = commands.add_parser("models", help="list the models prepared in the cache")
     models.set_defaults(handler=run_models)
@@ -145,6 +151,27 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
     args.model = args.model_arg or args.model
     return run_server(args, {**engine_options(args), **serve_engine_options(args)})
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    notebook = Path(args.notebook)
+    if not notebook.is_file():
+        raise VllmMlxError(f"no notebook at {notebook} (run from the repository root, or pass its path)")
+    try:
+        from vllm_mlx_jupyter.demo import format_summary, run_demo
+    except ImportError as exc:
+        raise VllmMlxError(f"the demo needs the notebook extras ({exc.name}): pip install -e '.[jupyter]'") from exc
+    output = Path(args.output) if args.output else None
+    try:
+        summary = run_demo(notebook, output, model=args.model)
+    except Exception as exc:  # nbclient's CellExecutionError carries the cell's traceback
+        if type(exc).__name__ != "CellExecutionError":
+            raise
+        raise VllmMlxError(f"a cell of {notebook} failed: {str(exc).strip().splitlines()[-1]}") from exc
+    print(format_summary(summary))
+    return 0
 
 
 def run_models(args: argparse.Namespace) -> int:

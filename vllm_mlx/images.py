@@ -27,6 +27,7 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
+from vllm_mlx.canonical import canonical_bytes
 from vllm_mlx.errors import ImageInputError
 
 if TYPE_CHECKING:
@@ -269,35 +270,13 @@ def image_content_hash(image: PILImage.Image, processor_key: tuple = ()) -> str:
     whatever turns pixels into encoder input (model id, resize, normalisation).
     """
     digest = hashlib.sha256(_HASH_VERSION)
-    digest.update(_encode(image.mode))
+    digest.update(canonical_bytes(image.mode))
     digest.update(struct.pack("<QQ", *image.size))
     pixels = image.tobytes()
     digest.update(struct.pack("<Q", len(pixels)))
     digest.update(pixels)
-    digest.update(_encode(processor_key))
+    digest.update(canonical_bytes(processor_key, extended=True))
     return digest.hexdigest()
-
-
-def _encode(key: object) -> bytes:
-    """Canonical type-tagged, length-prefixed bytes: ``("a", 1)`` and ``("a1",)`` differ."""
-    if key is None:
-        return b"N"
-    if isinstance(key, bool):  # before int: bool is an int subclass
-        return b"T" if key else b"F"
-    if isinstance(key, int):
-        return b"I" + str(key).encode() + b";"
-    if isinstance(key, float):
-        return b"D" + key.hex().encode() + b";"
-    if isinstance(key, str):
-        key = key.encode("utf-8")
-        return b"S" + str(len(key)).encode() + b":" + key
-    if isinstance(key, (bytes, bytearray)):
-        return b"B" + str(len(key)).encode() + b":" + bytes(key)
-    if isinstance(key, (tuple, list)):
-        return b"(" + b"".join(_encode(k) for k in key) + b")"
-    if isinstance(key, dict) and all(isinstance(k, str) for k in key):
-        return b"{" + b"".join(_encode(k) + _encode(key[k]) for k in sorted(key)) + b"}"
-    raise TypeError(f"processor_key parts must be plain data, got {type(key).__name__}")
 
 
 def thumbnail_png(image: PILImage.Image, max_side: int = 96) -> bytes:

@@ -18,6 +18,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from vllm_mlx.canonical import canonical_bytes
 from vllm_mlx.paged_cache import CacheBlock, PagedCacheManager
 from vllm_mlx.request import Request
 
@@ -48,7 +49,7 @@ def hash_block(
     digest = hashlib.sha256(ROOT_HASH if parent_hash is None else parent_hash)
     digest.update(len(tokens).to_bytes(8, "little"))
     digest.update(tokens.tobytes())
-    digest.update(_encode_key(tuple(extra_keys)))
+    digest.update(canonical_bytes(tuple(extra_keys)))
     return digest.digest()
 
 
@@ -75,24 +76,6 @@ def compute_block_hashes(
         parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys)
         hashes.append(parent)
     return hashes
-
-
-def _encode_key(key: object) -> bytes:
-    """Canonical, unambiguous bytes for an extra key (tag + length + payload)."""
-    if key is None:
-        return b"N"
-    if isinstance(key, bool):  # before int: bool is an int subclass
-        return b"T" if key else b"F"
-    if isinstance(key, int):
-        return b"I" + str(key).encode() + b";"
-    if isinstance(key, str):
-        key = key.encode("utf-8")
-        return b"S" + str(len(key)).encode() + b":" + key
-    if isinstance(key, (bytes, bytearray)):
-        return b"B" + str(len(key)).encode() + b":" + bytes(key)
-    if isinstance(key, tuple):
-        return b"(" + b"".join(_encode_key(k) for k in key) + b")"
-    raise TypeError(f"extra keys must be None/bool/int/str/bytes/tuple, got {type(key).__name__}")
 
 
 @dataclass

@@ -398,6 +398,7 @@ def subcommands() -> dict:
         ("generate", ["### Engine flags (`generate` and `serve`)", "### `vllm-mlx generate`"]),
         ("serve", ["### Engine flags (`generate` and `serve`)", "### `vllm-mlx serve`"]),
         ("pull", ["### `vllm-mlx models` and `vllm-mlx pull`"]),
+        ("demo", ["### `vllm-mlx demo`"]),
         ("models", []),
     ],
 )

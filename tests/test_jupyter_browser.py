@@ -166,11 +166,16 @@ def test_quickstart_runs_in_jupyterlab(lab, page):
         inspector = page.locator(".vmi").first
         page.wait_for_function(f"() => document.querySelectorAll('.vmi-grid .vmi-block').length === {NUM_KV_BLOCKS}")
 
-        # Hovering a block that holds tokens shows its details.
-        inspector.locator(".vmi-block.vmi-used, .vmi-block.vmi-cached").first.hover()
+        # Hovering a block that holds tokens shows its details. The grid is live: a block can
+        # change state between the hover and the read, so hover again (a few times at most).
         tip = inspector.locator(".vmi-tip")
-        tip.wait_for(state="visible")
-        assert "Block" in tip.inner_text() and "hash" in tip.inner_text()
+        for _ in range(5):
+            inspector.locator(".vmi-block.vmi-used, .vmi-block.vmi-cached").first.hover()
+            tip.wait_for(state="visible")
+            text = tip.inner_text()
+            if "hash" in text:
+                break
+        assert "Block" in text and "hash" in text, text
 
         # Clicking the running request highlights exactly its block table.
         row = inspector.locator('.vmi-requests tr[data-id="long"]')

@@ -29,7 +29,7 @@ class ModelRegistry:
             if current is not None and current is not owner and not force:
                 raise ModelOwnershipError(
                     f"model {model_key} is owned by another running engine ({type(current).__name__}); "
-                    "stop that engine first, or pass force=True to take it over"
+                    "stop that engine first, or take it over with force_model_takeover=True"
                 )
             self._owners[model_key] = weakref.ref(owner)
 

@@ -250,6 +250,12 @@ class EngineCore:
             completion.request.finish(RequestStatus.FINISHED_ABORTED)  # covers deferred siblings
         self._pending.append(self._finish_group(group))
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + output a request may reach: the model's context, the
+        ``max_model_len`` option and the KV pool's capacity, whichever is smallest."""
+        return self.scheduler.max_model_len
+
     def has_unfinished_requests(self) -> bool:
         """True while any request is queued, running, or has an output not yet returned."""
         return bool(self._pending or self._deferred) or self.scheduler.has_unfinished_requests()

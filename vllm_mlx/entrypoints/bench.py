@@ -76,7 +76,7 @@ def run_ours(args, prompts, arrivals) -> dict:
     warm = engine.add_request(prompts[0][:8], SamplingParams(max_tokens=2, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    engine.kv_cache.reset_prefix_cache()
+    engine.reset_prefix_cache()
     start = time.monotonic()
     pending = list(range(len(prompts)))
     ttft, tokens = {}, 0

@@ -271,24 +271,15 @@ if "vllm_mlx" in shell.magics_manager.magics["line"]:
 """
 
 
-def run_ipython_blocks(blocks: list[Block], cwd: Path, env: dict) -> None:
-    """Notebook cells (magics included) run in order in one IPython shell."""
+def run_blocks(runner: str, blocks: list[Block], cwd: Path, env: dict) -> None:
+    """Run a page's blocks of one language in order, in one fresh interpreter (``runner``)."""
     payload = json.dumps([[str(b.path), b.line, b.code] for b in blocks])
     result = subprocess.run(
-        [sys.executable, "-c", IPYTHON_RUNNER], input=payload, cwd=cwd, env=env,
+        [sys.executable, "-c", runner], input=payload, cwd=cwd, env=env,
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     assert "Traceback" not in result.stdout, result.stdout
-
-
-def run_python_blocks(blocks: list[Block], cwd: Path, env: dict) -> None:
-    payload = json.dumps([[str(b.path), b.line, b.code] for b in blocks])
-    result = subprocess.run(
-        [sys.executable, "-c", PYTHON_RUNNER], input=payload, cwd=cwd, env=env,
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
 
 
 def run_bash_block(block: Block, cwd: Path, env: dict) -> None:
@@ -317,10 +308,10 @@ def test_page_code_runs(page, tmp_path, default_model_dir):
                 run_bash_block(block, tmp_path, env)
         python = [b for b in runnable if b.lang == "python"]
         if python:
-            run_python_blocks(python, tmp_path, env)
+            run_blocks(PYTHON_RUNNER, python, tmp_path, env)
         notebook_cells = [b for b in runnable if b.lang == "ipython"]
         if notebook_cells:
-            run_ipython_blocks(notebook_cells, tmp_path, env)
+            run_blocks(IPYTHON_RUNNER, notebook_cells, tmp_path, env)  # magics included
 
 
 # -- the configuration reference matches the code -------------------------------------------------

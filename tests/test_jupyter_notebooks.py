@@ -53,6 +53,15 @@ def assert_clean(nb) -> None:
     assert not errors, errors
 
 
+def assert_three_cells_done(nb) -> None:
+    """The quick start ran cleanly and its three concurrent cells streamed to the end."""
+    assert_clean(nb)
+    gens = generations(nb)
+    assert set(gens) == {"haiku", "joke", "capital"}
+    for status, text in gens.values():
+        assert " · done (" in status and text.strip(), (status, text)
+
+
 @pytest.fixture
 def tiny(monkeypatch, tiny_model_dir):
     monkeypatch.setenv("VLLM_MLX_JUPYTER_MODEL", str(tiny_model_dir))
@@ -60,11 +69,7 @@ def tiny(monkeypatch, tiny_model_dir):
 
 def test_quickstart(tiny, tmp_path):
     nb = execute("quickstart.ipynb", tmp_path)
-    assert_clean(nb)
-    gens = generations(nb)
-    assert set(gens) == {"haiku", "joke", "capital"}
-    for status, text in gens.values():
-        assert " · done (" in status and text.strip(), (status, text)
+    assert_three_cells_done(nb)
     inspector = [o for o in outputs(nb) if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
                  and o["data"]["text/plain"].startswith("KV cache")]  # fmt: skip
     assert inspector and "<span title=" in inspector[0]["data"]["text/html"]
@@ -95,11 +100,7 @@ def test_chat(tiny, tmp_path):
 def test_quickstart_on_the_default_model(monkeypatch, default_model_dir, tmp_path):
     monkeypatch.delenv("VLLM_MLX_JUPYTER_MODEL", raising=False)
     nb = execute("quickstart.ipynb", tmp_path)
-    assert_clean(nb)
-    gens = generations(nb)
-    assert set(gens) == {"haiku", "joke", "capital"}
-    for status, text in gens.values():
-        assert " · done (" in status and text.strip(), (status, text)
+    assert_three_cells_done(nb)
 
 
 def test_demo_command_runs_the_quickstart_and_summarises(tmp_path, tiny_model_dir):

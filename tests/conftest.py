@@ -17,3 +17,25 @@ def tiny_model_dir(tmp_path_factory, default_model_dir):
     from tiny_model import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_vl_dir(tmp_path_factory):
+    """A tiny random-weight Qwen2-VL directory (see tests/tiny_vlm.py): a 64x64 image -> 4 tokens."""
+    pytest.importorskip("mlx_vlm", reason="mlx-vlm (the `vlm` extra) is not installed")
+    from tiny_vlm import build_tiny_qwen2_vl
+
+    return build_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_dir(tmp_path_factory):
+    """A tiny random-weight LLaVA directory (see tests/tiny_vlm.py): an image -> 4 tokens.
+
+    Note: ``mlx_vlm.generate(..., image=...)`` needs ``tiny_vlm.drop_text_kwargs_for_images``
+    on the loaded processor (transformers 5); calling the processor without ``padding`` works.
+    """
+    pytest.importorskip("mlx_vlm", reason="mlx-vlm (the `vlm` extra) is not installed")
+    from tiny_vlm import build_tiny_llava
+
+    return build_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))

@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -20,13 +19,13 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
-import uvicorn  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from vllm_mlx import SamplingParams  # noqa: E402
 from vllm_mlx.async_engine import AsyncEngineCore  # noqa: E402
 from vllm_mlx.entrypoints.cli import build_parser  # noqa: E402
 from vllm_mlx.entrypoints.openai.server import build_app  # noqa: E402
+from live_server import LiveServer  # noqa: E402
 
 MODEL = "tiny"
 API_KEY = "sk-test-key"
@@ -41,26 +40,6 @@ PROMPTS = [
     "A long time ago in a galaxy far, far away",
     "def fibonacci(n):",
 ]
-
-
-class LiveServer:
-    """uvicorn serving ``app`` on a free loopback port, in a daemon thread."""
-
-    def __init__(self, app) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")

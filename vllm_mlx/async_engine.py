@@ -25,12 +25,13 @@ import itertools
 import queue
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from vllm_mlx.engine_core import EngineConfig, EngineCore
+from vllm_mlx.engine_core import EngineConfig, EngineCore, PreparedPrompt
 from vllm_mlx.errors import VllmMlxError
+from vllm_mlx.images import ImageSource
 from vllm_mlx.request import RequestOutput, SamplingParams
 
 
@@ -143,7 +144,7 @@ class RequestStream:
 @dataclass
 class _Add:
     request_id: str
-    prompt: str | list[int]
+    prompt: str | list[int] | PreparedPrompt
     params: SamplingParams
     cache_salt: str | None
     stream: RequestStream
@@ -252,11 +253,12 @@ class AsyncEngineCore:
 
     def add_request(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | PreparedPrompt,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         *,
         cache_salt: str | None = None,
+        images: Sequence[ImageSource] | None = None,
     ) -> RequestStream:
         """Submit a request from any thread; returns its output stream at once.
 
@@ -268,6 +270,9 @@ class AsyncEngineCore:
             sampling_params: How to sample; None for the defaults.
             request_id: A unique id; None draws ``"req-<number>"``.
             cache_salt: Folded into the prefix-cache block hashes (see ``EngineCore.add_request``).
+            images: Images for a vision-language model. They are loaded and preprocessed here,
+                on the calling thread (fetching a URL may take a while: from an event loop,
+                call ``prepare_prompt`` in an executor and pass its result instead).
 
         Returns:
             The request's ``RequestStream``: iterate it (blocking) or ``async for`` it. Leaving
@@ -279,8 +284,28 @@ class AsyncEngineCore:
         request_id = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(request_id, self)
         params = sampling_params or SamplingParams()
+        if images:
+            try:
+                prompt = self.prepare_prompt(prompt, images)
+            except Exception as exc:  # the request's own error: raised by its stream
+                stream.put(exc)
+                return stream
         self._submit(_Add(request_id, prompt, params, cache_salt, stream))
         return stream
+
+    @property
+    def supports_images(self) -> bool:
+        """True when the loaded model is a vision-language model."""
+        engine = self.engine
+        return engine is not None and engine.supports_images
+
+    def prepare_prompt(self, prompt: str | list[int], images: Sequence[ImageSource] | None = None) -> PreparedPrompt:
+        """``EngineCore.prepare_prompt`` on the calling thread (tokenizer and image processor
+        only: no MLX work, so it need not wait for the engine thread)."""
+        engine = self.engine
+        if engine is None or not self.is_running:
+            raise self._dead_error(self._error)
+        return engine.prepare_prompt(prompt, images)
 
     def generate(
         self, prompt: str | list[int], sampling_params: SamplingParams | None = None, **kwargs

@@ -11,18 +11,37 @@ import itertools
 import os
 import random
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_mlx.detokenizer import IncrementalDetokenizer
-from vllm_mlx.errors import VllmMlxError
+from vllm_mlx.errors import ImageInputError, VllmMlxError
+from vllm_mlx.images import ImageSource
+from vllm_mlx.mllm_cache import MLLMCacheManager, MLLMCacheStats
 from vllm_mlx.model_registry import get_registry
+from vllm_mlx.multimodal import MultiModalInput
 from vllm_mlx.paged_cache import PagedCacheManager
 from vllm_mlx.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
 from vllm_mlx.scheduler import Scheduler, SchedulerConfig, TokenLogprobs
 from vllm_mlx.snapshot import CacheSnapshotter
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
+DEFAULT_MLLM_CACHE_MEMORY = 512 << 20  # 512 MiB
+
+
+@dataclass
+class PreparedPrompt:
+    """A prompt ready for the scheduler: token ids (image placeholders expanded) and images.
+
+    ``error`` is set when the prompt's images cannot be used: the request then finishes at once
+    with that message, alone.
+    """
+
+    text: str | None
+    token_ids: list[int]
+    mm_input: MultiModalInput | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -50,6 +69,11 @@ class EngineConfig:
     dequantizes to float32 on the CPU backend, where they run faster (cpu_backend.py)."""
     force_model_takeover: bool = False
     """Take the model over from another live engine instead of raising ModelOwnershipError."""
+    enable_mllm_cache: bool = True
+    """Vision-language models: keep vision-encoder outputs by image content hash, so the same
+    image in a later request skips the encoder."""
+    mllm_cache_memory: int = DEFAULT_MLLM_CACHE_MEMORY
+    """Bytes of vision-encoder outputs the MLLM cache may hold (least recently used go first)."""
 
     def scheduler_config(self, num_blocks: int, context_len: int | None) -> SchedulerConfig:
         """The scheduler's limits for a pool of ``num_blocks`` and a model context of ``context_len``."""
@@ -138,7 +162,9 @@ class EngineCore:
         self.config = config
         loaded = load_model(config.model)
         check_supported(loaded.model, loaded.config.get("model_type", "?"))
-        self.weight_format = prepare_model_weights(loaded.model, choose_weight_format(config.weight_format))
+        self.vision = loaded.vision
+        weights = loaded.vision.model if loaded.vision else loaded.model
+        self.weight_format = prepare_model_weights(weights, choose_weight_format(config.weight_format))
         self.model_path: Path = loaded.path
         get_registry().claim(str(self.model_path), self, force=config.force_model_takeover)
         self.tokenizer = loaded.tokenizer
@@ -146,13 +172,17 @@ class EngineCore:
         budget = kv_budget_bytes(config.kv_cache_memory)
         num_blocks = config.num_kv_blocks or blocks_for_budget(loaded.config, budget, config.block_size)
         self.kv_cache = PagedCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        context_len = loaded.config.get("max_position_embeddings")
+        text_config = loaded.config.get("text_config", loaded.config)
+        context_len = text_config.get("max_position_embeddings") or loaded.config.get("max_position_embeddings")
         self.scheduler = Scheduler(
             config.scheduler_config(num_blocks, context_len), self.kv_cache, cache_namespace=str(self.model_path)
         )
-        self.runner = MLXModelRunner(loaded.model, num_blocks, config.block_size)
+        self.mllm_cache = (
+            MLLMCacheManager(config.mllm_cache_memory) if self.vision and config.enable_mllm_cache else None
+        )
+        self.runner = MLXModelRunner(loaded.model, num_blocks, config.block_size, self.mllm_cache)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
-        self.snapshotter = CacheSnapshotter(self.kv_cache, self.scheduler, self.tokenizer)
+        self.snapshotter = CacheSnapshotter(self.kv_cache, self.scheduler, self.tokenizer, self._mllm_snapshot)
         self.step_records: deque = deque(maxlen=4096)
         self._groups: dict[str, _Group] = {}
         self._completion_of: dict[str, _Completion] = {}
@@ -165,30 +195,37 @@ class EngineCore:
 
     def add_request(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | PreparedPrompt,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         *,
         cache_salt: str | None = None,
+        images: Sequence[ImageSource] | None = None,
     ) -> str:
         """Queue a prompt (text or token ids); returns the request id. Outputs come from ``step()``.
 
-        A prompt the engine cannot serve (longer than the context or the KV cache) finishes at
-        once with ``finish_reason == "error"``; other requests are untouched.
+        A prompt the engine cannot serve (longer than the context or the KV cache, or with an
+        image that cannot be read) finishes at once with ``finish_reason == "error"``; other
+        requests are untouched.
 
         Args:
-            prompt: Text (tokenized with the model's tokenizer) or token ids.
+            prompt: Text (tokenized with the model's tokenizer), token ids, or a
+                ``prepare_prompt`` result.
             sampling_params: How to sample; None for the defaults. With ``n > 1`` the
                 completions share the prompt's KV blocks.
             request_id: A unique id; None draws ``"req-<number>"``.
             cache_salt: Folded into the prefix-cache block hashes: requests with different
                 salts never share cached blocks.
+            images: Images for a vision-language model, in prompt order (see
+                ``prepare_prompt``).
 
         Returns:
             The request id, which later ``RequestOutput``s carry.
 
         Raises:
-            ValueError: ``request_id`` is already in use, or a token id is outside the vocabulary.
+            ValueError: ``request_id`` is already in use, a token id is outside the vocabulary,
+                images were given to a text-only model, or the prompt's image placeholders do
+                not match the images.
         """
         if self.runner.model is None:
             raise VllmMlxError("the engine is shut down")
@@ -196,7 +233,8 @@ class EngineCore:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = self._encode(prompt)
+        prepared = prompt if isinstance(prompt, PreparedPrompt) else self.prepare_prompt(prompt, images)
+        text, token_ids = prepared.text, prepared.token_ids
         group = _Group(request_id, text, token_ids)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         for index in range(params.n):
@@ -204,8 +242,10 @@ class EngineCore:
             child_params = params.clone(n=1, seed=base_seed + index)
             request = Request(
                 child_id, token_ids, child_params, prompt=text,
-                eos_token_ids=self.eos_token_ids, cache_salt=cache_salt,
+                eos_token_ids=self.eos_token_ids, cache_salt=cache_salt, mm_input=prepared.mm_input,
             )  # fmt: skip
+            if prepared.error is not None:
+                request.error(prepared.error)
             completion = _Completion(
                 request_id, request, index,
                 IncrementalDetokenizer(self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop),
@@ -219,6 +259,37 @@ class EngineCore:
         if group.finished:  # refused at admission (e.g. prompt too long)
             self._pending.append(self._finish_group(group))
         return request_id
+
+    def prepare_prompt(
+        self, prompt: str | list[int], images: Sequence[ImageSource] | None = None
+    ) -> PreparedPrompt:
+        """Tokenize ``prompt`` and load and preprocess its images (no MLX work: any thread).
+
+        With images, each needs one image placeholder in the prompt (the chat template writes
+        them; ``LLM.chat`` does this). A text prompt without any placeholder gets one per image
+        in front. A bad image does not raise: the result carries the error, and the request
+        made from it finishes at once with that message.
+
+        Raises:
+            ValueError: A token id outside the vocabulary; images for a text-only model; a
+                placeholder count that differs from the number of images.
+        """
+        images = list(images or [])
+        if images and not self.supports_images:
+            raise ValueError(f"the model in {self.model_path} is text-only; image inputs need a vision-language model")
+        if images and isinstance(prompt, str) and self._count_placeholders(prompt) == 0:
+            prompt = self.vision.image_placeholder_text * len(images) + prompt
+        text, token_ids = self._encode(prompt)
+        if not images:
+            return PreparedPrompt(text, token_ids)
+        try:
+            expanded, mm_input = self.vision.prepare(token_ids, images)
+        except ImageInputError as exc:
+            return PreparedPrompt(text, token_ids, error=str(exc))
+        return PreparedPrompt(text, expanded, mm_input)
+
+    def _count_placeholders(self, text: str) -> int:
+        return list(self.tokenizer.encode(text, add_special_tokens=False)).count(self.vision.image_token_id)
 
     def _admit(self, group: _Group) -> None:
         """Queue a group's completions. With prefix caching, siblings of an ``n > 1`` request
@@ -249,6 +320,11 @@ class EngineCore:
             self.scheduler.abort_request(completion.request.request_id)
             completion.request.finish(RequestStatus.FINISHED_ABORTED)  # covers deferred siblings
         self._pending.append(self._finish_group(group))
+
+    @property
+    def supports_images(self) -> bool:
+        """True for a vision-language model (requests may carry images)."""
+        return self.vision is not None
 
     @property
     def max_model_len(self) -> int:
@@ -350,12 +426,28 @@ class EngineCore:
         return None, token_ids
 
     def get_stats(self) -> dict:
-        """Plain data: ``{"scheduler": {running, waiting, preemptions, steps, ...}, "kv_cache": {...}}``."""
-        return {"scheduler": self.scheduler.stats(), "kv_cache": self.kv_cache.stats().to_dict()}
+        """Plain data: ``{"scheduler": {running, waiting, preemptions, steps, ...}, "kv_cache": {...}}``,
+        and ``"mllm"`` (the multimodal cache's stats) for a vision-language model."""
+        stats = {"scheduler": self.scheduler.stats(), "kv_cache": self.kv_cache.stats().to_dict()}
+        if self.vision is not None:
+            stats["mllm"] = self._mllm_snapshot()["stats"]
+        return stats
 
     def cache_snapshot(self, include_blocks: bool = True) -> dict:
-        """Plain data: ``blocks``, ``requests``, ``free_queue``, ``stats`` (see snapshot.py)."""
+        """Plain data: ``blocks``, ``requests``, ``free_queue``, ``stats`` and ``mllm`` (the
+        multimodal cache's ``entries`` and ``stats``; see snapshot.py)."""
         return self.snapshotter.snapshot(include_blocks)
+
+    def _mllm_snapshot(self) -> dict:
+        """The MLLM cache's entries and stats, plus the vision-encoder runs so far (an engine
+        without a vision model, or with the cache off, has no entries)."""
+        if self.mllm_cache is not None:
+            snapshot = self.mllm_cache.snapshot()
+        else:
+            snapshot = {"entries": [], "stats": MLLMCacheStats().to_dict()}
+        snapshot["stats"]["enabled"] = self.mllm_cache is not None
+        snapshot["stats"]["encoder_runs"] = self.runner.vision_encoder_runs
+        return snapshot
 
     def reset_prefix_cache(self) -> bool:
         """Forget the hashes of unreferenced blocks (blocks in use keep theirs)."""

@@ -12,12 +12,15 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from vllm_mlx.chat import split_chat_images
 from vllm_mlx.engine_core import EngineConfig, EngineCore
 from vllm_mlx.request import RequestOutput, SamplingParams
 
 Prompt = str | list[int] | dict
-"""Text, token ids, or a dict with "prompt" or "prompt_token_ids" and optionally "cache_salt"."""
+"""Text, token ids, or a dict with "prompt" or "prompt_token_ids" and optionally "cache_salt"
+and "multi_modal_data" ({"image": an image or a list of them})."""
 Message = dict
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data"}
 
 
 class LLM:
@@ -67,34 +70,45 @@ class LLM:
         Args:
             prompts: A prompt or a list of them. A prompt is a string, a list of token ids, or
                 a dict with ``"prompt"`` or ``"prompt_token_ids"`` and optionally
-                ``"cache_salt"``.
+                ``"cache_salt"`` and ``"multi_modal_data": {"image": image_or_list}`` (a
+                vision-language model; images are paths, URLs, bytes or PIL images, one
+                placeholder each in the prompt, or none and they go first).
             sampling_params: One ``SamplingParams`` for every prompt, one per prompt, or None
                 for the defaults.
 
         Returns:
             The final ``RequestOutput`` of each prompt, in prompt order. A prompt the engine
-            cannot serve (e.g. longer than the context) has ``finish_reason == "error"``.
+            cannot serve (e.g. longer than the context, or an unreadable image) has
+            ``finish_reason == "error"`` and the reason in ``error``.
 
         Raises:
             ValueError: A prompt dict with unknown keys or no prompt, token ids outside the
-                vocabulary, or a list of sampling params whose length differs from the prompts'.
+                vocabulary, images for a text-only model, or a list of sampling params whose
+                length differs from the prompts'.
         """
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))
-        ids = [self._add(p, sp) for p, sp in zip(prompts, params)]
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params):
+                ids.append(self._add(prompt, sp))
+        except BaseException:  # a prompt refused outright: the ones queued before it go too
+            self._abort(ids)
+            raise
         return self._run(ids)
 
     def _add(self, prompt: Prompt, params: SamplingParams | None) -> str:
         if not isinstance(prompt, dict):
             return self.engine.add_request(prompt, params)
-        unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+        unknown = set(prompt) - _PROMPT_KEYS
         if unknown:
             raise ValueError(f"unsupported prompt keys: {sorted(unknown)}")
         text = prompt.get("prompt_token_ids", prompt.get("prompt"))
         if text is None:
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        return self.engine.add_request(text, params, cache_salt=prompt.get("cache_salt"))
+        images = _images_of(prompt.get("multi_modal_data"))
+        return self.engine.add_request(text, params, cache_salt=prompt.get("cache_salt"), images=images)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the outputs of one request as they come (``new_text`` holds each new piece).
@@ -131,7 +145,9 @@ class LLM:
 
         Args:
             messages: One conversation (a list of ``{"role": ..., "content": ...}`` dicts) or a
-                list of conversations.
+                list of conversations. ``content`` is a string or a list of OpenAI-style parts:
+                ``{"type": "text", ...}`` and, for a vision-language model,
+                ``{"type": "image_url", "image_url": {"url": path_or_data_or_http_url}}``.
             sampling_params: As for ``generate``.
             add_generation_prompt: End the templated prompt with the assistant's turn header.
 
@@ -139,11 +155,25 @@ class LLM:
             One final ``RequestOutput`` per conversation, in order.
 
         Raises:
-            ValueError: The model has no chat template (use ``generate``).
+            ValueError: The model has no chat template (use ``generate``), or images were
+                sent to a text-only model.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        prompts = [self.chat_prompt(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params)
+
+    def chat_prompt(self, messages: list[Message], add_generation_prompt: bool = True) -> dict:
+        """The prompt dict ``chat`` submits for one conversation: templated token ids and the
+        images of its image parts (``{"prompt_token_ids": ..., "multi_modal_data": ...}``).
+
+        Raises:
+            ValueError: No chat template, a bad content part, or images for a text-only model.
+        """
+        chat = split_chat_images(messages)
+        if chat.images and not self.engine.supports_images:
+            raise ValueError(f"the model in {self.model_path} is text-only; image inputs need a vision-language model")
+        token_ids = self.apply_chat_template(chat.messages, add_generation_prompt)
+        return {"prompt_token_ids": token_ids, "multi_modal_data": {"image": chat.images}}
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
         """The token ids of ``messages`` under the model's chat template.
@@ -153,7 +183,10 @@ class LLM:
         """
         if not self.has_chat_template:
             raise ValueError(f"the model in {self.model_path} has no chat template; use generate()")
-        return list(self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True))
+        ids = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        if hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
 
     def _run(self, request_ids: list[str]) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
@@ -163,11 +196,14 @@ class LLM:
                     if output.finished:
                         final[output.request_id] = output
         except BaseException:
-            for request_id in request_ids:
-                self.engine.abort_request(request_id)
-            self.engine.step()
+            self._abort(request_ids)
             raise
         return [final[i] for i in request_ids]
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.engine.abort_request(request_id)
+        self.engine.step()
 
     def cache_snapshot(self) -> dict:
         """Plain data about the KV blocks, requests and cache stats (see EngineCore)."""
@@ -180,6 +216,18 @@ class LLM:
     def shutdown(self) -> None:
         """Abort outstanding requests and release the model for other engines."""
         self.engine.shutdown()
+
+
+def _images_of(multi_modal_data: dict | None) -> list:
+    if not multi_modal_data:
+        return []
+    unknown = set(multi_modal_data) - {"image"}
+    if unknown:
+        raise ValueError(f"unsupported multi_modal_data keys: {sorted(unknown)} (only 'image')")
+    images = multi_modal_data.get("image")
+    if images is None:
+        return []
+    return list(images) if isinstance(images, (list, tuple)) else [images]
 
 
 def _per_prompt(params, count: int) -> list[SamplingParams]:

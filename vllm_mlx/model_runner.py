@@ -3,6 +3,11 @@
 Runs on the engine thread only (MLX streams are thread-local). Rows of one step are grouped into
 as few forward calls as padding allows: all decodes (one new token each) share one call, and
 prefill chunks join a call when padding them to its longest row wastes little compute.
+
+With a vision-language model, a row whose tokens include image placeholders gets the image's
+features written over the placeholders' embeddings; the features come from the MLLM cache or
+from one vision-encoder run per image, and are dropped once the prompt's images are in the KV
+cache (a prefix-cache hit past an image skips the encoder altogether).
 """
 
 from __future__ import annotations
@@ -10,8 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from vllm_mlx.attention import KVPool, MLXAttentionBackend, RowSpec
+from vllm_mlx.mllm_cache import MLLMCacheManager
+from vllm_mlx.multimodal import ImageInput
 from vllm_mlx.sampling import SamplingRow, sample
 from vllm_mlx.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -75,26 +83,39 @@ class SplitModel:
 
 
 class MLXModelRunner:
-    """Owns the model and the KV pool; turns scheduled work into sampled tokens."""
+    """Owns the model and the KV pool; turns scheduled work into sampled tokens.
 
-    def __init__(self, model, num_blocks: int, block_size: int) -> None:
+    ``model`` is an mlx-lm model, or a ``VisionLanguageModel`` adapter; ``mllm_cache`` (vision
+    models only; None = no caching) keeps encoder outputs across requests.
+    """
+
+    def __init__(
+        self, model, num_blocks: int, block_size: int, mllm_cache: MLLMCacheManager | None = None
+    ) -> None:
+        from vllm_mlx.vlm_models import VisionLanguageModel
+
         self.model = model
-        self.split = SplitModel.probe(model)
+        self.vision = model if isinstance(model, VisionLanguageModel) else None
+        self.split = None if self.vision else SplitModel.probe(model)
+        self.mllm_cache = mllm_cache
         self.num_layers = len(model.layers)
         self.pool = KVPool(self.num_layers, num_blocks, block_size)
         self.attention = MLXAttentionBackend(self.pool, self.num_layers)
         self.last_step: StepRecord | None = None
+        self.vision_encoder_runs = 0
 
     def release(self) -> None:
         """Drop the model and the KV pool (MLX arrays), on the thread that made them. MLX
         arrays still alive at interpreter exit after being used on another thread abort the
         process ("terminate called without an active exception")."""
-        self.model = self.split = None
+        self.model = self.split = self.vision = None
         self.pool.keys = [None] * self.num_layers
         self.pool.values = [None] * self.num_layers
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        groups = group_for_padding(scheduler_output.scheduled)
+        output = ModelRunnerOutput()
+        runnable = [s for s in scheduler_output.scheduled if self._images_ready(s, output.errors)]
+        groups = group_for_padding(runnable)
         sampled: list[ScheduledRequest] = []
         logits: list[mx.array] = []
         for group in groups:
@@ -109,10 +130,10 @@ class MLXModelRunner:
             [s.num_new_tokens for s in scheduler_output.scheduled],
             len(groups),
         )
+        self._drop_finished_image_features(runnable)
         if not sampled:
-            return ModelRunnerOutput()
+            return output
         result = sample(mx.stack(logits), [sampling_row(s) for s in sampled])
-        output = ModelRunnerOutput()
         for item, token_id, logprobs in zip(sampled, result.token_ids, result.logprobs):
             output.sampled_token_ids[item.request_id] = token_id
             if logprobs is not None:
@@ -127,7 +148,10 @@ class MLXModelRunner:
         caches = self.attention.make_caches(rows)
         wanted = [i for i, s in enumerate(group) if s.samples]
         where = (mx.array(wanted), mx.array([len(rows[i].tokens) - 1 for i in wanted]))
-        if self.split is not None:  # project only the positions that sample
+        if self.vision is not None:
+            hidden = self._vision_hidden_states(group, inputs, caches)
+            picked = self.vision.logits(hidden[where]) if wanted else None
+        elif self.split is not None:  # project only the positions that sample
             hidden = self.split.backbone(inputs, cache=caches)
             picked = self.split.head(hidden[where]) if wanted else None
         else:
@@ -139,6 +163,84 @@ class MLXModelRunner:
         for n, i in enumerate(wanted):
             per_row[i] = picked[n]
         return per_row
+
+    # ---- images ------------------------------------------------------------------------------
+
+    def _images_ready(self, item: ScheduledRequest, errors: dict[str, str]) -> bool:
+        """Make sure the features of every image this step's tokens cover are at hand; a
+        request whose image cannot be encoded fails alone (recorded in ``errors``)."""
+        mm = item.request.mm_input
+        if mm is None:
+            return True
+        try:
+            for image, _, _ in mm.overlaps(item.num_computed_tokens, item.num_new_tokens):
+                self._image_features(image)
+        except Exception as exc:  # the encoder's failure is this request's, not the batch's
+            errors[item.request_id] = f"the vision encoder failed on an image: {exc}".splitlines()[0]
+            return False
+        return True
+
+    def _image_features(self, image: ImageInput) -> mx.array:
+        if image.features is not None:
+            return image.features
+        entry = self.mllm_cache.get(image.image_hash) if self.mllm_cache is not None else None
+        if entry is not None:
+            features = entry.features
+        else:
+            features = self.vision.encode(image)
+            mx.eval(features)
+            self.vision_encoder_runs += 1
+            if features.shape[0] != image.num_tokens:
+                raise ValueError(f"{features.shape[0]} image features for {image.num_tokens} placeholders")
+            if self.mllm_cache is not None:
+                self.mllm_cache.put(image.image_hash, features, image.num_tokens, image=image.image)
+        image.features = features
+        return features
+
+    def _vision_hidden_states(self, group: list[ScheduledRequest], inputs: mx.array, caches) -> mx.array:
+        """The language model's hidden states, images' features over their placeholders."""
+        embeds = self.vision.embed(inputs)
+        batch, width, hidden = embeds.shape
+        index: list[int] = []
+        pieces: list[mx.array] = []
+        for row, item in enumerate(group):
+            mm = item.request.mm_input
+            if mm is None:
+                continue
+            start = item.num_computed_tokens
+            for image, lo, hi in mm.overlaps(start, item.num_new_tokens):
+                pieces.append(image.features[lo - image.offset : hi - image.offset])
+                first = row * width + lo - start
+                index.extend(range(first, first + hi - lo))
+        if pieces:
+            flat = embeds.reshape(batch * width, hidden)
+            flat[mx.array(index)] = mx.concatenate(pieces).astype(flat.dtype)
+            embeds = flat.reshape(batch, width, hidden)
+        positions = self._position_ids(group, width) if self.vision.uses_mrope else None
+        return self.vision.hidden_states(embeds, inputs, caches, positions)
+
+    @staticmethod
+    def _position_ids(group: list[ScheduledRequest], width: int) -> mx.array:
+        """``[3, B, T]`` multi-axis rotary positions (padding positions are never seen)."""
+        positions = np.zeros((3, len(group), width), dtype=np.int32)
+        for row, item in enumerate(group):
+            start, count = item.num_computed_tokens, item.num_new_tokens
+            mm = item.request.mm_input
+            if mm is not None:
+                positions[:, row, :count] = mm.position_ids(start, count)
+            else:
+                positions[:, row, :count] = np.arange(start, start + count)
+        return mx.array(positions)
+
+    @staticmethod
+    def _drop_finished_image_features(scheduled: list[ScheduledRequest]) -> None:
+        """Forget features once a prompt's images are in the KV cache (the MLLM cache keeps its
+        own reference); a preempted request fetches them again."""
+        for item in scheduled:
+            mm = item.request.mm_input
+            if mm is not None and mm.done_with_images(item.num_computed_tokens + item.num_new_tokens):
+                for image in mm.images:
+                    image.features = None
 
 
 def row_spec(item: ScheduledRequest) -> RowSpec:

@@ -3,7 +3,7 @@
 A block's hash names the KV it holds. The KV of token ``i`` depends on every token before it,
 so a block's hash chains its parent block's hash (the whole prefix), then its own token ids, then
 *extra keys*: whatever else changes the KV or must keep caches apart (model identity / cache
-namespace, the request's cache salt, later the content hashes of images inside the block).
+namespace, the request's cache salt, the content hashes of the images inside the block).
 
 Hence **equal hash ⇒ equal KV**: the same tokens after a different prefix, under a different
 model or salt, hash differently and never share a block. Hashes use sha256 over a fixed byte
@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from vllm_mlx.canonical import canonical_bytes
@@ -56,10 +56,13 @@ def hash_block(
 def compute_block_hashes(
     token_ids: Sequence[int],
     block_size: int,
-    extra_keys: tuple = (),
+    extra_keys: tuple | Callable[[int], tuple] = (),
     existing: list[bytes] | None = None,
 ) -> list[bytes]:
     """Chained hashes of every FULL block of ``token_ids`` (a trailing partial block has none).
+
+    ``extra_keys`` is one tuple for every block, or a function of the block index returning
+    that block's tuple (e.g. with the hashes of the images inside the block).
 
     With ``existing`` (hashes of this same token sequence's first blocks, same ``extra_keys``),
     only the blocks after them are hashed: ``existing`` is extended in place and returned, so a
@@ -73,7 +76,8 @@ def compute_block_hashes(
         raise ValueError(f"{len(hashes)} existing hashes but only {num_full} full blocks")
     parent = hashes[-1] if hashes else None
     for i in range(len(hashes), num_full):
-        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys)
+        keys = extra_keys(i) if callable(extra_keys) else extra_keys
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], keys)
         hashes.append(parent)
     return hashes
 
@@ -186,5 +190,14 @@ class BlockAwarePrefixCache(PrefixCacheManager):
     def _request_hashes(self, request: Request) -> list[bytes]:
         hashes = self._hashes.setdefault(request.request_id, [])
         if len(hashes) < request.num_tokens // self.block_size:  # a block filled up since
-            compute_block_hashes(request.all_token_ids, self.block_size, self.extra_keys(request.cache_salt), hashes)
+            compute_block_hashes(request.all_token_ids, self.block_size, self._block_keys(request), hashes)
         return hashes
+
+    def _block_keys(self, request: Request) -> tuple | Callable[[int], tuple]:
+        """Per-block extra keys: namespace and salt, plus the hashes of the images a block
+        holds (with the chaining, every later block depends on them too)."""
+        base = self.extra_keys(request.cache_salt)
+        mm = request.mm_input
+        if mm is None:
+            return base
+        return lambda block: base + mm.block_extra_keys(block, self.block_size)

@@ -11,6 +11,10 @@ import math
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum, auto
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm_mlx.multimodal import MultiModalInput
 
 MAX_LOGPROBS = 20
 _FLOAT_FIELDS = (
@@ -239,6 +243,8 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: str | None = None
     """Folded into prefix-cache block hashes: different salts never share blocks."""
+    mm_input: MultiModalInput | None = None
+    """The prompt's images (placeholders, hashes, rotary positions); None for text prompts."""
 
     # Mutable state, owned by the scheduler.
     status: RequestStatus = RequestStatus.WAITING

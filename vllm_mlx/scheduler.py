@@ -93,6 +93,9 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    """Requests whose work failed in the runner (e.g. the vision encoder rejected an image):
+    they were left out of the forward and finish with FINISHED_ERROR; the batch goes on."""
 
 
 class Scheduler:
@@ -253,6 +256,11 @@ class Scheduler:
             request = scheduled.request
             if self.requests.get(request.request_id) is not request:
                 continue  # finished or aborted meanwhile
+            error = runner_output.errors.get(request.request_id)
+            if error is not None:  # its KV was not computed: nothing to cache
+                request.error(error)
+                advanced.append(request)
+                continue
             samples = scheduled.samples
             request.num_computed_tokens += scheduled.num_new_tokens
             self.prefix_cache.cache_computed_blocks(request, scheduled.num_computed_tokens)

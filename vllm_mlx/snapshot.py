@@ -8,6 +8,7 @@ per distinct token tuple (memoised).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from vllm_mlx.paged_cache import PagedCacheManager
 from vllm_mlx.scheduler import Scheduler
@@ -17,12 +18,16 @@ _TEXT_MEMO_SIZE = 8192
 
 
 class CacheSnapshotter:
-    """Builds ``cache_snapshot()`` dicts: ``blocks``, ``requests``, ``free_queue``, ``stats``."""
+    """Builds ``cache_snapshot()`` dicts: ``blocks``, ``requests``, ``free_queue``, ``stats``,
+    and ``mllm`` (``{"entries": [...], "stats": {...}}`` from ``mllm_snapshot``)."""
 
-    def __init__(self, kv_cache: PagedCacheManager, scheduler: Scheduler, tokenizer) -> None:
+    def __init__(
+        self, kv_cache: PagedCacheManager, scheduler: Scheduler, tokenizer, mllm_snapshot: Callable[[], dict]
+    ) -> None:
         self.kv_cache = kv_cache
         self.scheduler = scheduler
         self.tokenizer = tokenizer
+        self.mllm_snapshot = mllm_snapshot
         self._texts: OrderedDict[tuple[int, ...], str] = OrderedDict()
 
     def snapshot(self, include_blocks: bool = True) -> dict:
@@ -47,6 +52,7 @@ class CacheSnapshotter:
             "requests": requests,
             "free_queue": kv["free_queue"],
             "stats": stats,
+            "mllm": self.mllm_snapshot(),
         }
 
     def _fill_block_tokens(self, blocks: list[dict], requests: dict) -> None:

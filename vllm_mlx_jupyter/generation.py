@@ -20,6 +20,10 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm_mlx.engine_core import PreparedPrompt
 
 QUEUED, PREFILLING, GENERATING = "queued", "prefilling", "generating"
 DONE, ABORTED, ERROR = "done", "aborted", "error"
@@ -60,7 +64,7 @@ class Generation:
         self.state = QUEUED
         self.output = None
         self.error: BaseException | None = None
-        self.prompt: str | list[int] | None = None
+        self.prompt: str | list[int] | PreparedPrompt | None = None
         self.num_prompt_tokens: int | None = None
         self.submitted_at: float | None = None
         self._engine = engine
@@ -114,8 +118,9 @@ class Generation:
             if self._cancelled or self._stream is not None:
                 return
             self.prompt = self._build_prompt()
-            if isinstance(self.prompt, list):
-                self.num_prompt_tokens = len(self.prompt)
+            token_ids = getattr(self.prompt, "token_ids", self.prompt)  # a PreparedPrompt has them
+            if isinstance(token_ids, list):
+                self.num_prompt_tokens = len(token_ids)
             self.submitted_at = time.monotonic()
             self._stream = self._engine.add_request(self.prompt, self.params, self.request_id)
 

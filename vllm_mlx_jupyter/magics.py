@@ -85,7 +85,8 @@ class GenerateMagics(Magics):
     @argument("--system", help="system prompt")
     @argument("--chat", metavar="SESSION", help="multi-turn: earlier turns of SESSION are prepended")
     @argument("--raw", action="store_true", help="send the cell as is (no chat template)")
-    @argument("--image", action="append", metavar="PATH_OR_VAR", help="an image (not supported by the engine yet)")
+    @argument("--image", action="append", metavar="PATH_OR_VAR",
+              help="an image before the text: a notebook variable (PIL image, bytes, path) or a path/URL (repeatable)")  # fmt: skip
     @argument("--wait", action="store_true", help="block until done (an interrupt aborts)")
     @argument("--format", choices=FORMATS, help="how to show the text")
     @argument("--raw-braces", action="store_true", help="no {name} interpolation")
@@ -99,8 +100,7 @@ class GenerateMagics(Magics):
         ``.text``, ``.done``, ``.result(timeout)``, ``.cancel()``, ``.output`` and is awaitable.
         """
         args = _parse(self.generate, line)
-        if args.image:
-            self._refuse_images(args.image)
+        images = [self._image(name) for name in args.image or []]
         prompt = cell.strip("\n") if args.raw else cell.strip()
         if not prompt:
             raise UsageError("%%generate: the cell is empty; write the prompt in the cell body")
@@ -113,7 +113,7 @@ class GenerateMagics(Magics):
         try:
             gen = self.session.generate(
                 prompt, params, name=args.name, chat=args.chat, system=system, raw=args.raw,
-                format=args.format or self.format, interval=self.update_interval,
+                format=args.format or self.format, interval=self.update_interval, images=images,
             )  # fmt: skip
         except SessionError as exc:
             raise UsageError(str(exc)) from None
@@ -143,12 +143,16 @@ class GenerateMagics(Magics):
         except ValueError as exc:
             raise UsageError(f"%%generate: {exc}") from None
 
-    def _refuse_images(self, images: list[str]) -> None:
-        for image in images:
-            if image not in self.shell.user_ns and not Path(image).expanduser().exists():
-                raise UsageError(f"--image {image}: no such file, and no variable of that name")
-        raise UsageError("--image: images are not supported yet (the engine has no vision-language path); "
-                         "drop --image to generate from text")  # fmt: skip
+    def _image(self, name: str):
+        """``--image NAME``: the notebook variable NAME, else NAME as a path or URL."""
+        if name.isidentifier() and name in self.shell.user_ns:
+            return self.shell.user_ns[name]
+        if name.startswith("data:") or "://" in name:
+            return name  # a URL: fetched (and checked) when the prompt is prepared
+        path = Path(name).expanduser()
+        if not path.exists():
+            raise UsageError(f"--image {name}: no such file, and no variable of that name")
+        return str(path)
 
     def _ensure_loaded(self) -> None:
         if self.session.loaded:

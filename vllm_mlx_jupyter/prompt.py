@@ -45,15 +45,29 @@ class ChatSession:
     pending: object = field(default=None, repr=False)
     """The latest turn's ``Generation``: the next turn waits for it."""
 
-    def conversation(self, user: str) -> list[dict]:
-        """The messages of the next turn: system (if any), history, then ``user``."""
+    def conversation(self, user: str | list[dict]) -> list[dict]:
+        """The messages of the next turn: system (if any), history, then ``user`` (text, or
+        content parts with images; a turn's images stay in the history)."""
         system = [{"role": "system", "content": self.system}] if self.system else []
         return [*system, *self.messages, {"role": "user", "content": user}]
 
-    def record(self, user: str, assistant: str) -> None:
+    def record(self, user: str | list[dict], assistant: str) -> None:
         self.messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
 
     def transcript(self) -> str:
         lines = [f"[system] {self.system}"] if self.system else []
-        lines += [f"[{m['role']}] {m['content']}" for m in self.messages]
+        lines += [f"[{m['role']}] {_content_text(m['content'])}" for m in self.messages]
         return "\n".join(lines) if lines else f"(chat session {self.name!r} has no turns yet)"
+
+
+def user_content(prompt: str, images: list) -> str | list[dict]:
+    """A user turn: the text, or (with images) image parts first, then the text."""
+    if not images:
+        return prompt
+    return [*({"type": "image", "image": image} for image in images), {"type": "text", "text": prompt}]
+
+
+def _content_text(content: str | list[dict]) -> str:
+    if isinstance(content, str):
+        return content
+    return " ".join("[image]" if part["type"] == "image" else part["text"] for part in content)

@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable, Iterable
 
 from vllm_mlx_jupyter.generation import PREFILLING, QUEUED, Generation
-from vllm_mlx_jupyter.prompt import ChatSession
+from vllm_mlx.chat import split_chat_images
+from vllm_mlx_jupyter.prompt import ChatSession, user_content
 
 MONITOR_PERIOD = 0.25
 FINISHED_ROWS = 16  # finished generations the inspector keeps listing
@@ -132,8 +133,10 @@ class Session:
         raw: bool = False,
         format: str = "markdown",
         interval: float = 0.1,
+        images: list | None = None,
     ) -> Generation:
-        """Submit a prompt; returns its started ``Generation`` at once."""
+        """Submit a prompt (with ``images`` for a vision-language model: paths, URLs, bytes or
+        PIL images, placed before the text); returns its started ``Generation`` at once."""
         engine = self.require_engine()
         if chat is not None and raw:
             raise SessionError("--chat needs the chat template; it cannot be combined with --raw")
@@ -142,7 +145,7 @@ class Session:
         previous = self.generations.get(name)
         if previous is not None and not previous.done:
             raise SessionError(f"generation {name!r} is still running: abort it or choose another --name")
-        build, after, on_finish = self._prompt_plan(prompt, session, system, raw)
+        build, after, on_finish = self._prompt_plan(prompt, session, system, raw, list(images or []))
         gen = Generation(name, engine, params, build, after=after, on_finish=on_finish,
                          format=format, interval=interval)  # fmt: skip
         gen.start()
@@ -154,20 +157,40 @@ class Session:
         self._ensure_monitor()
         return gen
 
-    def _prompt_plan(self, prompt: str, session: ChatSession | None, system: str | None, raw: bool):
+    def _prompt_plan(self, prompt: str, session: ChatSession | None, system: str | None, raw: bool, images: list):
         """(build_prompt, after, on_finish) for a plain, raw or chat request."""
+        user = user_content(prompt, images)
         if session is not None:
             if system is not None:
                 session.system = system
             session.turns += 1
             after = session.pending if session.pending is not None and not session.pending.done else None
-            return (lambda: self.chat_token_ids(session.conversation(prompt)), after,
-                    lambda gen: session.record(prompt, gen.text))  # fmt: skip
+            return (lambda: self.chat_prompt(session.conversation(user)), after,
+                    lambda gen: session.record(user, gen.text))  # fmt: skip
         if raw or not self.has_chat_template:
             text = f"{system}\n\n{prompt}" if system else prompt
-            return (lambda: text), None, None
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        return (lambda: self.chat_token_ids(messages)), None, None
+            return (lambda: self._with_images(text, images)), None, None
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        return (lambda: self.chat_prompt(messages)), None, None
+
+    def chat_prompt(self, messages: list[dict]):
+        """Token ids of ``messages`` under the chat template, with their images prepared."""
+        chat = split_chat_images(messages)
+        if chat.images and not self.require_engine().supports_images:
+            raise SessionError(f"--image: the model {self.model!r} is text-only; images need a vision-language model")
+        return self._with_images(self.chat_token_ids(chat.messages), chat.images)
+
+    def _with_images(self, prompt: str | list[int], images: list):
+        """``prompt`` as is, or with images, loaded and preprocessed (``PreparedPrompt``)."""
+        if not images:
+            return prompt
+        try:
+            prepared = self.require_engine().prepare_prompt(prompt, images)
+        except ValueError as exc:  # e.g. a text-only model
+            raise SessionError(f"--image: {exc}") from None
+        if prepared.error is not None:
+            raise SessionError(f"--image: {prepared.error}")
+        return prepared
 
     def _next_name(self, session: ChatSession | None) -> str:
         while True:

@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                           help="apply the model's chat template, if it has one (default: on)")  # fmt: skip
     generate.add_argument("--stream", action="store_true", help="print text as it is generated")
+    generate.add_argument("--image", action="append", default=[], metavar="PATH_OR_URL",
+                          help="an image for every prompt (vision-language models; repeat for several)")  # fmt: skip
     generate.set_defaults(handler=run_generate)
 
     bench = commands.add_parser("bench", add_help=False, help="throughput and TTFT vs mlx-lm (see: bench --help)")
@@ -73,6 +75,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill long prompts in chunks between decode steps (default: on)")
     engine.add_argument("--weight-format", default="auto", choices=["auto", "quantized", "float32"],
                         help="auto: quantized on Metal/CUDA, float32 on the CPU backend")  # fmt: skip
+    engine.add_argument("--enable-mllm-cache", action=argparse.BooleanOptionalAction, default=True,
+                        help="vision-language models: reuse vision-encoder outputs of repeated images (default: on)")
+    engine.add_argument("--mllm-cache-memory", type=parse_bytes, default=None,
+                        help="bytes of vision-encoder outputs the MLLM cache may hold (default: 512M)")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -84,8 +90,9 @@ def engine_options(args: argparse.Namespace) -> dict:
         "enable_prefix_caching": args.enable_prefix_caching,
         "enable_chunked_prefill": args.enable_chunked_prefill,
         "weight_format": args.weight_format,
+        "enable_mllm_cache": args.enable_mllm_cache,
     }
-    for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len"):
+    for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len", "mllm_cache_memory"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     return options
@@ -122,18 +129,32 @@ def run_generate(args: argparse.Namespace) -> int:
     )  # fmt: skip
     llm = LLM(args.model, **engine_options(args))
     use_template = args.chat and llm.has_chat_template
-    prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) if use_template else p for p in args.prompts]
+    prompts = [_cli_prompt(llm, text, args.image, use_template) for text in args.prompts]
+    errors = []
     if args.stream and len(prompts) == 1:
         for output in llm.stream(prompts[0], params):
             print(output.new_text, end="", flush=True)
         print()
+        errors.append(output.error)
     else:
         for i, output in enumerate(llm.generate(prompts, params)):
             if len(prompts) > 1:
                 print(f"--- [{i}] {args.prompts[i]}")
             print(output.text)
+            errors.append(output.error)
     llm.shutdown()
-    return 0
+    for error in filter(None, errors):  # e.g. an unreadable image: that prompt alone failed
+        print(f"vllm-mlx: error: {error}", file=sys.stderr)
+    return 1 if any(errors) else 0
+
+
+def _cli_prompt(llm, text: str, images: list[str], use_template: bool) -> dict:
+    """One prompt of ``generate``: templated as a user turn (images first) when the model
+    has a chat template, else the raw text (the engine puts the images first)."""
+    if use_template:
+        parts = [{"type": "image_url", "image_url": {"url": image}} for image in images]
+        return llm.chat_prompt([{"role": "user", "content": [*parts, {"type": "text", "text": text}]}])
+    return {"prompt": text, "multi_modal_data": {"image": images}}
 
 
 def run_bench(args: argparse.Namespace, rest: list[str]) -> int:

@@ -52,21 +52,58 @@ def resolve_model(source: str | Path) -> Path:
 
 @dataclass
 class LoadedModel:
-    """An mlx-lm model with its tokenizer wrapper, config and the directory it came from."""
+    """A model with its tokenizer wrapper, config and the directory it came from.
+
+    ``model`` is an mlx-lm model, or for a vision-language model the
+    ``vllm_mlx.vlm_models.VisionLanguageModel`` adapter around the mlx-vlm model (then
+    ``vision`` is that same adapter; it is None for text models).
+    """
 
     model: Any
     tokenizer: Any
     config: dict
     path: Path
+    vision: Any = None
 
 
 def load_model(source: str | Path) -> LoadedModel:
-    """Resolve ``source`` and load it with mlx-lm."""
+    """Resolve ``source`` and load it: text models with mlx-lm, vision-language models with
+    mlx-vlm (directories whose config has a ``vision_config``)."""
     import mlx_lm
 
     path = resolve_model(source)
+    config = _read_config(path)
+    if config is not None:
+        from vllm_mlx.vlm_models import is_vision_language_config
+
+        if is_vision_language_config(config):
+            return _load_vision_language_model(path, config)
     try:
         model, tokenizer, config = mlx_lm.load(str(path), return_config=True)
     except (ValueError, FileNotFoundError, KeyError) as exc:
         raise ModelSourceError(f"cannot load the model in {path}: {exc}".splitlines()[0]) from exc
     return LoadedModel(model, tokenizer, config, path)
+
+
+def _read_config(path: Path) -> dict | None:
+    import json
+
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # mlx-lm's loader reports it
+
+
+def _load_vision_language_model(path: Path, config: dict) -> LoadedModel:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from vllm_mlx.vlm_models import load_vision_language_model
+
+    vision = load_vision_language_model(path, config)
+    eos = config.get("eos_token_id", config.get("text_config", {}).get("eos_token_id"))
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    hf_tokenizer = vision.tokenizer
+    if not getattr(hf_tokenizer, "chat_template", None):  # some VLMs keep it in chat_template.json
+        hf_tokenizer.chat_template = getattr(vision.processor, "chat_template", None)
+    tokenizer = TokenizerWrapper(hf_tokenizer, eos_token_ids=eos_ids)
+    return LoadedModel(vision, tokenizer, config, path, vision=vision)

@@ -22,6 +22,7 @@ from functools import lru_cache
 from pydantic import BaseModel
 
 from vllm_mlx.async_engine import AsyncEngineCore, EngineDeadError, RequestStream
+from vllm_mlx.engine_core import PreparedPrompt
 from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
 from vllm_mlx.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from vllm_mlx.request import RequestOutput, SamplingParams
@@ -55,13 +56,15 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int | None
     path: str
+    supports_images: bool = False
 
     @classmethod
     def read(cls, engine: AsyncEngineCore) -> ModelInfo:
         def info(core) -> ModelInfo:
             return cls(
-                core.tokenizer, core.max_model_len, core.model_config.get("vocab_size"), str(core.model_path)
-            )
+                core.tokenizer, core.max_model_len, core.model_config.get("vocab_size"), str(core.model_path),
+                supports_images=core.supports_images,
+            )  # fmt: skip
 
         return engine.call(info)
 
@@ -171,7 +174,7 @@ class OpenAIServing:
     # -- running requests ---------------------------------------------------------------------
 
     def submit(
-        self, prompts: list[list[int]], params: list[SamplingParams], prefix: str, cache_salt: str | None
+        self, prompts: list[list[int] | PreparedPrompt], params: list[SamplingParams], prefix: str, cache_salt: str | None
     ) -> list[RequestStream]:
         """Submit one engine request per prompt; ids are ``prefix`` (+ ``-i`` for a batch)."""
         streams: list[RequestStream] = []

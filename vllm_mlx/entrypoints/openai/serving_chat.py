@@ -8,8 +8,12 @@ optional usage chunk (``stream_options.include_usage``) and ``data: [DONE]``.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
+
+from vllm_mlx.chat import ChatPrompt, split_chat_images
+from vllm_mlx.engine_core import PreparedPrompt
 
 from vllm_mlx.entrypoints.openai.protocol import (
     AssistantMessage,
@@ -20,9 +24,7 @@ from vllm_mlx.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatLogprob,
     ChatLogprobs,
-    ChatMessage,
     DeltaMessage,
-    ImagePart,
     TopLogprob,
 )
 from vllm_mlx.entrypoints.openai.serving import (
@@ -42,14 +44,17 @@ class ChatServing(OpenAIServing):
         """A response model, or (``stream=True``) an async iterator of SSE lines."""
         self.check_model(req.model)
         _check_supported(req)
-        messages = [_message_dict(m) for m in req.messages]
-        token_ids = await self.run_tokenizer(self._apply_template, messages, req.add_generation_prompt)
+        chat = self._split_images(req)
+        token_ids = await self.run_tokenizer(self._apply_template, chat.messages, req.add_generation_prompt)
+        prompt = await self._with_images(token_ids, chat.images) if chat.images else token_ids
+        if isinstance(prompt, PreparedPrompt):
+            token_ids = prompt.token_ids
         self.check_prompt(token_ids, param="messages")
         top_k = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, max_tokens, len(token_ids), top_k)
         request_id = new_id("chatcmpl")
-        streams = self.submit([token_ids], [params], request_id, req.cache_salt)
+        streams = self.submit([prompt], [params], request_id, req.cache_salt)
         if req.stream:
             first, rest = await self.first_output(streams, raw_request)
             return self._stream(req, request_id, top_k, first, rest)
@@ -64,6 +69,28 @@ class ChatServing(OpenAIServing):
             for c in final.outputs
         ]
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage_of([final]))
+
+    def _split_images(self, req: ChatCompletionRequest) -> ChatPrompt:
+        """The messages for the template and the images of their ``image_url`` parts."""
+        chat = split_chat_images([m.model_dump(exclude_none=True) for m in req.messages])
+        if chat.images and not self.info.supports_images:
+            raise OpenAIError(
+                400,
+                "This model is text-only: image content parts need a vision-language model.",
+                param="messages",
+                code="unsupported_content",
+            )
+        return chat
+
+    async def _with_images(self, token_ids: list[int], images: list) -> PreparedPrompt:
+        """Load and preprocess the images off the event loop (a URL fetch may take seconds)."""
+        try:
+            prepared = await asyncio.to_thread(self.engine.prepare_prompt, token_ids, images)
+        except ValueError as exc:  # e.g. placeholders the template wrote vs images sent
+            raise OpenAIError(400, str(exc), param="messages") from None
+        if prepared.error is not None:
+            raise OpenAIError(400, f"Invalid image: {prepared.error}", param="messages", code="invalid_image")
+        return prepared
 
     def _apply_template(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -140,22 +167,3 @@ def _check_supported(req: ChatCompletionRequest) -> None:
         )
     if req.top_logprobs and not req.logprobs:
         raise OpenAIError(400, "top_logprobs requires logprobs: true.", param="top_logprobs")
-
-
-def _message_dict(message: ChatMessage) -> dict:
-    """A message for the chat template: text parts joined; image parts refused (VLMs come later)."""
-    content = message.content
-    if isinstance(content, list):
-        if any(isinstance(part, ImagePart) for part in content):
-            raise OpenAIError(
-                400,
-                "Image content parts are not supported yet: this server runs text-only models "
-                "(vision-language support is planned). Send text content only.",
-                param="messages",
-                code="unsupported_content",
-            )
-        content = "\n".join(part.text for part in content)
-    out = {"role": message.role, "content": content or ""}
-    if message.name is not None:
-        out["name"] = message.name
-    return out

@@ -1,0 +1,67 @@
+"""OpenAI-style chat messages -> what a chat template renders, plus the images, in order.
+
+A message's ``content`` is a string or a list of parts. Parts are ``{"type": "text", "text": ...}``,
+OpenAI's ``{"type": "image_url", "image_url": {"url": ...}}`` (or ``"image_url": "..."``), or the
+Hugging Face / vLLM style ``{"type": "image", "image": <path, bytes, URL or PIL image>}``.
+
+Templates of vision-language models place an image wherever a ``{"type": "image"}`` part sits;
+templates of text models expect string content. So image parts become ``{"type": "image"}``
+(the image itself goes to the list returned beside the messages), and a message without images
+has its text parts joined into one string, which every template accepts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm_mlx.images import ImageSource
+
+__all__ = ["ChatPrompt", "split_chat_images"]
+
+
+@dataclass
+class ChatPrompt:
+    """Messages ready for a chat template, and the images their image parts stood for."""
+
+    messages: list[dict]
+    images: list[ImageSource] = field(default_factory=list)
+
+
+def split_chat_images(messages: list[dict]) -> ChatPrompt:
+    """Take the images out of ``messages`` (in order) and normalise the content parts.
+
+    Raises:
+        ValueError: A content part of an unknown type, or an image part without an image.
+    """
+    images: list[ImageSource] = []
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = [_template_part(part, images) for part in content]
+            if all(p["type"] == "text" for p in parts):
+                content = "\n".join(p["text"] for p in parts)
+            else:
+                content = parts
+        out.append({**message, "content": content if content is not None else ""})
+    return ChatPrompt(out, images)
+
+
+def _template_part(part: dict, images: list[ImageSource]) -> dict:
+    kind = part.get("type")
+    if kind == "text":
+        return {"type": "text", "text": str(part.get("text", ""))}
+    if kind == "image_url":
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not url:
+            raise ValueError("an image_url content part needs a url")
+        images.append(url)
+        return {"type": "image"}
+    if kind == "image":
+        image = part.get("image", part.get("url"))
+        if image is None:
+            raise ValueError("an image content part needs an 'image' (path, bytes, URL or PIL image)")
+        images.append(image)
+        return {"type": "image"}
+    raise ValueError(f"unsupported content part type {kind!r} (use 'text', 'image_url' or 'image')")

@@ -1,0 +1,123 @@
+"""A request's images: where they sit in the prompt, what identifies them, how positions run.
+
+A multimodal prompt is token ids in which every image occupies a run of placeholder tokens (the
+model's image token, repeated once per vision feature). The placeholders themselves are all the
+same id, so three things cannot come from the token ids alone and live here:
+
+* **Identity.** Each image carries the content hash of its decoded pixels and the processor's
+  settings. The hashes of the images overlapping a KV block go into that block's prefix-cache
+  extra keys; with the chained block hashes, every block from an image onwards is shared only
+  by requests with the same images in the same order.
+* **Features.** The runner replaces the placeholders' embeddings by the vision encoder's output,
+  fetched from the MLLM cache or computed once per request prefill.
+* **Positions.** Qwen2-VL style models rotate with three position axes (time, height, width):
+  an image's features get 2-D grid positions and the text after it continues from the largest
+  one. ``MultiModalInput.positions`` precomputes them for the prompt; a generated token at index
+  ``i`` sits at ``i + rope_delta`` on every axis.
+
+Plain data plus numpy: no MLX arrays are made here (``features`` is filled by the runner, on the
+engine thread).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ImageInput", "MultiModalInput", "mrope_positions"]
+
+
+@dataclass(eq=False)
+class ImageInput:
+    """One image of a prompt, processed and placed."""
+
+    image_hash: str
+    """Content hash of the decoded pixels and processor settings (``images.image_content_hash``)."""
+    image: Any
+    """The decoded RGB ``PIL.Image`` (thumbnails for the cache inspector)."""
+    pixel_values: np.ndarray
+    """The image processor's output for this image alone."""
+    offset: int
+    """Index of the image's first placeholder token in the prompt."""
+    num_tokens: int
+    """Placeholder tokens (= vision features) the image occupies."""
+    grid: tuple[int, int, int] | None = None
+    """(t, h, w) in patches, for encoders that need the grid (Qwen2-VL)."""
+    features: Any = None
+    """The encoder output (``[num_tokens, hidden]``) while the request is prefilling."""
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.num_tokens
+
+
+@dataclass(eq=False)
+class MultiModalInput:
+    """The images of one prompt, in prompt order, and the prompt's rotary positions."""
+
+    images: list[ImageInput] = field(default_factory=list)
+    positions: np.ndarray | None = None
+    """``[3, num_prompt_tokens]`` multi-axis positions, or None for 1-D rotary models."""
+    rope_delta: int = 0
+    """Position of token ``i`` past the prompt is ``i + rope_delta`` (on every axis)."""
+
+    def block_extra_keys(self, block_index: int, block_size: int) -> tuple:
+        """Hashes, in order, of the images whose placeholders overlap block ``block_index``."""
+        start, end = block_index * block_size, (block_index + 1) * block_size
+        return tuple(im.image_hash for im in self.images if im.offset < end and im.end > start)
+
+    def position_ids(self, start: int, count: int) -> np.ndarray:
+        """``[3, count]`` positions of tokens ``start .. start + count - 1``."""
+        index = np.arange(start, start + count, dtype=np.int64)
+        out = np.broadcast_to(index + self.rope_delta, (3, count)).copy()
+        if self.positions is not None:
+            in_prompt = index < self.positions.shape[1]
+            out[:, in_prompt] = self.positions[:, index[in_prompt]]
+        return out
+
+    def overlaps(self, start: int, count: int) -> list[tuple[ImageInput, int, int]]:
+        """``(image, lo, hi)`` for each image with placeholders in tokens ``[start, start + count)``:
+        prompt indices ``lo .. hi - 1`` hold that image's features ``lo - offset .. hi - offset - 1``."""
+        end = start + count
+        found = []
+        for image in self.images:
+            lo, hi = max(start, image.offset), min(end, image.end)
+            if lo < hi:
+                found.append((image, lo, hi))
+        return found
+
+    def done_with_images(self, num_computed: int) -> bool:
+        """True once every placeholder is in the KV cache: no image feature is needed again
+        unless the request is preempted and recomputed."""
+        return all(image.end <= num_computed for image in self.images)
+
+
+def mrope_positions(
+    num_tokens: int, images: list[ImageInput], spatial_merge_size: int
+) -> tuple[np.ndarray, int]:
+    """``(positions [3, num_tokens], rope_delta)`` for Qwen2-VL style multi-axis rotary.
+
+    Text tokens advance all three axes together. An image's placeholders form its merged patch
+    grid (t, h/m, w/m) laid out row-major: each gets (t_i, h_i, w_i) plus the position where the
+    image starts. The text after an image resumes one past the largest position used so far.
+    """
+    positions = np.zeros((3, num_tokens), dtype=np.int64)
+    next_pos = 0
+    cursor = 0
+    for image in sorted(images, key=lambda im: im.offset):
+        text = image.offset - cursor
+        positions[:, cursor : image.offset] = next_pos + np.arange(text)
+        next_pos += text
+        t, h, w = image.grid
+        h, w = h // spatial_merge_size, w // spatial_merge_size
+        if t * h * w != image.num_tokens:
+            raise ValueError(f"image grid {image.grid} gives {t * h * w} features, not {image.num_tokens}")
+        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+        positions[:, image.offset : image.end] = next_pos + np.stack([tt.ravel(), hh.ravel(), ww.ravel()])
+        next_pos += max(t, h, w)
+        cursor = image.end
+    positions[:, cursor:] = next_pos + np.arange(num_tokens - cursor)
+    last = int(positions.max()) if num_tokens else -1
+    return positions, last + 1 - num_tokens

@@ -430,7 +430,7 @@ class EngineCore:
         and ``"mllm"`` (the multimodal cache's stats) for a vision-language model."""
         stats = {"scheduler": self.scheduler.stats(), "kv_cache": self.kv_cache.stats().to_dict()}
         if self.vision is not None:
-            stats["mllm"] = self._mllm_snapshot()["stats"]
+            stats["mllm"] = self._mllm_stats()
         return stats
 
     def cache_snapshot(self, include_blocks: bool = True) -> dict:
@@ -439,15 +439,14 @@ class EngineCore:
         return self.snapshotter.snapshot(include_blocks)
 
     def _mllm_snapshot(self) -> dict:
-        """The MLLM cache's entries and stats, plus the vision-encoder runs so far (an engine
-        without a vision model, or with the cache off, has no entries)."""
-        if self.mllm_cache is not None:
-            snapshot = self.mllm_cache.snapshot()
-        else:
-            snapshot = {"entries": [], "stats": MLLMCacheStats().to_dict()}
-        snapshot["stats"]["enabled"] = self.mllm_cache is not None
-        snapshot["stats"]["encoder_runs"] = self.runner.vision_encoder_runs
-        return snapshot
+        """The MLLM cache's entries (none for a text model, or with the cache off) and stats."""
+        entries = self.mllm_cache.snapshot()["entries"] if self.mllm_cache is not None else []
+        return {"entries": entries, "stats": self._mllm_stats()}
+
+    def _mllm_stats(self) -> dict:
+        """The MLLM cache's counters, whether it is on, and the vision-encoder runs so far."""
+        stats = self.mllm_cache.stats() if self.mllm_cache is not None else MLLMCacheStats()
+        return {**stats.to_dict(), "enabled": self.mllm_cache is not None, "encoder_runs": self.runner.vision_encoder_runs}
 
     def reset_prefix_cache(self) -> bool:
         """Forget the hashes of unreferenced blocks (blocks in use keep theirs)."""

@@ -91,7 +91,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "VLMCacheStats": ("mllm_cache", "MLLMCacheStats"),
     "get_registry": ("model_registry", "get_registry"),
     "ModelOwnershipError": ("model_registry", "ModelOwnershipError"),
-    # torch and vllm are imported only by these modules.
+    # The vLLM platform plugin: torch and vllm are imported only by these two modules.
     "MLXPlatform": ("vllm_platform", "MLXPlatform"),
     "MLXWorker": ("worker", "MLXWorker"),
     "MLXModelRunner": ("model_runner", "MLXModelRunner"),
@@ -99,6 +99,9 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     # High-level offline API; not part of the seed's __all__.
     "LLM": ("llm", "LLM"),
 }
+
+# Names whose modules import torch and vllm (the `vllm` extra).
+_NEEDS_VLLM = frozenset({"MLXPlatform", "MLXWorker"})
 
 
 def __getattr__(name: str):
@@ -117,6 +120,12 @@ def __getattr__(name: str):
     try:
         module = importlib.import_module(qualified)
     except ModuleNotFoundError as exc:
+        if name in _NEEDS_VLLM and (exc.name or "").split(".")[0] in ("vllm", "torch"):
+            raise ImportError(
+                f"vllm_mlx.{name} is part of the vLLM platform plugin, which needs vLLM "
+                f"(missing: {exc.name}); install it with: pip install \"vllm-mlx[vllm]\"",
+                name=qualified,
+            ) from exc
         if exc.name != qualified:
             raise  # a dependency of the submodule is missing: keep its message
         raise ImportError(

@@ -19,8 +19,6 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
-import atexit
-import functools
 import itertools
 import queue
 import threading
@@ -32,32 +30,8 @@ from dataclasses import dataclass, field
 from vllm_mlx.engine_core import EngineConfig, EngineCore, PreparedPrompt
 from vllm_mlx.errors import VllmMlxError
 from vllm_mlx.images import ImageSource
+from vllm_mlx.mlx_threads import clear_streams_at_exit, clear_thread_streams, create_random_state_here
 from vllm_mlx.request import RequestOutput, SamplingParams
-
-
-def _clear_thread_streams() -> None:
-    """MLX wants every thread that used it to destroy its streams before it ends (and the main
-    thread before interpreter exit): a stream thread still alive at exit aborts the process
-    ("terminate called without an active exception", exit status 134; ml-explore/mlx#3126)."""
-    import mlx.core as mx
-
-    mx.synchronize()
-    mx.clear_streams()
-
-
-@functools.cache
-def _clear_streams_at_exit() -> None:
-    atexit.register(_clear_thread_streams)  # runs on the main thread, before finalization
-
-
-def _create_mlx_random_state_here() -> None:
-    """MLX's global random state, created first on the engine thread, was seen to abort the
-    process at exit ("terminate called without an active exception") under uvicorn; mlx-lm
-    creates it at import. Creating it on the thread that starts the engine avoids that."""
-    import mlx.core as mx
-    import mlx_lm.sample_utils  # noqa: F401
-
-    mx.random.state  # noqa: B018 - touching it creates it
 
 
 class EngineDeadError(VllmMlxError):
@@ -207,8 +181,8 @@ class AsyncEngineCore:
         """
         with self._lock:
             if self._thread is None:
-                _create_mlx_random_state_here()
-                _clear_streams_at_exit()
+                create_random_state_here()
+                clear_streams_at_exit()
                 self._thread = threading.Thread(target=self._run, name="vllm-mlx-engine", daemon=True)
                 self._thread.start()
         self._ready.wait()
@@ -388,7 +362,7 @@ class AsyncEngineCore:
         except BaseException as exc:  # noqa: BLE001 - delivered to every waiting caller
             error = exc
         self._close(error)
-        _clear_thread_streams()
+        clear_thread_streams()
 
     def _serve(self) -> None:
         """Apply commands and step until asked to stop; block on the queue when idle."""

@@ -124,13 +124,13 @@ class MLXWorker(WorkerBase):
     # -- start-up, in vLLM's order ------------------------------------------------------------
 
     def init_device(self) -> None:
-        from vllm_mlx.async_engine import _clear_streams_at_exit, _create_mlx_random_state_here
+        from vllm_mlx.mlx_threads import clear_streams_at_exit, create_random_state_here
 
         self.device = torch.device("cpu")
         self._thread = threading.current_thread()
-        _create_mlx_random_state_here()
+        create_random_state_here()
         if self._thread is threading.main_thread():
-            _clear_streams_at_exit()
+            clear_streams_at_exit()
         _quiet_accelerator_cache_calls()
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
@@ -313,10 +313,9 @@ class MLXWorker(WorkerBase):
         self.runner = self.loaded = None
         self.states.clear()
         if self._thread is threading.current_thread() and self._thread is not threading.main_thread():
-            import mlx.core as mx
+            from vllm_mlx.mlx_threads import clear_thread_streams
 
-            mx.synchronize()
-            mx.clear_streams()
+            clear_thread_streams()
 
 
 def activation_dtype(model) -> str:

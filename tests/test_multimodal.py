@@ -392,3 +392,17 @@ def test_notebook_image_cells_and_a_chat_that_keeps_its_image(tiny_qwen2_vl_dir)
         assert second.output.num_cached_tokens >= len(first.output.prompt_token_ids) - 4
     finally:
         shell.run_line_magic("unload_ext", "vllm_mlx_jupyter")
+
+
+def test_the_cache_inspector_shows_the_cached_image(qwen):
+    pytest.importorskip("anywidget")
+    from vllm_mlx_jupyter.inspector import CacheInspector
+
+    run(qwen, [("Inspect me.", [picture(90, (120, 80))])])
+    inspector = CacheInspector(qwen, interval=3600)  # refreshes once now; the engine is not shared
+    try:
+        entry = next(e for e in inspector.mllm if (e["width"], e["height"]) == (120, 80))
+        thumbnail = Image.open(io.BytesIO(base64.b64decode(entry["thumbnail_base64"])))
+        assert thumbnail.size == (96, 64) and len(entry["hash"]) == 12
+    finally:
+        inspector.close()

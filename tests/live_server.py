@@ -1,18 +1,22 @@
-"""uvicorn on a free 127.0.0.1 port in a background thread, for the server tests."""
+"""Servers in tests: uvicorn on a free 127.0.0.1 port in a thread, and waiting for a server
+subprocess to answer ``/health``."""
 
 from __future__ import annotations
 
 import socket
 import threading
 import time
+import urllib.request
 
-import uvicorn
+import pytest
 
 
 class LiveServer:
     """uvicorn serving ``app`` on a free loopback port, in a daemon thread."""
 
     def __init__(self, app) -> None:
+        import uvicorn
+
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
@@ -27,3 +31,25 @@ class LiveServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+def wait_for_health(proc, port: int, log_path, timeout: float, what: str = "the server") -> None:
+    """Poll ``http://127.0.0.1:PORT/health`` until it answers 200; fail the test (with the tail
+    of ``log_path``) if ``proc`` exits first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"{what} exited with {proc.returncode}:\n{_tail(log_path)}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.25)
+    pytest.fail(f"{what} did not answer /health in {timeout} s:\n{_tail(log_path)}")
+
+
+def _tail(path, chars: int = 4000) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()[-chars:]

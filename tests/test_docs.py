@@ -33,11 +33,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from live_server import wait_for_health
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -215,19 +214,7 @@ def background_server(block: Block, port: int, cwd: Path, env: dict):
             start_new_session=True,
         )  # fmt: skip
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"{block.where}: `{command}` exited with {proc.returncode}:\n{log_path.read_text()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"{block.where}: the server did not come up:\n{log_path.read_text()}")
-            time.sleep(0.25)
+        wait_for_health(proc, port, log_path, timeout=180, what=f"{block.where}: `{command}`")
         yield
     finally:
         with contextlib.suppress(ProcessLookupError):

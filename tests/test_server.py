@@ -25,7 +25,7 @@ from vllm_mlx import SamplingParams  # noqa: E402
 from vllm_mlx.async_engine import AsyncEngineCore  # noqa: E402
 from vllm_mlx.entrypoints.cli import build_parser  # noqa: E402
 from vllm_mlx.entrypoints.openai.server import build_app  # noqa: E402
-from live_server import LiveServer  # noqa: E402
+from live_server import LiveServer, wait_for_health  # noqa: E402
 
 MODEL = "tiny"
 API_KEY = "sk-test-key"
@@ -447,16 +447,7 @@ def test_vllm_mlx_serve_default_model(default_model_dir, tmp_path):
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, open(tmp_path / "server.log").read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_for_health(proc, port, tmp_path / "server.log", timeout=120, what="vllm-mlx serve")
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
         reply = client.chat.completions.create(
             model="smol",

@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -26,6 +25,8 @@ import pytest
 # Before vLLM reads its environment (it caches it once an engine starts).
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'vllm-mlx[vllm]'")
+
+from live_server import wait_for_health  # noqa: E402
 
 from vllm_mlx import EngineCore  # noqa: E402
 from vllm_mlx import SamplingParams as OurParams  # noqa: E402
@@ -221,20 +222,6 @@ def post_json(url: str, body: dict) -> dict:
         return json.load(response)
 
 
-def wait_for_health(proc: subprocess.Popen, port: int, log: Path, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    pytest.fail(f"vllm serve did not answer /health in {timeout} s:\n{log.read_text()[-4000:]}")
-
-
 def stop(proc: subprocess.Popen) -> int:
     """SIGTERM to the server's PID (it stops its engine-core child); SIGKILL the group if stuck."""
     proc.send_signal(signal.SIGTERM)
@@ -258,7 +245,7 @@ def test_vllm_serve_answers_completions(vllm_model_dir, tmp_path):
     with open(log, "w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        wait_for_health(proc, port, log)
+        wait_for_health(proc, port, log, timeout=240, what="vllm serve")
         body = {
             "model": str(vllm_model_dir), "prompt": SERVE_PROMPT, "max_tokens": 8, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True,

@@ -267,11 +267,12 @@ class AsyncEngineCore:
         self._submit(_Add(request_id, prompt, params, cache_salt, stream))
         return stream
 
-    @property
-    def supports_images(self) -> bool:
-        """True when the loaded model is a vision-language model."""
+    def check_images(self, images: Sequence[ImageSource]) -> None:
+        """``EngineCore.check_images``: ``ValueError`` for images sent to a text-only model."""
         engine = self.engine
-        return engine is not None and engine.supports_images
+        if engine is None or not self.is_running:
+            raise self._dead_error(self._error)
+        engine.check_images(images)
 
     def prepare_prompt(self, prompt: str | list[int], images: Sequence[ImageSource] | None = None) -> PreparedPrompt:
         """``EngineCore.prepare_prompt`` on the calling thread (tokenizer and image processor

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from vllm_mlx.images import ImageSource
 
-__all__ = ["ChatPrompt", "split_chat_images"]
+__all__ = ["ChatPrompt", "split_chat_images", "template_token_ids"]
 
 
 @dataclass
@@ -65,3 +65,12 @@ def _template_part(part: dict, images: list[ImageSource]) -> dict:
         images.append(image)
         return {"type": "image"}
     raise ValueError(f"unsupported content part type {kind!r} (use 'text', 'image_url' or 'image')")
+
+
+def template_token_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """``messages`` under ``tokenizer``'s chat template, as a list of int token ids (some
+    tokenizers return a ``BatchEncoding`` rather than a list)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]

@@ -275,21 +275,23 @@ class EngineCore:
                 placeholder count that differs from the number of images.
         """
         images = list(images or [])
-        if images and not self.supports_images:
-            raise ValueError(f"the model in {self.model_path} is text-only; image inputs need a vision-language model")
-        if images and isinstance(prompt, str) and self._count_placeholders(prompt) == 0:
-            prompt = self.vision.image_placeholder_text * len(images) + prompt
+        self.check_images(images)
         text, token_ids = self._encode(prompt)
         if not images:
             return PreparedPrompt(text, token_ids)
+        if isinstance(prompt, str) and self.vision.image_token_id not in token_ids:
+            text, token_ids = self._encode(self.vision.image_placeholder_text * len(images) + prompt)
         try:
             expanded, mm_input = self.vision.prepare(token_ids, images)
         except ImageInputError as exc:
             return PreparedPrompt(text, token_ids, error=str(exc))
         return PreparedPrompt(text, expanded, mm_input)
 
-    def _count_placeholders(self, text: str) -> int:
-        return list(self.tokenizer.encode(text, add_special_tokens=False)).count(self.vision.image_token_id)
+    def check_images(self, images: Sequence[ImageSource]) -> None:
+        """Raise ``ValueError`` if there are images and the model is text-only (before a chat
+        template, which may not accept image parts at all, sees them)."""
+        if images and not self.supports_images:
+            raise ValueError(f"the model in {self.model_path} is text-only; image inputs need a vision-language model")
 
     def _admit(self, group: _Group) -> None:
         """Queue a group's completions. With prefix caching, siblings of an ``n > 1`` request

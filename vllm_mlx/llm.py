@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from vllm_mlx.chat import split_chat_images
+from vllm_mlx.chat import split_chat_images, template_token_ids
 from vllm_mlx.engine_core import EngineConfig, EngineCore
 from vllm_mlx.request import RequestOutput, SamplingParams
 
@@ -170,8 +170,7 @@ class LLM:
             ValueError: No chat template, a bad content part, or images for a text-only model.
         """
         chat = split_chat_images(messages)
-        if chat.images and not self.engine.supports_images:
-            raise ValueError(f"the model in {self.model_path} is text-only; image inputs need a vision-language model")
+        self.engine.check_images(chat.images)
         token_ids = self.apply_chat_template(chat.messages, add_generation_prompt)
         return {"prompt_token_ids": token_ids, "multi_modal_data": {"image": chat.images}}
 
@@ -183,10 +182,7 @@ class LLM:
         """
         if not self.has_chat_template:
             raise ValueError(f"the model in {self.model_path} has no chat template; use generate()")
-        ids = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-        if hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        return template_token_ids(self.engine.tokenizer, messages, add_generation_prompt)
 
     def _run(self, request_ids: list[str]) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

@@ -47,6 +47,8 @@ class VisionLanguageModel:
 
     model_types: ClassVar[tuple[str, ...]] = ()
     uses_mrope: ClassVar[bool] = False
+    image_placeholder_text: ClassVar[str] = ""
+    """What one image looks like in a prompt written without the chat template."""
 
     def __init__(self, model, processor, config: dict, path: Path) -> None:
         self.model = model
@@ -80,9 +82,6 @@ class VisionLanguageModel:
     @property
     def tokenizer(self):
         return getattr(self.processor, "tokenizer", self.processor)
-
-    image_placeholder_text: ClassVar[str] = ""
-    """What one image looks like in a prompt written without the chat template."""
 
     def prepare(self, token_ids: list[int], images: list[ImageSource]) -> tuple[list[int], MultiModalInput]:
         """Expand each image placeholder token into the image's run of feature placeholders.

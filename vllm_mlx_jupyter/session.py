@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from vllm_mlx_jupyter.generation import PREFILLING, QUEUED, Generation
-from vllm_mlx.chat import split_chat_images
+from vllm_mlx.chat import split_chat_images, template_token_ids
 from vllm_mlx_jupyter.prompt import ChatSession, user_content
 
 MONITOR_PERIOD = 0.25
@@ -97,7 +97,7 @@ class Session:
         if not self.has_chat_template:
             raise SessionError(f"the model {self.model!r} has no chat template: use --raw")
         with self._tokenizer_lock:
-            return list(self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+            return template_token_ids(self._tokenizer, messages)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine: running generations end as aborted; chat histories are kept."""
@@ -176,8 +176,10 @@ class Session:
     def chat_prompt(self, messages: list[dict]):
         """Token ids of ``messages`` under the chat template, with their images prepared."""
         chat = split_chat_images(messages)
-        if chat.images and not self.require_engine().supports_images:
-            raise SessionError(f"--image: the model {self.model!r} is text-only; images need a vision-language model")
+        try:
+            self.require_engine().check_images(chat.images)
+        except ValueError as exc:
+            raise SessionError(f"--image: {exc}") from None
         return self._with_images(self.chat_token_ids(chat.messages), chat.images)
 
     def _with_images(self, prompt: str | list[int], images: list):

@@ -56,15 +56,13 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int | None
     path: str
-    supports_images: bool = False
 
     @classmethod
     def read(cls, engine: AsyncEngineCore) -> ModelInfo:
         def info(core) -> ModelInfo:
             return cls(
-                core.tokenizer, core.max_model_len, core.model_config.get("vocab_size"), str(core.model_path),
-                supports_images=core.supports_images,
-            )  # fmt: skip
+                core.tokenizer, core.max_model_len, core.model_config.get("vocab_size"), str(core.model_path)
+            )
 
         return engine.call(info)
 

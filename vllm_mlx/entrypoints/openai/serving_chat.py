@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from vllm_mlx.chat import ChatPrompt, split_chat_images
+from vllm_mlx.chat import ChatPrompt, split_chat_images, template_token_ids
 from vllm_mlx.engine_core import PreparedPrompt
 
 from vllm_mlx.entrypoints.openai.protocol import (
@@ -73,13 +73,10 @@ class ChatServing(OpenAIServing):
     def _split_images(self, req: ChatCompletionRequest) -> ChatPrompt:
         """The messages for the template and the images of their ``image_url`` parts."""
         chat = split_chat_images([m.model_dump(exclude_none=True) for m in req.messages])
-        if chat.images and not self.info.supports_images:
-            raise OpenAIError(
-                400,
-                "This model is text-only: image content parts need a vision-language model.",
-                param="messages",
-                code="unsupported_content",
-            )
+        try:
+            self.engine.check_images(chat.images)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), param="messages", code="unsupported_content") from None
         return chat
 
     async def _with_images(self, token_ids: list[int], images: list) -> PreparedPrompt:
@@ -96,14 +93,9 @@ class ChatServing(OpenAIServing):
         if not getattr(self.tokenizer, "chat_template", None):
             raise OpenAIError(400, "This model has no chat template; use /v1/completions.", param="messages")
         try:
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True
-            )
+            return template_token_ids(self.tokenizer, messages, add_generation_prompt)
         except Exception as exc:  # a template that rejects the conversation (e.g. role order)
             raise OpenAIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
-        if hasattr(ids, "keys"):  # newer transformers may return a BatchEncoding
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
 
     async def _stream(self, req, request_id, top_k, first, rest) -> AsyncIterator[str]:
         created = int(time.time())

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import gc
+import random
+import string
 import time
+import tracemalloc
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm_mlx.detokenizer import IncrementalDetokenizer
+from vllm_mlx.stop_strings import StopScanner, automaton
 
 FFFD = "\ufffd"
 
@@ -212,3 +217,137 @@ def test_two_thousand_tokens_are_fast(tok):
     out = "".join(detok.add_tokens([i]) for i in ids) + detok.finish()
     assert time.perf_counter() - start < 2.0
     assert out == tok.decode(ids)
+
+
+# -- stop strings: the automaton against a reference, and its cost ----------------------------
+
+
+def first_completing_match(text, stops):
+    """Reference: read the text one character at a time; the first stop string to end wins, and
+    of those ending at that character, the longest."""
+    for end in range(1, len(text) + 1):
+        ending = [s for s in stops if s and text.startswith(s, end - len(s)) and end >= len(s)]
+        if ending:
+            stop = max(ending, key=len)
+            return text[: end - len(stop)], stop
+    return text, None
+
+
+def longest_partial_stop(text, stops):
+    """Reference: the longest suffix of ``text`` that a stop string starts with (but is not)."""
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+SMALL_TEXT = st.text(alphabet="ab😀", max_size=30)  # a small alphabet: many overlapping matches
+SMALL_STOPS = st.lists(st.text(alphabet="ab😀", min_size=1, max_size=5), min_size=1, max_size=6)
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=SMALL_TEXT, stops=SMALL_STOPS, cuts=st.lists(st.integers(0, 30), max_size=8))
+def test_stop_scanner_matches_the_reference_however_the_text_is_cut(text, stops, cuts):
+    scanner = StopScanner(tuple(stops))
+    want_text, want_stop = first_completing_match(text, stops)
+    bounds = [0, *sorted(c for c in cuts if c <= len(text)), len(text)]
+    visible = fed = ""
+    for start, end in zip(bounds, bounds[1:]):
+        fed += text[start:end]
+        visible += scanner.feed(text[start:end])
+        if scanner.stop_string is None:  # everything is shown but the partial stop string
+            assert visible == fed[: len(fed) - longest_partial_stop(fed, stops)]
+    if scanner.stop_string is None:
+        visible += scanner.flush()
+    assert (visible, scanner.stop_string) == (want_text, want_stop)
+
+
+@PROPERTY
+@given(text=st.lists(st.sampled_from(["a", "b", "ab", " ", "ba", "é", "😀"]), max_size=25).map("".join),
+       stops=st.lists(st.text(alphabet="ab é😀", min_size=1, max_size=4), min_size=1, max_size=5),
+       chunks=CHUNKS)  # fmt: skip
+def test_detokenizer_stops_match_the_reference_for_any_token_split(tok, text, stops, chunks):
+    ids = tok.encode(text)
+    want_text, want_stop = first_completing_match(tok.decode(ids), stops)
+    detok, pieces = stream(tok, ids, chunks=chunks, stop=stops)
+    pieces.append(detok.finish())
+    assert all(want_text.startswith("".join(pieces[: i + 1])) for i in range(len(pieces)))
+    assert ("".join(pieces), detok.stop_string) == (want_text, want_stop)
+
+
+def test_the_automaton_is_shared_by_equal_stop_lists():
+    assert automaton(("ab", "cd")) is automaton(("ab", "cd"))
+    assert automaton(("ab", "cd")) is not automaton(("cd", "ab"))
+
+
+def random_stops(seed, count, low, high, alphabet=string.ascii_lowercase + " "):
+    """Stop strings no other test uses, so their automaton is built (and measured) here."""
+    rng = random.Random(seed)
+    return [f"{seed}" + "".join(rng.choices(alphabet, k=rng.randint(low, high))) for _ in range(count)]
+
+
+def timed_stream(tok, ids, prompt, n=1, **kwargs):
+    """Stream ``ids`` through ``n`` detokenizers (a request's completions); (seconds, peak bytes, texts)."""
+    gc.collect()
+    tracemalloc.start()
+    start = time.perf_counter()
+    detoks = [IncrementalDetokenizer(tok, prompt, **kwargs) for _ in range(n)]
+    for i in ids:
+        for detok in detoks:
+            detok.add_tokens([i])
+    texts = [detok.text + detok.finish() for detok in detoks]
+    elapsed = time.perf_counter() - start
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return elapsed, peak, texts
+
+
+@pytest.fixture(scope="module")
+def story_ids(tok):
+    ids = tok.encode("the quick brown fox jumps over the lazy dog and then it naps in the sun. " * 200)[:2000]
+    assert len(ids) == 2000
+    return ids
+
+
+def test_one_16k_stop_string_with_n_8_costs_linear_memory(tok, story_ids):
+    stop = random_stops(16, 1, 16384, 16384, string.ascii_letters)[0]
+    prompt = tok.encode("Tell me a story.")
+    base, base_peak, _ = timed_stream(tok, story_ids[:32], prompt, n=8, stop=["never appears"])
+    elapsed, peak, texts = timed_stream(tok, story_ids[:32], prompt, n=8, stop=[stop])
+    assert texts == [tok.decode(story_ids[:32])] * 8
+    # One shared automaton of a few ints per character (every prefix as a string took ~2 GB).
+    assert peak - base_peak < 64 * len(stop)
+    assert elapsed < 5 * base + 2.0
+
+
+def test_a_long_held_prefix_streams_in_linear_time(tok, story_ids):
+    # The output runs along a 16K stop string: all of it is held back until the end.
+    text = tok.decode(story_ids)
+    stop = (text * 2)[: 16384 - 1] + "!"
+    base, base_peak, _ = timed_stream(tok, story_ids, [], stop=["never appears"])
+    elapsed, peak, texts = timed_stream(tok, story_ids, [], stop=[stop])
+    assert texts == [text]
+    assert peak - base_peak < 64 * len(stop)
+    assert elapsed < 5 * base + 2.0
+
+
+def test_a_held_prefix_shifts_in_linear_time():
+    # "aaaa..." along "a" * 16K + "b": the held text stays 16K long and shifts by each new chunk.
+    scanner = StopScanner(("a" * 16384 + "b",))
+    start = time.perf_counter()
+    shown = "".join(scanner.feed("a" * 4) for _ in range(20_000))
+    elapsed = time.perf_counter() - start
+    assert shown == "a" * (80_000 - 16384) and scanner.flush() == "a" * 16384
+    assert elapsed < 2.0  # ~0.03 s: each chunk is held once and shown once, the held text never copied
+
+
+def test_ten_thousand_stop_strings_cost_is_per_character(tok, story_ids):
+    stops = random_stops(10_000, 10_000, 3, 11)
+    prompt = tok.encode("Tell me a story.")
+    base, base_peak, _ = timed_stream(tok, story_ids[:32], prompt, stop=["never appears"])
+    elapsed, peak, texts = timed_stream(tok, story_ids[:32], prompt, stop=stops)
+    assert texts == [tok.decode(story_ids[:32])]
+    assert peak - base_peak < 64 * sum(map(len, stops))  # built once, a few ints per character
+    assert elapsed < 5 * base + 2.0
+    # Built, the automaton makes a token's cost independent of the number of stop strings.
+    base, _, _ = timed_stream(tok, story_ids, prompt, stop=["never appears"])
+    elapsed, _, texts = timed_stream(tok, story_ids, prompt, stop=stops)
+    assert texts == [tok.decode(story_ids)]
+    assert elapsed < 3 * base + 0.2

@@ -19,8 +19,9 @@ Invariants:
   stop string is held back until it either completes the stop string (then it is dropped with
   everything after it and ``stop_string`` is set) or turns out not to. Of several stop strings,
   the one whose match is complete first in the text wins, however the tokens were grouped.
-* Each call decodes a bounded window of ids and searches a bounded region for stop strings, so the
-  cost per token does not grow with the output length.
+* Each call decodes a bounded window of ids, and stop strings are matched by an automaton fed
+  each new character once (``stop_strings.py``), so the cost per token grows neither with the
+  output length nor with the length or number of stop strings (amortized over the stream).
 
 Decoding follows vLLM's scheme: ``decode(window)`` minus ``decode(window[:read])`` is the new text.
 The window starts with the last few prompt tokens so the first output token is decoded in context
@@ -32,6 +33,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+from vllm_mlx.stop_strings import StopScanner
 
 __all__ = ["IncrementalDetokenizer"]
 
@@ -59,9 +62,7 @@ class IncrementalDetokenizer:
         context = [int(t) for t in prompt_token_ids[-PROMPT_CONTEXT:]]
         self._ids = context  # the decode window; ids[:read] are emitted text or prompt context
         self._read = len(context)
-        self._held = ""  # decoded text held back as a possible start of a stop string
-        self._stop_prefixes = {s[:k] for s in self.stop for k in range(1, len(s))}
-        self._max_held = max(map(len, self.stop), default=1) - 1
+        self._scanner = StopScanner(self.stop) if self.stop else None  # holds back partial stops
         self._finished = False
 
     @property
@@ -89,10 +90,10 @@ class IncrementalDetokenizer:
         if self.done:
             return ""
         out = self._emit(self._decode_new(final=True))
-        if self.stop_string is None:
-            out += self._held
-            self._pieces.append(self._held)
-            self._held = ""
+        if self._scanner is not None and self.stop_string is None:
+            held = self._scanner.flush()
+            out += held
+            self._pieces.append(held)
         self._finished = True
         return out
 
@@ -121,20 +122,8 @@ class IncrementalDetokenizer:
 
     def _emit(self, new: str) -> str:
         """Apply the stop strings to ``new`` text; return the part that becomes visible."""
-        if not self.stop:
-            self._pieces.append(new)
-            return new
-        region = self._held + new  # only here can a new match start (see the hold-back rule)
-        # The match that completes first wins (as if the text arrived one character at a time, so
-        # the result does not depend on how tokens are grouped); of two ending together, the longer.
-        hits = [(i + len(s), -len(s), s) for s in self.stop if (i := region.find(s)) >= 0]
-        if hits:
-            end, neg_len, self.stop_string = min(hits)
-            out, self._held = region[: end + neg_len], ""
-        else:
-            # Hold back the longest suffix that may still grow into a stop string.
-            longest = min(len(region), self._max_held)
-            keep = next((k for k in range(longest, 0, -1) if region[-k:] in self._stop_prefixes), 0)
-            out, self._held = region[: len(region) - keep], region[len(region) - keep :]
-        self._pieces.append(out)
-        return out
+        if self._scanner is not None:
+            new = self._scanner.feed(new)
+            self.stop_string = self._scanner.stop_string
+        self._pieces.append(new)
+        return new

@@ -30,6 +30,12 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
                  "--disable-component-update", "--no-first-run"]  # fmt: skip
 NUM_KV_BLOCKS = 128  # what quickstart.ipynb loads with
 LONG_CELL = "%%generate -n long --min-tokens 1800 --max-tokens 1800\nCount slowly from one to one thousand."
+# Model text as the output area shows it, with HTML that would mark the page if it ran.
+HOSTILE_CELL = """from types import SimpleNamespace
+from IPython.display import display
+from vllm_mlx_jupyter.render import body_bundle
+answer = '**Hi** <img src=x onerror="document.body.dataset.xss=1"> <script>document.body.dataset.xss=2</script>'
+display(body_bundle(SimpleNamespace(text=answer, format="markdown")), raw=True)"""
 SETTINGS = {
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"checkForUpdates": False, "fetchNews": "false"},
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
@@ -66,9 +72,10 @@ def _notebook_with_long_cell(dest: Path) -> None:
     import nbformat
 
     nb = nbformat.read(ROOT / "notebooks" / "quickstart.ipynb", as_version=4)
-    cell = nbformat.v4.new_code_cell(LONG_CELL)
-    cell["id"] = "browser-test-long"
-    nb.cells.append(cell)
+    for name, source in (("hostile", HOSTILE_CELL), ("long", LONG_CELL)):
+        cell = nbformat.v4.new_code_cell(source)
+        cell["id"] = f"browser-test-{name}"
+        nb.cells.append(cell)
     nbformat.write(nb, dest / "quickstart.ipynb")
 
 
@@ -161,6 +168,12 @@ def test_quickstart_runs_in_jupyterlab(lab, page):
         assert page.locator('.vllm-mlx-status[data-state="done"]').count() >= 3
         assert page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").count() == 0
         assert page.locator(".jp-RenderedText[data-mime-type='application/vnd.jupyter.error']").count() == 0
+
+        # Model text is rendered Markdown in which raw HTML is text: nothing in it ran.
+        hostile = page.locator(".vllm-mlx-text", has_text="<script>")
+        assert hostile.locator("strong").inner_text() == "Hi" and hostile.locator("img, script").count() == 0
+        assert "<img src=x onerror=" in hostile.inner_text()
+        assert page.evaluate("() => document.body.dataset.xss") is None
 
         # The inspector draws every KV block of the pool (the null block included).
         inspector = page.locator(".vmi").first

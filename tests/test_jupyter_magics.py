@@ -161,6 +161,8 @@ def test_cell_interpolation_raw_braces_and_no_line_expansion(ip):
     ip.user_ns.update(topic="the sea", x="EXPANDED")
     gen = generate(ip, "--raw --wait --max-tokens 1", 'Write about {topic} and {missing}: {"k": 1}')
     assert gen.prompt == 'Write about the sea and {missing}: {"k": 1}'
+    gen = generate(ip, "--raw --wait --max-tokens 1", "{In} {Out} {_} {_i} {_oh} {get_ipython} on {topic}")
+    assert gen.prompt == "{In} {Out} {_} {_i} {_oh} {get_ipython} on the sea"  # never IPython's history
     gen = generate(ip, "--raw --raw-braces --wait --max-tokens 1", "Write about {topic}")
     assert gen.prompt == "Write about {topic}"
     gen = generate(ip, "-n $x --raw --wait --max-tokens 1", "Hi")  # IPython's $var expansion is off
@@ -257,7 +259,8 @@ def test_live_output_is_throttled_and_ends_with_the_final_text(ip):
 def test_formats(ip):
     with capture_output() as out:
         gen = ip.run_cell_magic("generate", "--format code --wait --max-tokens 4", "code")
-    assert out.outputs[-1].data["text/markdown"].startswith("```\n")
+    assert out.outputs[-1].data["text/html"].startswith('<div class="vllm-mlx-text"><pre><code>')
+    assert "text/markdown" not in out.outputs[-1].data  # model text is never sent as raw Markdown
     with capture_output() as out:
         ip.run_cell_magic("generate", "--format text --wait --max-tokens 4", "text")
     assert set(out.outputs[-1].data) == {"text/plain"}

@@ -3,8 +3,10 @@
 Interpolation is deliberately narrow: ``{name}`` is replaced only when ``name`` is a plain
 identifier bound to a *value* in the user namespace. Everything else in braces stays as
 written — code, JSON, dict literals, f-string fields with format specs (``{x:>10}``), Jinja's
-``{{ x }}``, names that do not exist, and modules, functions and classes (whose repr is never
-what a prompt means).
+``{{ x }}``, names that do not exist, modules, functions and classes (whose repr is never
+what a prompt means), and IPython's own variables: the history (``In``, ``Out``, ``_``,
+``_i3``, ``_oh``, ...), ``exit``/``quit``/``get_ipython``, and any name starting with ``_``,
+which would put earlier cells' inputs and outputs into a prompt unasked.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 
 _FIELD = re.compile(r"(?<!\{)\{([A-Za-z_][A-Za-z0-9_]*)\}(?!\})")
 _NOT_VALUES = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, type)
+_IPYTHON_NAMES = frozenset({"In", "Out", "exit", "quit", "get_ipython"})  # the rest start with "_"
 
 
 def interpolate(text: str, namespace: dict) -> str:
@@ -22,11 +25,16 @@ def interpolate(text: str, namespace: dict) -> str:
 
     def replace(match: re.Match) -> str:
         name = match.group(1)
-        if name not in namespace or isinstance(namespace[name], _NOT_VALUES):
-            return match.group(0)
-        return str(namespace[name])
+        return str(namespace[name]) if _is_value(name, namespace) else match.group(0)
 
     return _FIELD.sub(replace, text)
+
+
+def _is_value(name: str, namespace: dict) -> bool:
+    """True when ``{name}`` may be replaced: a user's value, not IPython's or a callable."""
+    if name.startswith("_") or name in _IPYTHON_NAMES or name not in namespace:
+        return False
+    return not isinstance(namespace[name], _NOT_VALUES)
 
 
 @dataclass

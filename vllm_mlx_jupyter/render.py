@@ -7,6 +7,7 @@ stop button is an ipywidgets ``Button`` whose click aborts the request. Nothing 
 
 from __future__ import annotations
 
+import functools
 import html
 import re
 import time
@@ -74,14 +75,30 @@ def status_bundle(gen) -> dict:
 
 
 def body_bundle(gen) -> dict:
-    """The text in the generation's format: markdown, text, or a code block."""
+    """The text in the generation's format: markdown, text, or a code block.
+
+    Model text is untrusted, yet it lands in a trusted output area, where JupyterLab runs the HTML
+    in ``text/markdown`` and ``text/html`` as is. So Markdown is rendered here, by a renderer that
+    escapes raw HTML and leaves ``javascript:`` links as text, and sent as ``text/html``; no
+    ``text/markdown`` is ever sent. ``<img onerror=...>`` in an answer shows as text.
+    """
     text = gen.text
     if gen.format == "text":
         return {"text/plain": text}
     if gen.format == "code":
         fence = "`" * max(3, _longest_backtick_run(text) + 1)
-        return {"text/markdown": f"{fence}\n{text}\n{fence}", "text/plain": text}
-    return {"text/markdown": text, "text/plain": text}
+        source = f"{fence}\n{text}\n{fence}"
+    else:
+        source = text
+    return {"text/html": f'<div class="vllm-mlx-text">{_markdown()(source)}</div>', "text/plain": text}
+
+
+@functools.cache
+def _markdown():
+    """CommonMark (plus tables and strikethrough) with raw HTML escaped, not passed through."""
+    from markdown_it import MarkdownIt
+
+    return MarkdownIt("commonmark", {"html": False}).enable(["table", "strikethrough"]).render
 
 
 def _longest_backtick_run(text: str) -> int:

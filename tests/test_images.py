@@ -22,6 +22,11 @@ from vllm_mlx.images import (
     load_image,
     thumbnail_png,
 )
+from vllm_mlx.media_policy import MediaPolicy
+
+# The HTTP tests fetch from a server on 127.0.0.1, which the default policy refuses (see
+# test_media_policy.py): this one lets loopback through and tests the fetch itself.
+LOOPBACK = MediaPolicy.operator(allowed_private_hosts=("127.0.0.1",))
 
 
 def make_image(width=32, height=24, mode="RGB", seed=0) -> Image.Image:
@@ -138,33 +143,37 @@ def test_thumbnail_is_a_small_png_keeping_aspect():
 # ---- local failures -----------------------------------------------------------------------
 
 
-def assert_input_error(source, match, **kwargs):
+def assert_input_error(source, match, policy=None, **kwargs):
     with pytest.raises(ImageInputError, match=match) as info:
-        load_image(source, **kwargs)
+        load_image(source, policy, **kwargs)
     assert isinstance(info.value, VllmMlxError)
     assert "\n" not in str(info.value)
     return str(info.value)
 
 
+# A path that is missing, a directory, empty or not an image: one message (so an error never
+# tells whether a file exists); test_media_policy.py checks FIFOs, devices and the server's.
+
+
 def test_missing_path(tmp_path):
-    message = assert_input_error(str(tmp_path / "nope.png"), "no such file")
+    message = assert_input_error(str(tmp_path / "nope.png"), "not a readable image file")
     assert "nope.png" in message
 
 
 def test_directory_path(tmp_path):
-    assert_input_error(tmp_path, "directory")
+    assert_input_error(tmp_path, "not a readable image file")
 
 
 def test_zero_size_file(tmp_path):
     path = tmp_path / "empty.png"
     path.write_bytes(b"")
-    assert "empty.png" in assert_input_error(path, "empty")
+    assert "empty.png" in assert_input_error(path, "not a readable image file")
 
 
 def test_text_file(tmp_path):
     path = tmp_path / "notes.txt"
     path.write_text("hello, not an image\n")
-    assert_input_error(path, "not a recognised image")
+    assert_input_error(path, "not a readable image file")
 
 
 @pytest.mark.parametrize("encode", [png_bytes, jpeg_bytes])
@@ -209,8 +218,15 @@ def test_data_url_variants():
     assert_input_error("data:text/plain,hello", "not a recognised image")
 
 
+def test_file_urls_are_local_paths(tmp_path):
+    path = tmp_path / "picture.png"
+    path.write_bytes(png_bytes(make_image()))
+    assert load_image(path.as_uri()).tobytes() == load_image(path).tobytes()
+    assert_input_error("file://otherhost/a.png", "must name a local path")
+
+
 @pytest.mark.parametrize(
-    "url", ["ftp://example.com/a.png", "file:///etc/passwd", "s3://bucket/key.png"]
+    "url", ["ftp://example.com/a.png", "gopher://example.com/a.png", "s3://bucket/key.png"]
 )
 def test_unsupported_schemes(url):
     assert_input_error(url, "unsupported URL scheme")
@@ -328,19 +344,19 @@ def server(monkeypatch):
 
 
 def test_http_valid_png(server):
-    image = load_image(f"{server.url}/ok.png")
+    image = load_image(f"{server.url}/ok.png", LOOPBACK)
     assert image.mode == "RGB" and image.size == (20, 10)
     assert image_content_hash(image) == image_content_hash(load_image(PNG))
 
 
 def test_http_404(server):
-    message = assert_input_error(f"{server.url}/missing.png", "HTTP 404")
+    message = assert_input_error(f"{server.url}/missing.png", "HTTP 404", LOOPBACK)
     assert "/missing.png" in message
 
 
 def test_http_redirects_only_to_http(server):
-    assert load_image(f"{server.url}/to-ok").size == (20, 10)
-    assert_input_error(f"{server.url}/to-ftp", "unsupported scheme 'ftp'")
+    assert load_image(f"{server.url}/to-ok", LOOPBACK).size == (20, 10)
+    assert_input_error(f"{server.url}/to-ftp", "unsupported scheme 'ftp'", LOOPBACK)
 
 
 def test_malformed_http_urls():
@@ -349,13 +365,13 @@ def test_malformed_http_urls():
 
 
 def test_http_non_image(server):
-    assert_input_error(f"{server.url}/text", "not a recognised image")
+    assert_input_error(f"{server.url}/text", "not a recognised image", LOOPBACK)
 
 
 @pytest.mark.parametrize("path", ["/big-declared", "/big-undeclared"])
 def test_http_body_over_max_bytes_is_not_fully_read(server, path):
     start = time.monotonic()
-    assert_input_error(f"{server.url}{path}", "byte limit", max_bytes=100_000)
+    assert_input_error(f"{server.url}{path}", "byte limit", LOOPBACK, max_bytes=100_000)
     assert time.monotonic() - start < 5
     assert server.big_done.wait(10)
     outcome, sent = server.big_result[0]
@@ -364,13 +380,13 @@ def test_http_body_over_max_bytes_is_not_fully_read(server, path):
 
 def test_http_slow_response_times_out(server):
     start = time.monotonic()
-    assert_input_error(f"{server.url}/slow", "timed out", timeout=0.5)
+    assert_input_error(f"{server.url}/slow", "timed out", LOOPBACK, timeout=0.5)
     assert time.monotonic() - start < 3
 
 
 def test_http_trickling_body_hits_the_overall_deadline(server):
     start = time.monotonic()
-    assert_input_error(f"{server.url}/trickle", "timed out", timeout=0.5)
+    assert_input_error(f"{server.url}/trickle", "timed out", LOOPBACK, timeout=0.5)
     assert time.monotonic() - start < 3
 
 
@@ -382,4 +398,4 @@ def test_http_connection_refused(monkeypatch):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    assert_input_error(f"http://127.0.0.1:{port}/a.png", "fetch failed")
+    assert_input_error(f"http://127.0.0.1:{port}/a.png", "fetch failed", LOOPBACK)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from vllm_mlx.engine_core import EngineConfig, EngineCore, PreparedPrompt
 from vllm_mlx.errors import VllmMlxError
 from vllm_mlx.images import ImageSource
+from vllm_mlx.media_policy import MediaPolicy
 from vllm_mlx.mlx_threads import clear_streams_at_exit, clear_thread_streams, create_random_state_here
 from vllm_mlx.request import RequestOutput, SamplingParams
 
@@ -274,13 +275,20 @@ class AsyncEngineCore:
             raise self._dead_error(self._error)
         engine.check_images(images)
 
-    def prepare_prompt(self, prompt: str | list[int], images: Sequence[ImageSource] | None = None) -> PreparedPrompt:
+    def prepare_prompt(
+        self,
+        prompt: str | list[int],
+        images: Sequence[ImageSource] | None = None,
+        *,
+        media_policy: MediaPolicy | None = None,
+    ) -> PreparedPrompt:
         """``EngineCore.prepare_prompt`` on the calling thread (tokenizer and image processor
-        only: no MLX work, so it need not wait for the engine thread)."""
+        only: no MLX work, so it need not wait for the engine thread). ``media_policy``
+        replaces the engine's for these images (the server passes its own)."""
         engine = self.engine
         if engine is None or not self.is_running:
             raise self._dead_error(self._error)
-        return engine.prepare_prompt(prompt, images)
+        return engine.prepare_prompt(prompt, images, media_policy=media_policy)
 
     def generate(
         self, prompt: str | list[int], sampling_params: SamplingParams | None = None, **kwargs

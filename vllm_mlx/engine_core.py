@@ -18,6 +18,7 @@ from pathlib import Path
 from vllm_mlx.detokenizer import IncrementalDetokenizer
 from vllm_mlx.errors import ImageInputError, VllmMlxError
 from vllm_mlx.images import ImageSource
+from vllm_mlx.media_policy import MediaPolicy
 from vllm_mlx.mllm_cache import MLLMCacheManager, MLLMCacheStats
 from vllm_mlx.model_registry import get_registry
 from vllm_mlx.multimodal import MultiModalInput
@@ -74,6 +75,12 @@ class EngineConfig:
     image in a later request skips the encoder."""
     mllm_cache_memory: int = DEFAULT_MLLM_CACHE_MEMORY
     """Bytes of vision-encoder outputs the MLLM cache may hold (least recently used go first)."""
+    trust_remote_code: bool = False
+    """Load a model directory that names Python code to run (``model_file``, ``auto_map``);
+    otherwise it is refused, and hub downloads skip ``*.py`` files."""
+    media_policy: MediaPolicy | None = None
+    """Which image paths and URLs prompts may use; None = ``MediaPolicy.operator()`` (any local
+    file, public http(s) URLs). The server passes its own (``MediaPolicy.server()``)."""
 
     def scheduler_config(self, num_blocks: int, context_len: int | None) -> SchedulerConfig:
         """The scheduler's limits for a pool of ``num_blocks`` and a model context of ``context_len``."""
@@ -160,7 +167,7 @@ class EngineCore:
                 raise TypeError(f"unknown engine option {name!r}")
             setattr(config, name, value)
         self.config = config
-        loaded = load_model(config.model)
+        loaded = load_model(config.model, trust_remote_code=config.trust_remote_code)
         check_supported(loaded.model, loaded.config.get("model_type", "?"))
         self.vision = loaded.vision
         weights = loaded.vision.model if loaded.vision else loaded.model
@@ -261,28 +268,36 @@ class EngineCore:
         return request_id
 
     def prepare_prompt(
-        self, prompt: str | list[int], images: Sequence[ImageSource] | None = None
+        self,
+        prompt: str | list[int],
+        images: Sequence[ImageSource] | None = None,
+        *,
+        media_policy: MediaPolicy | None = None,
     ) -> PreparedPrompt:
         """Tokenize ``prompt`` and load and preprocess its images (no MLX work: any thread).
 
         With images, each needs one image placeholder in the prompt (the chat template writes
         them; ``LLM.chat`` does this). A text prompt without any placeholder gets one per image
-        in front. A bad image does not raise: the result carries the error, and the request
-        made from it finishes at once with that message.
+        in front. Images are loaded under ``media_policy`` (default: the config's). A bad image
+        does not raise: the result carries the error, and the request made from it finishes at
+        once with that message.
 
         Raises:
-            ValueError: A token id outside the vocabulary; images for a text-only model; a
-                placeholder count that differs from the number of images.
+            ValueError: A token id outside the vocabulary; images for a text-only model; more
+                images than the policy's ``max_images_per_prompt`` (checked before any is
+                loaded); a placeholder count that differs from the number of images.
         """
         images = list(images or [])
         self.check_images(images)
+        policy = media_policy or self.config.media_policy or MediaPolicy.operator()
+        policy.check_image_count(len(images))
         text, token_ids = self._encode(prompt)
         if not images:
             return PreparedPrompt(text, token_ids)
         if isinstance(prompt, str) and self.vision.image_token_id not in token_ids:
             text, token_ids = self._encode(self.vision.image_placeholder_text * len(images) + prompt)
         try:
-            expanded, mm_input = self.vision.prepare(token_ids, images)
+            expanded, mm_input = self.vision.prepare(token_ids, images, policy)
         except ImageInputError as exc:
             return PreparedPrompt(text, token_ids, error=str(exc))
         return PreparedPrompt(text, expanded, mm_input)

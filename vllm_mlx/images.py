@@ -1,13 +1,17 @@
 """Image inputs: load from any source into a fully decoded RGB picture, and hash its content.
 
-``load_image`` accepts a file path, a ``PIL.Image.Image``, raw ``bytes``, a ``data:`` URL or an
-``http(s)://`` URL. Every source goes through the same decode path (EXIF orientation applied,
-converted to RGB, pixels loaded), so one picture is one set of pixels however it arrived, and a
-broken input fails here with :class:`ImageInputError` rather than deep inside a vision encoder.
+``load_image`` accepts a file path (or ``file://`` URL), a ``PIL.Image.Image``, raw ``bytes``, a
+``data:`` URL or an ``http(s)://`` URL. Every source goes through the same decode path (EXIF
+orientation applied, converted to RGB, pixels loaded), so one picture is one set of pixels however
+it arrived, and a broken input fails here with :class:`ImageInputError` rather than deep inside a
+vision encoder.
 
-Untrusted input is bounded: bytes are read in chunks up to ``max_bytes`` (never unbounded),
-the pixel count is checked from the header *before* decoding (decompression-bomb guard), and a
-URL fetch has a deadline. ``image_content_hash`` names decoded pixels, never file names.
+Which paths and URLs may be used at all is the ``MediaPolicy``'s call (``media_policy.py``: local
+files only inside an allowed directory and only regular files, URLs only of allowed public hosts,
+fetched by ``media_fetch.py``). Untrusted input is bounded: bytes are read in chunks up to
+``max_bytes`` (never unbounded), the pixel count is checked from the header *before* decoding
+(decompression-bomb guard), and a URL fetch has a deadline. ``image_content_hash`` names decoded
+pixels, never file names.
 
 Pillow is imported inside the functions, so importing this module stays cheap.
 """
@@ -16,19 +20,19 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import hashlib
 import io
 import os
+import stat
 import struct
-import time
-import urllib.error
 import urllib.parse
 import urllib.request
-from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
 from vllm_mlx.canonical import canonical_bytes
 from vllm_mlx.errors import ImageInputError
+from vllm_mlx.media_policy import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, UNAVAILABLE, MediaPolicy
 
 if TYPE_CHECKING:
     from PIL import Image as PILImage
@@ -38,20 +42,21 @@ __all__ = [
     "DEFAULT_MAX_PIXELS",
     "ImageInputError",
     "ImageSource",
+    "MediaPolicy",
     "image_content_hash",
     "load_image",
     "thumbnail_png",
 ]
 
-DEFAULT_MAX_BYTES = 20 * 1024 * 1024
-"""Largest encoded image accepted (file, bytes, data URL payload or HTTP body)."""
-DEFAULT_MAX_PIXELS = 64 * 1024 * 1024
-"""Largest decoded image accepted (width × height): 48 MP photos pass, bombs do not."""
-
-_CHUNK = 64 * 1024
 _HASH_VERSION = b"vllm-mlx-image-v1\0"
+_NOT_READABLE = "not a readable image file"
+"""One message for a path that is missing, not a regular file, unreadable or not an image."""
 
 ImageSource = Union[str, os.PathLike, bytes, bytearray, "PILImage.Image"]
+
+
+class _Undecodable(ImageInputError):
+    """The bytes are not a decodable image (empty, unknown format, truncated)."""
 
 
 # ---- loading -----------------------------------------------------------------------------
@@ -59,69 +64,124 @@ ImageSource = Union[str, os.PathLike, bytes, bytearray, "PILImage.Image"]
 
 def load_image(
     source: ImageSource,
+    policy: MediaPolicy | None = None,
     *,
-    max_bytes: int = DEFAULT_MAX_BYTES,
-    max_pixels: int = DEFAULT_MAX_PIXELS,
-    timeout: float = 10.0,
+    max_bytes: int | None = None,
+    max_pixels: int | None = None,
+    timeout: float | None = None,
 ) -> PILImage.Image:
     """Return ``source`` as a new, fully loaded RGB ``PIL.Image.Image``.
 
     A ``str`` starting with ``data:`` is a data URL (base64 or percent-encoded), one starting
-    with ``http://``/``https://`` is fetched (``timeout`` bounds the whole fetch), any other
-    ``scheme://`` is refused; every other ``str`` or ``PathLike`` is a local file path.
+    with ``http://``/``https://`` is fetched, one starting with ``file://`` is a local path, any
+    other ``scheme://`` is refused; every other ``str`` or ``PathLike`` is a local file path.
+    ``policy`` (default ``MediaPolicy.operator()``) decides which paths and URLs may be used and
+    the limits; ``max_bytes``, ``max_pixels`` and ``timeout`` override its limits.
     Raises :class:`ImageInputError` (a one-line message naming the source) on any failure.
     """
+    policy = _with_limits(policy or MediaPolicy.operator(), max_bytes, max_pixels, timeout)
+    reaches_out = isinstance(source, os.PathLike) or (isinstance(source, str) and source[:5].lower() != "data:")
+    try:
+        return _load(source, policy)
+    except ImageInputError:
+        if reaches_out and not policy.detailed_errors:
+            raise ImageInputError(UNAVAILABLE) from None
+        raise
+
+
+def _with_limits(policy: MediaPolicy, max_bytes, max_pixels, timeout) -> MediaPolicy:
+    limits = {"max_bytes": max_bytes, "max_pixels": max_pixels, "fetch_timeout": timeout}
+    limits = {k: v for k, v in limits.items() if v is not None}
+    return dataclasses.replace(policy, **limits) if limits else policy
+
+
+def _load(source: ImageSource, policy: MediaPolicy) -> PILImage.Image:
     from PIL import Image
 
     if isinstance(source, Image.Image):
-        return _normalize(source, max_pixels, _describe(source))
+        return _normalize(source, policy.max_pixels, _describe(source))
+    name = _describe(source)
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
-        name = _describe(data)
-        if len(data) > max_bytes:
-            raise ImageInputError(f"{name}: {len(data)} bytes exceed the {max_bytes}-byte limit")
-    elif isinstance(source, str) and source[:5].lower() == "data:":
-        name = _describe(source)
-        data = _decode_data_url(source, max_bytes, name)
-    elif isinstance(source, str) and source.split("://", 1)[0].lower() in ("http", "https"):
-        name = _describe(source)
-        data = _fetch_url(source, max_bytes, timeout, name)
-    elif isinstance(source, str) and _has_scheme(source):
-        scheme = source.split("://", 1)[0]
-        raise ImageInputError(
-            f"{_describe(source)}: unsupported URL scheme {scheme!r} "
-            "(use a file path, a data: URL or an http(s):// URL)"
-        )
-    elif isinstance(source, (str, os.PathLike)):
-        name = _describe(source)
-        data = _read_file(Path(source), max_bytes, name)
-    else:
+        if len(data) > policy.max_bytes:
+            raise ImageInputError(f"{name}: {len(data)} bytes exceed the {policy.max_bytes}-byte limit")
+        return _decode(data, policy.max_pixels, name)
+    if not isinstance(source, (str, os.PathLike)):
         raise ImageInputError(f"unsupported image source of type {type(source).__name__}")
-    return _decode(data, max_pixels, name)
+    if isinstance(source, str) and source[:5].lower() == "data:":
+        return _decode(_decode_data_url(source, policy.max_bytes, name), policy.max_pixels, name)
+    scheme = _scheme(source) if isinstance(source, str) else ""
+    if scheme in ("http", "https"):
+        from vllm_mlx.media_fetch import fetch_url
+
+        return _decode(fetch_url(source, policy, name), policy.max_pixels, name)
+    if scheme not in ("", "file"):
+        raise ImageInputError(
+            f"{name}: unsupported URL scheme {scheme!r} (use a file path, a data: URL or an http(s):// URL)"
+        )
+    return _load_file(_file_url_path(source, name) if scheme else source, policy, name)
 
 
-def _has_scheme(text: str) -> bool:
+def _load_file(path: str | os.PathLike, policy: MediaPolicy, name: str) -> PILImage.Image:
+    """A local image, if the policy allows its resolved path; one message for missing, not a
+    regular file, unreadable and not an image (an error never tells whether a file exists)."""
+    data = _read_file(policy.local_path(path, name), policy.max_bytes, name)
+    try:
+        return _decode(data, policy.max_pixels, name)
+    except _Undecodable:
+        raise ImageInputError(f"{name}: {_NOT_READABLE}") from None
+
+
+def _scheme(text: str) -> str:
+    """The lower-cased URL scheme of ``text``, or "" for a plain path."""
     scheme, sep, _ = text.partition("://")
     # One-letter "schemes" are Windows drive letters, never URLs.
-    return bool(sep) and len(scheme) > 1 and scheme.replace("+", "").replace("-", "").isalnum()
+    if sep and len(scheme) > 1 and scheme.replace("+", "").replace("-", "").isalnum():
+        return scheme.lower()
+    return ""
 
 
-def _read_file(path: Path, max_bytes: int, name: str) -> bytes:
+def _file_url_path(url: str, name: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise ImageInputError(f"{name}: a file:// URL must name a local path (no host)")
+    return urllib.request.url2pathname(parts.path)
+
+
+def _read_file(path: str, max_bytes: int, name: str) -> bytes:
+    """The bytes of the regular file at ``path`` (already resolved by the policy).
+
+    Opened non-blocking and without following a symlink swapped in since it was resolved, and
+    checked with ``fstat`` before any read: a FIFO, a device or a directory is refused at once.
+    Missing, not regular and unreadable all read the same (``_NOT_READABLE``).
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        with path.open("rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > max_bytes:
-                raise ImageInputError(f"{name}: {size} bytes exceed the {max_bytes}-byte limit")
-            data = f.read(max_bytes + 1)  # the file may grow after fstat
-    except FileNotFoundError:
-        raise ImageInputError(f"{name}: no such file") from None
-    except IsADirectoryError:
-        raise ImageInputError(f"{name}: is a directory, not an image file") from None
-    except OSError as exc:
-        raise ImageInputError(f"{name}: cannot read: {_one_line(exc)}") from exc
+        fd = os.open(path, flags)
+    except OSError:
+        raise ImageInputError(f"{name}: {_NOT_READABLE}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ImageInputError(f"{name}: {_NOT_READABLE}")
+        if info.st_size > max_bytes:
+            raise ImageInputError(f"{name}: {info.st_size} bytes exceed the {max_bytes}-byte limit")
+        data = _read_at_most(fd, max_bytes + 1)  # the file may grow after fstat
+    except OSError:
+        raise ImageInputError(f"{name}: {_NOT_READABLE}") from None
+    finally:
+        os.close(fd)
     if len(data) > max_bytes:
         raise ImageInputError(f"{name}: more than {max_bytes} bytes")
     return data
+
+
+def _read_at_most(fd: int, limit: int) -> bytes:
+    chunks, total = [], 0
+    while total < limit and (chunk := os.read(fd, min(1 << 20, limit - total))):
+        chunks.append(chunk)
+        total += len(chunk)
+    return b"".join(chunks)
 
 
 def _decode_data_url(url: str, max_bytes: int, name: str) -> bytes:
@@ -144,70 +204,19 @@ def _decode_data_url(url: str, max_bytes: int, name: str) -> bytes:
     return data
 
 
-class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
-    """Follow redirects only to http(s): urllib would also follow one to ftp://."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        scheme = urllib.parse.urlsplit(newurl).scheme.lower()
-        if scheme not in ("http", "https"):
-            raise urllib.error.HTTPError(
-                newurl, code, f"redirect to unsupported scheme {scheme!r}", headers, fp
-            )
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
-
-
-def _fetch_url(url: str, max_bytes: int, timeout: float, name: str) -> bytes:
-    """GET ``url`` within ``timeout`` seconds in all, reading at most ``max_bytes + 1`` bytes."""
-    import http.client
-
-    deadline = time.monotonic() + timeout
-    opener = urllib.request.build_opener(_HttpOnlyRedirects)
-    headers = {"User-Agent": "vllm-mlx", "Accept": "image/*"}
-    try:
-        request = urllib.request.Request(url, headers=headers)  # ValueError on a malformed URL
-        with opener.open(request, timeout=timeout) as response:
-            length = response.headers.get("Content-Length")
-            if length is not None and length.isdigit() and int(length) > max_bytes:
-                raise ImageInputError(
-                    f"{name}: response of {length} bytes exceeds the {max_bytes}-byte limit"
-                )
-            chunks, total = [], 0
-            while chunk := response.read1(_CHUNK):
-                total += len(chunk)
-                if total > max_bytes:
-                    raise ImageInputError(
-                        f"{name}: response exceeds the {max_bytes}-byte limit (stopped reading)"
-                    )
-                if time.monotonic() > deadline:
-                    raise ImageInputError(f"{name}: fetch timed out after {timeout:g} s")
-                chunks.append(chunk)
-    except urllib.error.HTTPError as exc:
-        raise ImageInputError(f"{name}: HTTP {exc.code} {_one_line(exc.reason)}") from None
-    except urllib.error.URLError as exc:
-        reason = exc.reason
-        if isinstance(reason, TimeoutError):
-            raise ImageInputError(f"{name}: fetch timed out after {timeout:g} s") from None
-        raise ImageInputError(f"{name}: fetch failed: {_one_line(reason)}") from None
-    except TimeoutError:
-        raise ImageInputError(f"{name}: fetch timed out after {timeout:g} s") from None
-    except (OSError, http.client.HTTPException, ValueError) as exc:
-        raise ImageInputError(f"{name}: fetch failed: {_one_line(exc)}") from None
-    return b"".join(chunks)
-
-
 def _decode(data: bytes, max_pixels: int, name: str) -> PILImage.Image:
     from PIL import Image, UnidentifiedImageError
 
     if not data:
-        raise ImageInputError(f"{name}: empty (0 bytes)")
+        raise _Undecodable(f"{name}: empty (0 bytes)")
     try:
         image = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
-        raise ImageInputError(f"{name}: not a recognised image format") from None
+        raise _Undecodable(f"{name}: not a recognised image format") from None
     except Image.DecompressionBombError:
         raise ImageInputError(f"{name}: too many pixels (decompression-bomb guard)") from None
     except Exception as exc:  # Pillow plugins raise many types on malformed headers
-        raise ImageInputError(f"{name}: unreadable image: {_one_line(exc)}") from None
+        raise _Undecodable(f"{name}: unreadable image: {_one_line(exc)}") from None
     return _normalize(image, max_pixels, name)
 
 
@@ -217,7 +226,7 @@ def _normalize(image: PILImage.Image, max_pixels: int, name: str) -> PILImage.Im
 
     width, height = image.size
     if width < 1 or height < 1:
-        raise ImageInputError(f"{name}: empty image ({width}x{height})")
+        raise _Undecodable(f"{name}: empty image ({width}x{height})")
     if width * height > max_pixels:
         raise ImageInputError(
             f"{name}: {width}x{height} = {width * height} pixels exceed the "
@@ -231,7 +240,7 @@ def _normalize(image: PILImage.Image, max_pixels: int, name: str) -> PILImage.Im
     except ImageInputError:
         raise
     except Exception as exc:  # truncated data: OSError, SyntaxError, struct.error, ...
-        raise ImageInputError(f"{name}: cannot decode image: {_one_line(exc)}") from None
+        raise _Undecodable(f"{name}: cannot decode image: {_one_line(exc)}") from None
     return image
 
 

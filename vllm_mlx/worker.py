@@ -141,7 +141,7 @@ class MLXWorker(WorkerBase):
 
         if load_dummy_weights:
             raise ValueError("load_format='dummy' is not supported by the MLX platform plugin")
-        loaded = load_model(self.model_config.model)
+        loaded = load_model(self.model_config.model, trust_remote_code=bool(self.model_config.trust_remote_code))
         if loaded.vision is not None:
             raise ValueError("vision-language models are not supported through vLLM on MLX yet")
         check_supported(loaded.model, loaded.config.get("model_type", "?"))

@@ -79,6 +79,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vision-language models: reuse vision-encoder outputs of repeated images (default: on)")
     engine.add_argument("--mllm-cache-memory", type=parse_bytes, default=None,
                         help="bytes of vision-encoder outputs the MLLM cache may hold (default: 512M)")
+    engine.add_argument("--trust-remote-code", action="store_true",
+                        help="load a model whose configs name Python code to run (model_file, auto_map), "
+                        "and fetch *.py files from the hub")  # fmt: skip
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -91,6 +94,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "enable_chunked_prefill": args.enable_chunked_prefill,
         "weight_format": args.weight_format,
         "enable_mllm_cache": args.enable_mllm_cache,
+        "trust_remote_code": args.trust_remote_code,
     }
     for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len", "mllm_cache_memory"):
         if getattr(args, name) is not None:

@@ -2,7 +2,8 @@
 
 ``resolve_model(source)`` turns any source into a local MLX model directory (preparing it if
 needed); ``load_model(source)`` loads it with mlx-lm. Failures raise ``ModelSourceError`` with a
-one-line message.
+one-line message. A directory that names Python code (``model_file``, ``auto_map``) loads only
+with ``trust_remote_code=True`` (``trust.py``); hub downloads skip ``*.py`` otherwise.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from vllm_mlx.errors import ModelSourceError
 from vllm_mlx.models.default import DEFAULT_MODEL_ALIASES, prepare_default_model
 from vllm_mlx.models.hub import looks_like_repo_id, resolve_repo
 from vllm_mlx.models.store import CachedModel, cache_root, list_cached_models, models_dir
+from vllm_mlx.models.trust import check_model_code
 
 __all__ = [
     "CachedModel",
@@ -28,9 +30,10 @@ __all__ = [
 ]
 
 
-def resolve_model(source: str | Path) -> Path:
+def resolve_model(source: str | Path, trust_remote_code: bool = False) -> Path:
     """The local MLX model directory for ``source``: a directory, a ``.gguf`` file, ``default``
-    (or ``smollm2-135m-instruct``), or a Hugging Face repo id."""
+    (or ``smollm2-135m-instruct``), or a Hugging Face repo id (downloaded without ``*.py``
+    files unless ``trust_remote_code``)."""
     text = str(source)
     if text.lower() in DEFAULT_MODEL_ALIASES:
         return prepare_default_model()
@@ -46,7 +49,7 @@ def resolve_model(source: str | Path) -> Path:
 
         return resolve_gguf(path)
     if looks_like_repo_id(text) and not text.startswith((".", "/", "~")):
-        return resolve_repo(text)
+        return resolve_repo(text, trust_remote_code=trust_remote_code)
     raise ModelSourceError(f"model not found: {text!r} is neither a local path, a hub repo id, nor 'default'")
 
 
@@ -66,20 +69,29 @@ class LoadedModel:
     vision: Any = None
 
 
-def load_model(source: str | Path) -> LoadedModel:
+def load_model(source: str | Path, trust_remote_code: bool = False) -> LoadedModel:
     """Resolve ``source`` and load it: text models with mlx-lm, vision-language models with
-    mlx-vlm (directories whose config has a ``vision_config``)."""
+    mlx-vlm (directories whose config has a ``vision_config``).
+
+    Raises:
+        ModelSourceError: The model cannot be found or loaded, or it names Python code to run
+            (``model_file``, ``auto_map``) and ``trust_remote_code`` is False.
+    """
     import mlx_lm
 
-    path = resolve_model(source)
+    path = resolve_model(source, trust_remote_code)
+    check_model_code(path, trust_remote_code)
     config = _read_config(path)
     if config is not None:
         from vllm_mlx.vlm_models import is_vision_language_config
 
         if is_vision_language_config(config):
-            return _load_vision_language_model(path, config)
+            return _load_vision_language_model(path, config, trust_remote_code)
+    tokenizer_config = {"trust_remote_code": True} if trust_remote_code else None
     try:
-        model, tokenizer, config = mlx_lm.load(str(path), return_config=True)
+        model, tokenizer, config = mlx_lm.load(
+            str(path), tokenizer_config=tokenizer_config, return_config=True, trust_remote_code=trust_remote_code
+        )
     except (ValueError, FileNotFoundError, KeyError) as exc:
         raise ModelSourceError(f"cannot load the model in {path}: {exc}".splitlines()[0]) from exc
     return LoadedModel(model, tokenizer, config, path)
@@ -94,12 +106,12 @@ def _read_config(path: Path) -> dict | None:
         return None  # mlx-lm's loader reports it
 
 
-def _load_vision_language_model(path: Path, config: dict) -> LoadedModel:
+def _load_vision_language_model(path: Path, config: dict, trust_remote_code: bool) -> LoadedModel:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     from vllm_mlx.vlm_models import load_vision_language_model
 
-    vision = load_vision_language_model(path, config)
+    vision = load_vision_language_model(path, config, trust_remote_code)
     eos = config.get("eos_token_id", config.get("text_config", {}).get("eos_token_id"))
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     hf_tokenizer = vision.tokenizer

@@ -6,6 +6,7 @@ import argparse
 import os
 
 from vllm_mlx.entrypoints.openai import DEFAULT_MAX_BODY_BYTES
+from vllm_mlx.media_policy import SERVER_MAX_IMAGES, SERVER_MAX_PIXELS, MediaPolicy, parse_limit_mm_per_prompt
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser, parse_bytes) -> None:
@@ -27,8 +28,43 @@ def add_serve_arguments(parser: argparse.ArgumentParser, parse_bytes) -> None:
     # Engine flags shared with other commands come from cli.add_model_arguments; this one is the
     # server's own (``generate`` uses --seed for its sampling).
     parser.add_argument("--seed", type=int, default=None, help="seed drawn from for requests that bring none")
+    _add_media_arguments(parser.add_argument_group("media inputs (none from outside the request by default)"))
 
 
 def serve_engine_options(args: argparse.Namespace) -> dict:
     """The ``EngineConfig`` fields set by the flags above."""
     return {"seed": args.seed} if args.seed is not None else {}
+
+
+def _add_media_arguments(group) -> None:
+    """Where request images may come from, and how many and how large (``MediaPolicy.server``)."""
+    group.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                       help="let requests read image files inside DIR (absolute paths or file:// URLs)")  # fmt: skip
+    group.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                       help="let requests fetch http(s) image URLs of these hosts (public addresses only)")  # fmt: skip
+    group.add_argument("--allow-remote-media", action="store_true",
+                       help="let requests fetch http(s) image URLs of any public host")  # fmt: skip
+    example = '{"image": 8}'
+    group.add_argument("--limit-mm-per-prompt", type=_image_limit, default=None, metavar="JSON",
+                       help=f"most images per prompt, e.g. '{example}' (default: {SERVER_MAX_IMAGES})")  # fmt: skip
+    group.add_argument("--max-image-pixels", type=int, default=SERVER_MAX_PIXELS, metavar="N",
+                       help="largest image accepted, in pixels (width x height), checked before decoding")  # fmt: skip
+
+
+def _image_limit(text: str) -> int:
+    try:
+        return parse_limit_mm_per_prompt(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--limit-mm-per-prompt: ")) from None
+
+
+def serve_media_policy(args: argparse.Namespace) -> MediaPolicy:
+    """The server's ``MediaPolicy`` from the flags above (``ValueError`` for a missing DIR)."""
+    limit = args.limit_mm_per_prompt
+    return MediaPolicy.server(
+        allowed_local_media_path=args.allowed_local_media_path,
+        allowed_media_domains=args.allowed_media_domains,
+        allow_remote_media=args.allow_remote_media,
+        max_images_per_prompt=SERVER_MAX_IMAGES if limit is None else limit,
+        max_pixels=args.max_image_pixels,
+    )

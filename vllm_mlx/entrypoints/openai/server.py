@@ -27,12 +27,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm_mlx import __version__
 from vllm_mlx.async_engine import AsyncEngineCore, EngineDeadError
 from vllm_mlx.engine_core import EngineConfig
+from vllm_mlx.entrypoints.openai.cli_args import serve_media_policy
 from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
 from vllm_mlx.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware, BodySizeLimitMiddleware
 from vllm_mlx.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from vllm_mlx.entrypoints.openai.serving import ClientDisconnected, ModelInfo, OpenAIError
 from vllm_mlx.entrypoints.openai.serving_chat import ChatServing
 from vllm_mlx.entrypoints.openai.serving_completion import CompletionServing
+from vllm_mlx.media_policy import MediaPolicy
 
 
 class SSEResponse(StreamingResponse):
@@ -54,14 +56,17 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     owns_engine: bool = False,
+    media_policy: MediaPolicy | None = None,
 ) -> FastAPI:
     """The app for a started engine; ``served_model_name`` defaults to the model directory's name.
+    Request images load under ``media_policy`` (None = ``MediaPolicy.server()``: no local file,
+    no URL), whatever the engine's own policy.
     With ``owns_engine`` the app stops the engine when it shuts down."""
     info = ModelInfo.read(engine)
     name = served_model_name or Path(info.path).name
     metrics = ServerMetrics(engine, name)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-mlx-tokenize")
-    chat = ChatServing(engine, name, metrics, info, pool)
+    chat = ChatServing(engine, name, metrics, info, pool, media_policy=media_policy)
     completion = CompletionServing(engine, name, metrics, info, pool)
 
     @asynccontextmanager
@@ -205,11 +210,13 @@ def run_server(args: argparse.Namespace, engine_options: dict) -> int:
     """``vllm-mlx serve``: start the engine, serve until interrupted, stop the engine."""
     import uvicorn
 
+    media_policy = serve_media_policy(args)  # a bad flag fails before the model loads
     engine = AsyncEngineCore(EngineConfig(model=args.model, **engine_options)).start()
     try:
         name = args.served_model_name or served_name(args.model, engine.call(lambda e: e.model_path))
         app = build_app(
-            engine, served_model_name=name, api_key=args.api_key, max_body_bytes=args.max_body_size, owns_engine=True
+            engine, served_model_name=name, api_key=args.api_key, max_body_bytes=args.max_body_size,
+            owns_engine=True, media_policy=media_policy,
         )
         print(f"vllm-mlx: serving {name!r} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
         if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:

@@ -36,10 +36,18 @@ from vllm_mlx.entrypoints.openai.serving import (
     top_entries,
     usage_of,
 )
+from vllm_mlx.media_policy import MediaPolicy
 from vllm_mlx.request import CompletionOutput
 
 
 class ChatServing(OpenAIServing):
+    """Chat completions; images are loaded under ``media_policy`` (default: ``MediaPolicy.server()``,
+    no local files and no URLs), never the engine's own policy."""
+
+    def __init__(self, *args, media_policy: MediaPolicy | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.media_policy = media_policy or MediaPolicy.server()
+
     async def create(self, req: ChatCompletionRequest, raw_request=None) -> ChatCompletionResponse | AsyncIterator[str]:
         """A response model, or (``stream=True``) an async iterator of SSE lines."""
         self.check_model(req.model)
@@ -82,7 +90,9 @@ class ChatServing(OpenAIServing):
     async def _with_images(self, token_ids: list[int], images: list) -> PreparedPrompt:
         """Load and preprocess the images off the event loop (a URL fetch may take seconds)."""
         try:
-            prepared = await asyncio.to_thread(self.engine.prepare_prompt, token_ids, images)
+            prepared = await asyncio.to_thread(
+                self.engine.prepare_prompt, token_ids, images, media_policy=self.media_policy
+            )
         except ValueError as exc:  # e.g. placeholders the template wrote vs images sent
             raise OpenAIError(400, str(exc), param="messages") from None
         if prepared.error is not None:

@@ -11,15 +11,20 @@ import urllib.request
 import pytest
 
 
+def free_socket() -> tuple[socket.socket, str]:
+    """A socket bound to a free port on 127.0.0.1, and its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
 class LiveServer:
     """uvicorn serving ``app`` on a free loopback port, in a daemon thread."""
 
     def __init__(self, app) -> None:
         import uvicorn
 
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.sock, self.url = free_socket()
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()

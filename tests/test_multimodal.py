@@ -182,6 +182,27 @@ def test_same_pixels_by_path_bytes_and_pil_share_one_entry(qwen, tmp_path):
     qwen.mllm_cache.check_invariants()
 
 
+def test_cache_salt_keys_the_mllm_cache(qwen):
+    """Tenants with different salts never share an encoder output; one salt shares as before."""
+    qwen.mllm_cache.clear()
+    image = picture(21)
+
+    def encoder_runs_for(salt: str | None, n: int) -> int:
+        before = qwen.runner.vision_encoder_runs
+        ids = [qwen.add_request(f"{salt} {i} Describe.", GREEDY, images=[image], cache_salt=salt) for i in range(n)]
+        final = {}
+        while qwen.has_unfinished_requests():
+            final.update({o.request_id: o for o in qwen.step() if o.finished})
+        assert all(final[i].error is None for i in ids)
+        return qwen.runner.vision_encoder_runs - before
+
+    assert encoder_runs_for(None, 2) == 1
+    assert encoder_runs_for("tenant-a", 2) == 1  # not the unsalted entry, but its own, shared
+    assert encoder_runs_for("tenant-b", 1) == 1
+    assert encoder_runs_for("tenant-a", 1) == 0
+    assert len(qwen.mllm_cache) == 3
+
+
 def test_swapped_images_share_no_block_past_the_first_image(qwen):
     a, b = picture(10), picture(11)
     system = "You are a careful observer of pictures. "  # several 4-token blocks before the images

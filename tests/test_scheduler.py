@@ -690,12 +690,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         data=st.data(),
         max_tokens=st.integers(1, 12),
         salt=st.sampled_from([None, None, "s"]),
+        key=st.sampled_from(["", "", "client-a", "client-b"]),
     )
-    def add(self, length, data, max_tokens, salt):
+    def add(self, length, data, max_tokens, salt, key):
         prompt = data.draw(st.lists(st.sampled_from([3, 4, 5]), min_size=length, max_size=length))
         request = Request(
             f"r{len(self.added)}", prompt, SamplingParams(max_tokens=max_tokens),
-            eos_token_ids={PROP_EOS}, cache_salt=salt,
+            eos_token_ids={PROP_EOS}, cache_salt=salt, fairness_key=key,
         )  # fmt: skip
         self.sched.add_request(request)
         self.added.append(request)
@@ -704,10 +705,8 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule()
     def step(self):
-        running_before = {r.request_id for r in self.sched.running}
         out = self.sched.schedule()
-        if out.preempted_ids:  # a step that preempts admits nobody
-            assert {s.request_id for s in out.scheduled} <= running_before
+        assert not {s.request_id for s in out.scheduled} & set(out.preempted_ids), "ran a preempted request"
         self.sched.update_from_output(out, self.runner(out))
 
     @precondition(lambda self: self.sched.has_unfinished_requests())

@@ -25,6 +25,7 @@ from vllm_mlx import SamplingParams  # noqa: E402
 from vllm_mlx.async_engine import AsyncEngineCore  # noqa: E402
 from vllm_mlx.entrypoints.cli import build_parser  # noqa: E402
 from vllm_mlx.entrypoints.openai.server import build_app  # noqa: E402
+from vllm_mlx.entrypoints.openai.serving import ServingOptions  # noqa: E402
 from live_server import LiveServer, wait_for_health  # noqa: E402
 
 MODEL = "tiny"
@@ -51,7 +52,9 @@ def engine(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def server(engine):
-    live = LiveServer(build_app(engine, served_model_name=MODEL))
+    # The operator's disclosure switches on (their defaults are tested in test_server_hardening).
+    options = ServingOptions(enable_prompt_tokens_details=True, cache_stats_per_request=True)
+    live = LiveServer(build_app(engine, served_model_name=MODEL, options=options))
     yield live
     live.stop()
 
@@ -79,7 +82,7 @@ def wait_idle(http, timeout: float = 10.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         stats = http.get("/v1/cache/stats").json()
-        if not stats["requests"] and stats["stats"]["num_used_blocks"] == 0:
+        if not stats["request_states"] and stats["stats"]["num_used_blocks"] == 0:
             return stats
         assert time.monotonic() < deadline, f"blocks still held: {stats}"
         time.sleep(0.05)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 import weakref
@@ -34,6 +35,7 @@ from vllm_mlx.media_policy import MediaPolicy
 from vllm_mlx.mlx_threads import clear_streams_at_exit, clear_thread_streams, create_random_state_here
 from vllm_mlx.request import RequestOutput, SamplingParams
 
+logger = logging.getLogger(__name__)
 
 class EngineDeadError(VllmMlxError):
     """The engine thread stopped (it failed, or was stopped) before the request finished."""
@@ -122,6 +124,7 @@ class _Add:
     prompt: str | list[int] | PreparedPrompt
     params: SamplingParams
     cache_salt: str | None
+    fairness_key: str | None
     stream: RequestStream
 
 
@@ -158,6 +161,7 @@ class AsyncEngineCore:
         self._streams: dict[str, weakref.ref[RequestStream]] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
+        self._ended = threading.Event()  # set when the engine thread has closed everything
         self._lock = threading.Lock()  # orders "submit a command" against "stop accepting"
         self._accepting = False
         self._error: BaseException | None = None
@@ -211,6 +215,15 @@ class AsyncEngineCore:
         """True between a successful ``start()`` and ``stop()`` or a failure."""
         return self._accepting
 
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine thread ended, if it failed (None while running or after ``stop()``)."""
+        return self._error
+
+    def wait_ended(self, timeout: float | None = None) -> bool:
+        """Block until the engine thread has ended (stopped or failed); False on timeout."""
+        return self._ended.wait(timeout)
+
     def __enter__(self) -> AsyncEngineCore:
         return self.start()
 
@@ -234,6 +247,7 @@ class AsyncEngineCore:
         *,
         cache_salt: str | None = None,
         images: Sequence[ImageSource] | None = None,
+        fairness_key: str | None = None,
     ) -> RequestStream:
         """Submit a request from any thread; returns its output stream at once.
 
@@ -245,6 +259,8 @@ class AsyncEngineCore:
             sampling_params: How to sample; None for the defaults.
             request_id: A unique id; None draws ``"req-<number>"``.
             cache_salt: Folded into the prefix-cache block hashes (see ``EngineCore.add_request``).
+            fairness_key: Requests with one key share a turn of admission (see
+                ``EngineCore.add_request``).
             images: Images for a vision-language model. They are loaded and preprocessed here,
                 on the calling thread (fetching a URL may take a while: from an event loop,
                 call ``prepare_prompt`` in an executor and pass its result instead).
@@ -265,7 +281,7 @@ class AsyncEngineCore:
             except Exception as exc:  # the request's own error: raised by its stream
                 stream.put(exc)
                 return stream
-        self._submit(_Add(request_id, prompt, params, cache_salt, stream))
+        self._submit(_Add(request_id, prompt, params, cache_salt, fairness_key, stream))
         return stream
 
     def check_images(self, images: Sequence[ImageSource]) -> None:
@@ -362,6 +378,7 @@ class AsyncEngineCore:
         except BaseException as exc:  # noqa: BLE001 - delivered to start()
             self._error = exc
             self._ready.set()
+            self._ended.set()
             return
         self._accepting = True
         self._ready.set()
@@ -369,9 +386,11 @@ class AsyncEngineCore:
         try:
             self._serve()
         except BaseException as exc:  # noqa: BLE001 - delivered to every waiting caller
+            logger.critical("the engine failed; every waiting request gets the error", exc_info=exc)
             error = exc
         self._close(error)
         clear_thread_streams()
+        self._ended.set()
 
     def _serve(self) -> None:
         """Apply commands and step until asked to stop; block on the queue when idle."""
@@ -408,7 +427,11 @@ class AsyncEngineCore:
         """Admit a request; a request the engine refuses fails alone, through its stream."""
         try:
             self.engine.add_request(
-                command.prompt, command.params, command.request_id, cache_salt=command.cache_salt
+                command.prompt,
+                command.params,
+                command.request_id,
+                cache_salt=command.cache_salt,
+                fairness_key=command.fairness_key,
             )
         except Exception as exc:
             command.stream.put(exc)

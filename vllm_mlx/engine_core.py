@@ -8,6 +8,7 @@ one on a dedicated thread and serves callers from any thread or asyncio loop.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import random
 from collections import deque
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_mlx.detokenizer import IncrementalDetokenizer
-from vllm_mlx.errors import ImageInputError, VllmMlxError
+from vllm_mlx.errors import ImageInputError, VllmMlxError, internal_error_message
 from vllm_mlx.images import ImageSource
 from vllm_mlx.media_policy import MediaPolicy
 from vllm_mlx.mllm_cache import MLLMCacheManager, MLLMCacheStats
@@ -24,8 +25,11 @@ from vllm_mlx.model_registry import get_registry
 from vllm_mlx.multimodal import MultiModalInput
 from vllm_mlx.paged_cache import PagedCacheManager
 from vllm_mlx.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
-from vllm_mlx.scheduler import Scheduler, SchedulerConfig, TokenLogprobs
+from vllm_mlx.scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput, TokenLogprobs
 from vllm_mlx.snapshot import CacheSnapshotter
+from vllm_mlx.validation import check_encodable, parse_bytes, parse_memory
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
 DEFAULT_MLLM_CACHE_MEMORY = 512 << 20  # 512 MiB
@@ -82,6 +86,24 @@ class EngineConfig:
     """Which image paths and URLs prompts may use; None = ``MediaPolicy.operator()`` (any local
     file, public http(s) URLs). The server passes its own (``MediaPolicy.server()``)."""
 
+    def normalize(self) -> None:
+        """Accept every option in the forms the CLI takes (``kv_cache_memory="512M"`` or
+        ``"0.3"``, ``mllm_cache_memory="256M"``) and check types and ranges, so that
+        ``LLM(...)``, notebooks and the CLI agree. Raises ``ValueError`` naming the option."""
+        for name, parse in (("kv_cache_memory", parse_memory), ("mllm_cache_memory", parse_bytes)):
+            try:
+                setattr(self, name, parse(getattr(self, name)))
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            _check_int_option(name, getattr(self, name), minimum=1)
+        for name in ("num_kv_blocks", "max_model_len"):
+            if getattr(self, name) is not None:
+                _check_int_option(name, getattr(self, name), minimum=1)
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "force_model_takeover", "enable_mllm_cache"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
     def scheduler_config(self, num_blocks: int, context_len: int | None) -> SchedulerConfig:
         """The scheduler's limits for a pool of ``num_blocks`` and a model context of ``context_len``."""
         limits = [n for n in (self.max_model_len, context_len) if n]
@@ -94,6 +116,11 @@ class EngineConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             max_model_len=min(limits) if limits else None,
         )
+
+
+def _check_int_option(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 @dataclass
@@ -166,6 +193,7 @@ class EngineCore:
             if not hasattr(config, name):
                 raise TypeError(f"unknown engine option {name!r}")
             setattr(config, name, value)
+        config.normalize()
         self.config = config
         loaded = load_model(config.model, trust_remote_code=config.trust_remote_code)
         check_supported(loaded.model, loaded.config.get("model_type", "?"))
@@ -208,6 +236,7 @@ class EngineCore:
         *,
         cache_salt: str | None = None,
         images: Sequence[ImageSource] | None = None,
+        fairness_key: str | None = None,
     ) -> str:
         """Queue a prompt (text or token ids); returns the request id. Outputs come from ``step()``.
 
@@ -225,12 +254,16 @@ class EngineCore:
                 salts never share cached blocks.
             images: Images for a vision-language model, in prompt order (see
                 ``prepare_prompt``).
+            fairness_key: Requests with the same key share one turn of admission (the
+                scheduler serves keys round-robin); None = this request's own id. The server
+                gives all prompts of one HTTP request one key.
 
         Returns:
             The request id, which later ``RequestOutput``s carry.
 
         Raises:
-            ValueError: ``request_id`` is already in use, a token id is outside the vocabulary,
+            ValueError: ``request_id`` is already in use, a token id (prompt or
+                ``stop_token_ids``) is outside the vocabulary, a string is not valid Unicode,
                 images were given to a text-only model, or the prompt's image placeholders do
                 not match the images.
         """
@@ -240,6 +273,7 @@ class EngineCore:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_request(params, request_id, cache_salt, fairness_key)
         prepared = prompt if isinstance(prompt, PreparedPrompt) else self.prepare_prompt(prompt, images)
         text, token_ids = prepared.text, prepared.token_ids
         group = _Group(request_id, text, token_ids)
@@ -250,6 +284,7 @@ class EngineCore:
             request = Request(
                 child_id, token_ids, child_params, prompt=text,
                 eos_token_ids=self.eos_token_ids, cache_salt=cache_salt, mm_input=prepared.mm_input,
+                fairness_key=fairness_key or request_id,
             )  # fmt: skip
             if prepared.error is not None:
                 request.error(prepared.error)
@@ -266,6 +301,28 @@ class EngineCore:
         if group.finished:  # refused at admission (e.g. prompt too long)
             self._pending.append(self._finish_group(group))
         return request_id
+
+    def _check_request(
+        self, params: SamplingParams, request_id: str, cache_salt: str | None, fairness_key: str | None
+    ) -> None:
+        """What ``SamplingParams`` cannot check alone: token ids against this model's vocabulary;
+        strings that must encode as UTF-8 (they are hashed into block keys)."""
+        vocab = self.vocab_size
+        if vocab and any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        check_encodable("request_id", request_id)
+        if cache_salt is not None:
+            if not isinstance(cache_salt, str):
+                raise ValueError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+            check_encodable("cache_salt", cache_salt)
+        if fairness_key is not None:
+            check_encodable("fairness_key", fairness_key)
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary size (from its config), or None when it does not say."""
+        config = self.model_config.get("text_config", self.model_config)
+        return config.get("vocab_size") or self.model_config.get("vocab_size")
 
     def prepare_prompt(
         self,
@@ -306,7 +363,7 @@ class EngineCore:
         """Raise ``ValueError`` if there are images and the model is text-only (before a chat
         template, which may not accept image parts at all, sees them)."""
         if images and not self.supports_images:
-            raise ValueError(f"the model in {self.model_path} is text-only; image inputs need a vision-language model")
+            raise ValueError("this model is text-only; image inputs need a vision-language model")
 
     def _admit(self, group: _Group) -> None:
         """Queue a group's completions. With prefix caching, siblings of an ``n > 1`` request
@@ -366,7 +423,7 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return outputs
-        runner_output = self.runner.execute_model(scheduler_output)
+        runner_output = self._execute(scheduler_output)
         self.step_records.append(self.runner.last_step)
         advanced = self.scheduler.update_from_output(scheduler_output, runner_output)
         touched: dict[str, _Group] = {}
@@ -374,7 +431,10 @@ class EngineCore:
             completion = self._completion_of.get(request.request_id)
             if completion is None:
                 continue
-            self._absorb(completion, runner_output.logprobs.get(request.request_id))
+            try:
+                self._absorb(completion, runner_output.logprobs.get(request.request_id))
+            except Exception as exc:  # this completion's text processing failed: it ends alone
+                self._fail_request(request, exc, "processing its output")
             touched[completion.group_id] = None
         for group_id in touched:
             group = self._groups.get(group_id)
@@ -382,6 +442,55 @@ class EngineCore:
                 outputs.append(self._finish_group(group) if group.finished else self._group_output(group))
         self._release_deferred()
         return outputs
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the step. When it fails, each request is run again alone: one that fails alone
+        ends with an error, the others keep their tokens, and the batch goes on, so no request
+        can end the engine. If every request failed, a probe (one token through the model)
+        decides: when it fails too the engine is broken, and the exception escapes (as does
+        ``MemoryError``).
+
+        Re-running is safe: a row writes only its own (unshared) slots, and sampling depends on
+        the request's seed and step alone, never on the batch.
+        """
+        scheduled = scheduler_output.scheduled
+        try:
+            return self.runner.execute_model(scheduler_output)
+        except MemoryError:
+            raise
+        except Exception as exc:
+            logger.error("step %d failed", scheduler_output.step_id, exc_info=True)
+            if len(scheduled) == 1:
+                output = ModelRunnerOutput(errors={scheduled[0].request_id: internal_error_message(exc)})
+            else:
+                output = self._execute_one_by_one(scheduler_output)
+        if len(output.errors) == len(scheduled):
+            self.runner.probe()  # raises when the model itself cannot run
+        return output
+
+    def _execute_one_by_one(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Each request of the step alone; the ones that fail are recorded in ``errors``."""
+        merged = ModelRunnerOutput()
+        for item in scheduler_output.scheduled:
+            try:
+                output = self.runner.execute_model(SchedulerOutput(scheduler_output.step_id, [item]))
+            except MemoryError:
+                raise
+            except Exception as exc:
+                logger.error("request %s failed alone", item.request_id, exc_info=True)
+                merged.errors[item.request_id] = internal_error_message(exc)
+                continue
+            merged.sampled_token_ids.update(output.sampled_token_ids)
+            merged.logprobs.update(output.logprobs)
+            merged.errors.update(output.errors)
+        return merged
+
+    def _fail_request(self, request: Request, exc: Exception, doing: str) -> None:
+        """End ``request`` with an error after an unexpected exception; log the traceback."""
+        logger.error("request %s failed while %s", request.request_id, doing, exc_info=exc)
+        if not request.is_finished:
+            message = internal_error_message(exc)
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR, message)
 
     def _absorb(self, completion: _Completion, logprobs: TokenLogprobs | None) -> None:
         """Detokenize the completion's new tokens, apply stop strings, record logprobs."""
@@ -435,9 +544,10 @@ class EngineCore:
 
     def _encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            check_encodable("prompt", prompt)
             return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
         token_ids = [int(t) for t in prompt]
-        vocab = self.model_config.get("vocab_size")
+        vocab = self.vocab_size
         if vocab and any(t < 0 or t >= vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         return None, token_ids

@@ -11,3 +11,9 @@ class ModelSourceError(VllmMlxError):
 
 class ImageInputError(VllmMlxError):
     """An image input cannot be used: missing, unreadable, too large, or a failed fetch."""
+
+
+def internal_error_message(exc: BaseException) -> str:
+    """What a caller sees when its request failed unexpectedly: the kind, not the details
+    (they can name local paths or other requests; the log has them). The engine goes on."""
+    return f"internal error while running this request ({type(exc).__name__})"

@@ -12,19 +12,23 @@ cache (a prefix-cache hit past an image skips the encoder altogether).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
 from vllm_mlx.attention import KVPool, MLXAttentionBackend, RowSpec
+from vllm_mlx.canonical import canonical_bytes
 from vllm_mlx.mllm_cache import MLLMCacheManager
 from vllm_mlx.multimodal import ImageInput
+from vllm_mlx.request import Request, SamplingParams
 from vllm_mlx.sampling import SamplingRow, sample
 from vllm_mlx.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 # A group accepts a row while padded tokens stay within this factor of real tokens.
 MAX_PADDING_FACTOR = 1.25
+NULL_BLOCK = 0  # reserved: never allocated to a request (padding writes land there)
 
 
 @dataclass
@@ -140,6 +144,18 @@ class MLXModelRunner:
                 output.logprobs[item.request_id] = logprobs
         return output
 
+    def probe(self) -> None:
+        """Run one token through the model and the sampler; raise if that fails.
+
+        Tells a broken engine from a bad request: when every request of a step failed alone,
+        a probe that fails too means the fault is the engine's. Its KV goes to the null block
+        (padding's sink, owned by no request), so it disturbs nothing.
+        """
+        probe = Request("engine-probe", [0], SamplingParams(temperature=0, seed=0))
+        item = ScheduledRequest(probe, num_computed_tokens=0, num_new_tokens=1, block_ids=[NULL_BLOCK])
+        [logits] = self._forward([item])
+        sample(logits[None], [sampling_row(item)])
+
     def _forward(self, group: list[ScheduledRequest]) -> list[mx.array | None]:
         """One padded forward; the logits at each sampling row's last position (else None)."""
         rows = [row_spec(s) for s in group]
@@ -174,16 +190,17 @@ class MLXModelRunner:
             return True
         try:
             for image, _, _ in mm.overlaps(item.num_computed_tokens, item.num_new_tokens):
-                self._image_features(image)
+                self._image_features(image, item.request.cache_salt)
         except Exception as exc:  # the encoder's failure is this request's, not the batch's
             errors[item.request_id] = f"the vision encoder failed on an image: {exc}".splitlines()[0]
             return False
         return True
 
-    def _image_features(self, image: ImageInput) -> mx.array:
+    def _image_features(self, image: ImageInput, cache_salt: str | None) -> mx.array:
         if image.features is not None:
             return image.features
-        entry = self.mllm_cache.get(image.image_hash) if self.mllm_cache is not None else None
+        key = mllm_cache_key(image.image_hash, cache_salt)
+        entry = self.mllm_cache.get(key) if self.mllm_cache is not None else None
         if entry is not None:
             features = entry.features
         else:
@@ -193,7 +210,7 @@ class MLXModelRunner:
             if features.shape[0] != image.num_tokens:
                 raise ValueError(f"{features.shape[0]} image features for {image.num_tokens} placeholders")
             if self.mllm_cache is not None:
-                self.mllm_cache.put(image.image_hash, features, image.num_tokens, image=image.image)
+                self.mllm_cache.put(key, features, image.num_tokens, image=image.image)
         image.features = features
         return features
 
@@ -241,6 +258,15 @@ class MLXModelRunner:
             if mm is not None and mm.done_with_images(item.num_computed_tokens + item.num_new_tokens):
                 for image in mm.images:
                     image.features = None
+
+
+def mllm_cache_key(image_hash: str, cache_salt: str | None) -> str:
+    """The MLLM cache key of an image for a request: its content hash, bound to the request's
+    ``cache_salt`` when it has one, so salted tenants never share encoder outputs (nor learn,
+    from timing or stats, which images others sent)."""
+    if cache_salt is None:
+        return image_hash
+    return hashlib.sha256(canonical_bytes(("mllm", image_hash, cache_salt))).hexdigest()
 
 
 def row_spec(item: ScheduledRequest) -> RowSpec:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum, auto
 from typing import TYPE_CHECKING
 
+from vllm_mlx.validation import check_encodable
+
 if TYPE_CHECKING:
     from vllm_mlx.multimodal import MultiModalInput
 
@@ -68,7 +70,8 @@ def _normalize_stop(value: object) -> list[str]:
         raise ValueError(f"stop must be a str or a list of str, got {value!r}")
     for s in items:
         if not isinstance(s, str) or not s:
-            raise ValueError(f"stop must contain only non-empty strings, got {s!r} in {value!r}")
+            raise ValueError(f"stop must contain only non-empty strings, got {s!r}")
+        check_encodable("stop", s)
     return list(items)
 
 
@@ -245,6 +248,9 @@ class Request:
     """Folded into prefix-cache block hashes: different salts never share blocks."""
     mm_input: MultiModalInput | None = None
     """The prompt's images (placeholders, hashes, rotary positions); None for text prompts."""
+    fairness_key: str = ""
+    """Requests with the same key share one turn of admission (round-robin across keys, FIFO
+    within one): all completions and prompts of one caller's request. "" = the request id."""
 
     # Mutable state, owned by the scheduler.
     status: RequestStatus = RequestStatus.WAITING
@@ -266,6 +272,7 @@ class Request:
             raise ValueError("prompt_token_ids must not be empty")
         self.eos_token_ids = frozenset(self.eos_token_ids)
         self.output_token_ids = list(self.output_token_ids)
+        self.fairness_key = self.fairness_key or self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:

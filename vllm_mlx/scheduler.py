@@ -7,12 +7,17 @@ The model runner sees only a ``SchedulerOutput`` and answers with a ``ModelRunne
 
 from __future__ import annotations
 
-from collections import deque
+import logging
+from collections import Counter
 from dataclasses import dataclass, field
 
+from vllm_mlx.errors import internal_error_message
 from vllm_mlx.paged_cache import PagedCacheManager
 from vllm_mlx.prefix_cache import BlockAwarePrefixCache
 from vllm_mlx.request import Request, RequestStatus
+from vllm_mlx.waiting_queue import WaitingQueue
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -102,9 +107,15 @@ class Scheduler:
     """Decides, each step, which requests compute how many tokens (vLLM v1 style).
 
     One ``schedule()`` → model runner → ``update_from_output()`` cycle is a step; the two calls
-    alternate. Running requests are served first, in admission order, then waiting requests
-    FIFO, all under one token budget. When the block pool runs dry, the most recently admitted
+    alternate. Running requests are served first, in admission order, then waiting requests,
+    all under one token budget. When the block pool runs dry, the most recently admitted
     request is preempted: its blocks are freed and it is recomputed later (prefix hits included).
+
+    Fairness: waiting requests are grouped by ``fairness_key`` (a caller's request: its prompts
+    and its ``n`` completions). Admission takes the key with the fewest running requests first
+    (FIFO among equals and within a key), and when the batch is full (seats or blocks) while a
+    key runs at least two requests more than a waiting key, one request of the heaviest key is
+    preempted per step to make room. So a huge request cannot starve a small one sent after it.
 
     Invariants at step boundaries (checked by ``check_invariants()``):
 
@@ -139,7 +150,7 @@ class Scheduler:
             limits.append(config.max_num_batched_tokens + 1)
         self.max_model_len = min(limits)
 
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.num_preemptions = 0
@@ -197,16 +208,39 @@ class Scheduler:
         """Pick this step's work under one token budget: running requests, then waiting ones.
 
         A running request computes its remaining tokens (1 when decoding), capped by the budget
-        (chunked prefill). Waiting requests are admitted FIFO only if nothing was preempted in
-        this step, while budget and ``max_num_seqs`` allow and blocks can be allocated.
+        (chunked prefill). Waiting requests are admitted (least-served key first) only if no
+        running request had to be preempted for blocks in this step, while budget and
+        ``max_num_seqs`` allow and blocks can be allocated.
         """
         self.step_id += 1
         output = SchedulerOutput(step_id=self.step_id)
-        budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(output, budget)
-        if not output.preempted_ids:
+        self._preempt_for_fairness(output)
+        num_fair_preemptions = len(output.preempted_ids)
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        if len(output.preempted_ids) == num_fair_preemptions:
             self._schedule_waiting(output, budget)
         return output
+
+    def _preempt_for_fairness(self, output: SchedulerOutput) -> None:
+        """Make room for the least-served waiting key when the batch is full: preempt the most
+        recently admitted request of the heaviest running key, if it runs >= 2 more requests."""
+        if not self.waiting or not self.running:
+            return
+        load = Counter(r.fairness_key for r in self.running)
+        starved = self.waiting.peek(load)
+        heavy_key, heavy_load = load.most_common(1)[0]
+        if heavy_load - load[starved.fairness_key] < 2 or not self._batch_full(starved):
+            return
+        victim = next(r for r in reversed(self.running) if r.fairness_key == heavy_key)
+        self.running.remove(victim)
+        self._preempt(victim, output)
+
+    def _batch_full(self, request: Request) -> bool:
+        """No seat for ``request``, or too few free blocks for its first chunk."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return True
+        first_chunk = min(request.num_tokens, self.config.max_num_batched_tokens)
+        return self.kv_cache.get_num_free_blocks() < self.kv_cache.num_blocks_needed(first_chunk)
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         i = 0
@@ -226,8 +260,9 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        load = Counter(r.fairness_key for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek(load)
             hits = self.prefix_cache.find_cached_blocks(request)
             num_hit = len(hits) * self.block_size
             num_new = request.num_tokens - num_hit
@@ -236,7 +271,8 @@ class Scheduler:
             num_new = min(num_new, budget)
             if self.kv_cache.allocate_slots(request.request_id, num_hit + num_new, hits) is None:
                 break
-            self.waiting.popleft()
+            self.waiting.pop(request)
+            load[request.fairness_key] += 1
             self._admit(request, num_hit)
             output.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
@@ -256,29 +292,38 @@ class Scheduler:
             request = scheduled.request
             if self.requests.get(request.request_id) is not request:
                 continue  # finished or aborted meanwhile
-            error = runner_output.errors.get(request.request_id)
-            if error is not None:  # its KV was not computed: nothing to cache
-                request.error(error)
+            try:
+                if self._update_request(scheduled, runner_output):
+                    advanced.append(request)
+            except Exception as exc:  # this request's bookkeeping failed: it ends alone
+                logger.error("updating request %s failed", request.request_id, exc_info=True)
+                request.error(internal_error_message(exc))
                 advanced.append(request)
-                continue
-            samples = scheduled.samples
-            request.num_computed_tokens += scheduled.num_new_tokens
-            self.prefix_cache.cache_computed_blocks(request, scheduled.num_computed_tokens)
-            if not samples:
-                continue
-            token_id = runner_output.sampled_token_ids.get(request.request_id)
-            if token_id is None:
-                request.error("the model runner returned no token for this request")
-            else:
-                request.append_output_token(token_id)
-                self._check_stop(request)
-            advanced.append(request)
         finished = [r for r in advanced if r.is_finished]
         if finished:
             self.running = [r for r in self.running if not r.is_finished]
             for request in finished:
                 self._release(request)
         return advanced
+
+    def _update_request(self, scheduled: ScheduledRequest, runner_output: ModelRunnerOutput) -> bool:
+        """Apply one request's share of a step; True if it advanced (a token, or its end)."""
+        request = scheduled.request
+        error = runner_output.errors.get(request.request_id)
+        if error is not None:  # its KV was not computed: nothing to cache
+            request.error(error)
+            return True
+        request.num_computed_tokens += scheduled.num_new_tokens
+        self.prefix_cache.cache_computed_blocks(request, scheduled.num_computed_tokens)
+        if not scheduled.samples:
+            return False
+        token_id = runner_output.sampled_token_ids.get(request.request_id)
+        if token_id is None:
+            request.error("the model runner returned no token for this request")
+        else:
+            request.append_output_token(token_id)
+            self._check_stop(request)
+        return True
 
     # ---- helpers -------------------------------------------------------------------------------
 

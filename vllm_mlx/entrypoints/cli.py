@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from vllm_mlx import __version__
+from vllm_mlx import __version__, validation
 from vllm_mlx.entrypoints.openai.cli_args import add_serve_arguments, serve_engine_options
 from vllm_mlx.errors import VllmMlxError
 
@@ -104,23 +104,18 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 def parse_memory(text: str) -> int | float:
     """A KV budget: a size like 512M / 2G, or a fraction of available memory like 0.3."""
-    if "." in text and not text.strip()[-1:].isalpha():
-        try:
-            return float(text)
-        except ValueError:
-            pass
-    return parse_bytes(text)
+    try:
+        return validation.parse_memory(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_bytes(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().removesuffix("B")
+    """A size like 512M / 2G / 4096."""
     try:
-        if text[-1:] in units:
-            return int(float(text[:-1]) * units[text[-1]])
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 2G)") from None
+        return validation.parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 from vllm_mlx.entrypoints.openai import DEFAULT_MAX_BODY_BYTES
 from vllm_mlx.media_policy import SERVER_MAX_IMAGES, SERVER_MAX_PIXELS, MediaPolicy, parse_limit_mm_per_prompt
+from vllm_mlx.validation import RequestLimits
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser, parse_bytes) -> None:
@@ -25,10 +27,33 @@ def add_serve_arguments(parser: argparse.ArgumentParser, parse_bytes) -> None:
         "--max-body-size", type=parse_bytes, default=DEFAULT_MAX_BODY_BYTES, help="request body limit, e.g. 4M"
     )
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    server.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens (tells clients about other tenants' prompts)",
+    )
+    server.add_argument(
+        "--cache-stats-per-request",
+        action="store_true",
+        help="list live requests (ids, token counts) in /v1/cache/stats (default: aggregates only)",
+    )
+    _add_limit_arguments(parser.add_argument_group("request limits (raise them for trusted clients)"))
     # Engine flags shared with other commands come from cli.add_model_arguments; this one is the
     # server's own (``generate`` uses --seed for its sampling).
     parser.add_argument("--seed", type=int, default=None, help="seed drawn from for requests that bring none")
     _add_media_arguments(parser.add_argument_group("media inputs (none from outside the request by default)"))
+
+
+def _add_limit_arguments(group) -> None:
+    """One ``--max-...`` flag per ``RequestLimits`` field, with its safe default."""
+    for limit in dataclasses.fields(RequestLimits):
+        flag = "--" + limit.name.replace("_", "-")
+        group.add_argument(flag, type=int, default=limit.default, metavar="N", help=f"{limit.metadata['help']} (default: {limit.default})")
+
+
+def request_limits(args: argparse.Namespace) -> RequestLimits:
+    """The ``RequestLimits`` set by the flags above."""
+    return RequestLimits(**{limit.name: getattr(args, limit.name) for limit in dataclasses.fields(RequestLimits)})
 
 
 def serve_engine_options(args: argparse.Namespace) -> dict:

@@ -12,9 +12,8 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-MAX_N = 64
 MAX_LOGPROBS = 20
 
 
@@ -44,11 +43,16 @@ class StreamOptions(_Strict):
 
 
 class SamplingFields(_Strict):
-    """Fields shared by chat and text completions (vLLM's names where OpenAI has none)."""
+    """Fields shared by chat and text completions (vLLM's names where OpenAI has none).
+
+    Every string anywhere in the request must encode as UTF-8: JSON allows unpaired surrogates
+    (``"\\ud800"``), which the tokenizer, block hashes and error messages cannot carry. The
+    operator's caps (``n``, stop strings, prompts) are checked by the server (``RequestLimits``).
+    """
 
     model: str | None = None
     """The served model's name; None means the one model this server serves."""
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    n: Annotated[int, Field(ge=1)] = 1
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -68,6 +72,41 @@ class SamplingFields(_Strict):
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     """Folded into prefix-cache hashes: requests with different salts never share KV blocks."""
+
+    @model_validator(mode="after")
+    def _strings_encode(self):
+        path = _unencodable_path(self.model_dump(exclude_defaults=True))
+        if path is not None:
+            raise ValueError(f"{path or 'body'} is not valid Unicode (it contains an unpaired surrogate)")
+        return self
+
+
+def _unencodable_path(value, path: str = "") -> str | None:
+    """The dotted path of the first string (or dict key) in ``value`` that is not valid UTF-8."""
+    if isinstance(value, str):
+        return None if value.isascii() or _encodes(value) else path
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        where = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and not _encodes(key):
+            return path or "body"
+        found = _unencodable_path(item, where)
+        if found is not None:
+            return found
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class TextPart(_Strict):
@@ -129,7 +168,8 @@ class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    prompt_tokens_details: PromptTokensDetails | None = None
+    """Only with `--enable-prompt-tokens-details` (cached tokens tell of other tenants' prompts)."""
 
 
 class TopLogprob(BaseModel):

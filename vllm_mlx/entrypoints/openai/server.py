@@ -10,7 +10,9 @@ caller owns the engine; several apps may share one, as the tests do). Every erro
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -27,14 +29,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm_mlx import __version__
 from vllm_mlx.async_engine import AsyncEngineCore, EngineDeadError
 from vllm_mlx.engine_core import EngineConfig
-from vllm_mlx.entrypoints.openai.cli_args import serve_media_policy
+from vllm_mlx.entrypoints.openai.cli_args import request_limits, serve_media_policy
 from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
 from vllm_mlx.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware, BodySizeLimitMiddleware
 from vllm_mlx.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from vllm_mlx.entrypoints.openai.serving import ClientDisconnected, ModelInfo, OpenAIError
+from vllm_mlx.entrypoints.openai.serving import (
+    ClientDisconnected,
+    ModelInfo,
+    OpenAIError,
+    ServingOptions,
+    engine_dead,
+)
 from vllm_mlx.entrypoints.openai.serving_chat import ChatServing
 from vllm_mlx.entrypoints.openai.serving_completion import CompletionServing
 from vllm_mlx.media_policy import MediaPolicy
+
+logger = logging.getLogger(__name__)
 
 
 class SSEResponse(StreamingResponse):
@@ -57,17 +67,20 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     owns_engine: bool = False,
     media_policy: MediaPolicy | None = None,
+    options: ServingOptions | None = None,
 ) -> FastAPI:
     """The app for a started engine; ``served_model_name`` defaults to the model directory's name.
     Request images load under ``media_policy`` (None = ``MediaPolicy.server()``: no local file,
     no URL), whatever the engine's own policy.
-    With ``owns_engine`` the app stops the engine when it shuts down."""
+    With ``owns_engine`` the app stops the engine when it shuts down. ``options``: the
+    operator's limits and disclosure switches (None = the safe defaults)."""
+    options = options or ServingOptions()
     info = ModelInfo.read(engine)
     name = served_model_name or Path(info.path).name
     metrics = ServerMetrics(engine, name)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-mlx-tokenize")
-    chat = ChatServing(engine, name, metrics, info, pool, media_policy=media_policy)
-    completion = CompletionServing(engine, name, metrics, info, pool)
+    chat = ChatServing(engine, name, metrics, info, pool, options, media_policy=media_policy)
+    completion = CompletionServing(engine, name, metrics, info, pool, options)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -87,13 +100,13 @@ def build_app(
         """A blocking engine method, off the event loop; a dead engine is a 503."""
         try:
             return await run_in_threadpool(method)
-        except EngineDeadError as exc:
-            raise OpenAIError(503, f"The engine is not running: {exc}", code="engine_dead") from None
+        except EngineDeadError:
+            raise engine_dead() from None
 
     @app.get("/health")
     async def health() -> Response:
         if not engine.is_running:
-            return _error_response(OpenAIError(503, "The engine is not running.", code="engine_dead"))
+            return _error_response(OpenAIError(503, engine_health(engine), code="engine_dead"))
         return Response(status_code=200)
 
     @app.get("/version")
@@ -102,7 +115,7 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = ModelCard(id=name, root=info.path, max_model_len=info.max_model_len)
+        card = ModelCard(id=name, root=name, max_model_len=info.max_model_len)  # no local paths
         return ModelList(data=[card]).model_dump()
 
     @app.post("/v1/chat/completions")
@@ -115,7 +128,7 @@ def build_app(
 
     @app.get("/v1/cache/stats")
     async def cache_stats() -> dict:
-        return summarize_snapshot(await engine_call(engine.cache_snapshot))
+        return summarize_snapshot(await engine_call(engine.cache_snapshot), options.cache_stats_per_request)
 
     @app.delete("/v1/cache")
     async def reset_cache() -> dict:
@@ -138,19 +151,33 @@ async def _respond(pending) -> Response:
     return SSEResponse(result, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def summarize_snapshot(snapshot: dict) -> dict:
-    """The stats endpoint's view of ``cache_snapshot()``: counts, not the block list."""
-    requests = {
-        request_id: {**{k: v for k, v in view.items() if k != "block_ids"}, "num_blocks": len(view["block_ids"])}
-        for request_id, view in snapshot["requests"].items()
-    }
-    return {
+def summarize_snapshot(snapshot: dict, per_request: bool = False) -> dict:
+    """The stats endpoint's view of ``cache_snapshot()``: counts, not the block list.
+
+    Requests appear as counts by status; with ``per_request`` (an operator's switch) also one
+    entry per live request (its id and token counts, which other clients must not see).
+    """
+    views = snapshot["requests"]
+    summary = {
         "block_size": snapshot["block_size"],
         "stats": snapshot["stats"],
         "block_states": dict(Counter(block["state"] for block in snapshot["blocks"])),
         "free_queue_length": len(snapshot["free_queue"]),
-        "requests": requests,
+        "request_states": dict(Counter(view["status"] for view in views.values())),
     }
+    if per_request:
+        summary["requests"] = {
+            request_id: {**{k: v for k, v in view.items() if k != "block_ids"}, "num_blocks": len(view["block_ids"])}
+            for request_id, view in views.items()
+        }
+    return summary
+
+
+def engine_health(engine: AsyncEngineCore) -> str:
+    """Why ``/health`` fails: the kind of failure (the traceback is in the log), or a stop."""
+    if engine.error is not None:
+        return f"The engine failed ({type(engine.error).__name__}); see the server log."
+    return "The engine is not running."
 
 
 # -- errors -----------------------------------------------------------------------------------
@@ -176,9 +203,15 @@ def _add_error_handlers(app: FastAPI) -> None:
         response.headers.update(exc.headers or {})
         return response
 
+    @app.exception_handler(EngineDeadError)
+    async def dead_engine(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return _error_response(engine_dead())
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        return _error_response(OpenAIError(500, f"Internal server error: {exc!r}"))
+        # The details (paths, reprs) go to the log, never to the client.
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return _error_response(OpenAIError(500, "Internal server error; see the server log."))
 
 
 def validation_to_openai(errors) -> OpenAIError:
@@ -207,21 +240,58 @@ def served_name(model: str, path: Path) -> str:
 
 
 def run_server(args: argparse.Namespace, engine_options: dict) -> int:
-    """``vllm-mlx serve``: start the engine, serve until interrupted, stop the engine."""
+    """``vllm-mlx serve``: start the engine, serve until interrupted, stop the engine.
+
+    Returns 0 after an interrupt, 1 when the engine failed (so a supervisor restarts it).
+    """
     import uvicorn
 
     media_policy = serve_media_policy(args)  # a bad flag fails before the model loads
+    options = ServingOptions(
+        limits=request_limits(args),
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        cache_stats_per_request=args.cache_stats_per_request,
+    )
     engine = AsyncEngineCore(EngineConfig(model=args.model, **engine_options)).start()
     try:
         name = args.served_model_name or served_name(args.model, engine.call(lambda e: e.model_path))
         app = build_app(
-            engine, served_model_name=name, api_key=args.api_key, max_body_bytes=args.max_body_size,
-            owns_engine=True, media_policy=media_policy,
+            engine,
+            served_model_name=name,
+            api_key=args.api_key,
+            max_body_bytes=args.max_body_size,
+            owns_engine=True,
+            media_policy=media_policy,
+            options=options,
         )
         print(f"vllm-mlx: serving {name!r} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
         if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
             print("vllm-mlx: warning: listening beyond loopback without --api-key", file=sys.stderr, flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+        )
+        return serve_until_engine_ends(uvicorn.Server(config), engine)
     finally:
         engine.stop()
-    return 0
+
+
+def serve_until_engine_ends(server, engine: AsyncEngineCore, **run_kwargs) -> int:
+    """Run the uvicorn ``server`` until it is interrupted or the engine thread ends.
+
+    A failed engine shuts the server down and returns 1: with no engine it could only answer
+    503s, and a supervisor (systemd, Kubernetes, a shell loop) restarts a process that exits.
+    """
+
+    def watch() -> None:
+        engine.wait_ended()
+        if engine.error is not None:
+            print(
+                f"vllm-mlx: the engine failed ({type(engine.error).__name__}); shutting down (exit status 1)",
+                file=sys.stderr,
+                flush=True,
+            )
+        server.should_exit = True
+
+    threading.Thread(target=watch, name="vllm-mlx-engine-watch", daemon=True).start()
+    server.run(**run_kwargs)
+    return 1 if engine.error is not None else 0

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from pydantic import BaseModel
@@ -24,10 +25,14 @@ from pydantic import BaseModel
 from vllm_mlx.async_engine import AsyncEngineCore, EngineDeadError, RequestStream
 from vllm_mlx.engine_core import PreparedPrompt
 from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
-from vllm_mlx.entrypoints.openai.protocol import SamplingFields, UsageInfo
+from vllm_mlx.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from vllm_mlx.request import RequestOutput, SamplingParams
+from vllm_mlx.validation import LimitExceeded, RequestLimits
 
 DISCONNECT_POLL_S = 0.25
+ENGINE_DEAD_MESSAGE = "The engine is not running; see the server log."
+
+logger = logging.getLogger(__name__)
 
 
 class OpenAIError(Exception):
@@ -46,6 +51,18 @@ class OpenAIError(Exception):
 
 class ClientDisconnected(Exception):
     """The HTTP client went away before the response was ready."""
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    """What the operator decides about serving (``vllm-mlx serve`` flags); safe defaults."""
+
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    enable_prompt_tokens_details: bool = False
+    """Report ``usage.prompt_tokens_details.cached_tokens`` (vLLM's flag). Off by default: the
+    count tells a client whether another tenant's prompt began like its own."""
+    cache_stats_per_request: bool = False
+    """``/v1/cache/stats`` lists live requests (ids, token counts); off = aggregates only."""
 
 
 @dataclass(frozen=True)
@@ -77,10 +94,12 @@ class OpenAIServing:
         metrics: ServerMetrics,
         info: ModelInfo | None = None,
         tokenize_pool: ThreadPoolExecutor | None = None,
+        options: ServingOptions | None = None,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
+        self.options = options or ServingOptions()
         self.info = info or ModelInfo.read(engine)
         self.tokenizer = self.info.tokenizer
         # One thread tokenizes (off the event loop, never two encodes at once); share it.
@@ -103,6 +122,12 @@ class OpenAIServing:
 
     async def run_tokenizer(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
+
+    def check_num_prompts(self, num_prompts: int) -> None:
+        try:
+            self.options.limits.check_num_prompts(num_prompts)
+        except LimitExceeded as exc:
+            raise limit_exceeded(exc) from None
 
     def check_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
         limit = self.info.max_model_len
@@ -152,9 +177,12 @@ class OpenAIServing:
                 fields[name] = getattr(req, name)
         try:
             params = SamplingParams(**fields)
+            self.options.limits.check_sampling(params)
+        except LimitExceeded as exc:
+            raise limit_exceeded(exc) from None
         except ValueError as exc:
-            field = str(exc).split(" ", 1)[0]
-            raise OpenAIError(400, str(exc), param=field if field in fields else None) from None
+            name = str(exc).split(" ", 1)[0]
+            raise OpenAIError(400, str(exc), param=name if name in fields else None) from None
         if params.max_tokens > room:
             raise OpenAIError(
                 400,
@@ -174,17 +202,36 @@ class OpenAIServing:
     def submit(
         self, prompts: list[list[int] | PreparedPrompt], params: list[SamplingParams], prefix: str, cache_salt: str | None
     ) -> list[RequestStream]:
-        """Submit one engine request per prompt; ids are ``prefix`` (+ ``-i`` for a batch)."""
+        """Submit one engine request per prompt; ids are ``prefix`` (+ ``-i`` for a batch).
+
+        All prompts of one HTTP request share a fairness key: the scheduler admits them in
+        turn with other clients' requests, so a large batch cannot starve a small request.
+        """
         streams: list[RequestStream] = []
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
                 request_id = prefix if len(prompts) == 1 else f"{prefix}-{i}"
-                streams.append(self.engine.add_request(prompt, sp, request_id, cache_salt=cache_salt))
-        except EngineDeadError as exc:
+                stream = self.engine.add_request(prompt, sp, request_id, cache_salt=cache_salt, fairness_key=prefix)
+                streams.append(stream)
+        except EngineDeadError:
             for stream in streams:
                 self.engine.abort(stream.request_id)
-            raise OpenAIError(503, f"The engine is not running: {exc}", code="engine_dead") from None
+            raise engine_dead() from None
         return streams
+
+    def usage(self, finals: list[RequestOutput]) -> UsageInfo:
+        """Token counts of a response; cached prompt tokens only where the operator allows."""
+        prompt = sum(f.num_prompt_tokens for f in finals)
+        completion = sum(f.num_completion_tokens for f in finals)
+        details = None
+        if self.options.enable_prompt_tokens_details:
+            details = PromptTokensDetails(cached_tokens=sum(f.num_cached_tokens for f in finals))
+        return UsageInfo(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=details,
+        )
 
     async def outputs(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Merge the streams: ``(prompt index, output)`` as they come; metrics recorded.
@@ -280,25 +327,24 @@ def check_finished(output: RequestOutput) -> None:
         raise OpenAIError(503, "The request was aborted: the engine is shutting down.", code="aborted")
 
 
+def limit_exceeded(exc: LimitExceeded) -> OpenAIError:
+    return OpenAIError(400, str(exc), param=exc.param, code="limit_exceeded")
+
+
+def engine_dead() -> OpenAIError:
+    """The 503 for a request the engine can no longer serve (the reason is in the log)."""
+    return OpenAIError(503, ENGINE_DEAD_MESSAGE, code="engine_dead")
+
+
 def engine_error(exc: BaseException) -> OpenAIError:
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, EngineDeadError):
-        return OpenAIError(503, f"The engine is not running: {exc}", code="engine_dead")
+        return engine_dead()
     if isinstance(exc, ValueError):  # the engine refused the request itself
         return OpenAIError(400, str(exc))
-    return OpenAIError(500, f"Internal error: {exc!r}")
-
-
-def usage_of(finals: list[RequestOutput]) -> UsageInfo:
-    prompt = sum(f.num_prompt_tokens for f in finals)
-    completion = sum(f.num_completion_tokens for f in finals)
-    return UsageInfo(
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        total_tokens=prompt + completion,
-        prompt_tokens_details={"cached_tokens": sum(f.num_cached_tokens for f in finals)},
-    )
+    logger.error("a request failed", exc_info=exc)
+    return OpenAIError(500, "Internal server error; see the server log.")
 
 
 def top_entries(entry: dict[int, float], k: int) -> list[tuple[int, float]]:

@@ -34,7 +34,6 @@ from vllm_mlx.entrypoints.openai.serving import (
     sse,
     sse_error,
     top_entries,
-    usage_of,
 )
 from vllm_mlx.media_policy import MediaPolicy
 from vllm_mlx.request import CompletionOutput
@@ -76,11 +75,14 @@ class ChatServing(OpenAIServing):
             )
             for c in final.outputs
         ]
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage_of([final]))
+        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=self.usage([final]))
 
     def _split_images(self, req: ChatCompletionRequest) -> ChatPrompt:
         """The messages for the template and the images of their ``image_url`` parts."""
-        chat = split_chat_images([m.model_dump(exclude_none=True) for m in req.messages])
+        try:
+            chat = split_chat_images([m.model_dump(exclude_none=True) for m in req.messages])
+        except ValueError as exc:  # e.g. an image_url part without a url
+            raise OpenAIError(400, str(exc), param="messages") from None
         try:
             self.engine.check_images(chat.images)
         except ValueError as exc:
@@ -136,7 +138,7 @@ class ChatServing(OpenAIServing):
                 final = output if output.finished else final
                 item = await anext(rest, None)
             if req.stream_options and req.stream_options.include_usage and final is not None:
-                yield chunk([], usage=usage_of([final]))
+                yield chunk([], usage=self.usage([final]))
         except OpenAIError as exc:
             yield sse_error(exc)
         finally:

@@ -18,7 +18,7 @@ from vllm_mlx.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from vllm_mlx.entrypoints.openai.serving import OpenAIError, OpenAIServing, new_id, sse, sse_error, usage_of
+from vllm_mlx.entrypoints.openai.serving import OpenAIError, OpenAIServing, new_id, sse, sse_error
 from vllm_mlx.request import CompletionOutput
 
 
@@ -47,7 +47,7 @@ class CompletionServing(OpenAIServing):
             for p, final in enumerate(finals)
             for c in final.outputs
         ]
-        return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage_of(finals))
+        return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=self.usage(finals))
 
     async def _prompts(self, prompt) -> list[list[int]]:
         """Token ids of each prompt: a str, a list of str, a list of ids, a list of id lists."""
@@ -57,6 +57,7 @@ class CompletionServing(OpenAIServing):
             raise OpenAIError(400, "The prompt is empty.", param="prompt")
         if isinstance(prompt[0], int):
             return [list(prompt)]
+        self.check_num_prompts(len(prompt))
         if isinstance(prompt[0], list):
             return [list(p) for p in prompt]
         return await self.run_tokenizer(
@@ -93,7 +94,7 @@ class CompletionServing(OpenAIServing):
                     finals[p] = output
                 item = await anext(rest, None)
             if req.stream_options and req.stream_options.include_usage:
-                usage = usage_of([finals[p] for p in sorted(finals)])
+                usage = self.usage([finals[p] for p in sorted(finals)])
                 yield sse(
                     CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[], usage=usage)
                 )

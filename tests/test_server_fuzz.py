@@ -1,0 +1,208 @@
+"""Fuzzing the live server: random and adversarial bodies against ``/v1/completions`` and
+``/v1/chat/completions`` on 127.0.0.1 (hypothesis, bounded in examples and time).
+
+After every example: no 5xx (the engine never dies of a request, so not even a 503), every error
+is OpenAI's shape, the engine answers ``/health``, and no KV block is held. At the end a normal
+request still gives the same tokens as before the fuzzing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from live_server import LiveServer  # noqa: E402
+
+from vllm_mlx.async_engine import AsyncEngineCore  # noqa: E402
+from vllm_mlx.entrypoints.openai.server import build_app  # noqa: E402
+
+MAX_MODEL_LEN = 96  # every accepted request is short, so many examples fit in the time bound
+FUZZ = settings(
+    max_examples=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    derandomize=True,  # the same examples in CI and here
+)
+NORMAL = {"prompt": "Hello there", "max_tokens": 6, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    eng = AsyncEngineCore(
+        model=str(tiny_model_dir), num_kv_blocks=64, block_size=4, max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=4, max_num_batched_tokens=32, force_model_takeover=True,
+    ).start()  # fmt: skip
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture(scope="module")
+def http(engine):
+    live = LiveServer(build_app(engine, served_model_name="tiny", max_body_bytes=256 * 1024))
+    with httpx.Client(base_url=live.url, timeout=60) as client:
+        baseline = client.post("/v1/completions", json=NORMAL).json()["choices"][0]["text"]
+        yield client
+        after = client.post("/v1/completions", json=NORMAL).json()["choices"][0]["text"]
+        assert after == baseline, "the fuzzing changed what a normal request generates"
+    live.stop()
+
+
+# -- values ---------------------------------------------------------------------------------------
+
+surrogate_text = st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1, max_size=3)
+nasty_text = st.one_of(
+    st.text(max_size=40),
+    surrogate_text,
+    st.just(""),
+    st.just("x" * 5000),
+    st.builds(lambda a, b: a + b, st.text(max_size=5), surrogate_text),
+    st.sampled_from(["/etc/passwd", "http://127.0.0.1:1/", "<img src=x onerror=alert(1)>", "{}", "\x00"]),
+)
+big_ints = st.one_of(
+    st.integers(-5, 70),
+    st.sampled_from([2**31, 2**63, -(2**63) - 1, 2**64, 10**30, 49151, 49152]),
+)
+numbers = st.one_of(
+    big_ints,
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.0, -0.0, 1e-300, 1e308, 0.5, 2.5]),
+)
+json_leaf = st.one_of(st.none(), st.booleans(), numbers, nasty_text)
+json_value = st.recursive(
+    json_leaf,
+    lambda children: st.one_of(st.lists(children, max_size=4), st.dictionaries(st.text(max_size=8), children, max_size=4)),
+    max_leaves=12,
+)
+
+
+def mostly(valid, invalid=json_value):
+    """``valid`` nine times in ten, else an adversarial value: most bodies reach the engine."""
+    return st.integers(0, 9).flatmap(lambda i: invalid if i == 0 else valid)
+
+
+# Values the server accepts, at the edges of what it accepts: these reach the engine.
+vocab_ids = st.one_of(st.integers(0, 60), st.sampled_from([49150, 49151]))
+token_lists = st.lists(vocab_ids, min_size=1, max_size=20)
+prompts = mostly(
+    st.one_of(
+        st.text(min_size=1, max_size=60),
+        st.lists(st.text(min_size=1, max_size=20), min_size=1, max_size=4),
+        token_lists,
+        st.lists(token_lists, min_size=1, max_size=3),
+    ),
+    st.one_of(nasty_text, st.lists(nasty_text, max_size=6), st.lists(big_ints, max_size=8), st.just([]), st.just([[]])),
+)
+small_floats = st.floats(0, 2, allow_nan=False)
+stop_texts = st.text(min_size=1, max_size=12)
+common_fields = {
+    "model": mostly(st.just("tiny")),
+    "max_tokens": mostly(st.integers(1, 12)),
+    "temperature": mostly(st.one_of(small_floats, st.sampled_from([0, 1e-300, 1e-6, 100.0]))),
+    "top_p": mostly(st.one_of(st.floats(1e-9, 1), st.just(1))),
+    "top_k": mostly(st.one_of(st.integers(-1, 100), st.sampled_from([49151, 49152, 10**9]))),
+    "min_p": mostly(st.floats(0, 1)),
+    "n": mostly(st.integers(1, 4)),
+    "seed": mostly(st.one_of(st.integers(-(2**63), 2**64), st.sampled_from([0, -1, 10**30]))),
+    "stop": mostly(st.one_of(stop_texts, st.lists(stop_texts, max_size=32))),
+    "stop_token_ids": mostly(st.lists(vocab_ids, max_size=8)),
+    "min_tokens": mostly(st.integers(0, 3)),
+    "presence_penalty": mostly(st.floats(-2, 2)),
+    "frequency_penalty": mostly(st.floats(-2, 2)),
+    "repetition_penalty": mostly(st.one_of(st.floats(1e-3, 5), st.sampled_from([1e-300, 1e300]))),
+    "logit_bias": mostly(st.none()),
+    "logprobs": mostly(st.integers(0, 20)),
+    "ignore_eos": mostly(st.booleans()),
+    "stream": mostly(st.booleans()),
+    "stream_options": mostly(st.fixed_dictionaries({"include_usage": st.booleans()})),
+    "cache_salt": mostly(st.text(max_size=20), nasty_text),
+    "skip_special_tokens": mostly(st.booleans()),
+    "user": mostly(st.text(max_size=20)),
+}
+
+
+def bodies(required: dict):
+    optional = st.fixed_dictionaries({}, optional=common_fields)
+    return st.builds(lambda fixed, extra: {**extra, **fixed}, st.fixed_dictionaries(required), optional)
+
+
+parts = mostly(
+    st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=40)}),
+    st.one_of(
+        st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.fixed_dictionaries({"url": nasty_text})}),
+        st.fixed_dictionaries({"type": st.just("text"), "text": nasty_text}),
+        json_value,
+    ),
+)
+messages = mostly(
+    st.lists(
+        st.fixed_dictionaries(
+            {"role": mostly(st.sampled_from(["system", "user", "assistant", "user"])),
+             "content": mostly(st.one_of(st.text(max_size=60), st.lists(parts, min_size=1, max_size=3)))}
+        ),
+        min_size=1, max_size=4,
+    ),
+)  # fmt: skip
+
+
+# -- checks ---------------------------------------------------------------------------------------
+
+
+def send(http, path: str, body) -> httpx.Response:
+    text = json.dumps(body, allow_nan=True)  # NaN/Infinity are not JSON: the server must say 400
+    with http.stream("POST", path, content=text.encode(), headers={"content-type": "application/json"}) as response:
+        response.read()
+    return response
+
+
+def check(http, response: httpx.Response) -> None:
+    event(f"status {response.status_code}")
+    assert response.status_code < 500, response.text[:2000]
+    if response.status_code != 200:
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    elif response.headers["content-type"].startswith("text/event-stream"):
+        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        for data in events[:-1]:
+            payload = json.loads(data)
+            assert payload.get("error", {}).get("type") != "server_error", payload
+    assert http.get("/health").status_code == 200
+    deadline = time.monotonic() + 5
+    while http.get("/v1/cache/stats").json()["stats"]["num_used_blocks"]:
+        assert time.monotonic() < deadline, "KV blocks held after the response"
+        time.sleep(0.02)
+
+
+@FUZZ
+@given(body=bodies({"prompt": prompts}))
+def test_fuzz_completions(http, body):
+    check(http, send(http, "/v1/completions", body))
+
+
+@FUZZ
+@given(body=bodies({"messages": messages}))
+def test_fuzz_chat(http, body):
+    check(http, send(http, "/v1/chat/completions", body))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), raw=st.one_of(st.binary(max_size=200), json_value.map(json.dumps)))
+def test_fuzz_raw_bodies(http, path, raw):
+    if isinstance(raw, str):
+        raw = raw.encode()
+    response = http.post(path, content=raw, headers={"content-type": "application/json"})
+    check(http, response)
+
+
+def test_numbers_json_cannot_carry_are_400s(http):
+    for value in (math.nan, math.inf, -math.inf):
+        response = send(http, "/v1/completions", {"prompt": "Hi", "temperature": value})
+        assert response.status_code == 400, response.text

@@ -1,0 +1,114 @@
+"""Checks at the boundary where untrusted input enters: text that must encode, and the caps
+that keep one request from taking the engine's memory or time.
+
+Pure Python (no MLX, no imports of ours): ``SamplingParams``, the engine and the server all use these, so a bad
+value gets the same clear ``ValueError`` whichever front door it came through.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm_mlx.request import SamplingParams
+
+
+def check_encodable(name: str, text: str) -> None:
+    """Raise ``ValueError`` if ``text`` cannot be encoded as UTF-8.
+
+    JSON (and Python) strings may hold unpaired surrogates (``"\\ud800"``); tokenizers and
+    the block hashes need UTF-8, so such text is refused where it enters.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{name} is not valid Unicode: unpaired surrogate at index {exc.start}") from None
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Per-request caps an operator sets (``vllm-mlx serve --max-...``); the defaults are
+    the server's safe ones. Each cap is checked before any work is queued."""
+
+    max_prompts_per_request: int = field(default=256, metadata={"help": "prompts in one /v1/completions request"})
+    max_n: int = field(default=16, metadata={"help": "completions per prompt (n)"})
+    max_stop_strings: int = field(default=32, metadata={"help": "stop strings per request"})
+    max_stop_string_length: int = field(default=1024, metadata={"help": "characters in one stop string"})
+    max_stop_token_ids: int = field(default=256, metadata={"help": "stop token ids per request"})
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+    def check_num_prompts(self, num_prompts: int) -> None:
+        if num_prompts > self.max_prompts_per_request:
+            raise LimitExceeded(
+                "prompt",
+                f"{num_prompts} prompts in one request exceed the limit of {self.max_prompts_per_request} "
+                "(--max-prompts-per-request)",
+            )
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """Raise ``LimitExceeded`` (a ``ValueError``) naming the field and the flag."""
+        if params.n > self.max_n:
+            raise LimitExceeded("n", f"n={params.n} exceeds the limit of {self.max_n} (--max-n)")
+        if len(params.stop) > self.max_stop_strings:
+            raise LimitExceeded(
+                "stop", f"{len(params.stop)} stop strings exceed the limit of {self.max_stop_strings} (--max-stop-strings)"
+            )
+        longest = max(map(len, params.stop), default=0)
+        if longest > self.max_stop_string_length:
+            raise LimitExceeded(
+                "stop",
+                f"a stop string of {longest} characters exceeds the limit of {self.max_stop_string_length} "
+                "(--max-stop-string-length)",
+            )
+        if len(params.stop_token_ids) > self.max_stop_token_ids:
+            raise LimitExceeded(
+                "stop_token_ids",
+                f"{len(params.stop_token_ids)} stop token ids exceed the limit of {self.max_stop_token_ids} "
+                "(--max-stop-token-ids)",
+            )
+
+
+class LimitExceeded(ValueError):
+    """A request over one of the operator's caps; ``param`` names the request field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# -- option values: the same forms in the CLI, EngineConfig, LLM(...) and the notebook ---------
+
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(value: str | int) -> int:
+    """A size: an int of bytes, or text like ``"512M"``, ``"2G"``, ``"1.5GB"``, ``"4096"``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"not a size: {value!r} (e.g. 512M, 2G, or an int of bytes)")
+    text = value.strip().upper().removesuffix("B")
+    try:
+        if text[-1:] in _UNITS:
+            return int(float(text[:-1]) * _UNITS[text[-1]])
+        return int(text)
+    except ValueError:
+        raise ValueError(f"not a size: {value!r} (e.g. 512M, 2G, or an int of bytes)") from None
+
+
+def parse_memory(value: str | int | float) -> int | float:
+    """A memory budget: a size (see ``parse_bytes``) or a fraction of available memory
+    (a float, or text like ``"0.3"``)."""
+    if isinstance(value, float):
+        return value
+    if isinstance(value, str) and "." in value and not value.strip()[-1:].isalpha():
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return parse_bytes(value)

@@ -34,17 +34,14 @@ class SlidingWindowSpec:
         if self.window < 1:
             raise ValueError(f"a sliding window holds at least one key, got {self.window}")
 
-    def first_needed(self, position: int) -> int:
-        """The earliest key position a query at ``position`` (or any later one) still sees."""
-        return max(0, position - self.window + 1)
-
 
 LayerSpec = FullAttentionSpec | SlidingWindowSpec
 
 
 @dataclass(frozen=True, slots=True)
 class LayerGroup:
-    """Layers that need the same kind of cache, in model order."""
+    """Layers that need the same kind of cache, in model order (the unit that will get its own
+    block tables once sliding-window blocks are freed)."""
 
     spec: LayerSpec
     layers: tuple[int, ...]

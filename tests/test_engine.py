@@ -289,18 +289,6 @@ def test_another_architecture_runs_unmodified(tmp_path, default_model_dir):
         engine.shutdown()
 
 
-def test_sliding_window_architecture_is_refused(tmp_path, default_model_dir):
-    from tiny_model import build_tiny_llama
-
-    from vllm_mlx.attention import UnsupportedModelError
-
-    path = build_tiny_llama(
-        tmp_path / "swa", default_model_dir, layer_types=["full_attention", "sliding_attention"], sliding_window=8
-    )
-    with pytest.raises(UnsupportedModelError, match="'llama' needs RotatingKVCache"):
-        EngineCore(model=str(path))
-
-
 def test_split_head_is_used_only_when_exact(tiny_model_dir):
     import mlx_lm
 

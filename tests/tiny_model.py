@@ -1,6 +1,7 @@
-"""A tiny random-weight llama, saved as an MLX model directory that mlx-lm loads.
+"""Tiny random-weight models (llama, and other mlx-lm architectures), saved as MLX model
+directories that mlx-lm loads.
 
-It borrows the default model's tokenizer (so prompts and text are real) and has random weights
+They borrow the default model's tokenizer (so prompts and text are real) and has random weights
 (hidden size 64, 2 layers): fast enough for many engine tests on the CPU. Outputs are gibberish,
 but deterministic, which is all the oracle tests (batched == solo, engine == mlx-lm) need.
 """
@@ -26,9 +27,45 @@ TINY_CONFIG = {
 }
 
 
+# Sliding-window architectures: window 8 (shorter than most test prompts), both sliding and full
+# layers present.
+TINY_GEMMA3 = {
+    "model_type": "gemma3_text",
+    "num_hidden_layers": 4,
+    "head_dim": 16,
+    "query_pre_attn_scalar": 16,
+    "sliding_window": 8,
+    "sliding_window_pattern": 2,  # layers 0, 2 sliding; 1, 3 full
+}
+TINY_GPT_OSS = {
+    "model_type": "gpt_oss",
+    "num_hidden_layers": 4,
+    "head_dim": 16,
+    "sliding_window": 8,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+}
+# A recurrent hybrid (short convolutions + attention): ArraysCache layers.
+TINY_LFM2 = {
+    "model_type": "lfm2",
+    "norm_eps": 1e-5,
+    "conv_bias": False,
+    "conv_L_cache": 3,
+    "block_dim": 64,
+    "block_ff_dim": 128,
+    "block_multiple_of": 16,
+    "block_ffn_dim_multiplier": 1.0,
+    "block_auto_adjust_ff_dim": False,
+    "full_attn_idxs": [1],
+}
+
+
 def build_tiny_llama(out_dir: Path, tokenizer_dir: Path, *, seed: int = 0, **overrides) -> Path:
     """A tiny model of ``model_type`` (default llama; any mlx-lm architecture whose args accept
-    the llama-style config, e.g. qwen2, mistral)."""
+    the llama-style config plus ``overrides``, e.g. qwen2, mistral, ``**TINY_GEMMA3``).
+
+    Attention sinks (gpt-oss), zero at init, get random values so that they matter."""
     import importlib
 
     import mlx.core as mx
@@ -41,6 +78,7 @@ def build_tiny_llama(out_dir: Path, tokenizer_dir: Path, *, seed: int = 0, **ove
     model = arch.Model(arch.ModelArgs.from_dict(config))
     # Larger-than-init weights so logits are peaked: greedy choices are far from ties.
     weights = {k: v * 4 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
+    weights |= {k: mx.random.normal(v.shape) for k, v in weights.items() if k.endswith(".sinks")}
     out_dir.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))

@@ -2,50 +2,93 @@
 
 mlx-lm model files talk to their KV cache through a tiny protocol: ``cache.offset`` (RoPE
 positions), ``cache.update_and_fetch(keys, values)`` and ``cache.make_mask(...)``. The
-``PagedLayerCache`` below implements that protocol over a shared block pool, so every mlx-lm
-architecture with plain full attention runs batched, with each row of the batch a different
-request at its own position:
+``PagedLayerCache`` below implements that protocol over a shared block pool, so mlx-lm
+architectures with full-attention and sliding-window layers run batched, with each row of the
+batch a different request at its own position:
 
 * ``offset`` is an array of shape ``(B,)``: ``mx.fast.rope`` gives every row its own positions.
 * ``update_and_fetch`` scatters the new keys/values into the pool at the slots the block tables
-  give, then gathers each row's whole context back through its block table.
-* ``make_mask`` returns a boolean ``(B, 1, T, L)`` mask: causal within the row's own context,
-  blind to padding.
+  give, then gathers each row's keys back through its block table: the whole context for a
+  full-attention layer, only the keys some query of the call still sees for a sliding-window
+  layer (at most ``window - 1 + T`` per row).
+* ``make_mask`` returns a boolean ``(B, 1, T, L)`` mask over the keys that *this* cache gathers:
+  causal, blind to padding, and limited to the last ``window_size`` keys (the argument, else the
+  layer's own window), exactly mlx-lm's ``create_causal_mask`` rule: a query at position ``p``
+  sees keys ``p - window + 1 .. p``.
+
+Every layer of one kind gathers the same slots, and models ask for one mask per kind, so both
+are built once per forward call per distinct window (``BatchLayout`` caches them), not per layer.
+The mask is a plain boolean array, which ``mx.fast.scaled_dot_product_attention`` takes together
+with attention sinks (gpt-oss passes ``sinks=``: they only add a per-head term to the softmax).
 
 Rows are right-padded to the longest row of the call. Padding tokens write into the null block
-(slot 0..block_size-1 of block 0, never allocated to a request) and every padded query still sees
-key 0, so no softmax row is empty (no NaN), and padded outputs are simply ignored.
+(slot 0..block_size-1 of block 0, never allocated to a request); a query that would see no key
+(a padded one) sees the row's first gathered key, so no softmax row is empty (no NaN), and padded
+outputs are simply ignored.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
 from vllm_mlx.errors import VllmMlxError
+from vllm_mlx.kv_spec import FullAttentionSpec, LayerSpec, SlidingWindowSpec
 
 NULL_SLOT = 0
 
 
 class UnsupportedModelError(VllmMlxError):
-    """The model needs a cache we do not page (sliding window, recurrent state, ...)."""
+    """The model needs a cache we do not page (recurrent state, chunked attention, ...)."""
+
+
+def layer_specs(model, model_type: str = "?") -> list[LayerSpec]:
+    """One spec per cache the model asks for (``model.make_cache()``; without it, one
+    full-attention layer per ``model.layers``).
+
+    Raises:
+        UnsupportedModelError: Some layer needs a cache that is not a plain ``KVCache`` or a
+            ``RotatingKVCache`` without kept tokens (recurrent ``ArraysCache``/``MambaCache``,
+            ``ChunkedKVCache``, ...); the message names the kinds.
+    """
+    make_cache = getattr(model, "make_cache", None)
+    if make_cache is None:
+        return [FullAttentionSpec()] * len(model.layers)
+    specs, refused = [], set()
+    for cache in make_cache():
+        spec = _spec_of(cache)
+        if spec is None:
+            refused.add(_describe(cache))
+        specs.append(spec)
+    if refused:
+        raise UnsupportedModelError(
+            f"architecture {model_type!r} needs {', '.join(sorted(refused))} caches, which the paged "
+            "engine does not support yet (it pages full-attention KVCache and sliding-window "
+            "RotatingKVCache layers; recurrent or chunked layers are refused)"
+        )
+    return specs
 
 
 def check_supported(model, model_type: str = "?") -> None:
-    """Refuse architectures whose layers need anything but a plain full-attention KV cache."""
-    from mlx_lm.models.cache import KVCache
+    """Refuse architectures with layers that are neither full attention nor a sliding window."""
+    layer_specs(model, model_type)
 
-    make_cache = getattr(model, "make_cache", None)
-    if make_cache is None:
-        return
-    kinds = {type(c).__name__ for c in make_cache() if type(c) is not KVCache}
-    if kinds:
-        raise UnsupportedModelError(
-            f"architecture {model_type!r} needs {', '.join(sorted(kinds))} caches "
-            "(sliding-window or recurrent layers), which the paged engine does not support yet"
-        )
+
+def _spec_of(cache) -> LayerSpec | None:
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    if type(cache) is KVCache:
+        return FullAttentionSpec()
+    if type(cache) is RotatingKVCache and cache.keep == 0:
+        return SlidingWindowSpec(cache.max_size)
+    return None
+
+
+def _describe(cache) -> str:
+    keep = getattr(cache, "keep", 0)
+    return f"{type(cache).__name__}(keep={keep})" if keep else type(cache).__name__
 
 
 @dataclass
@@ -68,36 +111,79 @@ class RowSpec:
 
 
 @dataclass
-class BatchLayout:
-    """Index arrays shared by every layer during one forward call."""
+class KeyView:
+    """The keys the layers of one window read in a forward call.
 
-    offsets: mx.array  # (B,) tokens already in the cache per row: RoPE offsets
+    Row ``i``'s gathered key ``j`` is the key at position ``start[i] + j``; gathered keys past
+    the row's context are padding (null slot) and never visible.
+    """
+
+    start: np.ndarray  # (B,) position of each row's first gathered key
+    gather_slots: mx.array  # (B, L) pool slots of the gathered keys
+
+
+@dataclass
+class BatchLayout:
+    """Index arrays shared by every layer during one forward call.
+
+    Key views and masks are built on first use and kept for the call: one per distinct window.
+    """
+
+    num_computed: np.ndarray  # (B,) tokens already in the cache per row
+    context_len: np.ndarray  # (B,) num_computed + the row's new tokens
+    num_new: int  # T: new tokens of the longest row
+    row_slots: list[np.ndarray]  # per row: the slots of positions 0 .. context_len - 1
+    offsets: mx.array  # (B,) num_computed as an MLX array: RoPE offsets
     write_slots: mx.array  # (B*T,) destination slot of each new token (padding -> null block)
-    gather_slots: mx.array  # (B, L) slots of each row's context (padding -> null block)
-    mask: mx.array  # (B, 1, T, L) bool
+    _views: dict = field(default_factory=dict, init=False, repr=False)
+    _masks: dict = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
     def build(cls, rows: list[RowSpec], block_size: int) -> BatchLayout:
         num_new = max(len(r.tokens) for r in rows)
-        context = max(r.context_len for r in rows)
+        row_slots = [r.slots(block_size) for r in rows]
         write = np.full((len(rows), num_new), NULL_SLOT, dtype=np.int32)
-        gather = np.full((len(rows), context), NULL_SLOT, dtype=np.int32)
-        for i, row in enumerate(rows):
-            slots = row.slots(block_size)
-            gather[i, : row.context_len] = slots
+        for i, (row, slots) in enumerate(zip(rows, row_slots)):
             write[i, : len(row.tokens)] = slots[row.num_computed :]
         computed = np.array([r.num_computed for r in rows], dtype=np.int32)
-        query_pos = computed[:, None] + np.arange(num_new, dtype=np.int32)  # (B, T)
-        key_pos = np.arange(context, dtype=np.int32)
-        context_len = np.array([r.context_len for r in rows], dtype=np.int32)
-        visible = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos < context_len[:, None, None])
-        visible[:, :, 0] = True  # padded queries see key 0: no empty softmax row
         return cls(
+            num_computed=computed,
+            context_len=np.array([r.context_len for r in rows], dtype=np.int32),
+            num_new=num_new,
+            row_slots=row_slots,
             offsets=mx.array(computed),
             write_slots=mx.array(write.ravel()),
-            gather_slots=mx.array(gather),
-            mask=mx.array(visible[:, None, :, :]),
         )
+
+    def keys(self, window: int | None) -> KeyView:
+        """The keys a layer with this window (None: full attention) reads: from the first
+        position the row's first new query still sees, to the end of its context."""
+        view = self._views.get(window)
+        if view is None:
+            start = np.zeros_like(self.num_computed)
+            if window is not None:
+                start = np.maximum(0, self.num_computed - window + 1)
+            gather = np.full((len(start), int((self.context_len - start).max())), NULL_SLOT, dtype=np.int32)
+            for i, slots in enumerate(self.row_slots):
+                gather[i, : len(slots) - start[i]] = slots[start[i] :]
+            view = self._views[window] = KeyView(start, mx.array(gather))
+        return view
+
+    def mask(self, keys_window: int | None, window: int | None) -> mx.array:
+        """``(B, 1, T, L)`` visibility over ``keys(keys_window)``: causal, not padding, and
+        within the last ``window`` positions (None: no limit)."""
+        mask = self._masks.get((keys_window, window))
+        if mask is None:
+            view = self.keys(keys_window)
+            query_pos = self.num_computed[:, None] + np.arange(self.num_new, dtype=np.int32)  # (B, T)
+            key_pos = view.start[:, None] + np.arange(view.gather_slots.shape[1], dtype=np.int32)  # (B, L)
+            q, k = query_pos[:, :, None], key_pos[:, None, :]
+            visible = (k <= q) & (k < self.context_len[:, None, None])
+            if window is not None:
+                visible &= k > q - window
+            visible[:, :, 0] |= ~visible.any(axis=-1)  # padded queries: no empty softmax row
+            mask = self._masks[(keys_window, window)] = mx.array(visible[:, None, :, :])
+        return mask
 
 
 class KVPool:
@@ -139,12 +225,17 @@ class KVPool:
 
 
 class PagedLayerCache:
-    """The mlx-lm cache protocol for one layer, over the shared pool and one batch layout."""
+    """The mlx-lm cache protocol for one layer, over the shared pool and one batch layout.
 
-    def __init__(self, pool: KVPool, layer: int, layout: BatchLayout) -> None:
+    ``window`` is the layer's sliding window (None: full attention); it decides which keys
+    ``update_and_fetch`` returns, and ``make_mask`` always describes exactly those keys.
+    """
+
+    def __init__(self, pool: KVPool, layer: int, layout: BatchLayout, window: int | None = None) -> None:
         self.pool = pool
         self.layer = layer
         self.layout = layout
+        self.window = window
 
     @property
     def offset(self) -> mx.array:
@@ -156,21 +247,21 @@ class PagedLayerCache:
         flat_k = keys.transpose(1, 0, 2, 3).reshape(heads, batch * num_new, keys.shape[-1])
         flat_v = values.transpose(1, 0, 2, 3).reshape(heads, batch * num_new, values.shape[-1])
         self.pool.write(self.layer, self.layout.write_slots, flat_k, flat_v)
-        return self.pool.gather(self.layer, self.layout.gather_slots)
+        return self.pool.gather(self.layer, self.layout.keys(self.window).gather_slots)
 
-    def make_mask(self, num_tokens: int, return_array: bool = False, window_size: int | None = None):
-        if window_size is not None:
-            raise UnsupportedModelError("sliding-window attention is not supported by the paged cache")
-        return self.layout.mask
+    def make_mask(self, num_tokens: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
+        """The mask over this layer's keys; ``window_size`` (else the layer's own window) limits
+        each query to its last ``window_size`` keys, as ``RotatingKVCache.make_mask`` does."""
+        return self.layout.mask(self.window, window_size or self.window)
 
 
 class MLXAttentionBackend:
     """Builds the per-layer paged caches that a forward call hands to the model."""
 
-    def __init__(self, pool: KVPool, num_layers: int) -> None:
+    def __init__(self, pool: KVPool, specs: list[LayerSpec]) -> None:
         self.pool = pool
-        self.num_layers = num_layers
+        self.specs = list(specs)
 
     def make_caches(self, rows: list[RowSpec]) -> list[PagedLayerCache]:
         layout = BatchLayout.build(rows, self.pool.block_size)
-        return [PagedLayerCache(self.pool, layer, layout) for layer in range(self.num_layers)]
+        return [PagedLayerCache(self.pool, layer, layout, spec.window) for layer, spec in enumerate(self.specs)]

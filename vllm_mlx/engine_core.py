@@ -177,7 +177,7 @@ class EngineCore:
         ModelSourceError: The model cannot be found, downloaded, converted or loaded.
         ModelOwnershipError: Another live engine owns the model and
             ``force_model_takeover`` is False.
-        UnsupportedModelError: The architecture needs sliding-window or recurrent caches.
+        UnsupportedModelError: The architecture needs recurrent or chunked-attention caches.
         TypeError: An unknown option in ``overrides``.
         ValueError: A bad option value (e.g. a KV budget that holds no block).
     """
@@ -205,7 +205,7 @@ class EngineCore:
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         budget = kv_budget_bytes(config.kv_cache_memory)
-        num_blocks = config.num_kv_blocks or blocks_for_budget(loaded.config, budget, config.block_size)
+        num_blocks = config.num_kv_blocks or blocks_for_budget(loaded.config, budget, config.block_size, loaded.model)
         self.kv_cache = PagedCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         text_config = loaded.config.get("text_config", loaded.config)
         context_len = text_config.get("max_position_embeddings") or loaded.config.get("max_position_embeddings")
@@ -610,18 +610,44 @@ def kv_budget_bytes(kv_cache_memory: int | float) -> int:
     return int(kv_cache_memory)
 
 
-def kv_bytes_per_token(model_config: dict, dtype_bytes: int = 4) -> int:
-    """Keys + values of one token across all layers."""
+@dataclass(frozen=True)
+class KVShape:
+    """The KV cache's shape per token: ``num_layers`` caches of ``num_kv_heads`` x ``head_dim``."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def kv_shape(model_config: dict, model=None) -> KVShape:
+    """The KV shape from the (text) config; keys the config leaves out take the values the model
+    was built with (mlx-lm's ``model.args`` holds its architecture's defaults, e.g. gemma3's
+    ``head_dim``)."""
     config = model_config.get("text_config", model_config)
+    args = getattr(model, "args", None)
+    if args is not None and hasattr(args, "__dict__"):
+        config = {**config, **{k: v for k, v in vars(args).items() if v is not None}}
     heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes
+    return KVShape(
+        num_layers=config["num_hidden_layers"],
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+    )
 
 
-def blocks_for_budget(model_config: dict, budget_bytes: int, block_size: int) -> int:
+def kv_bytes_per_token(model_config: dict, dtype_bytes: int = 4, model=None) -> int:
+    """Keys + values of one token across all layers (see ``kv_shape``).
+
+    Sliding-window layers count in full: they keep every block of a running request today (the
+    mask limits what they read, not what they hold; kv_spec.py).
+    """
+    shape = kv_shape(model_config, model)
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes
+
+
+def blocks_for_budget(model_config: dict, budget_bytes: int, block_size: int, model=None) -> int:
     """How many blocks (plus the null block) a KV memory budget holds."""
-    per_block = kv_bytes_per_token(model_config) * block_size
+    per_block = kv_bytes_per_token(model_config, model=model) * block_size
     num_blocks = budget_bytes // per_block + 1
     if num_blocks < 2:
         raise ValueError(f"kv_cache_memory={budget_bytes} bytes holds no block ({per_block} bytes each)")

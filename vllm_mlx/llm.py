@@ -41,7 +41,7 @@ class LLM:
         ModelSourceError: The model cannot be found, downloaded, converted or loaded.
         ModelOwnershipError: Another live engine owns the model (pass
             ``force_model_takeover=True`` to take it over).
-        UnsupportedModelError: The architecture needs sliding-window or recurrent caches.
+        UnsupportedModelError: The architecture needs recurrent or chunked-attention caches.
         TypeError: An unknown engine option.
         ValueError: A bad engine option value (e.g. a KV budget that holds no block).
     """

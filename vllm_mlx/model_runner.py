@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from vllm_mlx.attention import KVPool, MLXAttentionBackend, RowSpec
+from vllm_mlx.attention import KVPool, MLXAttentionBackend, RowSpec, layer_specs
 from vllm_mlx.canonical import canonical_bytes
 from vllm_mlx.mllm_cache import MLLMCacheManager
 from vllm_mlx.multimodal import ImageInput
@@ -102,9 +102,10 @@ class MLXModelRunner:
         self.vision = model if isinstance(model, VisionLanguageModel) else None
         self.split = None if self.vision else SplitModel.probe(model)
         self.mllm_cache = mllm_cache
-        self.num_layers = len(model.layers)
+        self.specs = layer_specs(model, getattr(model, "model_type", "?"))
+        self.num_layers = len(self.specs)  # one cache per spec (make_cache may differ from layers)
         self.pool = KVPool(self.num_layers, num_blocks, block_size)
-        self.attention = MLXAttentionBackend(self.pool, self.num_layers)
+        self.attention = MLXAttentionBackend(self.pool, self.specs)
         self.last_step: StepRecord | None = None
         self.vision_encoder_runs = 0
 

@@ -30,7 +30,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from vllm_mlx.engine_core import DEFAULT_KV_CACHE_MEMORY, available_memory, kv_bytes_per_token
+from vllm_mlx.engine_core import DEFAULT_KV_CACHE_MEMORY, available_memory, kv_bytes_per_token, kv_shape
 from vllm_mlx.request import Request, SamplingParams
 from vllm_mlx.scheduler import ScheduledRequest, SchedulerOutput, TokenLogprobs
 
@@ -151,13 +151,15 @@ class MLXWorker(WorkerBase):
         logger.info("MLX model loaded from %s (KV cache in %s)", loaded.path, self.kv_dtype)
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        """One full-attention spec per layer, describing our pool's layout and dtype."""
-        config = _text_config(self.loaded.config)
-        heads = config["num_attention_heads"]
+        """One full-attention spec per layer, describing our pool's layout and dtype.
+
+        Sliding-window layers too: our pool keeps every block of their requests (one block
+        table for all layers), and our runner applies the window when it gathers and masks."""
+        shape = kv_shape(self.loaded.config, self.loaded.model)
         spec = FullAttentionSpec(
             block_size=self.cache_config.block_size,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_size=config.get("head_dim") or config["hidden_size"] // heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_size=shape.head_dim,
             dtype=_TORCH_DTYPES[self.kv_dtype],
         )
         return {f"model.layers.{i}.self_attn.attn": spec for i in range(len(self.loaded.model.layers))}
@@ -183,7 +185,7 @@ class MLXWorker(WorkerBase):
             raise ValueError(f"expected one KV cache group, got {len(groups)}")
         block_size = groups[0].kv_cache_spec.block_size
         self.runner = MLXModelRunner(self.loaded.model, kv_cache_config.num_blocks, block_size)
-        per_token = kv_bytes_per_token(self.loaded.config, _DTYPE_BYTES[self.kv_dtype])
+        per_token = kv_bytes_per_token(self.loaded.config, _DTYPE_BYTES[self.kv_dtype], self.loaded.model)
         logger.info(
             "MLX KV pool: %d blocks of %d tokens (%.1f MiB)",
             kv_cache_config.num_blocks,
@@ -328,10 +330,6 @@ def activation_dtype(model) -> str:
         return "float32"
     name = str(hidden.dtype).removeprefix("mlx.core.")
     return name if name in _TORCH_DTYPES else "float32"
-
-
-def _text_config(config: dict) -> dict:
-    return config.get("text_config", config)
 
 
 def _vllm_output(batch: SchedulerOutput, result) -> ModelRunnerOutput:

@@ -1,0 +1,212 @@
+"""Sliding-window attention in the paged engine: gemma3_text, gpt_oss (attention sinks, MoE) and
+a llama with ``layer_types``, each with sliding (window 8) and full layers.
+
+The oracle is mlx-lm itself: greedy tokens of our engine equal ``mlx_lm.stream_generate``'s on the
+same directory, however requests arrive, are chunked, hit the prefix cache or are preempted. A
+wider window gives mlx-lm other tokens on these prompts, so the window really is under test.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny_model import TINY_GEMMA3, TINY_GPT_OSS, TINY_LFM2, build_tiny_llama
+
+from vllm_mlx import LLM, SamplingParams
+from vllm_mlx.attention import BatchLayout, KVPool, MLXAttentionBackend, RowSpec, UnsupportedModelError, layer_specs
+from vllm_mlx.engine_core import EngineCore, kv_bytes_per_token, kv_shape
+from vllm_mlx.kv_spec import FullAttentionSpec, LayerGroup, SlidingWindowSpec, group_layers
+
+WINDOW = 8
+ARCHS = {
+    "gemma3_text": TINY_GEMMA3,
+    "gpt_oss": TINY_GPT_OSS,
+    "llama": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": WINDOW},
+}
+PROMPTS = [
+    "Hello",  # shorter than the window
+    "The quick brown fox jumps over the lazy dog and keeps running far away.",
+    "One two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen",
+    "A much longer prompt " * 6,
+    "Sliding windows forget the distant past but remember the recent tokens well. " * 4,  # ~8 windows
+]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+FULL, SWA = FullAttentionSpec(), SlidingWindowSpec(WINDOW)
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def arch(request, tmp_path_factory, default_model_dir):
+    """(model directory, mlx-lm's greedy tokens for PROMPTS) of one architecture."""
+    name = request.param
+    path = build_tiny_llama(tmp_path_factory.mktemp(name), default_model_dir, **ARCHS[name])
+    wide = build_tiny_llama(
+        tmp_path_factory.mktemp(f"{name}-wide"), default_model_dir, **{**ARCHS[name], "sliding_window": 4096}
+    )
+    expected = mlx_lm_tokens(path)
+    assert expected != mlx_lm_tokens(wide)  # the window changes the output: it is under test
+    return path, expected
+
+
+def mlx_lm_tokens(path, prompts=PROMPTS, max_tokens=GREEDY.max_tokens) -> list[list[int]]:
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(str(path))
+    return [
+        [r.token for r in mlx_lm.stream_generate(model, tokenizer, tokenizer.encode(p), max_tokens=max_tokens)]
+        for p in prompts
+    ]
+
+
+def run_all(engine: EngineCore, prompts=PROMPTS) -> list[list[int]]:
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    return [final[i].outputs[0].token_ids for i in ids]
+
+
+@pytest.fixture
+def engine_factory(arch):
+    engines = []
+
+    def make(**options) -> EngineCore:
+        engine = EngineCore(model=str(arch[0]), **options)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+
+
+# -- layer specs ------------------------------------------------------------------------------
+
+
+def test_layer_specs_follow_the_model(arch):
+    import mlx_lm
+
+    model, _ = mlx_lm.load(str(arch[0]))
+    specs = layer_specs(model)
+    expected = {"gemma3_text": [SWA, FULL] * 2, "gpt_oss": [SWA, FULL] * 2, "llama": [SWA, FULL]}
+    assert specs == expected[model.model_type]
+    assert group_layers(specs)[0] == LayerGroup(SWA, tuple(range(0, len(specs), 2)))
+
+
+def test_recurrent_layers_are_refused_naming_the_cache(tmp_path, default_model_dir):
+    path = build_tiny_llama(tmp_path / "lfm2", default_model_dir, **TINY_LFM2)
+    with pytest.raises(UnsupportedModelError, match="'lfm2' needs ArraysCache caches"):
+        LLM(str(path))
+
+
+# -- the mask ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_computed,num_new", [(0, 5), (0, 20), (3, 6), (13, 1), (13, 9), (30, 4)])
+def test_window_mask_is_mlx_lms_causal_window(num_computed, num_new):
+    from mlx_lm.models.base import create_causal_mask
+
+    row = RowSpec(list(range(num_new)), num_computed, block_ids=list(range(1, 12)))
+    layout = BatchLayout.build([row], block_size=4)
+    view = layout.keys(WINDOW)
+    ours = np.array(layout.mask(WINDOW, WINDOW))[0, 0]  # (T, L) over keys start .. context
+    theirs = np.array(create_causal_mask(num_new, num_computed, window_size=WINDOW))  # over 0 .. context
+    start = int(view.start[0])
+    assert start == max(0, num_computed - WINDOW + 1)
+    assert (theirs[:, :start] == False).all()  # noqa: E712 (nothing before the gathered keys)
+    assert (ours == theirs[:, start:]).all()
+    assert ours.sum(-1).max() == WINDOW or num_computed + num_new <= WINDOW
+
+
+def test_padded_rows_see_a_key_and_masks_are_built_once_per_window():
+    rows = [RowSpec([1] * 6, 20, list(range(1, 8))), RowSpec([2], 3, [8])]  # row 1: padded to 6
+    pool = KVPool(num_layers=4, num_blocks=9, block_size=4)
+    caches = MLXAttentionBackend(pool, [SWA, FULL, SWA, FULL]).make_caches(rows)
+    swa_mask = caches[0].make_mask(6, window_size=WINDOW)
+    assert caches[2].make_mask(6, window_size=WINDOW) is swa_mask
+    assert caches[1].make_mask(6) is caches[3].make_mask(6) is not swa_mask
+    assert swa_mask.shape == (2, 1, 6, WINDOW - 1 + 6)  # row 0 gathers keys 13 .. 25 only
+    assert caches[1].make_mask(6).shape == (2, 1, 6, 26)
+    assert np.array(swa_mask).any(-1).all()  # every query (padding too) sees some key
+    assert (np.array(swa_mask)[1, 0, 0] == [True] * 4 + [False] * 9).all()  # row 1's real query
+
+
+# -- engine == mlx-lm -------------------------------------------------------------------------
+
+
+def test_batched_chunked_prefill_equals_mlx_lm(engine_factory, arch):
+    engine = engine_factory(block_size=4, max_num_batched_tokens=11)  # chunks split windows
+    assert run_all(engine) == arch[1]
+    assert max(len(r.request_ids) for r in engine.step_records) > 1
+    assert engine.kv_cache.stats().num_used_blocks == 0
+
+
+def test_staggered_arrivals_and_preemption_equal_mlx_lm(engine_factory, arch):
+    # 24 usable blocks of 4 tokens cannot hold the five requests at once: preemption happens.
+    engine = engine_factory(block_size=4, num_kv_blocks=25, max_num_batched_tokens=16)
+    request_ids, final = [], {}
+    for step in range(5000):
+        if step % 3 == 0 and len(request_ids) < len(PROMPTS):
+            request_ids.append(engine.add_request(PROMPTS[len(request_ids)], GREEDY))
+        elif not engine.has_unfinished_requests():
+            break
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert [final[i].outputs[0].token_ids for i in request_ids] == arch[1]
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.kv_cache.stats().num_used_blocks == 0
+
+
+def test_prefix_cache_on_equals_off(engine_factory):
+    doc = PROMPTS[4]
+    prompts = [doc + q for q in ("What is a window?", "Why slide?", "What is a window?")]
+    off_engine = engine_factory(enable_prefix_caching=False, block_size=16)
+    off = run_all(off_engine, prompts)
+    off_engine.shutdown()  # one engine per model at a time
+    on = engine_factory(block_size=16)
+    outs = []
+    for p in prompts:  # one after another: each hits the blocks the earlier ones left
+        rid = on.add_request(p, GREEDY)
+        while on.has_unfinished_requests():
+            outs += [o for o in on.step() if o.finished and o.request_id == rid]
+    assert [o.outputs[0].token_ids for o in outs] == off
+    assert outs[1].num_cached_tokens >= 3 * 16 > WINDOW  # hits reach past several windows
+
+
+def test_default_block_size_equals_mlx_lm(engine_factory, arch):
+    assert run_all(engine_factory()) == arch[1]
+
+
+# -- sizing -----------------------------------------------------------------------------------
+
+
+def test_kv_sizing_matches_the_pool(engine_factory):
+    engine = engine_factory(block_size=4, num_kv_blocks=64)
+    run_all(engine, PROMPTS[:1])
+    pool = engine.runner.pool
+    assert pool.nbytes == kv_bytes_per_token(engine.model_config, 4, engine.runner.model) * pool.num_slots
+
+
+def test_kv_shape_takes_missing_keys_from_the_model():
+    import mlx_lm.models.gemma3_text as gemma3
+
+    config = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 32,
+              "intermediate_size": 64, "sliding_window_pattern": 2}  # fmt: skip
+    model = gemma3.Model(gemma3.ModelArgs.from_dict(config))
+    assert kv_shape(config, model).head_dim == 256  # gemma3's default, not 64 // heads
+    assert kv_bytes_per_token(config, 2, model) == 2 * 2 * 1 * 256 * 2  # K+V, 2 layers, 1 KV head
+
+
+def test_layout_writes_then_reads_the_window_through_the_pool():
+    """A sliding layer's keys come back from the right slots: positions start .. context."""
+    pool = KVPool(num_layers=1, num_blocks=6, block_size=4)
+    backend = MLXAttentionBackend(pool, [SWA])
+    blocks = [3, 1, 5, 2, 4]
+
+    def forward(num_computed: int, num_new: int) -> list[float]:
+        cache = backend.make_caches([RowSpec([0] * num_new, num_computed, blocks)])[0]
+        keys = (mx.arange(num_new, dtype=mx.float32) + num_computed).reshape(1, 1, num_new, 1)  # key = position
+        return cache.update_and_fetch(keys, keys)[0].reshape(-1).tolist()
+
+    assert forward(0, 12) == list(range(12))
+    assert forward(12, 6) == list(range(12 - WINDOW + 1, 18))
+    assert forward(18, 1) == list(range(18 - WINDOW + 1, 19))

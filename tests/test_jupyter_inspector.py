@@ -8,7 +8,14 @@ import time
 import numpy as np
 from ipywidgets.widgets.widget import _put_buffers, _remove_buffers
 
-from vllm_mlx_jupyter.inspector import MAX_GRID_BLOCKS, CacheInspector, decode_state, encode_snapshot, static_html
+from vllm_mlx_jupyter.inspector import (
+    MAX_GRID_BLOCKS,
+    CacheInspector,
+    decode_state,
+    encode_snapshot,
+    group_label,
+    static_html,
+)
 
 
 def block(id, state, ref=0, owners=(), hash=None, tokens=0, text=""):
@@ -174,6 +181,29 @@ def test_no_engine_state_and_fallback_repr():
         widget.close()
 
 
+GROUPS = [
+    {"kind": "sliding_window", "window": 512, "layers": [0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, 16],
+     "bytes_per_token": 4096, "dtype": "bfloat16", "num_blocks": 640},
+    {"kind": "full_attention", "window": None, "layers": [3], "bytes_per_token": 512, "dtype": "bfloat16",
+     "num_blocks": 640},
+]  # fmt: skip
+
+
+def test_layer_groups_one_line_each():
+    assert [group_label(g) for g in GROUPS] == [
+        "sliding window 512 · 13 layers: 0–2, 4–6, 8–10, 12–14, … · 4096 B/token (bfloat16) · 640 blocks",
+        "full attention · 1 layer: 3 · 512 B/token (bfloat16) · 640 blocks",
+    ]
+    state = encode_snapshot({**SNAPSHOT, "kv_groups": GROUPS})
+    assert [g["label"] for g in state["kv_groups"]] == [group_label(g) for g in GROUPS]
+    assert encode_snapshot(SNAPSHOT)["kv_groups"] == []  # an engine without groups in its snapshot
+    widget = CacheInspector(FakeSource({**SNAPSHOT, "kv_groups": GROUPS}), interval=60)
+    try:
+        assert "sliding window 512 · 13 layers" in widget._repr_html_()
+    finally:
+        widget.close()
+
+
 def test_live_engine_blocks_owned_then_cached(tiny_model_dir):
     from vllm_mlx import AsyncEngineCore, SamplingParams
 
@@ -191,6 +221,9 @@ def test_live_engine_blocks_owned_then_cached(tiny_model_dir):
             table = state["block_tables"][row["offset"] : row["offset"] + row["num_blocks"]]
             assert all(state["block_state"][b] == 3 and state["block_owner"][b] == 0 for b in table)
             assert state["block_info"][str(table[0])][1].startswith("A prompt")
+            [group] = state["kv_groups"]  # the tiny llama: one full-attention group of 2 layers
+            assert group["label"].startswith("full attention · 2 layers: 0–1 · ")
+            assert group["num_blocks"] == 32
             for _ in outputs:
                 pass
             widget.refresh()

@@ -183,7 +183,11 @@ def test_kv_sizing_matches_the_pool(engine_factory):
     engine = engine_factory(block_size=4, num_kv_blocks=64)
     run_all(engine, PROMPTS[:1])
     pool = engine.runner.pool
-    assert pool.nbytes == kv_bytes_per_token(engine.model_config, 4, engine.runner.model) * pool.num_slots
+    assert pool.nbytes == engine.kv_layout.bytes_per_token * pool.num_slots
+    assert engine.kv_layout.bytes_per_token == kv_bytes_per_token(engine.model_config, 4, engine.runner.model)
+    groups = engine.cache_snapshot(include_blocks=False)["kv_groups"]
+    assert sorted((g["kind"], g["window"]) for g in groups) == [("full_attention", None), ("sliding_window", WINDOW)]
+    assert sorted(i for g in groups for i in g["layers"]) == list(range(len(engine.runner.specs)))
 
 
 def test_kv_shape_takes_missing_keys_from_the_model():

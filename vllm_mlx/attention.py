@@ -223,6 +223,18 @@ class KVPool:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays())
 
+    def layer_bytes_per_slot(self, layer: int) -> int:
+        """Bytes one slot takes in ``layer`` (keys + values; 0 while the layer was never written)."""
+        if self.keys[layer] is None:
+            return 0
+        return (self.keys[layer].nbytes + self.values[layer].nbytes) // self.num_slots
+
+    @property
+    def dtype(self) -> str | None:
+        """The dtype name of the first written layer ("float32", "bfloat16", ...), None before."""
+        written = self.arrays()
+        return str(written[0].dtype).removeprefix("mlx.core.") if written else None
+
 
 class PagedLayerCache:
     """The mlx-lm cache protocol for one layer, over the shared pool and one batch layout.

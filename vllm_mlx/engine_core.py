@@ -185,7 +185,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         from vllm_mlx.attention import check_supported
         from vllm_mlx.cpu_backend import choose_weight_format, prepare_model_weights
-        from vllm_mlx.model_runner import MLXModelRunner
+        from vllm_mlx.model_runner import MLXModelRunner, measure_kv_layout
         from vllm_mlx.models import load_model
 
         config = config or EngineConfig()
@@ -204,8 +204,10 @@ class EngineCore:
         get_registry().claim(str(self.model_path), self, force=config.force_model_takeover)
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
+        # After the weights are in their final format: the KV dtype follows the activations'.
+        self.kv_layout = measure_kv_layout(loaded.model)
         budget = kv_budget_bytes(config.kv_cache_memory)
-        num_blocks = config.num_kv_blocks or blocks_for_budget(loaded.config, budget, config.block_size, loaded.model)
+        num_blocks = config.num_kv_blocks or self.kv_layout.blocks_for_budget(budget, config.block_size)
         self.kv_cache = PagedCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         text_config = loaded.config.get("text_config", loaded.config)
         context_len = text_config.get("max_position_embeddings") or loaded.config.get("max_position_embeddings")
@@ -217,7 +219,9 @@ class EngineCore:
         )
         self.runner = MLXModelRunner(loaded.model, num_blocks, config.block_size, self.mllm_cache)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
-        self.snapshotter = CacheSnapshotter(self.kv_cache, self.scheduler, self.tokenizer, self._mllm_snapshot)
+        self.snapshotter = CacheSnapshotter(
+            self.kv_cache, self.scheduler, self.tokenizer, self._mllm_snapshot, self.kv_layout.to_dicts(num_blocks)
+        )
         self.step_records: deque = deque(maxlen=4096)
         self._groups: dict[str, _Group] = {}
         self._completion_of: dict[str, _Completion] = {}
@@ -561,8 +565,9 @@ class EngineCore:
         return stats
 
     def cache_snapshot(self, include_blocks: bool = True) -> dict:
-        """Plain data: ``blocks``, ``requests``, ``free_queue``, ``stats`` and ``mllm`` (the
-        multimodal cache's ``entries`` and ``stats``; see snapshot.py)."""
+        """Plain data: ``blocks``, ``requests``, ``free_queue``, ``stats``, ``mllm`` (the
+        multimodal cache's ``entries`` and ``stats``) and ``kv_groups`` (the layer groups'
+        kind, window, layers, bytes per token, dtype and blocks; see snapshot.py)."""
         return self.snapshotter.snapshot(include_blocks)
 
     def _mllm_snapshot(self) -> dict:
@@ -635,23 +640,16 @@ def kv_shape(model_config: dict, model=None) -> KVShape:
     )
 
 
-def kv_bytes_per_token(model_config: dict, dtype_bytes: int = 4, model=None) -> int:
-    """Keys + values of one token across all layers (see ``kv_shape``).
+def kv_bytes_per_token(model_config: dict, dtype_bytes: int, model=None) -> int:
+    """Keys + values of one token across all layers, from the config (see ``kv_shape``): for
+    callers that know the dtype but cannot run the model. The engine sizes its pool from the
+    measured layout instead (``model_runner.measure_kv_layout``), which is exact.
 
     Sliding-window layers count in full: they keep every block of a running request today (the
     mask limits what they read, not what they hold; kv_spec.py).
     """
     shape = kv_shape(model_config, model)
     return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes
-
-
-def blocks_for_budget(model_config: dict, budget_bytes: int, block_size: int, model=None) -> int:
-    """How many blocks (plus the null block) a KV memory budget holds."""
-    per_block = kv_bytes_per_token(model_config, model=model) * block_size
-    num_blocks = budget_bytes // per_block + 1
-    if num_blocks < 2:
-        raise ValueError(f"kv_cache_memory={budget_bytes} bytes holds no block ({per_block} bytes each)")
-    return int(num_blocks)
 
 
 def __getattr__(name: str):

@@ -11,11 +11,14 @@ stay allocated, since all layers share one block table. Correct output, no memor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 
 @dataclass(frozen=True, slots=True)
 class FullAttentionSpec:
     """The layer attends to every earlier key of the sequence (mlx-lm's ``KVCache``)."""
+
+    kind: ClassVar[str] = "full_attention"
 
     @property
     def window(self) -> None:
@@ -28,6 +31,7 @@ class SlidingWindowSpec:
     ``p`` sees keys at positions ``p - window + 1 .. p`` (mlx-lm's ``RotatingKVCache(max_size=
     window)`` and ``create_causal_mask(..., window_size=window)``)."""
 
+    kind: ClassVar[str] = "sliding_window"
     window: int
 
     def __post_init__(self) -> None:
@@ -53,3 +57,49 @@ def group_layers(specs: list[LayerSpec]) -> list[LayerGroup]:
     for layer, spec in enumerate(specs):
         groups.setdefault(spec, []).append(layer)
     return [LayerGroup(spec, tuple(layers)) for spec, layers in groups.items()]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupLayout:
+    """A layer group's memory: ``bytes_per_token`` is the keys and values one token takes in
+    all of the group's layers, as the model writes them (dtype, KV heads, key and value sizes)."""
+
+    spec: LayerSpec
+    layers: tuple[int, ...]
+    bytes_per_token: int
+
+    def to_dict(self, num_blocks: int) -> dict:
+        """Plain data for snapshots. Every group has all ``num_blocks`` blocks today: the
+        groups share one block table (see the module docstring)."""
+        return {"kind": self.spec.kind, "window": self.spec.window, "layers": list(self.layers),
+                "bytes_per_token": self.bytes_per_token, "num_blocks": num_blocks}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What the KV pool holds per token, group by group, measured from the model (``dtype`` is
+    the name of the dtype its keys and values have, e.g. "bfloat16")."""
+
+    groups: tuple[GroupLayout, ...]
+    dtype: str
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(group.bytes_per_token for group in self.groups)
+
+    def blocks_for_budget(self, budget_bytes: int, block_size: int) -> int:
+        """How many blocks (plus the null block) ``budget_bytes`` holds.
+
+        Raises:
+            ValueError: The budget holds no block.
+        """
+        per_block = self.bytes_per_token * block_size
+        if per_block == 0:
+            raise ValueError("the model writes no keys or values: nothing to size the KV pool by")
+        num_blocks = budget_bytes // per_block + 1
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_memory={budget_bytes} bytes holds no block ({per_block} bytes each)")
+        return int(num_blocks)
+
+    def to_dicts(self, num_blocks: int) -> list[dict]:
+        return [group.to_dict(num_blocks) | {"dtype": self.dtype} for group in self.groups]

@@ -20,6 +20,7 @@ import numpy as np
 
 from vllm_mlx.attention import KVPool, MLXAttentionBackend, RowSpec, layer_specs
 from vllm_mlx.canonical import canonical_bytes
+from vllm_mlx.kv_spec import GroupLayout, KVLayout, group_layers
 from vllm_mlx.mllm_cache import MLLMCacheManager
 from vllm_mlx.multimodal import ImageInput
 from vllm_mlx.request import Request, SamplingParams
@@ -259,6 +260,28 @@ class MLXModelRunner:
             if mm is not None and mm.done_with_images(item.num_computed_tokens + item.num_new_tokens):
                 for image in mm.images:
                     image.features = None
+
+
+def measure_kv_layout(model) -> KVLayout:
+    """The KV pool's real layout for ``model``: one token through the engine's own forward path
+    into a one-slot pool, then the bytes each layer's slot took.
+
+    Exact where reading configs is not: the dtype is what the model produces (bfloat16 weights
+    give bfloat16 keys; weights dequantized to float32 on the CPU backend give float32), and KV
+    heads, key and value sizes (MLA's differ) are the arrays' own. Layers that write nothing
+    (they reuse another layer's keys) cost nothing. The scratch runner and its pool are dropped.
+    """
+    runner = MLXModelRunner(model, num_blocks=1, block_size=1)
+    try:
+        runner.probe()
+        per_layer = [runner.pool.layer_bytes_per_slot(i) for i in range(runner.num_layers)]
+        groups = tuple(
+            GroupLayout(group.spec, group.layers, sum(per_layer[i] for i in group.layers))
+            for group in group_layers(runner.specs)
+        )
+        return KVLayout(groups, runner.pool.dtype or "float32")
+    finally:
+        runner.release()
 
 
 def mllm_cache_key(image_hash: str, cache_salt: str | None) -> str:

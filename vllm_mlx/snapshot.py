@@ -19,15 +19,23 @@ _TEXT_MEMO_SIZE = 8192
 
 class CacheSnapshotter:
     """Builds ``cache_snapshot()`` dicts: ``blocks``, ``requests``, ``free_queue``, ``stats``,
-    and ``mllm`` (``{"entries": [...], "stats": {...}}`` from ``mllm_snapshot``)."""
+    ``mllm`` (``{"entries": [...], "stats": {...}}`` from ``mllm_snapshot``) and ``kv_groups``:
+    one dict per layer group (``kind``, ``window``, ``layers``, ``bytes_per_token``, ``dtype``,
+    ``num_blocks``; see ``kv_spec.GroupLayout``), fixed for the engine's life."""
 
     def __init__(
-        self, kv_cache: PagedCacheManager, scheduler: Scheduler, tokenizer, mllm_snapshot: Callable[[], dict]
+        self,
+        kv_cache: PagedCacheManager,
+        scheduler: Scheduler,
+        tokenizer,
+        mllm_snapshot: Callable[[], dict],
+        kv_groups: list[dict] | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.mllm_snapshot = mllm_snapshot
+        self.kv_groups = kv_groups or []
         self._texts: OrderedDict[tuple[int, ...], str] = OrderedDict()
 
     def snapshot(self, include_blocks: bool = True) -> dict:
@@ -53,6 +61,7 @@ class CacheSnapshotter:
             "free_queue": kv["free_queue"],
             "stats": stats,
             "mllm": self.mllm_snapshot(),
+            "kv_groups": [dict(group, layers=list(group["layers"])) for group in self.kv_groups],
         }
 
     def _fill_block_tokens(self, blocks: list[dict], requests: dict) -> None:

@@ -19,6 +19,8 @@ Synced state (small, binary where it is per block; little-endian):
 - ``stats`` (usage, hit rate, evictions, tokens saved, ...) and ``mllm``: the multimodal cache
   entries (hash, size, tokens, hits, base64 thumbnail) from ``cache_snapshot()["mllm"]``, an
   empty list while the engine's snapshot has none.
+- ``kv_groups``: the model's layer groups from ``cache_snapshot()["kv_groups"]`` (kind, window,
+  layers, bytes per token, dtype, blocks), each with a one-line ``label`` the widget shows.
 """
 
 from __future__ import annotations
@@ -77,7 +79,36 @@ def encode_snapshot(snapshot: dict, rows: Iterable[dict] = (), colors: dict[str,
         "block_tables": np.asarray(tables, dtype="<i4").tobytes(),
         "stats": _stats(snapshot["stats"]),
         "mllm": _mllm_entries(snapshot.get("mllm")),
+        "kv_groups": [dict(group, label=group_label(group)) for group in snapshot.get("kv_groups", [])],
     }
+
+
+def group_label(group: dict) -> str:
+    """One line for a layer group, e.g. "sliding window 512 · 20 layers: 0–4, 6–10, … · 4096 B/token
+    (bfloat16) · 640 blocks". Keys a group lacks are left out (state groups may add their own)."""
+    kind = group.get("kind", "?").replace("_", " ")
+    parts = [f"{kind} {group['window']}" if group.get("window") else kind]
+    layers = group.get("layers", [])
+    parts.append(f"{len(layers)} layer{'s' if len(layers) != 1 else ''}: {_ranges(layers)}")
+    if group.get("bytes_per_token"):
+        dtype = f" ({group['dtype']})" if group.get("dtype") else ""
+        parts.append(f"{group['bytes_per_token']} B/token{dtype}")
+    for key, unit in (("bytes_per_request", "B/request"), ("state_slots", "state slots"), ("num_blocks", "blocks")):
+        if group.get(key) is not None:
+            parts.append(f"{group[key]} {unit}")
+    return " · ".join(parts)
+
+
+def _ranges(numbers: list[int], most: int = 4) -> str:
+    """``[0, 1, 2, 5]`` -> "0–2, 5"; more than ``most`` runs end in "…"."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    text = [str(a) if a == b else f"{a}–{b}" for a, b in runs[:most]]
+    return ", ".join(text + (["…"] if len(runs) > most else []))
 
 
 _MLLM_FIELDS = ("hash", "width", "height", "bytes", "num_tokens", "hits", "thumbnail_base64")
@@ -153,6 +184,7 @@ class CacheInspector(anywidget.AnyWidget):
     block_tables = traitlets.Bytes(b"").tag(sync=True, **bytes_serialization)
     stats = traitlets.Dict().tag(sync=True)
     mllm = traitlets.List().tag(sync=True)
+    kv_groups = traitlets.List().tag(sync=True)
     paused = traitlets.Bool(False).tag(sync=True)
     engine_state = traitlets.Unicode("no engine").tag(sync=True)
 
@@ -266,5 +298,6 @@ def static_html(state: dict, max_blocks: int = 2048) -> str:
             f"{s.get('evictions', 0)} evictions")  # fmt: skip
     table = ("<table><tr><th>name</th><th>status</th><th>prompt</th><th>cached</th><th>generated</th>"
              f"<th>blocks</th></tr>{rows}</table>") if rows else ""  # fmt: skip
+    groups = "".join(f"<div>{html.escape(g['label'])}</div>" for g in data.get("kv_groups", []))
     grid = f'<div style="max-width:640px">{"".join(cells)}</div>'
-    return f'<div class="vllm-mlx-inspector-static"><div>{html.escape(head)}</div>{grid}{table}</div>'
+    return f'<div class="vllm-mlx-inspector-static"><div>{html.escape(head)}</div>{groups}{grid}{table}</div>'

@@ -42,6 +42,7 @@ function decode(model) {
     requests: model.get("requests") || [],
     stats: model.get("stats") || {},
     mllm: model.get("mllm") || [],
+    groups: model.get("kv_groups") || [],
     engine: model.get("engine_state"),
   };
 }
@@ -70,10 +71,10 @@ function skeleton(el) {
   mllm.append(h("div", "vmi-subtitle", "Multimodal cache"), h("div", "vmi-mllm-body"));
   const parts = {
     head, engine, pause, reset, legend, table, mllm,
-    stats: h("div", "vmi-stats"), grid: h("div", "vmi-grid"), note: h("div", "vmi-note"), tip: h("div", "vmi-tip"),
+    stats: h("div", "vmi-stats"), groups: h("div", "vmi-groups"), grid: h("div", "vmi-grid"), note: h("div", "vmi-note"), tip: h("div", "vmi-tip"),
   };
   parts.tip.hidden = true;
-  el.append(head, parts.stats, legend, parts.grid, parts.note, h("div", "vmi-subtitle", "Requests"), table, mllm, parts.tip);
+  el.append(head, parts.stats, parts.groups, legend, parts.grid, parts.note, h("div", "vmi-subtitle", "Requests"), table, mllm, parts.tip);
   return parts;
 }
 
@@ -140,6 +141,7 @@ function render({ model, el }) {
       `free ${s.num_free_blocks ?? 0}`, `hit rate ${pct(s.hit_rate)}`, `tokens saved ${s.tokens_saved ?? 0}`,
       `evictions ${s.evictions ?? 0}`, `running ${s.running ?? 0}`, `waiting ${s.waiting ?? 0}`,
     ].join(" · ");
+    ui.groups.replaceChildren(...data.groups.map((g) => h("div", "vmi-group", g.label)));
     ui.pause.textContent = frozen ? "Resume" : "Pause";
     el.classList.toggle("vmi-paused", frozen);
   }

@@ -71,7 +71,8 @@ class GroupLayout:
     def to_dict(self, num_blocks: int) -> dict:
         """Plain data for snapshots. Every group has all ``num_blocks`` blocks today: the
         groups share one block table (see the module docstring)."""
-        return {"kind": self.spec.kind, "window": self.spec.window, "layers": list(self.layers),
+        kind = getattr(self.spec, "kind", type(self.spec).__name__)
+        return {"kind": kind, "window": getattr(self.spec, "window", None), "layers": list(self.layers),
                 "bytes_per_token": self.bytes_per_token, "num_blocks": num_blocks}  # fmt: skip
 
 

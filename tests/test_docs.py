@@ -375,9 +375,9 @@ def subcommands() -> dict:
     [
         ("generate", ["### Engine flags (`generate` and `serve`)", "### `vllm-mlx generate`"]),
         ("serve", ["### Engine flags (`generate` and `serve`)", "### `vllm-mlx serve`"]),
-        ("pull", ["### `vllm-mlx models` and `vllm-mlx pull`"]),
+        ("pull", ["### `vllm-mlx pull`"]),
         ("demo", ["### `vllm-mlx demo`"]),
-        ("models", []),
+        ("models", ["### `vllm-mlx models`"]),
     ],
 )
 def test_cli_flags_table(command, headings):

@@ -49,7 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default=None, help="the model the notebook loads (default: 'default')")
     demo.set_defaults(handler=run_demo)
 
-    models = commands.add_parser("models", help="list the models prepared in the cache")
+    models = commands.add_parser("models", help="list the models prepared in the cache (or, with --supported, "
+                                 "the architectures the engine runs)")  # fmt: skip
+    models.add_argument("--supported", nargs="*", default=None, metavar="ARCH",
+                        help="list every mlx-lm and mlx-vlm architecture installed as supported, runs-untested, "
+                        "refused or unknown (with the reason); name some to classify only those")  # fmt: skip
     models.set_defaults(handler=run_models)
 
     pull = commands.add_parser("pull", help="prepare a model ahead of time (e.g. 'default')")
@@ -197,11 +201,29 @@ def run_demo(args: argparse.Namespace) -> int:
 def run_models(args: argparse.Namespace) -> int:
     from vllm_mlx.models import list_cached_models, models_dir
 
+    if args.supported is not None:
+        return run_supported(args.supported)
     cached = list_cached_models()
     if not cached:
         print(f"no models prepared yet in {models_dir()} (try: vllm-mlx pull default)")
     for model in cached:
         print(f"{model.name:40s} {model.size_bytes / 1e6:8.1f} MB  {model.path}  ({model.source})")
+    return 0
+
+
+def run_supported(names: list[str]) -> int:
+    """``models --supported``: the whole (cached) classification, or just ``names``."""
+    from vllm_mlx import model_support as support
+
+    if not names:
+        print(support.format_table(support.all_architectures(progress=support.progress_bar())))
+        return 0
+    installed = {support.TEXT: support.text_architectures(), support.VISION: support.vision_architectures()}
+    missing = sorted(set(names) - set(installed[support.TEXT]) - set(installed[support.VISION]))
+    if missing:
+        raise VllmMlxError(f"no installed mlx-lm or mlx-vlm architecture named {', '.join(missing)}")
+    wanted = {source: [n for n in found if n in names] for source, found in installed.items()}
+    print(support.format_table(support.classify(wanted)))
     return 0
 
 

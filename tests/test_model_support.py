@@ -1,0 +1,104 @@
+"""Model coverage is generated, not claimed (vllm_mlx/model_support.py, docs/models.md).
+
+An architecture is listed as supported only with a tiny-model test that exists (collected by
+pytest); the tested ones still probe as runnable; refusals and unknowns carry a reason; the docs
+table agrees with the code for the tested set (and, on the versions it was generated with, lists
+exactly the installed architectures).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_mlx import model_support as support
+from vllm_mlx.entrypoints.cli import main
+from vllm_mlx.model_support import REFUSED, RUNS, SUPPORTED, TESTED_ARCHITECTURES, TEXT, UNKNOWN, VISION
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "models.md"
+
+
+def test_every_tested_architecture_names_a_test_that_exists():
+    nodes = sorted({node for tested in TESTED_ARCHITECTURES.values() for node in tested.values()})
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *nodes],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    collected = set(result.stdout.split())
+    assert [node for node in nodes if node not in collected] == []
+
+
+def test_tested_architectures_probe_as_runnable_and_are_supported():
+    rows = support.classify({source: list(tested) for source, tested in TESTED_ARCHITECTURES.items()})
+    assert {(r.source, r.name) for r in rows} == {(s, n) for s, t in TESTED_ARCHITECTURES.items() for n in t}
+    assert all(r.status == SUPPORTED and r.test == TESTED_ARCHITECTURES[r.source][r.name] for r in rows), rows
+    # The probe itself says "runs" for each tested text architecture: the test is not all we have.
+    with support.ProbeWorker() as worker:
+        assert {name: worker.classify_text(name).status for name in TESTED_ARCHITECTURES[TEXT]} == dict.fromkeys(
+            TESTED_ARCHITECTURES[TEXT], RUNS
+        )
+
+
+def test_refusals_name_the_reason():
+    mamba, vlm = support.classify({TEXT: ["mamba"], VISION: ["gemma3"]})
+    assert (mamba.status, vlm.status) == (REFUSED, REFUSED)
+    assert "ArraysCache" in mamba.detail and mamba.aliases == ("falcon_mamba",)
+    assert vlm.detail.startswith("no adapter (adapters: ") and "qwen2_vl" in vlm.detail
+
+
+def test_installed_architectures_are_listed_and_helpers_are_not():
+    text, vision = support.text_architectures(), support.vision_architectures()
+    assert {"llama", "qwen2", "gemma3_text", "mamba"} <= set(text)
+    assert not {"base", "cache", "rope_utils", "switch_layers"} & set(text)
+    assert {"qwen2_vl", "qwen2_5_vl", "llava", "gemma3"} <= set(vision)
+    assert "llama" not in vision  # mlx-vlm's text-only language models are not vision architectures
+
+
+def test_a_probe_that_hangs_is_unknown_and_the_worker_recovers():
+    with support.ProbeWorker(timeout=0.001) as worker:
+        row = worker.classify_text("llama")
+        assert (row.status, row.detail) == (UNKNOWN, "the probe took longer than 0 s")
+        worker.timeout = 120
+        assert worker.classify_text("llama").status == RUNS
+
+
+def page_rows() -> dict[tuple[str, str], dict]:
+    """docs/models.md's rows by (source, architecture)."""
+    rows, source = {}, None
+    for line in PAGE.read_text().splitlines():
+        if line.startswith("## "):
+            source = line[3:].strip()
+        match = re.match(r"\| `([^`]+)` \| ([^|]*) \| ([a-z-]+) \| (.*) \|$", line)
+        if match:
+            rows[(source, match[1])] = {"status": match[3], "detail": match[4]}
+    return rows
+
+
+def test_docs_page_agrees_with_the_code():
+    rows = page_rows()
+    supported = {key: row["detail"] for key, row in rows.items() if row["status"] == SUPPORTED}
+    expected = {(s, n): f"`{node}`" for s, tested in TESTED_ARCHITECTURES.items() for n, node in tested.items()}
+    assert supported == expected, "regenerate: python -m vllm_mlx.model_support --write docs/models.md"
+    environment = json.loads(re.search(r"<!-- environment: (.*) -->", PAGE.read_text())[1])
+    if environment != support.installed_versions():
+        pytest.skip(f"docs/models.md was generated with {environment}")
+    listed = {source: sorted(n for s, n in rows if s == source) for source in (TEXT, VISION)}
+    assert listed[TEXT] == sorted(support.text_architectures())
+    assert listed[VISION] == sorted(support.vision_architectures())
+
+
+def test_cli_lists_the_named_architectures(capsys):
+    assert main(["models", "--supported", "llama", "qwen2_vl"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    named = [line.split()[:2] for line in lines[:3]]
+    assert named == [["mlx-lm", "llama"], ["mlx-lm", "qwen2_vl"], ["mlx-vlm", "qwen2_vl"]]
+    assert "supported" in lines[0] and lines[0].endswith(TESTED_ARCHITECTURES[TEXT]["llama"])
+    assert main(["models", "--supported", "no_such_arch"]) == 1
+    assert "no installed mlx-lm or mlx-vlm architecture named no_such_arch" in capsys.readouterr().err

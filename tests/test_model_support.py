@@ -8,6 +8,7 @@ exactly the installed architectures).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -18,7 +19,8 @@ import pytest
 
 from vllm_mlx import model_support as support
 from vllm_mlx.entrypoints.cli import main
-from vllm_mlx.model_support import REFUSED, RUNS, SUPPORTED, TESTED_ARCHITECTURES, TEXT, UNKNOWN, VISION
+from vllm_mlx.model_probe import REFUSED, RUNS, UNKNOWN, Probe, ProbeWorker, probe_text
+from vllm_mlx.model_support import SUPPORTED, TESTED_ARCHITECTURES, TEXT, VISION
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "models.md"
@@ -40,10 +42,9 @@ def test_tested_architectures_probe_as_runnable_and_are_supported():
     assert {(r.source, r.name) for r in rows} == {(s, n) for s, t in TESTED_ARCHITECTURES.items() for n in t}
     assert all(r.status == SUPPORTED and r.test == TESTED_ARCHITECTURES[r.source][r.name] for r in rows), rows
     # The probe itself says "runs" for each tested text architecture: the test is not all we have.
-    with support.ProbeWorker() as worker:
-        assert {name: worker.classify_text(name).status for name in TESTED_ARCHITECTURES[TEXT]} == dict.fromkeys(
-            TESTED_ARCHITECTURES[TEXT], RUNS
-        )
+    with ProbeWorker() as worker:
+        probes = {name: worker.probe(name).status for name in TESTED_ARCHITECTURES[TEXT]}
+    assert probes == dict.fromkeys(TESTED_ARCHITECTURES[TEXT], RUNS)
 
 
 def test_refusals_name_the_reason():
@@ -62,11 +63,18 @@ def test_installed_architectures_are_listed_and_helpers_are_not():
 
 
 def test_a_probe_that_hangs_is_unknown_and_the_worker_recovers():
-    with support.ProbeWorker(timeout=0.001) as worker:
-        row = worker.classify_text("llama")
-        assert (row.status, row.detail) == (UNKNOWN, "the probe took longer than 0 s")
+    with ProbeWorker(timeout=0.001) as worker:
+        assert worker.probe("llama") == Probe(UNKNOWN, "the probe took longer than 0 s")
         worker.timeout = 120
-        assert worker.classify_text("llama").status == RUNS
+        assert worker.probe("llama") == Probe(RUNS, "full attention")
+
+
+def test_probe_details():
+    """In this process: a runnable architecture's layer kinds, and why a probe cannot be built."""
+    assert probe_text("gemma3_text") == Probe(RUNS, "sliding window + full attention")
+    if importlib.util.find_spec("hf_olmo") is None:  # mlx-lm's olmo exits on import without ai2-olmo
+        assert probe_text("olmo") == Probe(UNKNOWN, "the module does not import: SystemExit: 1")
+    assert probe_text("nemotron-nas").detail.startswith("could not build a probe: ValueError: ")
 
 
 def page_rows() -> dict[tuple[str, str], dict]:

@@ -95,13 +95,20 @@ class MLXModelRunner:
     """
 
     def __init__(
-        self, model, num_blocks: int, block_size: int, mllm_cache: MLLMCacheManager | None = None
+        self,
+        model,
+        num_blocks: int,
+        block_size: int,
+        mllm_cache: MLLMCacheManager | None = None,
+        *,
+        split_head: bool = True,
     ) -> None:
         from vllm_mlx.vlm_models import VisionLanguageModel
 
         self.model = model
         self.vision = model if isinstance(model, VisionLanguageModel) else None
-        self.split = None if self.vision else SplitModel.probe(model)
+        # split_head=False skips the split's probe forward (a throwaway runner needs no speed).
+        self.split = SplitModel.probe(model) if split_head and not self.vision else None
         self.mllm_cache = mllm_cache
         self.specs = layer_specs(model, getattr(model, "model_type", "?"))
         self.num_layers = len(self.specs)  # one cache per spec (make_cache may differ from layers)
@@ -271,7 +278,7 @@ def measure_kv_layout(model) -> KVLayout:
     heads, key and value sizes (MLA's differ) are the arrays' own. Layers that write nothing
     (they reuse another layer's keys) cost nothing. The scratch runner and its pool are dropped.
     """
-    runner = MLXModelRunner(model, num_blocks=1, block_size=1)
+    runner = MLXModelRunner(model, num_blocks=1, block_size=1, split_head=False)
     try:
         runner.probe()
         per_layer = [runner.pool.layer_bytes_per_slot(i) for i in range(runner.num_layers)]

@@ -76,3 +76,53 @@ def test_layout_counts_heads_and_sizes_per_group(dtype_dirs):
                         "dtype": "bfloat16", "num_blocks": engine.kv_cache.num_blocks}  # fmt: skip
     finally:
         engine.shutdown()
+
+
+# DeepSeek-V3's multi-head latent attention: mlx-lm caches one compressed "head" per token (the
+# kv_lora_rank latent as keys, the rotary part as values), not num_key_value_heads full heads.
+TINY_DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3", "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "n_shared_experts": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory, default_model_dir):
+    return build_tiny_llama(tmp_path_factory.mktemp("deepseek_v3"), default_model_dir, **TINY_DEEPSEEK_V3)
+
+
+def test_latent_attention_is_sized_by_its_latent(deepseek_dir):
+    from vllm_mlx.engine_core import kv_bytes_per_token
+
+    engine = sized_engine(deepseek_dir)
+    try:
+        run_one(engine)
+        # 2 layers of a 16-wide latent (keys) and an 8-wide rotary part (values), float32.
+        assert engine.kv_layout.bytes_per_token == 2 * (16 + 8) * 4
+        assert engine.runner.pool.nbytes == engine.kv_layout.bytes_per_token * engine.runner.pool.num_slots
+        # Heads x head size from the config would have counted 2 KV heads of 16 for keys and values.
+        assert kv_bytes_per_token(engine.model_config, 4, engine.runner.model) > 2 * engine.kv_layout.bytes_per_token
+    finally:
+        engine.shutdown()
+
+
+def test_latent_attention_equals_mlx_lm(deepseek_dir):
+    """The oracle for deepseek_v3 (model_support.TESTED_ARCHITECTURES): greedy tokens of prompts
+    batched with chunked prefill and small blocks equal mlx-lm's, prompt by prompt."""
+    import mlx_lm
+
+    prompts = ["Hello", "The quick brown fox jumps over the lazy dog.", "One two three four five six seven " * 3]
+    model, tokenizer = mlx_lm.load(str(deepseek_dir))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    expected = [[r.token for r in mlx_lm.stream_generate(model, tokenizer, tokenizer.encode(p), max_tokens=8)]
+                for p in prompts]  # fmt: skip
+    engine = EngineCore(model=str(deepseek_dir), num_kv_blocks=64, block_size=4, max_num_batched_tokens=16)
+    try:
+        ids = [engine.add_request(p, params) for p in prompts]
+        final = {}
+        while engine.has_unfinished_requests():
+            final.update((o.request_id, o) for o in engine.step() if o.finished)
+    finally:
+        engine.shutdown()
+    assert [final[i].outputs[0].token_ids for i in ids] == expected

@@ -52,6 +52,7 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
         "gemma3_text": "tests/test_sliding_window.py::test_default_block_size_equals_mlx_lm[gemma3_text]",
         "gpt_oss": "tests/test_sliding_window.py::test_default_block_size_equals_mlx_lm[gpt_oss]",
         "qwen2": "tests/test_engine.py::test_another_architecture_runs_unmodified",
+        "deepseek_v3": "tests/test_kv_sizing.py::test_latent_attention_equals_mlx_lm",
     },
     VISION: {
         "qwen2_vl": "tests/test_multimodal.py::test_greedy_tokens_equal_mlx_vlm[qwen2_vl]",

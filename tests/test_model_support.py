@@ -72,6 +72,7 @@ def test_a_probe_that_hangs_is_unknown_and_the_worker_recovers():
 def test_probe_details():
     """In this process: a runnable architecture's layer kinds, and why a probe cannot be built."""
     assert probe_text("gemma3_text") == Probe(RUNS, "sliding window + full attention")
+    assert probe_text("gear") == Probe(RUNS, "sliding window + full attention")  # built from layer_types
     if importlib.util.find_spec("hf_olmo") is None:  # mlx-lm's olmo exits on import without ai2-olmo
         assert probe_text("olmo") == Probe(UNKNOWN, "the module does not import: SystemExit: 1")
     assert probe_text("nemotron-nas").detail.startswith("could not build a probe: ValueError: ")

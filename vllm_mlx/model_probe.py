@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import re
 import sys
 import typing
 from dataclasses import dataclass
@@ -70,7 +71,7 @@ def probe_text(name: str) -> Probe:
     except (Exception, SystemExit) as exc:  # some modules exit when an optional package is missing
         return Probe(UNKNOWN, f"the module does not import: {_reason(exc)}")
     try:
-        model = module.Model(module.ModelArgs.from_dict(tiny_config(module, name)))
+        model = build_tiny_model(module, name)
     except Exception as exc:
         return Probe(UNKNOWN, f"could not build a probe: {_reason(exc)}")
     size = _num_parameters(model)
@@ -90,6 +91,34 @@ def probe_text(name: str) -> Probe:
         return Probe(UNKNOWN, reason)
     kinds = [group.to_dict(num_blocks=0)["kind"].replace("_", " ") for group in layout.groups]
     return Probe(RUNS, " + ".join(kinds))
+
+
+def build_tiny_model(module, name: str):
+    """``module.Model`` from ``tiny_config``; when that fails and the args have ``layer_types``,
+    once more with a stack that alternates the attention kinds the module's code names (e.g.
+    sliding, full): many architectures derive their layers from that list. Raises the first
+    attempt's error when both fail."""
+    config = tiny_config(module, name)
+    try:
+        return module.Model(module.ModelArgs.from_dict(config))
+    except Exception as first:
+        stack = _layer_stack(module, config["num_hidden_layers"])
+        if stack is None:
+            raise
+        try:
+            return module.Model(module.ModelArgs.from_dict({**config, "layer_types": stack}))
+        except Exception:
+            raise first from None
+
+
+def _layer_stack(module, num_layers: int) -> list[str] | None:
+    """``num_layers`` layer types cycling through the ``"..._attention"`` kinds the module's source
+    names (full attention last), or None when its args take no ``layer_types`` or it names none."""
+    if "layer_types" not in {field.name for field in dataclasses.fields(module.ModelArgs)}:
+        return None
+    source = Path(module.__file__).read_text(errors="replace")
+    kinds = sorted(set(re.findall(r"[\"'](\w+_attention)[\"']", source)), key=lambda k: (k == "full_attention", k))
+    return [kinds[i % len(kinds)] for i in range(num_layers)] if kinds else None
 
 
 def tiny_config(module, name: str, args_class=None) -> dict:

@@ -21,6 +21,10 @@ are built once per forward call per distinct window (``BatchLayout`` caches them
 The mask is a plain boolean array, which ``mx.fast.scaled_dot_product_attention`` takes together
 with attention sinks (gpt-oss passes ``sinks=``: they only add a per-head term to the softmax).
 
+Recurrent layers (hybrid models) get a ``RecurrentLayerCache`` over the state pool instead
+(``state_pool.py``); which architectures, and whether their rows may be padded, is
+``RECURRENT_ARCHITECTURES``.
+
 Rows are right-padded to the longest row of the call. Padding tokens write into the null block
 (slot 0..block_size-1 of block 0, never allocated to a request); a query that would see no key
 (a padded one) sees the row's first gathered key, so no softmax row is empty (no NaN), and padded

@@ -140,7 +140,8 @@ class MLXModelRunner:
         arrays still alive at interpreter exit after being used on another thread abort the
         process ("terminate called without an active exception")."""
         self.model = self.split = self.vision = self.state_pool = None
-        self.attention.state_pool = None
+        if self.attention is not None:
+            self.attention.state_pool = None
         self.pool.keys = [None] * self.num_layers
         self.pool.values = [None] * self.num_layers
 

@@ -6,6 +6,9 @@ Plain data, no MLX: the runner derives one spec per layer from the model
 Today every group keeps every block of every running request: a sliding-window layer attends
 only to its window (the runner gathers and masks just those keys), but its out-of-window blocks
 stay allocated, since all layers share one block table. Correct output, no memory saved yet.
+
+A recurrent layer (``RecurrentStateSpec``) holds no blocks at all: its state is a fixed-size slot
+per running request in the state pool (``state_pool.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +38,29 @@ class SlidingWindowSpec:
             raise ValueError(f"a sliding window holds at least one key, got {self.window}")
 
 
-LayerSpec = FullAttentionSpec | SlidingWindowSpec
+@dataclass(frozen=True, slots=True)
+class RecurrentStateSpec:
+    """The layer keeps a fixed-size state per request (mlx-lm's ``ArraysCache(num_arrays)``:
+    a convolution window, an SSM or delta-net state), whatever the sequence length.
+
+    ``pads``: the model's code for this layer honours right padding (it masks padded tokens
+    and reads ``cache.lengths`` to take the state at each row's last real token), so rows of
+    different lengths may share a forward call. Otherwise the runner never pads such a model.
+    """
+
+    num_arrays: int
+    pads: bool
+
+    @property
+    def window(self) -> None:
+        return None
+
+
+LayerSpec = FullAttentionSpec | SlidingWindowSpec | RecurrentStateSpec
+
+
+def is_recurrent(spec: LayerSpec) -> bool:
+    return isinstance(spec, RecurrentStateSpec)
 
 
 @dataclass(frozen=True, slots=True)

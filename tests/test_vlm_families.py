@@ -1,4 +1,5 @@
-"""Qwen3-VL and Gemma 3 in the paged engine, on tiny random-weight models (tests/tiny_vlm.py).
+"""Qwen3-VL (dense and MoE) and Gemma 3 in the paged engine, on tiny random-weight models
+(tests/tiny_vlm.py).
 
 Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / LLaVA:
 
@@ -29,11 +30,12 @@ from vllm_mlx.kv_spec import FullAttentionSpec, SlidingWindowSpec
 
 PLACEHOLDER = {
     "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen3_vl_moe": "<|vision_start|><|image_pad|><|vision_end|>",
     "gemma3": "<start_of_image>",
 }
 
 
-@pytest.fixture(scope="module", params=["qwen3_vl", "gemma3"])
+@pytest.fixture(scope="module", params=list(PLACEHOLDER))
 def family(request, tmp_path_factory):
     import tiny_vlm
 

@@ -150,8 +150,12 @@ def _save_weights(model, path: Path, scale: float = 4.0) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    # Larger-than-init weights so logits are peaked: greedy choices are far from ties.
-    weights = {k: v * scale if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
+    # Larger-than-init weights so logits are peaked: greedy choices are far from ties. Linear
+    # layers are 2-D, and 3-D for mixture-of-experts ("switch_mlp": one matrix per expert).
+    def scaled(name: str, value):
+        return value * scale if value.ndim == 2 or ".switch_mlp." in name else value
+
+    weights = {k: scaled(k, v) for k, v in tree_flatten(model.parameters())}
     mx.save_safetensors(str(path), weights)
 
 
@@ -468,22 +472,40 @@ QWEN3_VL_MIN_PIXELS = 64 * 64
 QWEN3_VL_MAX_PIXELS = 128 * 128
 
 
-def build_tiny_qwen3_vl(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
+# Qwen3-VL-MoE's text model: every layer's MLP is 4 experts, 2 per token.
+QWEN3_VL_MOE_TEXT_CONFIG = {
+    **QWEN3_VL_TEXT_CONFIG,
+    "model_type": "qwen3_vl_moe_text",
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 32,
+}
+
+
+def build_tiny_qwen3_vl(
+    out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0, moe: bool = False
+) -> Path:
     """A tiny random-weight Qwen3-VL directory: 3 text layers, 2 vision blocks, deepstack into
     text layers 0 and 1. A 64x64 picture is 4 image tokens, 100x60 is 6 (96x64 after resizing).
-    ``tokenizer_dir`` as in :func:`build_tiny_qwen2_vl`."""
-    from mlx_vlm.models import qwen3_vl
+    ``moe``: Qwen3-VL-MoE (mixture-of-experts MLPs, same vision side). ``tokenizer_dir`` as in
+    :func:`build_tiny_qwen2_vl`."""
+    import importlib
 
+    model_type = "qwen3_vl_moe" if moe else "qwen3_vl"
+    arch = importlib.import_module(f"mlx_vlm.models.{model_type}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = _make_tokenizer(tokenizer_dir, QWEN_SPECIAL_TOKENS)
     ids = {t: tok.token_to_id(t) for t in QWEN_SPECIAL_TOKENS}
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    text = QWEN3_VL_MOE_TEXT_CONFIG if moe else QWEN3_VL_TEXT_CONFIG
     config = {
-        "model_type": "qwen3_vl",
-        "architectures": ["Qwen3VLForConditionalGeneration"],
-        "text_config": {**QWEN3_VL_TEXT_CONFIG, "vocab_size": vocab_size},
-        "vision_config": dict(QWEN3_VL_VISION_CONFIG),
+        "model_type": model_type,
+        "architectures": ["Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration"],
+        "text_config": {**text, "vocab_size": vocab_size},
+        "vision_config": {**QWEN3_VL_VISION_CONFIG, "model_type": model_type},
         "vocab_size": vocab_size,
         "image_token_id": ids["<|image_pad|>"],
         "video_token_id": ids["<|video_pad|>"],
@@ -492,7 +514,7 @@ def build_tiny_qwen3_vl(out_dir: Path, tokenizer_dir: Path | None = None, *, see
         "eos_token_id": ids["<|im_end|>"],
         "tie_word_embeddings": True,
     }
-    model = _instantiate(qwen3_vl, config, seed)
+    model = _instantiate(arch, config, seed)
     _save_weights(model, out_dir / "model.safetensors")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     _save_tokenizer(out_dir, tok, "<|im_end|>", "<|endoftext|>", QWEN3_VL_TEXT_CONFIG["max_position_embeddings"], QWEN2_VL_CHAT_TEMPLATE)
@@ -516,6 +538,11 @@ def build_tiny_qwen3_vl(out_dir: Path, tokenizer_dir: Path | None = None, *, see
         (out_dir / name).write_text(json.dumps(preprocessor, indent=2))
     (out_dir / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}, indent=2))
     return out_dir
+
+
+def build_tiny_qwen3_vl_moe(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
+    """:func:`build_tiny_qwen3_vl` with mixture-of-experts text MLPs."""
+    return build_tiny_qwen3_vl(out_dir, tokenizer_dir, seed=seed, moe=True)
 
 
 GEMMA3_SPECIAL_TOKENS = [

@@ -92,7 +92,7 @@ class LlavaModel(VisionLanguageModel):
 
 
 class Qwen3VLModel(Qwen2VLModel):
-    """Qwen3-VL: Qwen2-VL's patches and merge (16 px patches, learned position embeddings),
+    """Qwen3-VL and Qwen3-VL-MoE: Qwen2-VL's patches and merge (16 px patches, learned position embeddings),
     interleaved multi-axis rotary, and deepstack.
 
     Deepstack: the outputs of some vision blocks (``deepstack_visual_indexes``), each merged by
@@ -108,7 +108,7 @@ class Qwen3VLModel(Qwen2VLModel):
     frequencies happens inside the model.
     """
 
-    model_types = ("qwen3_vl",)
+    model_types = ("qwen3_vl", "qwen3_vl_moe")
 
     @property
     def num_deepstack(self) -> int:

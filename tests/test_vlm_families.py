@@ -1,5 +1,5 @@
-"""Qwen3-VL (dense and MoE) and Gemma 3 in the paged engine, on tiny random-weight models
-(tests/tiny_vlm.py).
+"""Qwen3-VL (dense and MoE), Gemma 3 and Mistral 3 in the paged engine, on tiny random-weight
+models (tests/tiny_vlm.py).
 
 Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / LLaVA:
 
@@ -8,6 +8,9 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
 * Gemma 3: an image framed by ``<start_of_image>`` / ``<end_of_image>`` and newlines, features
   scaled on the way in, and a text model alternating sliding-window (here 8 tokens, shorter
   than every prompt) and global layers: the paged caches must apply the window.
+* Mistral 3: images at their own resolution (token count from the size), expanded to rows of
+  ``[IMG]`` separated by ``[IMG_BREAK]`` and closed by ``[IMG_END]``: features go to the
+  ``[IMG]`` positions only.
 
 Both: one and two images equal mlx-vlm, batched with text-only requests equals solo (chunked
 prefills ending inside images, preemption), prefix cache on equals off with an image in the
@@ -32,6 +35,7 @@ PLACEHOLDER = {
     "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "qwen3_vl_moe": "<|vision_start|><|image_pad|><|vision_end|>",
     "gemma3": "<start_of_image>",
+    "mistral3": "[IMG]",
 }
 
 
@@ -217,3 +221,15 @@ def test_qwen3_5_is_refused_with_the_reason(tmp_path, tiny_qwen2_vl_dir):
     (other / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_5"}))
     with pytest.raises(UnsupportedModelError, match="qwen3_5.*recurrent state.*supported: gemma3, llava"):
         EngineCore(model=str(other))
+
+
+def test_mistral3_with_a_ministral3_text_model_is_refused_before_loading(tmp_path):
+    """mlx-vlm's ministral3 text model scales attention by the first row's position only."""
+    from tiny_vlm import build_tiny_mistral3
+
+    model_dir = build_tiny_mistral3(tmp_path / "mistral3")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["text_config"]["model_type"] = "ministral3"
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="'mistral3'.*text model 'ministral3'.*first row"):
+        EngineCore(model=str(model_dir))

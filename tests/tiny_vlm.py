@@ -687,3 +687,105 @@ def build_tiny_gemma3(
     processor_config = {"processor_class": "Gemma3Processor", "image_seq_length": text["mm_tokens_per_image"]}
     (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
     return out_dir
+
+
+MISTRAL3_SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+
+# Mistral's [INST] template; an image part renders as [IMG], which expands to rows of [IMG]
+# separated by [IMG_BREAK] and closed by [IMG_END].
+MISTRAL3_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}[INST]"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}[IMG]"
+    "{% elif 'text' in part %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "[/INST]"
+    "{% else %}{{ message['content'] }}</s>{% endif %}"
+    "{% endfor %}"
+)
+
+MISTRAL3_TEXT_CONFIG = {
+    "model_type": "mistral",
+    "hidden_size": 64,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1_000_000.0,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+
+# Pixtral at up to 112 px on the longest edge, 14 px patches, merged 2x2: a 64x64 picture is
+# 3x3 tokens (+ 3 separators: 12 ids), 100x60 is 3 rows of 4 (15 ids).
+MISTRAL3_VISION_CONFIG = {
+    "model_type": "pixtral",
+    "hidden_size": 32,
+    "head_dim": 16,
+    "intermediate_size": 64,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 2,
+    "image_size": 112,
+    "patch_size": 14,
+    "num_channels": 3,
+    "rope_theta": 10000.0,
+}
+
+
+def build_tiny_mistral3(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
+    """A tiny random-weight Mistral 3 VLM directory (Pixtral tower at the image's resolution,
+    2x2 patch merger, a mistral text model). ``tokenizer_dir`` as in :func:`build_tiny_qwen2_vl`."""
+    from mlx_vlm.models import mistral3
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = _make_tokenizer(tokenizer_dir, MISTRAL3_SPECIAL_TOKENS)
+    ids = {t: tok.token_to_id(t) for t in MISTRAL3_SPECIAL_TOKENS}
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    vision = dict(MISTRAL3_VISION_CONFIG)
+    config = {
+        "model_type": "mistral3",
+        "architectures": ["Mistral3ForConditionalGeneration"],
+        "text_config": {**MISTRAL3_TEXT_CONFIG, "vocab_size": vocab_size},
+        "vision_config": vision,
+        "vocab_size": vocab_size,
+        "spatial_merge_size": 2,
+        "image_token_index": ids["[IMG]"],
+        "vision_feature_layer": -1,
+        "multimodal_projector_bias": False,
+        "eos_token_id": ids["</s>"],
+    }
+    model = _instantiate(mistral3, config, seed)
+    _save_weights(model, out_dir / "model.safetensors")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    _save_tokenizer(out_dir, tok, "</s>", "<pad>", MISTRAL3_TEXT_CONFIG["max_position_embeddings"], MISTRAL3_CHAT_TEMPLATE)
+    patch = vision["patch_size"]
+    preprocessor = {
+        "image_processor_type": "PixtralImageProcessor",
+        "processor_class": "PixtralProcessor",
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "size": {"longest_edge": vision["image_size"]},
+        "patch_size": {"height": patch, "width": patch},
+        "resample": 3,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+    }
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    processor_config = {
+        "processor_class": "PixtralProcessor",
+        "image_token": "[IMG]",
+        "image_break_token": "[IMG_BREAK]",
+        "image_end_token": "[IMG_END]",
+        "patch_size": patch,
+        "spatial_merge_size": 2,
+    }
+    (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
+    return out_dir

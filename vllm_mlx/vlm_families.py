@@ -18,7 +18,7 @@ from vllm_mlx.media_policy import MediaPolicy
 from vllm_mlx.multimodal import ImageInput, MultiModalInput, mrope_positions
 from vllm_mlx.vlm_models import VisionLanguageModel
 
-__all__ = ["FAMILIES", "NOT_YET", "Gemma3Model", "LlavaModel", "Qwen2VLModel", "Qwen3VLModel"]
+__all__ = ["FAMILIES", "NOT_YET", "Gemma3Model", "LlavaModel", "Mistral3Model", "Qwen2VLModel", "Qwen3VLModel"]
 
 
 class Qwen2VLModel(VisionLanguageModel):
@@ -209,6 +209,86 @@ class Gemma3Model(VisionLanguageModel):
         return features.reshape(-1, features.shape[-1])
 
 
+class Mistral3Model(VisionLanguageModel):
+    """Mistral 3 (Mistral Small 3.1 and later): a Pixtral tower at the image's own resolution
+    (up to ``longest_edge``), a patch merger (2x2 patches -> 1 token) and a Mistral text model.
+
+    An image is ``[IMG]`` in the prompt and expands, row by row of merged patches, to
+    ``[IMG] x cols [IMG_BREAK]`` ... ``[IMG] x cols [IMG_END]``. Only the ``[IMG]`` positions
+    get features; the break and end tokens keep their own embeddings. ``encode`` returns a row
+    for every token of that block, the break/end rows being those tokens' embeddings, so the
+    block is one contiguous run as the runner and the MLLM cache expect (writing a token's own
+    embedding over it changes nothing).
+
+    Text models with a position-dependent attention scale (``ministral3``'s llama-4 scaling,
+    computed by mlx-vlm from the batch's first row only) or multi-latent attention
+    (``mistral4``) are refused at load.
+    """
+
+    model_types = ("mistral3",)
+    image_placeholder_text = "[IMG]"
+    text_types = ("mistral",)
+
+    @classmethod
+    def refusal(cls, config: dict) -> str | None:
+        text_type = (config.get("text_config") or {}).get("model_type", "mistral")
+        if text_type in cls.text_types:
+            return None
+        return (
+            f"its text model {text_type!r} is not one the adapter drives ({', '.join(cls.text_types)}; "
+            "ministral3 scales attention by the position of the batch's first row only, mistral4 "
+            "uses latent attention)"
+        )
+
+    def __init__(self, model, processor, config: dict, path) -> None:
+        super().__init__(model, processor, config, path)
+        self.break_token_id = self._token_id(getattr(processor, "image_break_token", "[IMG_BREAK]"))
+        self.end_token_id = self._token_id(getattr(processor, "image_end_token", "[IMG_END]"))
+
+    def _image_token_id(self) -> int:
+        return int(self.model.config.image_token_index)
+
+    def _token_id(self, token: str) -> int:
+        return int(self.tokenizer.convert_tokens_to_ids(token))
+
+    @property
+    def token_pixels(self) -> int:
+        """Side of the square of pixels one merged token covers."""
+        return int(self.model.config.vision_config.patch_size) * int(self.model.config.spatial_merge_size)
+
+    def grid(self, image: ImageInput) -> tuple[int, int]:
+        """(rows, cols) of merged tokens: the resized image's size over ``token_pixels``."""
+        height, width = image.pixel_values.shape[-2:]
+        return height // self.token_pixels, width // self.token_pixels
+
+    def process(self, source: ImageSource, policy: MediaPolicy) -> ImageInput:
+        rgb = load_image(source, policy)
+        out = self.processor.image_processor([rgb], patch_size=self.token_pixels)
+        pixels = np.asarray(out["pixel_values"])  # one image: no padding
+        image = ImageInput(self._hash(rgb), rgb, pixels, offset=0, num_tokens=0)
+        rows, cols = self.grid(image)
+        image.num_tokens = rows * (cols + 1)  # each row ends with [IMG_BREAK], the last with [IMG_END]
+        return image
+
+    def image_tokens(self, image: ImageInput) -> list[int]:
+        rows, cols = self.grid(image)
+        row = [self.image_token_id] * cols
+        return [*([*row, self.break_token_id] * (rows - 1)), *row, self.end_token_id]
+
+    def encode(self, image: ImageInput) -> mx.array:
+        model = self.model
+        height, width = image.pixel_values.shape[-2:]
+        pixels = mx.array(image.pixel_values).transpose(0, 2, 3, 1)  # NCHW -> NHWC
+        *_, hidden = model.vision_tower(pixels, output_hidden_states=True, image_sizes=[(height, width)])
+        features = model.multi_modal_projector(hidden[model.vision_feature_layer][0], [(height, width)])
+        rows, cols = self.grid(image)
+        separators = self.embed(mx.array([self.break_token_id, self.end_token_id])).astype(features.dtype)
+        pieces = []
+        for r in range(rows):
+            pieces += [features[r * cols : (r + 1) * cols], separators[1:] if r == rows - 1 else separators[:1]]
+        return mx.concatenate(pieces)
+
+
 def _newline_run(tokens: list[int], newline_text, *, from_end: bool) -> int:
     """How many tokens at the end (or start) of ``tokens`` are newlines only."""
     count = 0
@@ -219,7 +299,13 @@ def _newline_run(tokens: list[int], newline_text, *, from_end: bool) -> int:
     return count
 
 
-FAMILIES: tuple[type[VisionLanguageModel], ...] = (Qwen2VLModel, Qwen3VLModel, LlavaModel, Gemma3Model)
+FAMILIES: tuple[type[VisionLanguageModel], ...] = (
+    Qwen2VLModel,
+    Qwen3VLModel,
+    LlavaModel,
+    Gemma3Model,
+    Mistral3Model,
+)
 
 # Architectures mlx-vlm runs that the paged engine refuses for a known reason.
 NOT_YET: dict[str, str] = {

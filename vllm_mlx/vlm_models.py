@@ -194,7 +194,7 @@ class VisionLanguageModel:
             self._extend(expanded, token_ids[cursor:slot])
             self._extend(expanded, before)
             image.offset = len(expanded)
-            expanded += [self.image_token_id] * image.num_tokens
+            expanded += self.image_tokens(image)
             expanded += after
             placed.append(image)
             cursor = slot + 1
@@ -204,6 +204,10 @@ class VisionLanguageModel:
     def image_frame(self) -> tuple[list[int], list[int]]:
         """Tokens the expansion puts before and after an image's run of feature tokens."""
         return [], []
+
+    def image_tokens(self, image: ImageInput) -> list[int]:
+        """The ``image.num_tokens`` token ids whose embeddings ``encode``'s rows replace."""
+        return [self.image_token_id] * image.num_tokens
 
     def _extend(self, expanded: list[int], tokens: list[int]) -> None:
         """Append ``tokens`` (a piece of text, or an image's leading frame) to ``expanded``."""
@@ -219,6 +223,12 @@ class VisionLanguageModel:
     def encode(self, image: ImageInput) -> mx.array:
         """The image's features, ``[image.num_tokens, hidden]`` (engine thread)."""
         raise NotImplementedError
+
+    @classmethod
+    def refusal(cls, config: dict) -> str | None:
+        """Why this family's adapter cannot run the model in ``config`` (None: it can); checked
+        before anything is loaded."""
+        return None
 
     def _image_token_id(self) -> int:
         raise NotImplementedError
@@ -243,18 +253,19 @@ def load_vision_language_model(path: Path, config: dict, trust_remote_code: bool
     ``model_file`` without asking); ``trust_remote_code`` goes on to the processor's loader.
 
     Raises:
-        UnsupportedModelError: No adapter for the architecture.
+        UnsupportedModelError: No adapter for the architecture, or its adapter refuses the
+            config (``refusal``); the message says why where it is known.
         ModelSourceError: mlx-vlm is not installed, or cannot load the directory.
     """
     from vllm_mlx.vlm_families import FAMILIES, NOT_YET
 
     model_type = config.get("model_type", "?")
     family = next((f for f in FAMILIES if model_type in f.model_types), None)
-    if family is None:
-        reason = f": {NOT_YET[model_type]}" if model_type in NOT_YET else ""
+    reason = NOT_YET.get(model_type) if family is None else family.refusal(config)
+    if family is None or reason is not None:
         raise UnsupportedModelError(
-            f"vision-language architecture {model_type!r} is not supported by the paged engine{reason} "
-            f"(supported: {', '.join(supported_model_types())})"
+            f"vision-language architecture {model_type!r} is not supported by the paged engine"
+            f"{f': {reason}' if reason else ''} (supported: {', '.join(supported_model_types())})"
         )
     try:
         from mlx_vlm.utils import load_model, load_processor

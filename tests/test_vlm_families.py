@@ -134,7 +134,7 @@ def test_prefix_cache_on_equals_off_with_an_image_in_the_prefix(family):
     name, model_dir = family
     image = picture(8)
     prefix = f"You look at pictures closely. {PLACEHOLDER[name]} "
-    prompts = [(prefix + "What is it?", [image]), (prefix + "What colour?", [image]), (prefix + "What is it?", [image])]
+    prompts = [(prefix + question, [image]) for question in ("What is it?", "What colour?", "What is it?")]
 
     def outputs(enabled: bool):
         engine = make_engine(model_dir, num_kv_blocks=96, enable_prefix_caching=enabled)

@@ -10,6 +10,12 @@ No model hub is reachable in the test environment, so the multimodal tests build
 * :func:`build_tiny_llava`: LLaVA-1.5 (llama text model, CLIP tower at 28x28, projector): every
   image becomes 4 tokens. mlx-vlm's LLaVA processor breaks under transformers 5 when given
   ``padding``; see :func:`drop_text_kwargs_for_images`.
+* :func:`build_tiny_qwen3_vl` / :func:`build_tiny_qwen3_vl_moe`: Qwen3-VL (dense or
+  mixture-of-experts text), 16 px patches, deepstack features into text layers 0 and 1.
+* :func:`build_tiny_gemma3`: Gemma 3 (SigLIP at 56x56, pooled to 4 tokens per image), text layers
+  alternating a sliding window of 8 and global attention; its tokenizer has newline-run tokens.
+* :func:`build_tiny_mistral3`: Mistral 3 (Pixtral at the image's resolution up to 112 px, 2x2
+  patch merger, mistral text model): rows of ``[IMG]`` split by ``[IMG_BREAK]``.
 
 Weights are random (2-D weights scaled x4, as in tiny_model.py, so greedy logits are peaked, far
 from ties): the text is gibberish but deterministic, and it depends on the image pixels, which is
@@ -517,7 +523,8 @@ def build_tiny_qwen3_vl(
     model = _instantiate(arch, config, seed)
     _save_weights(model, out_dir / "model.safetensors")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    _save_tokenizer(out_dir, tok, "<|im_end|>", "<|endoftext|>", QWEN3_VL_TEXT_CONFIG["max_position_embeddings"], QWEN2_VL_CHAT_TEMPLATE)
+    max_length = QWEN3_VL_TEXT_CONFIG["max_position_embeddings"]
+    _save_tokenizer(out_dir, tok, "<|im_end|>", "<|endoftext|>", max_length, QWEN2_VL_CHAT_TEMPLATE)
     vision = config["vision_config"]
     preprocessor = {
         "image_processor_type": "Qwen2VLImageProcessor",
@@ -667,7 +674,8 @@ def build_tiny_gemma3(
             "image_token": "<image_soft_token>",
         }
     }
-    _save_tokenizer(out_dir, tok, "<end_of_turn>", "<pad>", text["max_position_embeddings"], GEMMA3_CHAT_TEMPLATE, extra)
+    max_length = text["max_position_embeddings"]
+    _save_tokenizer(out_dir, tok, "<end_of_turn>", "<pad>", max_length, GEMMA3_CHAT_TEMPLATE, extra)
     size = GEMMA3_VISION_CONFIG["image_size"]
     preprocessor = {
         "image_processor_type": "Gemma3ImageProcessor",
@@ -762,7 +770,8 @@ def build_tiny_mistral3(out_dir: Path, tokenizer_dir: Path | None = None, *, see
     model = _instantiate(mistral3, config, seed)
     _save_weights(model, out_dir / "model.safetensors")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    _save_tokenizer(out_dir, tok, "</s>", "<pad>", MISTRAL3_TEXT_CONFIG["max_position_embeddings"], MISTRAL3_CHAT_TEMPLATE)
+    max_length = MISTRAL3_TEXT_CONFIG["max_position_embeddings"]
+    _save_tokenizer(out_dir, tok, "</s>", "<pad>", max_length, MISTRAL3_CHAT_TEMPLATE)
     patch = vision["patch_size"]
     preprocessor = {
         "image_processor_type": "PixtralImageProcessor",

@@ -18,7 +18,15 @@ from vllm_mlx.media_policy import MediaPolicy
 from vllm_mlx.multimodal import ImageInput, MultiModalInput, mrope_positions
 from vllm_mlx.vlm_models import VisionLanguageModel
 
-__all__ = ["FAMILIES", "NOT_YET", "Gemma3Model", "LlavaModel", "Mistral3Model", "Qwen2VLModel", "Qwen3VLModel"]
+__all__ = [
+    "FAMILIES",
+    "NOT_YET",
+    "Gemma3Model",
+    "LlavaModel",
+    "Mistral3Model",
+    "Qwen2VLModel",
+    "Qwen3VLModel",
+]
 
 
 class Qwen2VLModel(VisionLanguageModel):
@@ -92,8 +100,8 @@ class LlavaModel(VisionLanguageModel):
 
 
 class Qwen3VLModel(Qwen2VLModel):
-    """Qwen3-VL and Qwen3-VL-MoE: Qwen2-VL's patches and merge (16 px patches, learned position embeddings),
-    interleaved multi-axis rotary, and deepstack.
+    """Qwen3-VL and Qwen3-VL-MoE: Qwen2-VL's patches and merge (16 px patches, learned position
+    embeddings), interleaved multi-axis rotary, and deepstack.
 
     Deepstack: the outputs of some vision blocks (``deepstack_visual_indexes``), each merged by
     its own projector, are *added* to the hidden states of the first text layers (layer ``k``
@@ -138,7 +146,7 @@ class Qwen3VLModel(Qwen2VLModel):
 
 
 class Gemma3Model(VisionLanguageModel):
-    """Gemma 3: a SigLIP tower at a fixed resolution, an average-pooling projector, and a Gemma 3
+    r"""Gemma 3: a SigLIP tower at a fixed resolution, an average-pooling projector, and a Gemma 3
     text model whose layers alternate sliding-window and global attention.
 
     * Prompt: an image is ``<start_of_image>`` in the template; it expands to
@@ -285,7 +293,8 @@ class Mistral3Model(VisionLanguageModel):
         separators = self.embed(mx.array([self.break_token_id, self.end_token_id])).astype(features.dtype)
         pieces = []
         for r in range(rows):
-            pieces += [features[r * cols : (r + 1) * cols], separators[1:] if r == rows - 1 else separators[:1]]
+            last = r == rows - 1
+            pieces += [features[r * cols : (r + 1) * cols], separators[1:] if last else separators[:1]]
         return mx.concatenate(pieces)
 
 

@@ -1,5 +1,5 @@
-"""Qwen3-VL (dense and MoE), Gemma 3 and Mistral 3 in the paged engine, on tiny random-weight
-models (tests/tiny_vlm.py).
+"""Qwen3-VL (dense and MoE), Gemma 3, Mistral 3 and SmolVLM in the paged engine, on tiny
+random-weight models (tests/tiny_vlm.py).
 
 Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / LLaVA:
 
@@ -11,6 +11,8 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
 * Mistral 3: images at their own resolution (token count from the size), expanded to rows of
   ``[IMG]`` separated by ``[IMG_BREAK]`` and closed by ``[IMG_END]``: features go to the
   ``[IMG]`` positions only.
+* SmolVLM: an image split into tiles plus a global view, each framed by marker tokens
+  (``<fake_token_around_image><row_i_col_j>``); a text model without a hidden-state entry point.
 
 Both: one and two images equal mlx-vlm, batched with text-only requests equals solo (chunked
 prefills ending inside images, preemption), prefix cache on equals off with an image in the
@@ -36,6 +38,7 @@ PLACEHOLDER = {
     "qwen3_vl_moe": "<|vision_start|><|image_pad|><|vision_end|>",
     "gemma3": "<start_of_image>",
     "mistral3": "[IMG]",
+    "smolvlm": "<image>",
 }
 
 

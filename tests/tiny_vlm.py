@@ -798,3 +798,106 @@ def build_tiny_mistral3(out_dir: Path, tokenizer_dir: Path | None = None, *, see
     }
     (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
     return out_dir
+
+
+# SmolVLM's markers: tiles are framed by <fake_token_around_image> and tagged <row_i_col_j>.
+SMOLVLM_SPECIAL_TOKENS = [
+    "<|im_start|>",
+    "<end_of_utterance>",
+    "<pad>",
+    "<fake_token_around_image>",
+    "<global-img>",
+    "<image>",
+    *[f"<row_{i}_col_{j}>" for i in range(1, 5) for j in range(1, 5)],
+]
+
+# SmolVLM's template shape: "<|im_start|>User:<image>Describe.<end_of_utterance>\nAssistant:".
+SMOLVLM_CHAT_TEMPLATE = (
+    "<|im_start|>"
+    "{% for message in messages %}"
+    "{{ message['role'] | capitalize }}:"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}<image>"
+    "{% elif 'text' in part %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "<end_of_utterance>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+SMOLVLM_TEXT_CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+
+# 56 px tiles of 14 px patches (16 patches), pixel-shuffled 2x2: 4 tokens per tile. Images are
+# resized to at most 112 px, split into up to 2x2 tiles, plus the global view.
+SMOLVLM_VISION_CONFIG = {
+    "model_type": "smolvlm_vision",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 1,
+    "patch_size": 14,
+    "image_size": 56,
+    "num_channels": 3,
+}
+
+
+def build_tiny_smolvlm(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
+    """A tiny random-weight SmolVLM directory (tiles + global view, pixel-shuffle connector,
+    llama text model). ``tokenizer_dir`` as in :func:`build_tiny_qwen2_vl`."""
+    from mlx_vlm.models import smolvlm
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = _make_tokenizer(tokenizer_dir, SMOLVLM_SPECIAL_TOKENS)
+    ids = {t: tok.token_to_id(t) for t in SMOLVLM_SPECIAL_TOKENS}
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    vision = dict(SMOLVLM_VISION_CONFIG)
+    config = {
+        "model_type": "smolvlm",
+        "architectures": ["SmolVLMForConditionalGeneration"],
+        "text_config": {**SMOLVLM_TEXT_CONFIG, "vocab_size": vocab_size},
+        "vision_config": vision,
+        "vocab_size": vocab_size,
+        "scale_factor": 2,
+        "image_token_id": ids["<image>"],
+        "eos_token_id": ids["<end_of_utterance>"],
+    }
+    model = _instantiate(smolvlm, config, seed)
+    _save_weights(model, out_dir / "model.safetensors")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    max_length = SMOLVLM_TEXT_CONFIG["max_position_embeddings"]
+    _save_tokenizer(out_dir, tok, "<end_of_utterance>", "<pad>", max_length, SMOLVLM_CHAT_TEMPLATE)
+    tile = vision["image_size"]
+    preprocessor = {
+        "image_processor_type": "SmolVLMImageProcessor",
+        "processor_class": "SmolVLMProcessor",
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "size": {"longest_edge": 2 * tile},
+        "max_image_size": {"longest_edge": tile},
+        "do_image_splitting": True,
+        "resample": 1,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_pad": True,
+    }
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    tokens_per_tile = (tile // vision["patch_size"]) ** 2 // config["scale_factor"] ** 2
+    processor_config = {"processor_class": "SmolVLMProcessor", "image_seq_len": tokens_per_tile}
+    (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
+    return out_dir

@@ -45,6 +45,12 @@ class ImageInput:
     """Placeholder tokens (= vision features) the image occupies."""
     grid: tuple[int, int, int] | None = None
     """(t, h, w) in patches, for encoders that need the grid (Qwen2-VL)."""
+    token_ids: list[int] | None = None
+    """The ids of the image's ``num_tokens`` prompt tokens, for families whose image block is
+    not one id repeated (SmolVLM: tiles framed by marker tokens); None: ``num_tokens`` copies
+    of the model's image token."""
+    encoder_inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    """Further preprocessor outputs the encoder needs (SmolVLM's ``pixel_attention_mask``)."""
     features: Any = None
     """The encoder output (``[num_tokens, hidden]``) while the request is prefilling."""
 

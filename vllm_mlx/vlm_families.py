@@ -26,6 +26,7 @@ __all__ = [
     "Mistral3Model",
     "Qwen2VLModel",
     "Qwen3VLModel",
+    "SmolVLMModel",
 ]
 
 
@@ -298,6 +299,67 @@ class Mistral3Model(VisionLanguageModel):
         return mx.concatenate(pieces)
 
 
+class SmolVLMModel(VisionLanguageModel):
+    """SmolVLM (Idefics3's layout): a SigLIP tower on tiles of the image plus a downscaled
+    global view, a pixel-shuffle connector, and a llama text model.
+
+    An image is ``<image>`` in the prompt; the processor splits it into rows x cols tiles and
+    expands it to ``<fake_token_around_image><row_i_col_j><image> x image_seq_len`` per tile,
+    newlines after each row, then the global view framed the same way. ``process`` builds that
+    block with mlx-vlm's own prompt builder and tokenizes it alone (it begins and ends with a
+    special token, so it tokenizes the same in context); ``encode`` returns a row per block
+    token: mlx-vlm's ``get_input_embeddings`` on the block's ids, i.e. the marker tokens' own
+    embeddings with the features at the ``<image>`` positions.
+
+    mlx-vlm's Idefics3 text model computes its logits in ``__call__`` and has no hidden-state
+    entry point, so ``language_hidden_states`` runs its layers and norm itself (the same three
+    steps as its ``__call__``, without the vocabulary projection, which ``logits`` applies to
+    the sampled positions only).
+    """
+
+    model_types = ("smolvlm",)
+    image_placeholder_text = "<image>"
+
+    def _image_token_id(self) -> int:
+        return int(self.model.config.image_token_index)
+
+    @property
+    def layers(self) -> list:
+        return self.language.layers
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        return self.language.embed_tokens(inputs)
+
+    def language_hidden_states(self, embeds, inputs, cache, position_ids):
+        from mlx_vlm.models.base import create_attention_mask
+
+        language = self.language
+        hidden = embeds.astype(language.norm.weight.dtype)
+        mask = create_attention_mask(hidden, cache)
+        for layer, layer_cache in zip(language.layers, cache):
+            hidden = layer(hidden, mask, layer_cache)
+        return language.norm(hidden)
+
+    def process(self, source: ImageSource, policy: MediaPolicy) -> ImageInput:
+        rgb = load_image(source, policy)
+        out = self.processor.image_processor([[rgb]], return_row_col_info=True, return_tensors="np")
+        rows, cols = int(np.ravel(out["rows"])[0]), int(np.ravel(out["cols"])[0])
+        [text] = self.processor.expand_text_with_image_tokens([self.image_placeholder_text], [[rows]], [[cols]])
+        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        extra = {"pixel_attention_mask": np.asarray(out["pixel_attention_mask"])}
+        pixels = np.asarray(out["pixel_values"])
+        return ImageInput(
+            self._hash(rgb), rgb, pixels, 0, len(token_ids), token_ids=token_ids, encoder_inputs=extra
+        )
+
+    def encode(self, image: ImageInput) -> mx.array:
+        inputs = {name: mx.array(value) for name, value in image.encoder_inputs.items()}
+        out = self.model.get_input_embeddings(
+            mx.array([image.token_ids]), mx.array(image.pixel_values), **inputs
+        )
+        return out.inputs_embeds[0]
+
+
 def _newline_run(tokens: list[int], newline_text, *, from_end: bool) -> int:
     """How many tokens at the end (or start) of ``tokens`` are newlines only."""
     count = 0
@@ -314,6 +376,7 @@ FAMILIES: tuple[type[VisionLanguageModel], ...] = (
     LlavaModel,
     Gemma3Model,
     Mistral3Model,
+    SmolVLMModel,
 )
 
 # Architectures mlx-vlm runs that the paged engine refuses for a known reason.

@@ -207,6 +207,8 @@ class VisionLanguageModel:
 
     def image_tokens(self, image: ImageInput) -> list[int]:
         """The ``image.num_tokens`` token ids whose embeddings ``encode``'s rows replace."""
+        if image.token_ids is not None:
+            return list(image.token_ids)
         return [self.image_token_id] * image.num_tokens
 
     def _extend(self, expanded: list[int], tokens: list[int]) -> None:

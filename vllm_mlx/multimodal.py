@@ -1,8 +1,9 @@
 """A request's images: where they sit in the prompt, what identifies them, how positions run.
 
 A multimodal prompt is token ids in which every image occupies a run of placeholder tokens (the
-model's image token, repeated once per vision feature). The placeholders themselves are all the
-same id, so three things cannot come from the token ids alone and live here:
+model's image token, repeated once per vision feature; for some families with marker tokens
+between rows or tiles). The placeholders themselves are the same ids for every image, so three
+things cannot come from the token ids alone and live here:
 
 * **Identity.** Each image carries the content hash of its decoded pixels and the processor's
   settings. The hashes of the images overlapping a KV block go into that block's prefix-cache

@@ -79,10 +79,13 @@ class VisionLanguageModel:
     the text model needs more than embeddings and the KV cache, ``image_frame`` if the prompt
     frames an image with tokens of its own.
 
-    Invariant: ``encode(image)`` has ``image.num_tokens`` rows, and ``hidden_states`` receives
-    exactly those rows (sliced per step) in ``ImageRows.features``; whatever a family keeps per
-    image token besides the input embedding (Qwen3-VL's deepstack) travels in those rows, so
-    the MLLM cache and prefix reuse need no family knowledge.
+    Invariant: an image is one contiguous run of ``image.num_tokens`` prompt tokens
+    (``image_tokens``), ``encode(image)`` has one row per token of that run, and
+    ``hidden_states`` receives exactly those rows (sliced per step) in ``ImageRows.features``.
+    A run may hold marker tokens between the feature tokens (Mistral 3's ``[IMG_BREAK]``,
+    SmolVLM's tile markers): their rows are their own embeddings. Whatever a family keeps per
+    image token besides the input embedding (Qwen3-VL's deepstack) travels in those rows too,
+    so the runner, the MLLM cache and prefix reuse need no family knowledge.
     """
 
     model_types: ClassVar[tuple[str, ...]] = ()
@@ -169,7 +172,8 @@ class VisionLanguageModel:
     def prepare(
         self, token_ids: list[int], images: list[ImageSource], policy: MediaPolicy
     ) -> tuple[list[int], MultiModalInput]:
-        """Expand each image placeholder token into the image's run of feature placeholders.
+        """Expand each image placeholder token into the image's run of tokens (``image_tokens``,
+        framed by ``image_frame``).
 
         ``token_ids`` must hold exactly one ``placeholder_token_id`` per image, in image order;
         each image is loaded under ``policy``. Raises ``ImageInputError`` for a bad image

@@ -363,7 +363,7 @@ class EngineCore:
         text, token_ids = self._encode(prompt)
         if not images:
             return PreparedPrompt(text, token_ids)
-        if isinstance(prompt, str) and self.vision.image_token_id not in token_ids:
+        if isinstance(prompt, str) and self.vision.placeholder_token_id not in token_ids:
             text, token_ids = self._encode(self.vision.image_placeholder_text * len(images) + prompt)
         try:
             expanded, mm_input = self.vision.prepare(token_ids, images, policy)

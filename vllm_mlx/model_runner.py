@@ -251,8 +251,9 @@ class MLXModelRunner:
 
     def _vision_hidden_states(self, group: list[ScheduledRequest], inputs: mx.array, caches) -> mx.array:
         """The language model's hidden states, images' features over their placeholders."""
-        embeds = self.vision.embed(inputs)
-        batch, width, hidden = embeds.shape
+        from vllm_mlx.vlm_models import ImageRows
+
+        batch, width = inputs.shape
         index: list[int] = []
         pieces: list[mx.array] = []
         for row, item in enumerate(group):
@@ -264,12 +265,9 @@ class MLXModelRunner:
                 pieces.append(image.features[lo - image.offset : hi - image.offset])
                 first = row * width + lo - start
                 index.extend(range(first, first + hi - lo))
-        if pieces:
-            flat = embeds.reshape(batch * width, hidden)
-            flat[mx.array(index)] = mx.concatenate(pieces).astype(flat.dtype)
-            embeds = flat.reshape(batch, width, hidden)
+        images = ImageRows(index, mx.concatenate(pieces), batch, width) if pieces else None
         positions = self._position_ids(group, width) if self.vision.uses_mrope else None
-        return self.vision.hidden_states(embeds, inputs, caches, positions)
+        return self.vision.hidden_states(inputs, caches, positions, images)
 
     @staticmethod
     def _position_ids(group: list[ScheduledRequest], width: int) -> mx.array:

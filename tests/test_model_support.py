@@ -48,7 +48,7 @@ def test_tested_architectures_probe_as_runnable_and_are_supported():
 
 
 def test_refusals_name_the_reason():
-    mamba, vlm = support.classify({TEXT: ["mamba"], VISION: ["gemma3"]})
+    mamba, vlm = support.classify({TEXT: ["mamba"], VISION: ["paligemma"]})
     assert (mamba.status, vlm.status) == (REFUSED, REFUSED)
     assert "ArraysCache" in mamba.detail and mamba.aliases == ("falcon_mamba",)
     assert vlm.detail.startswith("no adapter (adapters: ") and "qwen2_vl" in vlm.detail
@@ -73,6 +73,7 @@ def test_probe_details():
     """In this process: a runnable architecture's layer kinds, and why a probe cannot be built."""
     assert probe_text("gemma3_text") == Probe(RUNS, "sliding window + full attention")
     assert probe_text("gear") == Probe(RUNS, "sliding window + full attention")  # built from layer_types
+    assert probe_text("lfm2") == Probe(RUNS, "recurrent state + full attention")  # short convolutions
     if importlib.util.find_spec("hf_olmo") is None:  # mlx-lm's olmo exits on import without ai2-olmo
         assert probe_text("olmo") == Probe(UNKNOWN, "the module does not import: SystemExit: 1")
     assert probe_text("nemotron-nas").detail.startswith("could not build a probe: ValueError: ")

@@ -53,13 +53,15 @@ def tokens(outputs) -> list[list[int]]:
 
 
 def mlx_vlm_greedy(model_dir, text: str, images: list, max_tokens: int) -> list[int]:
-    """mlx-vlm's own generation: the reference."""
+    """mlx-vlm's own generation: the reference. It does not stop at an end-of-sequence token
+    (as the engine with ``ignore_eos``): a random model writes one now and then."""
     from mlx_vlm import load
     from mlx_vlm.generate import stream_generate
     from tiny_vlm import drop_text_kwargs_for_images
 
     model, processor = load(str(model_dir))
     drop_text_kwargs_for_images(processor)  # LLaVA + transformers 5 (a no-op for the others)
+    processor.tokenizer.stopping_criteria = lambda token: False
     out = []
     for step in stream_generate(model, processor, text, image=images, max_tokens=max_tokens, temperature=0.0):
         out.append(step.token)
@@ -297,8 +299,9 @@ def test_unsupported_vision_architectures_are_refused_at_load(tiny_qwen2_vl_dir,
     other = tmp_path / "other-vlm"
     shutil.copytree(tiny_qwen2_vl_dir, other)
     config = json.loads((other / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**config, "model_type": "gemma3"}))
-    with pytest.raises(UnsupportedModelError, match="gemma3.*supported: llava, qwen2_5_vl, qwen2_vl"):
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "idefics3"}))
+    supported = "gemma3, llava, mistral3, qwen2_5_vl, qwen2_vl, qwen3_vl, qwen3_vl_moe, smolvlm"
+    with pytest.raises(UnsupportedModelError, match=rf"idefics3.*\(supported: {supported}\)"):
         EngineCore(model=str(other))
 
 

@@ -102,6 +102,15 @@ def test_unpaired_surrogates_are_400s_everywhere(http):
     assert_serving(http)
 
 
+def test_malformed_image_parts_are_400s_on_a_text_model(http):
+    for part in ({"type": "image_url", "image_url": {"url": ""}}, {"type": "image_url", "image_url": ""},
+                 {"type": "image_url", "image_url": {"url": "/etc/passwd"}}):  # fmt: skip
+        body = {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "Hi"}]}]}
+        error = assert_400(http.post("/v1/chat/completions", json=body))
+        assert "passwd" not in error["message"]
+    assert_serving(http)
+
+
 def test_stop_strings_and_n_are_capped_by_default(http, raised):
     long_stop = {"prompt": "Hi", "max_tokens": 8, "stop": ["x" * 16_000], "n": 64}
     error = assert_400(http.post("/v1/completions", json=long_stop), "--max-n")

@@ -11,10 +11,10 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from tiny_model import TINY_GEMMA3, TINY_GPT_OSS, TINY_LFM2, build_tiny_llama
+from tiny_model import TINY_GEMMA3, TINY_GPT_OSS, build_tiny_llama
 
-from vllm_mlx import LLM, SamplingParams
-from vllm_mlx.attention import BatchLayout, KVPool, MLXAttentionBackend, RowSpec, UnsupportedModelError, layer_specs
+from vllm_mlx import SamplingParams
+from vllm_mlx.attention import BatchLayout, KVPool, MLXAttentionBackend, RowSpec, layer_specs
 from vllm_mlx.engine_core import EngineCore, kv_bytes_per_token, kv_shape
 from vllm_mlx.kv_spec import FullAttentionSpec, LayerGroup, SlidingWindowSpec, group_layers
 
@@ -91,12 +91,6 @@ def test_layer_specs_follow_the_model(arch):
     expected = {"gemma3_text": [SWA, FULL] * 2, "gpt_oss": [SWA, FULL] * 2, "llama": [SWA, FULL]}
     assert specs == expected[model.model_type]
     assert group_layers(specs)[0] == LayerGroup(SWA, tuple(range(0, len(specs), 2)))
-
-
-def test_recurrent_layers_are_refused_naming_the_cache(tmp_path, default_model_dir):
-    path = build_tiny_llama(tmp_path / "lfm2", default_model_dir, **TINY_LFM2)
-    with pytest.raises(UnsupportedModelError, match="'lfm2' needs ArraysCache caches"):
-        LLM(str(path))
 
 
 # -- the mask ---------------------------------------------------------------------------------

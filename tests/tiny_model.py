@@ -59,6 +59,71 @@ TINY_LFM2 = {
     "block_auto_adjust_ff_dim": False,
     "full_attn_idxs": [1],
 }
+# Gated delta-net linear attention + full attention (layers 1, 3 full): ArraysCache(size=2).
+TINY_QWEN3_5 = {
+    "model_type": "qwen3_5",
+    "num_hidden_layers": 4,
+    "head_dim": 16,
+    "full_attention_interval": 2,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "rope_parameters": {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+}
+TINY_QWEN3_NEXT = {
+    "model_type": "qwen3_next",
+    "num_hidden_layers": 4,
+    "head_dim": 16,
+    "full_attention_interval": 2,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "partial_rotary_factor": 0.5,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "shared_expert_intermediate_size": 64,
+    "moe_intermediate_size": 64,
+    "mlp_only_layers": [],
+}
+# Mamba-2 + attention hybrids: ArraysCache(size=2) (conv state, SSM state).
+_MAMBA2 = {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_expand": 1, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_n_groups": 1}
+TINY_GRANITE_HYBRID = {
+    "model_type": "granitemoehybrid",
+    "num_hidden_layers": 4,
+    "attention_bias": False,
+    "embedding_multiplier": 1.0,
+    "attention_multiplier": 0.25,
+    "logits_scaling": 1.0,
+    "residual_multiplier": 1.0,
+    "layer_types": ["mamba", "attention", "mamba", "attention"],
+    "mamba_proj_bias": False,
+    "mamba_conv_bias": True,
+    "shared_intermediate_size": 128,
+    "position_embedding_type": "rope",
+    **_MAMBA2,
+}
+TINY_NEMOTRON_H = {
+    "model_type": "nemotron_h",
+    "num_hidden_layers": 4,
+    "head_dim": 16,
+    "attention_bias": False,
+    "mamba_num_heads": 4,
+    "mamba_head_dim": 16,
+    "mamba_proj_bias": False,
+    "ssm_state_size": 16,
+    "conv_kernel": 4,
+    "n_groups": 1,
+    "mlp_bias": False,
+    "layer_norm_epsilon": 1e-5,
+    "use_bias": False,
+    "use_conv_bias": True,
+    "hybrid_override_pattern": ["M", "*", "M", "-"],
+}
 
 
 def build_tiny_llama(out_dir: Path, tokenizer_dir: Path, *, seed: int = 0, **overrides) -> Path:

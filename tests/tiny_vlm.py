@@ -10,6 +10,12 @@ No model hub is reachable in the test environment, so the multimodal tests build
 * :func:`build_tiny_llava`: LLaVA-1.5 (llama text model, CLIP tower at 28x28, projector): every
   image becomes 4 tokens. mlx-vlm's LLaVA processor breaks under transformers 5 when given
   ``padding``; see :func:`drop_text_kwargs_for_images`.
+* :func:`build_tiny_qwen3_vl` / :func:`build_tiny_qwen3_vl_moe`: Qwen3-VL (dense or
+  mixture-of-experts text), 16 px patches, deepstack features into text layers 0 and 1.
+* :func:`build_tiny_gemma3`: Gemma 3 (SigLIP at 56x56, pooled to 4 tokens per image), text layers
+  alternating a sliding window of 8 and global attention; its tokenizer has newline-run tokens.
+* :func:`build_tiny_mistral3`: Mistral 3 (Pixtral at the image's resolution up to 112 px, 2x2
+  patch merger, mistral text model): rows of ``[IMG]`` split by ``[IMG_BREAK]``.
 
 Weights are random (2-D weights scaled x4, as in tiny_model.py, so greedy logits are peaked, far
 from ties): the text is gibberish but deterministic, and it depends on the image pixels, which is
@@ -116,24 +122,31 @@ QWEN2_VL_MAX_PIXELS = 112 * 112
 CHARS = ["\t", "\n", *map(chr, range(32, 127))]
 
 
-def _char_level_tokenizer(special_tokens: list[str]):
+def _char_level_tokenizer(special_tokens: list[str], newline_runs: bool = False):
     """One token per character of :data:`CHARS` (any other character encodes as ``<unk>``, id 0)
     plus ``special_tokens``. Every id decodes to complete text on its own, so random outputs are
-    valid strings and streamed text never holds back partial UTF-8."""
+    valid strings and streamed text never holds back partial UTF-8.
+
+    ``newline_runs``: also single tokens for runs of 2, 3 and 4 newlines, as Gemma's tokenizer
+    has (text around an image placeholder must then be re-tokenized where newlines meet)."""
     from tokenizers import Tokenizer, decoders, models
 
     vocab = {"<unk>": 0, **{ch: i for i, ch in enumerate(CHARS, start=1)}}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", fuse_unk=True))
+    merges = []
+    if newline_runs:
+        merges = [("\n", "\n"), ("\n\n", "\n"), ("\n\n", "\n\n")]
+        vocab.update({"\n" * n: len(vocab) + n - 2 for n in (2, 3, 4)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True))
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(["<unk>", *special_tokens])
     return tok
 
 
-def _make_tokenizer(tokenizer_dir: Path | None, special_tokens: list[str]):
+def _make_tokenizer(tokenizer_dir: Path | None, special_tokens: list[str], newline_runs: bool = False):
     from tokenizers import Tokenizer
 
     if tokenizer_dir is None:
-        return _char_level_tokenizer(special_tokens)
+        return _char_level_tokenizer(special_tokens, newline_runs)
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     tok.add_special_tokens(special_tokens)  # existing ones keep their ids
     return tok
@@ -143,13 +156,20 @@ def _save_weights(model, path: Path, scale: float = 4.0) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    # Larger-than-init weights so logits are peaked: greedy choices are far from ties.
-    weights = {k: v * scale if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
+    # Larger-than-init weights so logits are peaked: greedy choices are far from ties. Linear
+    # layers are 2-D, and 3-D for mixture-of-experts ("switch_mlp": one matrix per expert).
+    def scaled(name: str, value):
+        return value * scale if value.ndim == 2 or ".switch_mlp." in name else value
+
+    weights = {k: scaled(k, v) for k, v in tree_flatten(model.parameters())}
     mx.save_safetensors(str(path), weights)
 
 
-def _save_tokenizer(out_dir: Path, tok, eos: str, pad: str, max_length: int, chat_template: str) -> None:
-    """tokenizer.json, tokenizer_config.json and chat_template.json (processors read the last)."""
+def _save_tokenizer(
+    out_dir: Path, tok, eos: str, pad: str, max_length: int, chat_template: str, extra: dict | None = None
+) -> None:
+    """tokenizer.json, tokenizer_config.json (plus ``extra`` keys) and chat_template.json
+    (processors read the last)."""
     tok.save(str(out_dir / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -162,6 +182,7 @@ def _save_tokenizer(out_dir: Path, tok, eos: str, pad: str, max_length: int, cha
         "model_max_length": max_length,
         "clean_up_tokenization_spaces": False,
         "chat_template": chat_template,
+        **(extra or {}),
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     (out_dir / "chat_template.json").write_text(json.dumps({"chat_template": chat_template}, indent=2))
@@ -413,3 +434,470 @@ def drop_text_kwargs_for_images(processor):
 
     image_processor.preprocess = preprocess_images_only
     return processor
+
+
+# Qwen3-VL's text model: Qwen3 blocks (q/k RMSNorm) with interleaved multi-axis rotary (the
+# three position axes take alternating frequencies instead of contiguous sections). head_dim 16:
+# 8 frequencies, split 2/3/3 over (t, h, w).
+QWEN3_VL_TEXT_CONFIG = {
+    "model_type": "qwen3_vl_text",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_hidden_layers": 3,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+}
+
+# Qwen3-VL's tower: 16 px patches, learned position embeddings (a 4x4 grid, interpolated to each
+# image's grid), 2x2 merge to the text width, and deepstack: the outputs of blocks 0 and 1, each
+# merged by its own projector, are added to the hidden states of text layers 0 and 1 at the
+# image's positions.
+QWEN3_VL_VISION_CONFIG = {
+    "model_type": "qwen3_vl",
+    "depth": 2,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "out_hidden_size": 64,
+    "num_position_embeddings": 16,
+    "deepstack_visual_indexes": [0, 1],
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "in_channels": 3,
+}
+
+# Qwen3-VL resizes to multiples of 16 * 2 = 32 px: 64x64 (4 image tokens) up to 128x128 (16).
+QWEN3_VL_MIN_PIXELS = 64 * 64
+QWEN3_VL_MAX_PIXELS = 128 * 128
+
+
+# Qwen3-VL-MoE's text model: every layer's MLP is 4 experts, 2 per token.
+QWEN3_VL_MOE_TEXT_CONFIG = {
+    **QWEN3_VL_TEXT_CONFIG,
+    "model_type": "qwen3_vl_moe_text",
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 32,
+}
+
+
+def build_tiny_qwen3_vl(
+    out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0, moe: bool = False
+) -> Path:
+    """A tiny random-weight Qwen3-VL directory: 3 text layers, 2 vision blocks, deepstack into
+    text layers 0 and 1. A 64x64 picture is 4 image tokens, 100x60 is 6 (96x64 after resizing).
+    ``moe``: Qwen3-VL-MoE (mixture-of-experts MLPs, same vision side). ``tokenizer_dir`` as in
+    :func:`build_tiny_qwen2_vl`."""
+    import importlib
+
+    model_type = "qwen3_vl_moe" if moe else "qwen3_vl"
+    arch = importlib.import_module(f"mlx_vlm.models.{model_type}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = _make_tokenizer(tokenizer_dir, QWEN_SPECIAL_TOKENS)
+    ids = {t: tok.token_to_id(t) for t in QWEN_SPECIAL_TOKENS}
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    text = QWEN3_VL_MOE_TEXT_CONFIG if moe else QWEN3_VL_TEXT_CONFIG
+    config = {
+        "model_type": model_type,
+        "architectures": ["Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration"],
+        "text_config": {**text, "vocab_size": vocab_size},
+        "vision_config": {**QWEN3_VL_VISION_CONFIG, "model_type": model_type},
+        "vocab_size": vocab_size,
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "tie_word_embeddings": True,
+    }
+    model = _instantiate(arch, config, seed)
+    _save_weights(model, out_dir / "model.safetensors")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    max_length = QWEN3_VL_TEXT_CONFIG["max_position_embeddings"]
+    _save_tokenizer(out_dir, tok, "<|im_end|>", "<|endoftext|>", max_length, QWEN2_VL_CHAT_TEMPLATE)
+    vision = config["vision_config"]
+    preprocessor = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen3VLProcessor",
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "size": {"shortest_edge": QWEN3_VL_MIN_PIXELS, "longest_edge": QWEN3_VL_MAX_PIXELS},
+        "patch_size": vision["patch_size"],
+        "temporal_patch_size": vision["temporal_patch_size"],
+        "merge_size": vision["spatial_merge_size"],
+    }
+    # mlx-vlm's Qwen3-VL processor reads all three files and asks the hub for a missing one.
+    for name in ("preprocessor_config.json", "video_preprocessor_config.json"):
+        (out_dir / name).write_text(json.dumps(preprocessor, indent=2))
+    (out_dir / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}, indent=2))
+    return out_dir
+
+
+def build_tiny_qwen3_vl_moe(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
+    """:func:`build_tiny_qwen3_vl` with mixture-of-experts text MLPs."""
+    return build_tiny_qwen3_vl(out_dir, tokenizer_dir, seed=seed, moe=True)
+
+
+GEMMA3_SPECIAL_TOKENS = [
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
+]
+
+# Gemma 3's template, minus the BOS and the system-prompt folding: an image part renders as
+# <start_of_image>, which the processor (and the engine) expand to
+# "\n\n<start_of_image>" + <image_soft_token> x mm_tokens_per_image + "<end_of_image>\n\n".
+GEMMA3_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}<start_of_image>"
+    "{% elif 'text' in part %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "<end_of_turn>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+# Gemma 3's text model: 4 layers alternating sliding-window (window 8) and global attention
+# (sliding_window_pattern 2: layers 1 and 3 are global), each kind with its own rotary base.
+# A window of 8 is shorter than any image prompt here, so the window matters.
+GEMMA3_TEXT_CONFIG = {
+    "model_type": "gemma3_text",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "query_pre_attn_scalar": 16,
+    "rms_norm_eps": 1e-6,
+    "sliding_window": 8,
+    "sliding_window_pattern": 2,
+    "rope_global_base_freq": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "mm_tokens_per_image": 4,
+    "max_position_embeddings": 4096,
+}
+
+# SigLIP at 56x56: 4x4 patches of 14 px, average-pooled 2x2 by the projector -> 4 image tokens.
+GEMMA3_VISION_CONFIG = {
+    "model_type": "siglip_vision_model",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 1,
+    "image_size": 56,
+    "patch_size": 14,
+    "num_channels": 3,
+    "layer_norm_eps": 1e-6,
+}
+
+
+def build_tiny_gemma3(
+    out_dir: Path,
+    tokenizer_dir: Path | None = None,
+    *,
+    seed: int = 0,
+    sliding_window: int = 8,
+    weight_scale: float = 0.75,
+) -> Path:
+    """A tiny random-weight Gemma 3 VLM directory (SigLIP tower, pooled projector, a gemma3
+    text model alternating sliding-window and global layers). Every image is 4 tokens between
+    ``<start_of_image>`` and ``<end_of_image>``. ``tokenizer_dir`` as in
+    :func:`build_tiny_qwen2_vl`.
+
+    Weights are scaled x0.75, not x4: with Gemma's embedding scaling, larger weights saturate
+    and every prompt decodes to the same token; at x0.75 greedy choices vary with the image
+    and the top two logits stay >= 0.07 apart on the test prompts.
+
+    The root ``hidden_size`` equals the text model's: mlx-vlm divides image features by the
+    root one's square root (its default is 2048), the text model multiplies by its own.
+    """
+    import mlx.core as mx
+    from mlx_vlm.models import gemma3
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = _make_tokenizer(tokenizer_dir, GEMMA3_SPECIAL_TOKENS, newline_runs=True)
+    ids = {t: tok.token_to_id(t) for t in GEMMA3_SPECIAL_TOKENS}
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    text = {**GEMMA3_TEXT_CONFIG, "vocab_size": vocab_size, "sliding_window": sliding_window}
+    config = {
+        "model_type": "gemma3",
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": dict(GEMMA3_VISION_CONFIG),
+        "vocab_size": vocab_size,
+        "hidden_size": text["hidden_size"],
+        "mm_tokens_per_image": text["mm_tokens_per_image"],
+        "image_token_index": ids["<image_soft_token>"],
+        "boi_token_index": ids["<start_of_image>"],
+        "eoi_token_index": ids["<end_of_image>"],
+        "pad_token_id": ids["<pad>"],
+        "bos_token_id": ids["<bos>"],
+        "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]],
+    }
+    model = _instantiate(gemma3, config, seed)
+    # The projection starts as all ones: after SigLIP's final LayerNorm (zero-mean rows) every
+    # image feature would be ~0, i.e. pure rounding noise. Random, like the other weights.
+    projector = model.multi_modal_projector
+    shape = projector.mm_input_projection_weight.shape
+    projector.mm_input_projection_weight = mx.random.normal(shape) / shape[0] ** 0.5
+    _save_weights(model, out_dir / "model.safetensors", weight_scale)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    # The Gemma 3 processor reads these names off the tokenizer.
+    extra = {
+        "extra_special_tokens": {
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        }
+    }
+    max_length = text["max_position_embeddings"]
+    _save_tokenizer(out_dir, tok, "<end_of_turn>", "<pad>", max_length, GEMMA3_CHAT_TEMPLATE, extra)
+    size = GEMMA3_VISION_CONFIG["image_size"]
+    preprocessor = {
+        "image_processor_type": "Gemma3ImageProcessor",
+        "processor_class": "Gemma3Processor",
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "size": {"height": size, "width": size},
+        "resample": 2,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_pan_and_scan": False,
+    }
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    processor_config = {"processor_class": "Gemma3Processor", "image_seq_length": text["mm_tokens_per_image"]}
+    (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
+    return out_dir
+
+
+MISTRAL3_SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+
+# Mistral's [INST] template; an image part renders as [IMG], which expands to rows of [IMG]
+# separated by [IMG_BREAK] and closed by [IMG_END].
+MISTRAL3_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}[INST]"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}[IMG]"
+    "{% elif 'text' in part %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "[/INST]"
+    "{% else %}{{ message['content'] }}</s>{% endif %}"
+    "{% endfor %}"
+)
+
+MISTRAL3_TEXT_CONFIG = {
+    "model_type": "mistral",
+    "hidden_size": 64,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1_000_000.0,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+
+# Pixtral at up to 112 px on the longest edge, 14 px patches, merged 2x2: a 64x64 picture is
+# 3x3 tokens (+ 3 separators: 12 ids), 100x60 is 3 rows of 4 (15 ids).
+MISTRAL3_VISION_CONFIG = {
+    "model_type": "pixtral",
+    "hidden_size": 32,
+    "head_dim": 16,
+    "intermediate_size": 64,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 2,
+    "image_size": 112,
+    "patch_size": 14,
+    "num_channels": 3,
+    "rope_theta": 10000.0,
+}
+
+
+def build_tiny_mistral3(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
+    """A tiny random-weight Mistral 3 VLM directory (Pixtral tower at the image's resolution,
+    2x2 patch merger, a mistral text model). ``tokenizer_dir`` as in :func:`build_tiny_qwen2_vl`."""
+    from mlx_vlm.models import mistral3
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = _make_tokenizer(tokenizer_dir, MISTRAL3_SPECIAL_TOKENS)
+    ids = {t: tok.token_to_id(t) for t in MISTRAL3_SPECIAL_TOKENS}
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    vision = dict(MISTRAL3_VISION_CONFIG)
+    config = {
+        "model_type": "mistral3",
+        "architectures": ["Mistral3ForConditionalGeneration"],
+        "text_config": {**MISTRAL3_TEXT_CONFIG, "vocab_size": vocab_size},
+        "vision_config": vision,
+        "vocab_size": vocab_size,
+        "spatial_merge_size": 2,
+        "image_token_index": ids["[IMG]"],
+        "vision_feature_layer": -1,
+        "multimodal_projector_bias": False,
+        "eos_token_id": ids["</s>"],
+    }
+    model = _instantiate(mistral3, config, seed)
+    _save_weights(model, out_dir / "model.safetensors")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    max_length = MISTRAL3_TEXT_CONFIG["max_position_embeddings"]
+    _save_tokenizer(out_dir, tok, "</s>", "<pad>", max_length, MISTRAL3_CHAT_TEMPLATE)
+    patch = vision["patch_size"]
+    preprocessor = {
+        "image_processor_type": "PixtralImageProcessor",
+        "processor_class": "PixtralProcessor",
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "size": {"longest_edge": vision["image_size"]},
+        "patch_size": {"height": patch, "width": patch},
+        "resample": 3,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+    }
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    processor_config = {
+        "processor_class": "PixtralProcessor",
+        "image_token": "[IMG]",
+        "image_break_token": "[IMG_BREAK]",
+        "image_end_token": "[IMG_END]",
+        "patch_size": patch,
+        "spatial_merge_size": 2,
+    }
+    (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
+    return out_dir
+
+
+# SmolVLM's markers: tiles are framed by <fake_token_around_image> and tagged <row_i_col_j>.
+SMOLVLM_SPECIAL_TOKENS = [
+    "<|im_start|>",
+    "<end_of_utterance>",
+    "<pad>",
+    "<fake_token_around_image>",
+    "<global-img>",
+    "<image>",
+    *[f"<row_{i}_col_{j}>" for i in range(1, 5) for j in range(1, 5)],
+]
+
+# SmolVLM's template shape: "<|im_start|>User:<image>Describe.<end_of_utterance>\nAssistant:".
+SMOLVLM_CHAT_TEMPLATE = (
+    "<|im_start|>"
+    "{% for message in messages %}"
+    "{{ message['role'] | capitalize }}:"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}<image>"
+    "{% elif 'text' in part %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "<end_of_utterance>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+SMOLVLM_TEXT_CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+
+# 56 px tiles of 14 px patches (16 patches), pixel-shuffled 2x2: 4 tokens per tile. Images are
+# resized to at most 112 px, split into up to 2x2 tiles, plus the global view.
+SMOLVLM_VISION_CONFIG = {
+    "model_type": "smolvlm_vision",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 1,
+    "patch_size": 14,
+    "image_size": 56,
+    "num_channels": 3,
+}
+
+
+def build_tiny_smolvlm(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
+    """A tiny random-weight SmolVLM directory (tiles + global view, pixel-shuffle connector,
+    llama text model). ``tokenizer_dir`` as in :func:`build_tiny_qwen2_vl`."""
+    from mlx_vlm.models import smolvlm
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = _make_tokenizer(tokenizer_dir, SMOLVLM_SPECIAL_TOKENS)
+    ids = {t: tok.token_to_id(t) for t in SMOLVLM_SPECIAL_TOKENS}
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    vision = dict(SMOLVLM_VISION_CONFIG)
+    config = {
+        "model_type": "smolvlm",
+        "architectures": ["SmolVLMForConditionalGeneration"],
+        "text_config": {**SMOLVLM_TEXT_CONFIG, "vocab_size": vocab_size},
+        "vision_config": vision,
+        "vocab_size": vocab_size,
+        "scale_factor": 2,
+        "image_token_id": ids["<image>"],
+        "eos_token_id": ids["<end_of_utterance>"],
+    }
+    model = _instantiate(smolvlm, config, seed)
+    _save_weights(model, out_dir / "model.safetensors")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    max_length = SMOLVLM_TEXT_CONFIG["max_position_embeddings"]
+    _save_tokenizer(out_dir, tok, "<end_of_utterance>", "<pad>", max_length, SMOLVLM_CHAT_TEMPLATE)
+    tile = vision["image_size"]
+    preprocessor = {
+        "image_processor_type": "SmolVLMImageProcessor",
+        "processor_class": "SmolVLMProcessor",
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "size": {"longest_edge": 2 * tile},
+        "max_image_size": {"longest_edge": tile},
+        "do_image_splitting": True,
+        "resample": 1,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_pad": True,
+    }
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    tokens_per_tile = (tile // vision["patch_size"]) ** 2 // config["scale_factor"] ** 2
+    processor_config = {"processor_class": "SmolVLMProcessor", "image_seq_len": tokens_per_tile}
+    (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
+    return out_dir

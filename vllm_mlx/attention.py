@@ -21,6 +21,10 @@ are built once per forward call per distinct window (``BatchLayout`` caches them
 The mask is a plain boolean array, which ``mx.fast.scaled_dot_product_attention`` takes together
 with attention sinks (gpt-oss passes ``sinks=``: they only add a per-head term to the softmax).
 
+Recurrent layers (hybrid models) get a ``RecurrentLayerCache`` over the state pool instead
+(``state_pool.py``); which architectures, and whether their rows may be padded, is
+``RECURRENT_ARCHITECTURES``.
+
 Rows are right-padded to the longest row of the call. Padding tokens write into the null block
 (slot 0..block_size-1 of block 0, never allocated to a request); a query that would see no key
 (a padded one) sees the row's first gathered key, so no softmax row is empty (no NaN), and padded
@@ -35,30 +39,46 @@ import mlx.core as mx
 import numpy as np
 
 from vllm_mlx.errors import VllmMlxError
-from vllm_mlx.kv_spec import FullAttentionSpec, LayerSpec, SlidingWindowSpec
+from vllm_mlx.kv_spec import FullAttentionSpec, LayerSpec, RecurrentStateSpec, SlidingWindowSpec, is_recurrent
+from vllm_mlx.state_pool import RecurrentLayerCache, StateBatch, StatePool
 
 NULL_SLOT = 0
 
+# Architectures whose recurrent layers (mlx-lm ``ArraysCache``) we have checked against mlx-lm,
+# and whether their code honours right padding (masks padded tokens, reads ``cache.lengths``).
+# nemotron_h does not pass ``lengths`` to its SSM, so padded rows would corrupt the state: the
+# runner never pads it. Other ``ArraysCache`` users are refused until checked.
+RECURRENT_ARCHITECTURES: dict[str, bool] = {
+    "lfm2": True,
+    "qwen3_5": True,
+    "qwen3_next": True,
+    "granitemoehybrid": True,
+    "nemotron_h": False,
+}
+
 
 class UnsupportedModelError(VllmMlxError):
-    """The model needs a cache we do not page (recurrent state, chunked attention, ...)."""
+    """The model needs a cache we do not support (chunked attention, unchecked recurrent
+    architectures, ...)."""
 
 
-def layer_specs(model, model_type: str = "?") -> list[LayerSpec]:
+def layer_specs(model, model_type: str | None = None, recurrent: bool = True) -> list[LayerSpec]:
     """One spec per cache the model asks for (``model.make_cache()``; without it, one
-    full-attention layer per ``model.layers``).
+    full-attention layer per ``model.layers``). ``model_type`` defaults to the model's own.
 
     Raises:
-        UnsupportedModelError: Some layer needs a cache that is not a plain ``KVCache`` or a
-            ``RotatingKVCache`` without kept tokens (recurrent ``ArraysCache``/``MambaCache``,
-            ``ChunkedKVCache``, ...); the message names the kinds.
+        UnsupportedModelError: Some layer needs a cache that is not a plain ``KVCache``, a
+            ``RotatingKVCache`` without kept tokens, or the ``ArraysCache`` of an architecture in
+            ``RECURRENT_ARCHITECTURES`` (``recurrent=False`` refuses those too); the message
+            names the kinds.
     """
+    model_type = model_type or model_type_of(model)
     make_cache = getattr(model, "make_cache", None)
     if make_cache is None:
         return [FullAttentionSpec()] * len(model.layers)
     specs, refused = [], set()
     for cache in make_cache():
-        spec = _spec_of(cache)
+        spec = _spec_of(cache, model_type if recurrent else None)
         if spec is None:
             refused.add(_describe(cache))
         specs.append(spec)
@@ -66,23 +86,31 @@ def layer_specs(model, model_type: str = "?") -> list[LayerSpec]:
         raise UnsupportedModelError(
             f"architecture {model_type!r} needs {', '.join(sorted(refused))} caches, which the paged "
             "engine does not support yet (it pages full-attention KVCache and sliding-window "
-            "RotatingKVCache layers; recurrent or chunked layers are refused)"
+            "RotatingKVCache layers, and keeps the recurrent ArraysCache state of "
+            f"{', '.join(sorted(RECURRENT_ARCHITECTURES)) if recurrent else 'no architecture here'}; "
+            "other recurrent or chunked layers are refused)"
         )
     return specs
 
 
-def check_supported(model, model_type: str = "?") -> None:
-    """Refuse architectures with layers that are neither full attention nor a sliding window."""
-    layer_specs(model, model_type)
+def check_supported(model, model_type: str | None = None, recurrent: bool = True) -> list[LayerSpec]:
+    """Refuse architectures with a layer we cannot serve; return the layer specs."""
+    return layer_specs(model, model_type, recurrent)
 
 
-def _spec_of(cache) -> LayerSpec | None:
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
+def model_type_of(model) -> str:
+    return getattr(model, "model_type", None) or getattr(getattr(model, "args", None), "model_type", "?")
+
+
+def _spec_of(cache, recurrent_model_type: str | None) -> LayerSpec | None:
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
     if type(cache) is KVCache:
         return FullAttentionSpec()
     if type(cache) is RotatingKVCache and cache.keep == 0:
         return SlidingWindowSpec(cache.max_size)
+    if type(cache) is ArraysCache and recurrent_model_type in RECURRENT_ARCHITECTURES:
+        return RecurrentStateSpec(len(cache.cache), pads=RECURRENT_ARCHITECTURES[recurrent_model_type])
     return None
 
 
@@ -99,6 +127,7 @@ class RowSpec:
     tokens: list[int]
     num_computed: int
     block_ids: list[int]
+    state_slot: int = 0  # recurrent-state slot (models with recurrent layers)
 
     @property
     def context_len(self) -> int:
@@ -268,12 +297,24 @@ class PagedLayerCache:
 
 
 class MLXAttentionBackend:
-    """Builds the per-layer paged caches that a forward call hands to the model."""
+    """Builds the per-layer caches that a forward call hands to the model: paged KV for
+    attention layers, state-pool views for recurrent ones (``state_pool`` is then required)."""
 
-    def __init__(self, pool: KVPool, specs: list[LayerSpec]) -> None:
+    def __init__(self, pool: KVPool, specs: list[LayerSpec], state_pool: StatePool | None = None) -> None:
         self.pool = pool
         self.specs = list(specs)
+        self.state_pool = state_pool
 
-    def make_caches(self, rows: list[RowSpec]) -> list[PagedLayerCache]:
+    def make_caches(self, rows: list[RowSpec]) -> list[PagedLayerCache | RecurrentLayerCache]:
         layout = BatchLayout.build(rows, self.pool.block_size)
-        return [PagedLayerCache(self.pool, layer, layout, spec.window) for layer, spec in enumerate(self.specs)]
+        states = None
+        if self.state_pool is not None:
+            states = StateBatch.build(
+                [r.state_slot for r in rows], [r.num_computed for r in rows], [len(r.tokens) for r in rows]
+            )
+        return [
+            RecurrentLayerCache(self.state_pool, layer, states)
+            if is_recurrent(spec)
+            else PagedLayerCache(self.pool, layer, layout, spec.window)
+            for layer, spec in enumerate(self.specs)
+        ]

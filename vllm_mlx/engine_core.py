@@ -177,7 +177,8 @@ class EngineCore:
         ModelSourceError: The model cannot be found, downloaded, converted or loaded.
         ModelOwnershipError: Another live engine owns the model and
             ``force_model_takeover`` is False.
-        UnsupportedModelError: The architecture needs recurrent or chunked-attention caches.
+        UnsupportedModelError: The architecture needs caches we do not support (chunked
+            attention, recurrent layers of an unchecked architecture).
         TypeError: An unknown option in ``overrides``.
         ValueError: A bad option value (e.g. a KV budget that holds no block).
     """
@@ -185,8 +186,10 @@ class EngineCore:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         from vllm_mlx.attention import check_supported
         from vllm_mlx.cpu_backend import choose_weight_format, prepare_model_weights
+        from vllm_mlx.kv_spec import is_recurrent
         from vllm_mlx.model_runner import MLXModelRunner, measure_kv_layout
         from vllm_mlx.models import load_model
+        from vllm_mlx.state_pool import probe_state_layout
 
         config = config or EngineConfig()
         for name, value in overrides.items():
@@ -196,19 +199,23 @@ class EngineCore:
         config.normalize()
         self.config = config
         loaded = load_model(config.model, trust_remote_code=config.trust_remote_code)
-        check_supported(loaded.model, loaded.config.get("model_type", "?"))
+        specs = check_supported(loaded.model, loaded.config.get("model_type", "?"))
         self.vision = loaded.vision
         weights = loaded.vision.model if loaded.vision else loaded.model
         self.weight_format = prepare_model_weights(weights, choose_weight_format(config.weight_format))
+        state_layout = probe_state_layout(loaded.model, specs) if any(map(is_recurrent, specs)) else None
+        num_state_slots = config.max_num_seqs + 1 if state_layout else 0  # + the null slot
         self.model_path: Path = loaded.path
         get_registry().claim(str(self.model_path), self, force=config.force_model_takeover)
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         # After the weights are in their final format: the KV dtype follows the activations'.
-        self.kv_layout = measure_kv_layout(loaded.model)
+        self.kv_layout = measure_kv_layout(loaded.model, state_layout)
         budget = kv_budget_bytes(config.kv_cache_memory)
+        if state_layout is not None:
+            budget = state_budget_left(budget, num_state_slots, state_layout.bytes_per_request)
         num_blocks = config.num_kv_blocks or self.kv_layout.blocks_for_budget(budget, config.block_size)
-        self.kv_cache = PagedCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache = PagedCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_state_slots)
         text_config = loaded.config.get("text_config", loaded.config)
         context_len = text_config.get("max_position_embeddings") or loaded.config.get("max_position_embeddings")
         self.scheduler = Scheduler(
@@ -217,10 +224,16 @@ class EngineCore:
         self.mllm_cache = (
             MLLMCacheManager(config.mllm_cache_memory) if self.vision and config.enable_mllm_cache else None
         )
-        self.runner = MLXModelRunner(loaded.model, num_blocks, config.block_size, self.mllm_cache)
+        self.runner = MLXModelRunner(
+            loaded.model, num_blocks, config.block_size, self.mllm_cache, num_state_slots, state_layout
+        )
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.snapshotter = CacheSnapshotter(
-            self.kv_cache, self.scheduler, self.tokenizer, self._mllm_snapshot, self.kv_layout.to_dicts(num_blocks)
+            self.kv_cache,
+            self.scheduler,
+            self.tokenizer,
+            self._mllm_snapshot,
+            self.kv_layout.to_dicts(num_blocks, max(num_state_slots - 1, 0)),  # slots but the null one
         )
         self.step_records: deque = deque(maxlen=4096)
         self._groups: dict[str, _Group] = {}
@@ -355,7 +368,7 @@ class EngineCore:
         text, token_ids = self._encode(prompt)
         if not images:
             return PreparedPrompt(text, token_ids)
-        if isinstance(prompt, str) and self.vision.image_token_id not in token_ids:
+        if isinstance(prompt, str) and self.vision.placeholder_token_id not in token_ids:
             text, token_ids = self._encode(self.vision.image_placeholder_text * len(images) + prompt)
         try:
             expanded, mm_input = self.vision.prepare(token_ids, images, policy)
@@ -624,32 +637,44 @@ class KVShape:
     head_dim: int
 
 
-def kv_shape(model_config: dict, model=None) -> KVShape:
+def kv_shape(model_config: dict, model=None, num_layers: int | None = None) -> KVShape:
     """The KV shape from the (text) config; keys the config leaves out take the values the model
     was built with (mlx-lm's ``model.args`` holds its architecture's defaults, e.g. gemma3's
-    ``head_dim``)."""
+    ``head_dim``). ``num_layers``: the attention layers, when not all layers are (hybrids)."""
     config = model_config.get("text_config", model_config)
     args = getattr(model, "args", None)
     if args is not None and hasattr(args, "__dict__"):
         config = {**config, **{k: v for k, v in vars(args).items() if v is not None}}
     heads = config["num_attention_heads"]
     return KVShape(
-        num_layers=config["num_hidden_layers"],
+        num_layers=num_layers if num_layers is not None else config["num_hidden_layers"],
         num_kv_heads=config.get("num_key_value_heads") or heads,
         head_dim=config.get("head_dim") or config["hidden_size"] // heads,
     )
 
 
-def kv_bytes_per_token(model_config: dict, dtype_bytes: int, model=None) -> int:
-    """Keys + values of one token across all layers, from the config (see ``kv_shape``): for
-    callers that know the dtype but cannot run the model. The engine sizes its pool from the
-    measured layout instead (``model_runner.measure_kv_layout``), which is exact.
+def kv_bytes_per_token(model_config: dict, dtype_bytes: int, model=None, num_layers: int | None = None) -> int:
+    """Keys + values of one token across all (``num_layers``: that many) attention layers, from
+    the config (see ``kv_shape``): for callers that know the dtype but cannot run the model. The
+    engine sizes its pool from the measured layout instead (``model_runner.measure_kv_layout``),
+    which is exact (dtype, latent attention, layers that share keys).
 
     Sliding-window layers count in full: they keep every block of a running request today (the
     mask limits what they read, not what they hold; kv_spec.py).
     """
-    shape = kv_shape(model_config, model)
+    shape = kv_shape(model_config, model, num_layers)
     return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes
+
+
+def state_budget_left(budget_bytes: int, num_slots: int, bytes_per_request: int) -> int:
+    """The KV budget once the recurrent-state pool (``num_slots`` fixed-size slots) is paid."""
+    left = budget_bytes - num_slots * bytes_per_request
+    if left <= 0:
+        raise ValueError(
+            f"kv_cache_memory={budget_bytes} bytes cannot hold the recurrent state of {num_slots - 1} "
+            f"requests ({bytes_per_request} bytes each): raise it or lower max_num_seqs"
+        )
+    return left
 
 
 def __getattr__(name: str):

@@ -6,6 +6,9 @@ Plain data, no MLX: the runner derives one spec per layer from the model
 Today every group keeps every block of every running request: a sliding-window layer attends
 only to its window (the runner gathers and masks just those keys), but its out-of-window blocks
 stay allocated, since all layers share one block table. Correct output, no memory saved yet.
+
+A recurrent layer (``RecurrentStateSpec``) holds no blocks at all: its state is a fixed-size slot
+per running request in the state pool (``state_pool.py``).
 """
 
 from __future__ import annotations
@@ -39,7 +42,30 @@ class SlidingWindowSpec:
             raise ValueError(f"a sliding window holds at least one key, got {self.window}")
 
 
-LayerSpec = FullAttentionSpec | SlidingWindowSpec
+@dataclass(frozen=True, slots=True)
+class RecurrentStateSpec:
+    """The layer keeps a fixed-size state per request (mlx-lm's ``ArraysCache(num_arrays)``:
+    a convolution window, an SSM or delta-net state), whatever the sequence length.
+
+    ``pads``: the model's code for this layer honours right padding (it masks padded tokens
+    and reads ``cache.lengths`` to take the state at each row's last real token), so rows of
+    different lengths may share a forward call. Otherwise the runner never pads such a model.
+    """
+
+    kind: ClassVar[str] = "recurrent_state"
+    num_arrays: int
+    pads: bool
+
+    @property
+    def window(self) -> None:
+        return None
+
+
+LayerSpec = FullAttentionSpec | SlidingWindowSpec | RecurrentStateSpec
+
+
+def is_recurrent(spec: LayerSpec) -> bool:
+    return isinstance(spec, RecurrentStateSpec)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,18 +88,24 @@ def group_layers(specs: list[LayerSpec]) -> list[LayerGroup]:
 @dataclass(frozen=True, slots=True)
 class GroupLayout:
     """A layer group's memory: ``bytes_per_token`` is the keys and values one token takes in
-    all of the group's layers, as the model writes them (dtype, KV heads, key and value sizes)."""
+    all of the group's layers, as the model writes them (dtype, KV heads, key and value sizes);
+    ``bytes_per_request`` the fixed state a running request holds in them (recurrent groups)."""
 
     spec: LayerSpec
     layers: tuple[int, ...]
     bytes_per_token: int
+    bytes_per_request: int = 0
 
-    def to_dict(self, num_blocks: int) -> dict:
-        """Plain data for snapshots. Every group has all ``num_blocks`` blocks today: the
-        groups share one block table (see the module docstring)."""
+    def to_dict(self, num_blocks: int, num_state_slots: int = 0) -> dict:
+        """Plain data for snapshots: a paged group has all ``num_blocks`` blocks today (the
+        groups share one block table, see the module docstring); a state group has
+        ``num_state_slots`` slots of ``bytes_per_request``."""
         kind = getattr(self.spec, "kind", type(self.spec).__name__)
-        return {"kind": kind, "window": getattr(self.spec, "window", None), "layers": list(self.layers),
-                "bytes_per_token": self.bytes_per_token, "num_blocks": num_blocks}  # fmt: skip
+        info = {"kind": kind, "window": getattr(self.spec, "window", None), "layers": list(self.layers),
+                "bytes_per_token": self.bytes_per_token}  # fmt: skip
+        if self.bytes_per_request:
+            return info | {"bytes_per_request": self.bytes_per_request, "state_slots": num_state_slots}
+        return info | {"num_blocks": num_blocks}
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,5 +134,5 @@ class KVLayout:
             raise ValueError(f"kv_cache_memory={budget_bytes} bytes holds no block ({per_block} bytes each)")
         return int(num_blocks)
 
-    def to_dicts(self, num_blocks: int) -> list[dict]:
-        return [group.to_dict(num_blocks) | {"dtype": self.dtype} for group in self.groups]
+    def to_dicts(self, num_blocks: int, num_state_slots: int = 0) -> list[dict]:
+        return [group.to_dict(num_blocks, num_state_slots) | {"dtype": self.dtype} for group in self.groups]

@@ -44,6 +44,9 @@ PROBE_OVERRIDES: dict[str, dict] = {
     "lfm2_moe": {"full_attn_idxs": [1, 3], "conv_L_cache": 3, "conv_bias": False, "num_dense_layers": 1},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
               "expert_layer_offset": 1, "mamba_d_conv": 4, "mamba_d_state": 8, "mamba_expand": 2},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention", "mamba", "attention"], "mamba_n_heads": 4,
+                         "mamba_d_head": 16, "mamba_expand": 1, "mamba_d_state": 16, "mamba_d_conv": 4,
+                         "mamba_n_groups": 1, "shared_intermediate_size": 128, "position_embedding_type": "rope"},
     "nemotron_h": {"hybrid_override_pattern": "M*M*", "mamba_num_heads": 4, "mamba_head_dim": 16,
                    "ssm_state_size": 8, "n_groups": 1, "conv_kernel": 4, "chunk_size": 16},
 }  # fmt: skip

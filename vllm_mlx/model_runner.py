@@ -2,7 +2,13 @@
 
 Runs on the engine thread only (MLX streams are thread-local). Rows of one step are grouped into
 as few forward calls as padding allows: all decodes (one new token each) share one call, and
-prefill chunks join a call when padding them to its longest row wastes little compute.
+prefill chunks join a call when padding them to its longest row wastes little compute. A model
+with recurrent layers whose code ignores padding (``RecurrentStateSpec.pads``) is never padded:
+only rows of equal length share a call.
+
+Recurrent state (``state_pool.py``) computed by a step is written to the state pool only after
+the whole step (every forward call and the sampling) succeeded, so a failed step can be re-run
+request by request from the state before it.
 
 With a vision-language model, a row whose tokens include image placeholders gets the image's
 features written over the placeholders' embeddings; the features come from the MLLM cache or
@@ -20,12 +26,13 @@ import numpy as np
 
 from vllm_mlx.attention import KVPool, MLXAttentionBackend, RowSpec, layer_specs
 from vllm_mlx.canonical import canonical_bytes
-from vllm_mlx.kv_spec import GroupLayout, KVLayout, group_layers
+from vllm_mlx.kv_spec import GroupLayout, KVLayout, group_layers, is_recurrent
 from vllm_mlx.mllm_cache import MLLMCacheManager
 from vllm_mlx.multimodal import ImageInput
 from vllm_mlx.request import Request, SamplingParams
 from vllm_mlx.sampling import SamplingRow, sample
 from vllm_mlx.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from vllm_mlx.state_pool import RecurrentLayerCache, StateLayout, StatePool, StateWrite, probe_state_layout
 
 # A group accepts a row while padded tokens stay within this factor of real tokens.
 MAX_PADDING_FACTOR = 1.25
@@ -42,15 +49,16 @@ class StepRecord:
     num_forward_calls: int
 
 
-def group_for_padding(scheduled: list[ScheduledRequest]) -> list[list[ScheduledRequest]]:
-    """Split rows into forward calls, longest first, keeping padding waste bounded."""
+def group_for_padding(scheduled: list[ScheduledRequest], pad: bool = True) -> list[list[ScheduledRequest]]:
+    """Split rows into forward calls, longest first, keeping padding waste bounded; with
+    ``pad=False`` only rows of equal length share a call."""
     groups: list[list[ScheduledRequest]] = []
     for item in sorted(scheduled, key=lambda s: s.num_new_tokens, reverse=True):
         if groups:
             group = groups[-1]
             padded = (len(group) + 1) * group[0].num_new_tokens
             real = sum(s.num_new_tokens for s in group) + item.num_new_tokens
-            if padded <= MAX_PADDING_FACTOR * real:
+            if padded <= MAX_PADDING_FACTOR * real and (pad or padded == real):
                 group.append(item)
                 continue
         groups.append([item])
@@ -91,7 +99,9 @@ class MLXModelRunner:
     """Owns the model and the KV pool; turns scheduled work into sampled tokens.
 
     ``model`` is an mlx-lm model, or a ``VisionLanguageModel`` adapter; ``mllm_cache`` (vision
-    models only; None = no caching) keeps encoder outputs across requests.
+    models only; None = no caching) keeps encoder outputs across requests. A model with
+    recurrent layers gets a state pool of ``num_state_slots`` slots (the null slot included;
+    ``state_layout``: its probed shapes, probed here when not given).
     """
 
     def __init__(
@@ -100,6 +110,8 @@ class MLXModelRunner:
         num_blocks: int,
         block_size: int,
         mllm_cache: MLLMCacheManager | None = None,
+        num_state_slots: int = 0,
+        state_layout: StateLayout | None = None,
         *,
         split_head: bool = True,
     ) -> None:
@@ -110,29 +122,41 @@ class MLXModelRunner:
         # split_head=False skips the split's probe forward (a throwaway runner needs no speed).
         self.split = SplitModel.probe(model) if split_head and not self.vision else None
         self.mllm_cache = mllm_cache
-        self.specs = layer_specs(model, getattr(model, "model_type", "?"))
+        self.specs = layer_specs(model, getattr(model, "model_type", None))
         self.num_layers = len(self.specs)  # one cache per spec (make_cache may differ from layers)
         self.pool = KVPool(self.num_layers, num_blocks, block_size)
-        self.attention = MLXAttentionBackend(self.pool, self.specs)
+        self.state_pool = self._make_state_pool(num_state_slots, state_layout)
+        self.pads = all(s.pads for s in self.specs if is_recurrent(s))
+        self.attention = MLXAttentionBackend(self.pool, self.specs, self.state_pool)
         self.last_step: StepRecord | None = None
         self.vision_encoder_runs = 0
+
+    def _make_state_pool(self, num_slots: int, layout: StateLayout | None) -> StatePool | None:
+        if not any(is_recurrent(s) for s in self.specs):
+            return None
+        if num_slots < 2:
+            raise ValueError("a model with recurrent layers needs num_state_slots >= 2 (slot 0 is reserved)")
+        return StatePool(layout or probe_state_layout(self.model, self.specs), num_slots)
 
     def release(self) -> None:
         """Drop the model and the KV pool (MLX arrays), on the thread that made them. MLX
         arrays still alive at interpreter exit after being used on another thread abort the
         process ("terminate called without an active exception")."""
-        self.model = self.split = self.vision = None
+        self.model = self.split = self.vision = self.state_pool = None
+        if self.attention is not None:
+            self.attention.state_pool = None
         self.pool.keys = [None] * self.num_layers
         self.pool.values = [None] * self.num_layers
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         output = ModelRunnerOutput()
         runnable = [s for s in scheduler_output.scheduled if self._images_ready(s, output.errors)]
-        groups = group_for_padding(runnable)
+        groups = group_for_padding(runnable, self.pads)
         sampled: list[ScheduledRequest] = []
         logits: list[mx.array] = []
+        states: list[StateWrite] = []  # written only if the whole step succeeds
         for group in groups:
-            group_logits = self._forward(group)
+            group_logits = self._forward(group, states)
             for item, row_logits in zip(group, group_logits):
                 if row_logits is not None:
                     sampled.append(item)
@@ -144,13 +168,14 @@ class MLXModelRunner:
             len(groups),
         )
         self._drop_finished_image_features(runnable)
-        if not sampled:
-            return output
-        result = sample(mx.stack(logits), [sampling_row(s) for s in sampled])
-        for item, token_id, logprobs in zip(sampled, result.token_ids, result.logprobs):
-            output.sampled_token_ids[item.request_id] = token_id
-            if logprobs is not None:
-                output.logprobs[item.request_id] = logprobs
+        if sampled:
+            result = sample(mx.stack(logits), [sampling_row(s) for s in sampled])
+            for item, token_id, logprobs in zip(sampled, result.token_ids, result.logprobs):
+                output.sampled_token_ids[item.request_id] = token_id
+                if logprobs is not None:
+                    output.logprobs[item.request_id] = logprobs
+        if self.state_pool is not None:
+            self.state_pool.commit(states)
         return output
 
     def probe(self) -> None:
@@ -158,15 +183,17 @@ class MLXModelRunner:
 
         Tells a broken engine from a bad request: when every request of a step failed alone,
         a probe that fails too means the fault is the engine's. Its KV goes to the null block
-        (padding's sink, owned by no request), so it disturbs nothing.
+        (padding's sink, owned by no request) and its recurrent state is never written, so it
+        disturbs nothing.
         """
         probe = Request("engine-probe", [0], SamplingParams(temperature=0, seed=0))
         item = ScheduledRequest(probe, num_computed_tokens=0, num_new_tokens=1, block_ids=[NULL_BLOCK])
-        [logits] = self._forward([item])
+        [logits] = self._forward([item], [])
         sample(logits[None], [sampling_row(item)])
 
-    def _forward(self, group: list[ScheduledRequest]) -> list[mx.array | None]:
-        """One padded forward; the logits at each sampling row's last position (else None)."""
+    def _forward(self, group: list[ScheduledRequest], states: list[StateWrite]) -> list[mx.array | None]:
+        """One padded forward; the logits at each sampling row's last position (else None).
+        The recurrent states it computed are appended to ``states`` (not yet written)."""
         rows = [row_spec(s) for s in group]
         width = max(len(r.tokens) for r in rows)
         inputs = mx.array([r.tokens + [0] * (width - len(r.tokens)) for r in rows])
@@ -182,8 +209,10 @@ class MLXModelRunner:
         else:
             out = self.model(inputs, cache=caches)
             picked = out[where] if wanted else None
+        new_states = [w for c in caches if isinstance(c, RecurrentLayerCache) for w in c.writes()]
         # Evaluate now: the pool's next scatter can then update its buffers in place.
-        mx.eval([picked] if picked is not None else [], self.pool.arrays())
+        mx.eval([picked] if picked is not None else [], self.pool.arrays(), [w.value for w in new_states])
+        states.extend(new_states)
         per_row: list[mx.array | None] = [None] * len(group)
         for n, i in enumerate(wanted):
             per_row[i] = picked[n]
@@ -225,8 +254,9 @@ class MLXModelRunner:
 
     def _vision_hidden_states(self, group: list[ScheduledRequest], inputs: mx.array, caches) -> mx.array:
         """The language model's hidden states, images' features over their placeholders."""
-        embeds = self.vision.embed(inputs)
-        batch, width, hidden = embeds.shape
+        from vllm_mlx.vlm_models import ImageRows
+
+        batch, width = inputs.shape
         index: list[int] = []
         pieces: list[mx.array] = []
         for row, item in enumerate(group):
@@ -238,12 +268,9 @@ class MLXModelRunner:
                 pieces.append(image.features[lo - image.offset : hi - image.offset])
                 first = row * width + lo - start
                 index.extend(range(first, first + hi - lo))
-        if pieces:
-            flat = embeds.reshape(batch * width, hidden)
-            flat[mx.array(index)] = mx.concatenate(pieces).astype(flat.dtype)
-            embeds = flat.reshape(batch, width, hidden)
+        images = ImageRows(index, mx.concatenate(pieces), batch, width) if pieces else None
         positions = self._position_ids(group, width) if self.vision.uses_mrope else None
-        return self.vision.hidden_states(embeds, inputs, caches, positions)
+        return self.vision.hidden_states(inputs, caches, positions, images)
 
     @staticmethod
     def _position_ids(group: list[ScheduledRequest], width: int) -> mx.array:
@@ -269,26 +296,39 @@ class MLXModelRunner:
                     image.features = None
 
 
-def measure_kv_layout(model) -> KVLayout:
+def measure_kv_layout(model, state_layout: StateLayout | None = None) -> KVLayout:
     """The KV pool's real layout for ``model``: one token through the engine's own forward path
     into a one-slot pool, then the bytes each layer's slot took.
 
     Exact where reading configs is not: the dtype is what the model produces (bfloat16 weights
     give bfloat16 keys; weights dequantized to float32 on the CPU backend give float32), and KV
     heads, key and value sizes (MLA's differ) are the arrays' own. Layers that write nothing
-    (they reuse another layer's keys) cost nothing. The scratch runner and its pool are dropped.
+    (they reuse another layer's keys) cost nothing. Recurrent groups cost ``bytes_per_request``
+    (``state_layout``, probed when not given). The scratch runner and its pools are dropped.
     """
-    runner = MLXModelRunner(model, num_blocks=1, block_size=1, split_head=False)
+    specs = layer_specs(model, getattr(model, "model_type", None))
+    if state_layout is None and any(map(is_recurrent, specs)):
+        state_layout = probe_state_layout(model, specs)
+    slots = 2 if state_layout is not None else 0  # the null slot + one
+    runner = MLXModelRunner(model, 1, 1, None, slots, state_layout, split_head=False)
     try:
         runner.probe()
-        per_layer = [runner.pool.layer_bytes_per_slot(i) for i in range(runner.num_layers)]
+        per_token = [runner.pool.layer_bytes_per_slot(i) for i in range(runner.num_layers)]
+        per_request = _state_bytes(state_layout, len(specs))
         groups = tuple(
-            GroupLayout(group.spec, group.layers, sum(per_layer[i] for i in group.layers))
+            GroupLayout(group.spec, group.layers, sum(per_token[i] for i in group.layers),
+                        sum(per_request[i] for i in group.layers))  # fmt: skip
             for group in group_layers(runner.specs)
         )
         return KVLayout(groups, runner.pool.dtype or "float32")
     finally:
         runner.release()
+
+
+def _state_bytes(layout: StateLayout | None, num_layers: int) -> list[int]:
+    """Each layer's recurrent-state bytes per request (0 for attention layers)."""
+    arrays = layout.layers if layout is not None else {}
+    return [sum(a.nbytes for a in arrays.get(i, ()) if a is not None) for i in range(num_layers)]
 
 
 def mllm_cache_key(image_hash: str, cache_salt: str | None) -> str:
@@ -303,7 +343,7 @@ def mllm_cache_key(image_hash: str, cache_salt: str | None) -> str:
 def row_spec(item: ScheduledRequest) -> RowSpec:
     start = item.num_computed_tokens
     tokens = item.request.all_token_ids[start : start + item.num_new_tokens]
-    return RowSpec(tokens=tokens, num_computed=start, block_ids=item.block_ids)
+    return RowSpec(tokens=tokens, num_computed=start, block_ids=item.block_ids, state_slot=item.state_slot)
 
 
 def sampling_row(item: ScheduledRequest) -> SamplingRow:

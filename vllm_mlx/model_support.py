@@ -15,8 +15,8 @@ Text architectures (mlx-lm modules with ``Model`` and ``ModelArgs``) are probed 
 process (``model_probe``): a tiny model of the architecture, ``attention.layer_specs`` to
 decide between runs and refused, one token through the engine's own forward path to confirm
 that it runs. Vision-language architectures (mlx-vlm packages with a vision tower) run when
-``vlm_models`` has an adapter for them. So support added to ``layer_specs`` or
-``vlm_models.FAMILIES`` shows up here by itself.
+``vlm_families`` has an adapter for them. So support added to ``layer_specs`` or
+``vlm_families.FAMILIES`` shows up here by itself.
 
 Classifying everything takes 15-50 s on two CPU cores; the result is cached per installed
 versions, backend and our source (``cache_root()/model_support.json``). ``python -m
@@ -54,11 +54,15 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
         "gpt_oss": "tests/test_sliding_window.py::test_default_block_size_equals_mlx_lm[gpt_oss]",
         "qwen2": "tests/test_engine.py::test_another_architecture_runs_unmodified",
         "deepseek_v3": "tests/test_kv_sizing.py::test_latent_attention_equals_mlx_lm",
+        **{name: f"tests/test_recurrent.py::test_staggered_arrivals_and_preemption_equal_mlx_lm[{name}]"
+           for name in ("lfm2", "qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_h")},
     },
     VISION: {
         "qwen2_vl": "tests/test_multimodal.py::test_greedy_tokens_equal_mlx_vlm[qwen2_vl]",
         "qwen2_5_vl": "tests/test_multimodal.py::test_greedy_tokens_equal_mlx_vlm[qwen2_5_vl]",
         "llava": "tests/test_multimodal.py::test_greedy_tokens_equal_mlx_vlm[llava]",
+        **{name: f"tests/test_vlm_families.py::test_one_image_equals_mlx_vlm[{name}]"
+           for name in ("qwen3_vl", "qwen3_vl_moe", "gemma3", "mistral3", "smolvlm")},
     },
 }
 
@@ -137,13 +141,16 @@ def _text_row(name: str, worker: ProbeWorker) -> Architecture:
 
 
 def classify_vision(name: str) -> Architecture:
-    """Runs when a ``vlm_models`` family adapter takes the architecture; refused otherwise."""
-    from vllm_mlx.vlm_models import FAMILIES, supported_model_types
+    """Runs when a ``vlm_families`` adapter takes the architecture; refused otherwise, with the
+    known reason (``NOT_YET``) or for want of an adapter."""
+    from vllm_mlx.vlm_families import FAMILIES, NOT_YET
+    from vllm_mlx.vlm_models import supported_model_types
 
     family = next((f for f in FAMILIES if name in f.model_types), None)
-    if family is None:
-        return Architecture(name, VISION, REFUSED, f"no adapter (adapters: {', '.join(supported_model_types())})")
-    return Architecture(name, VISION, RUNS, f"adapter {family.__name__}")
+    if family is not None:
+        return Architecture(name, VISION, RUNS, f"adapter {family.__name__}")
+    reason = NOT_YET.get(name) or f"no adapter (adapters: {', '.join(supported_model_types())})"
+    return Architecture(name, VISION, REFUSED, reason)
 
 
 def classify(

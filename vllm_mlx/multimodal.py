@@ -1,8 +1,9 @@
 """A request's images: where they sit in the prompt, what identifies them, how positions run.
 
 A multimodal prompt is token ids in which every image occupies a run of placeholder tokens (the
-model's image token, repeated once per vision feature). The placeholders themselves are all the
-same id, so three things cannot come from the token ids alone and live here:
+model's image token, repeated once per vision feature; for some families with marker tokens
+between rows or tiles). The placeholders themselves are the same ids for every image, so three
+things cannot come from the token ids alone and live here:
 
 * **Identity.** Each image carries the content hash of its decoded pixels and the processor's
   settings. The hashes of the images overlapping a KV block go into that block's prefix-cache
@@ -45,6 +46,12 @@ class ImageInput:
     """Placeholder tokens (= vision features) the image occupies."""
     grid: tuple[int, int, int] | None = None
     """(t, h, w) in patches, for encoders that need the grid (Qwen2-VL)."""
+    token_ids: list[int] | None = None
+    """The ids of the image's ``num_tokens`` prompt tokens, for families whose image block is
+    not one id repeated (SmolVLM: tiles framed by marker tokens); None: ``num_tokens`` copies
+    of the model's image token."""
+    encoder_inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    """Further preprocessor outputs the encoder needs (SmolVLM's ``pixel_attention_mask``)."""
     features: Any = None
     """The encoder output (``[num_tokens, hidden]``) while the request is prefilling."""
 

@@ -14,12 +14,18 @@ Invariants (checked by :meth:`PagedCacheManager.check_invariants`):
   block simply stays unhashed).
 * A hashed block with ``ref_cnt == 0`` is *cached-free*: reusable by a prefix hit (revived in
   O(1) from the middle of the free queue) until the queue's head reaches it and evicts it.
+* With recurrent layers (``num_state_slots > 0``), every request holding blocks also holds one
+  state slot (``state_slots.py``), taken with its first allocation and freed with its blocks.
+  A prefix hit must be a prefix *every* layer group can resume from; recurrent state is kept
+  only for running requests (no checkpoints yet), so such a model gets no prefix hits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
+
+from vllm_mlx.state_slots import NULL_STATE_SLOT, StateSlots
 
 __all__ = ["BlockTable", "CacheBlock", "CacheStats", "FreeBlockQueue", "PagedCacheManager"]
 
@@ -183,6 +189,8 @@ class CacheStats:
     evictions: int = 0  # hashed blocks reclaimed for new content
     prefix_queries: int = 0  # tokens looked up in the prefix cache
     prefix_hits: int = 0  # of those, tokens found
+    num_state_slots: int = 0  # recurrent-state slots (excluding the null slot); 0: no recurrent layers
+    num_used_state_slots: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -207,7 +215,11 @@ class PagedCacheManager:
     Not thread-safe: the engine thread owns it; other threads read ``snapshot()`` output.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int = 16, enable_caching: bool = True, num_state_slots: int = 0
+    ) -> None:
+        """``num_state_slots`` (the null slot included): recurrent-state slots, one per running
+        request; 0 for a model without recurrent layers."""
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         if block_size < 1:
@@ -224,7 +236,10 @@ class PagedCacheManager:
         self.req_to_blocks: dict[str, list[CacheBlock]] = {}
         self.num_cached_tokens: dict[str, int] = {}
         self._req_num_tokens: dict[str, int] = {}  # slots handed out per request
-        self._stats = CacheStats(num_blocks=num_blocks - 1, block_size=block_size)
+        self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
+        self._stats = CacheStats(
+            num_blocks=num_blocks - 1, block_size=block_size, num_state_slots=max(0, num_state_slots - 1)
+        )
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -252,13 +267,26 @@ class PagedCacheManager:
     def get_num_cached_tokens(self, request_id: str) -> int:
         return self.num_cached_tokens.get(request_id, 0)
 
+    def get_state_slot(self, request_id: str) -> int:
+        """The request's recurrent-state slot (the null slot when the model has no recurrent
+        layers or the request holds no blocks)."""
+        slot = self.state_slots.slot_of(request_id) if self.state_slots else None
+        return NULL_STATE_SLOT if slot is None else slot
+
+    @property
+    def resumes_prefixes(self) -> bool:
+        """Whether every layer group can resume a request from a cached prefix. Recurrent
+        layers cannot (their state exists only for running requests: no checkpoints yet)."""
+        return self.enable_caching and self.state_slots is None
+
     def get_computed_blocks(self, request_id: str, block_hashes: list[bytes]) -> list[CacheBlock]:
         """Blocks for the longest prefix of ``block_hashes`` already cached; ref counts untouched.
 
         Hashes chain their parents, so the first miss ends the run. Capping the hit so that at
-        least one token is still computed (to get logits) is the caller's business.
+        least one token is still computed (to get logits) is the caller's business. Empty when
+        some layer group cannot resume from a cached prefix (``resumes_prefixes``).
         """
-        if not self.enable_caching:
+        if not self.resumes_prefixes:
             return []
         hits: list[CacheBlock] = []
         for block_hash in block_hashes:
@@ -280,8 +308,10 @@ class PagedCacheManager:
 
         On the request's first allocation, ``computed_blocks`` (from ``get_computed_blocks``)
         head its table: each gets ``ref_cnt += 1`` and leaves the free queue if it was
-        cached-free. New blocks come from the free queue's head (evicting any hash they carry).
-        All-or-nothing: returns ``None`` and changes nothing when the free queue is too short.
+        cached-free, and the request takes a recurrent-state slot (models with recurrent layers).
+        New blocks come from the free queue's head (evicting any hash they carry).
+        All-or-nothing: returns ``None`` and changes nothing when the free queue is too short
+        or no state slot is free.
         """
         table = self.req_to_blocks.get(request_id, [])
         computed = list(computed_blocks or ())
@@ -292,6 +322,10 @@ class PagedCacheManager:
         num_revived = sum(1 for b in computed if b.ref_cnt == 0)
         if num_new + num_revived > len(self.free_queue):
             return None
+        if self.state_slots is not None and request_id not in self.req_to_blocks:
+            if self.state_slots.num_free == 0:
+                return None
+            self.state_slots.take(request_id)
 
         self.req_to_blocks[request_id] = table
         if computed or request_id not in self.num_cached_tokens:
@@ -350,6 +384,8 @@ class PagedCacheManager:
         table = self.req_to_blocks.pop(request_id, None)
         self.num_cached_tokens.pop(request_id, None)
         self._req_num_tokens.pop(request_id, None)
+        if self.state_slots is not None:
+            self.state_slots.release(request_id)
         if table is None:
             return
         for block in reversed(table):
@@ -429,6 +465,7 @@ class PagedCacheManager:
             num_free_blocks=num_free,
             num_cached_blocks=len(self.cached_blocks),
             usage=self.usage,
+            num_used_state_slots=self.state_slots.num_used if self.state_slots else 0,
         )
 
     def snapshot(self) -> dict:
@@ -442,6 +479,7 @@ class PagedCacheManager:
             "blocks": [self._block_view(b, owners.get(b.block_id, [])) for b in self.blocks],
             "requests": {rid: [b.block_id for b in t] for rid, t in self.req_to_blocks.items()},
             "free_queue": self.free_queue.block_ids(),  # eviction order, head first
+            "state_slots": self.state_slots.owners() if self.state_slots else {},
             "stats": self.stats().to_dict(),
         }
 
@@ -481,6 +519,8 @@ class PagedCacheManager:
             _require(block.block_hash == block_hash, f"stale map entry: {block.block_id}")
         hashed = {id(b) for b in self.blocks if b.block_hash is not None}
         _require(hashed == {id(b) for b in self.cached_blocks.values()}, "hashed block not in map")
+        if self.state_slots is not None:
+            self.state_slots.check_invariants(set(self.req_to_blocks))
 
     def _count_table_refs(self) -> dict[int, int]:
         refs: dict[int, int] = {}

@@ -52,6 +52,8 @@ class ScheduledRequest:
     num_new_tokens: int
     block_ids: list[int]
     """The request's whole block table after this step's allocation."""
+    state_slot: int = 0
+    """The request's recurrent-state slot (models with recurrent layers; 0: the null slot)."""
 
     @property
     def request_id(self) -> str:
@@ -329,7 +331,8 @@ class Scheduler:
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         block_ids = self.kv_cache.get_block_ids(request.request_id)
-        return ScheduledRequest(request, request.num_computed_tokens, num_new, block_ids)
+        slot = self.kv_cache.get_state_slot(request.request_id)
+        return ScheduledRequest(request, request.num_computed_tokens, num_new, block_ids, slot)
 
     def _admit(self, request: Request, num_hit: int) -> None:
         if self.prefix_cache.enabled:

@@ -144,7 +144,8 @@ class MLXWorker(WorkerBase):
         loaded = load_model(self.model_config.model, trust_remote_code=bool(self.model_config.trust_remote_code))
         if loaded.vision is not None:
             raise ValueError("vision-language models are not supported through vLLM on MLX yet")
-        check_supported(loaded.model, loaded.config.get("model_type", "?"))
+        # Recurrent state needs slots that vLLM's scheduler does not hand our runner yet.
+        check_supported(loaded.model, loaded.config.get("model_type", "?"), recurrent=False)
         prepare_model_weights(loaded.model, choose_weight_format("auto"))
         self.loaded = loaded
         self.kv_dtype = activation_dtype(loaded.model)

@@ -78,7 +78,7 @@ class ModelInfo:
     def read(cls, engine: AsyncEngineCore) -> ModelInfo:
         def info(core) -> ModelInfo:
             return cls(
-                core.tokenizer, core.max_model_len, core.model_config.get("vocab_size"), str(core.model_path)
+                core.tokenizer, core.max_model_len, core.vocab_size, str(core.model_path)
             )
 
         return engine.call(info)

@@ -1,0 +1,156 @@
+"""Models with sliding-window layers: an 8-turn chat and a batch, against mlx-lm.
+
+No such model can be downloaded here, so this builds one with random weights and real widths
+(timing does not depend on weight values): Gemma 3 1B's widths (hidden 1152, 4 heads, 1 KV head,
+head dim 256, MLP 6912, sliding window 512, one global layer in six) with fewer layers
+(``--layers``) to keep CPU runs short, and the default model's tokenizer.
+
+Part 1, an 8-turn chat (a long system prompt, so the conversation outgrows the window): per turn
+the prompt tokens computed and the TTFT of
+  vllm-mlx cached   prefix caching on (the default): earlier turns' blocks are reused
+  vllm-mlx cold     prefix caching off: every turn prefills the whole conversation
+  mlx-lm cache      the peer: one mlx-lm prompt cache kept across turns, fed the tokens after the
+                    longest common prefix (trimmed where mlx-lm can trim; rebuilt where it cannot,
+                    as a rotating sliding-window cache that has wrapped cannot be trimmed)
+
+Part 2, a batch: ``--batch`` prompts at once, vs ``mlx_lm.batch_generate`` on the same weights
+(the ``vllm-mlx bench`` comparison, for this architecture).
+
+    python bench/layer_families.py [--layers 6] [--max-tokens 32] [--batch 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import vllm_mlx  # noqa: F401  first: on Linux it preloads OpenBLAS before anything loads MLX
+
+GEMMA3_1B_WIDTHS = {
+    "model_type": "gemma3_text",
+    "hidden_size": 1152,
+    "intermediate_size": 6912,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "max_position_embeddings": 32768,
+}
+SYSTEM = "You are a meticulous assistant. Answer briefly and precisely. " * 40  # ~480 tokens
+TURNS = [
+    "What is a block table?", "Why keep a window of keys?", "What is evicted first?",
+    "How is padding masked?", "What does preemption cost?", "Why chunked prefill?",
+    "What is a cache salt?", "Summarise our talk.",
+]  # fmt: skip
+
+
+def build_model(args, out_dir: Path) -> Path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from tiny_model import build_tiny_llama
+
+    from vllm_mlx.models import resolve_model
+
+    return build_tiny_llama(out_dir, resolve_model("default"), num_hidden_layers=args.layers, **GEMMA3_1B_WIDTHS)
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def engine_chat(model_dir: Path, args, caching: bool) -> list[dict]:
+    """The 8 turns through the engine; the assistant's turns are its own (greedy) answers, the
+    same with caching on and off (the cache is invisible)."""
+    from vllm_mlx import SamplingParams
+    from vllm_mlx.engine_core import EngineCore
+
+    engine = EngineCore(model=str(model_dir), enable_prefix_caching=caching, force_model_takeover=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    messages, rows = [{"role": "system", "content": SYSTEM}], []
+    for question in TURNS:
+        messages.append({"role": "user", "content": question})
+        prompt = chat_ids(engine.tokenizer, messages)
+        start, first, final = time.monotonic(), None, None
+        rid = engine.add_request(prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == rid:
+                    first = first or (time.monotonic() - start if out.token_ids else None)
+                    final = out if out.finished else final
+        computed = len(prompt) - final.num_cached_tokens
+        rows.append({"prompt": len(prompt), "computed": computed, "ttft": first, "answer": final.text})
+        messages.append({"role": "assistant", "content": final.text})
+    engine.shutdown()
+    return rows
+
+
+def mlx_lm_chat(model_dir: Path, args, answers: list[str]) -> list[dict]:
+    """The peer: one prompt cache across turns, fed what it has not seen (same answers as ours)."""
+    import mlx_lm
+    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+    from vllm_mlx.cpu_backend import choose_weight_format, prepare_model_weights
+
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    prepare_model_weights(model, choose_weight_format("auto"))  # the same weights as the engine
+    cache, seen = make_prompt_cache(model), []
+    messages, rows = [{"role": "system", "content": SYSTEM}], []
+    for question, answer in zip(TURNS, answers):
+        messages.append({"role": "user", "content": question})
+        prompt = chat_ids(tokenizer, messages)
+        common = next((i for i, (a, b) in enumerate(zip(seen, prompt)) if a != b), min(len(seen), len(prompt)))
+        if common < len(seen) and can_trim_prompt_cache(cache):
+            trim_prompt_cache(cache, len(seen) - common)
+        elif common < len(seen):
+            cache, common = make_prompt_cache(model), 0  # cannot trim a wrapped rotating cache
+        start, first, generated = time.monotonic(), None, []
+        for step in mlx_lm.stream_generate(model, tokenizer, prompt[common:], max_tokens=args.max_tokens, prompt_cache=cache):
+            first = first or time.monotonic() - start
+            generated.append(step.token)
+        seen = prompt + generated[:-1]  # the last sampled token was never fed back
+        rows.append({"prompt": len(prompt), "computed": len(prompt) - common, "ttft": first})
+        messages.append({"role": "assistant", "content": answer})
+    return rows
+
+
+def batch_throughput(model_dir: Path, args) -> None:
+    from vllm_mlx.entrypoints.bench import main as bench_main
+
+    bench_main(["--model", str(model_dir), "--num-requests", str(args.batch), "--max-tokens", str(args.max_tokens),
+                "--min-prompt", "64", "--max-prompt", "256", "--scenario", "together"])  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--skip-batch", action="store_true")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_model(args, Path(tmp) / "gemma3-1b-widths")
+        print(f"gemma3_text, Gemma 3 1B widths, {args.layers} layers (window 512), {args.max_tokens} tokens per answer")
+        cached = engine_chat(model_dir, args, caching=True)
+        cold = engine_chat(model_dir, args, caching=False)
+        peer = mlx_lm_chat(model_dir, args, [row["answer"] for row in cached])
+        print(f"\n{'turn':>4s}{'prompt':>8s} | {'computed: cached':>17s}{'cold':>7s}{'mlx-lm':>8s} | "
+              f"{'TTFT s: cached':>15s}{'cold':>8s}{'mlx-lm':>8s}")  # fmt: skip
+        for turn, (a, b, c) in enumerate(zip(cached, cold, peer), 1):
+            print(f"{turn:4d}{a['prompt']:8d} | {a['computed']:17d}{b['computed']:7d}{c['computed']:8d} | "
+                  f"{a['ttft']:15.3f}{b['ttft']:8.3f}{c['ttft']:8.3f}")  # fmt: skip
+        later = slice(1, None)  # turn 1 is cold for everyone
+        mean = lambda rows: statistics.mean(r["ttft"] for r in rows[later])  # noqa: E731
+        print(f"mean TTFT turns 2-8: cached {mean(cached):.3f} s, cold {mean(cold):.3f} s, mlx-lm {mean(peer):.3f} s; "
+              f"cached/cold {mean(cached) / mean(cold):.2f}x, cached/mlx-lm {mean(cached) / mean(peer):.2f}x")  # fmt: skip
+        if not args.skip_batch:
+            print()
+            batch_throughput(model_dir, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""Hybrid recurrent models in the paged engine: LFM2 (short convolutions), Qwen3.5 and Qwen3-Next
+(gated delta-nets), granitemoehybrid and nemotron_h (Mamba-2), each with attention layers too.
+
+The oracle is mlx-lm itself: greedy tokens of our engine equal ``mlx_lm.stream_generate``'s on the
+same directory, however requests arrive, are padded into shared forward calls, chunked,
+preempted or re-run after a failed step. The recurrent state lives in a slot per running
+request, owned through the KV manager's front door: no slot outlives its request.
+"""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny_model import (
+    TINY_GRANITE_HYBRID,
+    TINY_LFM2,
+    TINY_NEMOTRON_H,
+    TINY_QWEN3_5,
+    TINY_QWEN3_NEXT,
+    build_tiny_llama,
+)
+
+from vllm_mlx import SamplingParams
+from vllm_mlx.attention import RECURRENT_ARCHITECTURES, UnsupportedModelError, check_supported, layer_specs
+from vllm_mlx.engine_core import EngineCore, kv_bytes_per_token
+from vllm_mlx.kv_spec import FullAttentionSpec, RecurrentStateSpec
+from vllm_mlx.paged_cache import PagedCacheManager
+from vllm_mlx.state_pool import RecurrentLayerCache, StateArray, StateBatch, StateLayout, StatePool
+
+ARCHS = {
+    "lfm2": TINY_LFM2,
+    "qwen3_5": TINY_QWEN3_5,
+    "qwen3_next": TINY_QWEN3_NEXT,
+    "granitemoehybrid": TINY_GRANITE_HYBRID,
+    "nemotron_h": TINY_NEMOTRON_H,
+}
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog and keeps running far away.",
+    "One two three four five six seven eight nine ten eleven twelve thirteen",
+    "One two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen",
+    "A much longer prompt " * 6,
+]
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+FULL = FullAttentionSpec()
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def arch(request, tmp_path_factory, default_model_dir):
+    """(name, model directory, mlx-lm's greedy tokens for PROMPTS) of one architecture."""
+    name = request.param
+    path = build_tiny_llama(tmp_path_factory.mktemp(name), default_model_dir, **ARCHS[name])
+    return name, path, mlx_lm_tokens(path)
+
+
+def mlx_lm_tokens(path, prompts=PROMPTS) -> list[list[int]]:
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(str(path))
+    return [
+        [r.token for r in mlx_lm.stream_generate(model, tokenizer, tokenizer.encode(p), max_tokens=GREEDY.max_tokens)]
+        for p in prompts
+    ]
+
+
+def finish(engine: EngineCore, final: dict | None = None) -> dict:
+    final = {} if final is None else final
+    while engine.has_unfinished_requests():
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    return final
+
+
+def run_all(engine: EngineCore, prompts=PROMPTS) -> list[list[int]]:
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    final = finish(engine)
+    return [final[i].outputs[0].token_ids for i in ids]
+
+
+def assert_nothing_held(engine: EngineCore) -> None:
+    stats = engine.kv_cache.stats()
+    assert stats.num_used_blocks == 0 and stats.num_used_state_slots == 0
+    engine.kv_cache.check_invariants()
+    engine.scheduler.check_invariants()
+
+
+@pytest.fixture
+def engine_factory(arch):
+    engines = []
+
+    def make(**options) -> EngineCore:
+        engine = EngineCore(model=str(arch[1]), **options)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+
+
+# -- what the engine accepts ------------------------------------------------------------------
+
+
+def test_layer_specs_name_the_recurrent_layers(arch):
+    import mlx_lm
+
+    name, path, _ = arch
+    model, _ = mlx_lm.load(str(path))
+    specs = layer_specs(model)
+    state = RecurrentStateSpec(1 if name == "lfm2" else 2, pads=RECURRENT_ARCHITECTURES[name])
+    expected = {
+        "lfm2": [state, FULL],
+        "nemotron_h": [state, FULL, state],  # its MLP layer has no cache
+    }.get(name, [state, FULL] * 2)
+    assert specs == expected
+
+
+def test_unchecked_recurrent_architectures_are_refused_naming_the_cache():
+    import mlx_lm.models.mamba2 as mamba2
+
+    args = mamba2.ModelArgs(
+        model_type="mamba2", num_heads=4, head_dim=16, vocab_size=32, hidden_size=64, intermediate_size=64,
+        state_size=16, num_hidden_layers=2, layer_norm_epsilon=1e-5, conv_kernel=4, n_groups=1, use_bias=False,
+        use_conv_bias=True, tie_word_embeddings=True, time_step_limit=(0.0, float("inf")), time_step_rank="auto",
+    )  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match="'mamba2' needs ArraysCache caches"):
+        check_supported(mamba2.Model(args))
+
+
+def test_the_vllm_plugin_path_still_refuses_recurrent_layers(tmp_path, default_model_dir):
+    import mlx_lm
+
+    model, _ = mlx_lm.load(str(build_tiny_llama(tmp_path / "lfm2", default_model_dir, **TINY_LFM2)))
+    assert isinstance(check_supported(model)[0], RecurrentStateSpec)
+    with pytest.raises(UnsupportedModelError, match="'lfm2' needs ArraysCache"):
+        check_supported(model, recurrent=False)
+
+
+# -- engine == mlx-lm -------------------------------------------------------------------------
+
+
+def test_prompts_arriving_together_equal_mlx_lm(engine_factory, arch):
+    name, _, expected = arch
+    engine = engine_factory()
+    assert run_all(engine) == expected
+    first = engine.step_records[0]  # every prompt prefilled in one step, in as few calls as allowed
+    assert len(first.request_ids) == len(PROMPTS)
+    distinct_lengths = len(set(first.num_new_tokens))
+    if RECURRENT_ARCHITECTURES[name]:
+        assert first.num_forward_calls < distinct_lengths  # some rows were padded
+    else:
+        assert first.num_forward_calls == distinct_lengths  # never padded
+    assert_nothing_held(engine)
+
+
+def test_chunked_prefill_carries_the_state_across_chunks(engine_factory, arch):
+    engine = engine_factory(block_size=4, max_num_batched_tokens=11)
+    assert run_all(engine) == arch[2]
+    chunks = [n for r in engine.step_records for n in r.num_new_tokens if n > 1]
+    assert chunks and max(chunks) <= 11 and len(chunks) > len(PROMPTS)  # prompts were split
+    assert_nothing_held(engine)
+
+
+def test_staggered_arrivals_and_preemption_equal_mlx_lm(engine_factory, arch):
+    # 13 usable blocks of 4 tokens cannot hold the five requests at once: preemption happens.
+    engine = engine_factory(block_size=4, num_kv_blocks=14, max_num_batched_tokens=16)
+    request_ids, final = [], {}
+    for step in range(5000):
+        if step % 2 == 0 and len(request_ids) < len(PROMPTS):
+            request_ids.append(engine.add_request(PROMPTS[len(request_ids)], GREEDY))
+        elif not engine.has_unfinished_requests():
+            break
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+        engine.kv_cache.check_invariants()
+    assert [final[i].outputs[0].token_ids for i in request_ids] == arch[2]
+    assert engine.scheduler.num_preemptions > 0
+    assert_nothing_held(engine)
+
+
+def test_prefix_caching_is_off_for_recurrent_models_and_invisible(engine_factory, arch):
+    """No checkpoints of the state yet: a recurrent model gets no prefix hit (the state at the
+    hit point is gone), so caching on must give exactly the output of caching off."""
+    prompts = [PROMPTS[4] + q for q in ("What is a state?", "Why recur?", "What is a state?")]
+    off_engine = engine_factory(enable_prefix_caching=False, block_size=4)
+    off = run_all(off_engine, prompts)
+    off_engine.shutdown()
+    on = engine_factory(block_size=4)
+    outs = []
+    for p in prompts:  # one after another: a model without recurrent layers would hit
+        rid = on.add_request(p, GREEDY)
+        outs.append(finish(on)[rid])
+    assert [o.outputs[0].token_ids for o in outs] == off
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0]
+    stats = on.scheduler.prefix_cache.stats()
+    assert stats.queries == 3 and stats.hits == 0 and stats.hit_tokens == 0
+    assert not on.kv_cache.resumes_prefixes
+
+
+def test_a_failed_step_is_rerun_from_the_state_before_it(engine_factory, arch):
+    """A step fails in its last forward call (the bad request's decode row) after a good request,
+    mid-prefill with state already in its slot, computed (and held) its next state; each request
+    is then re-run alone. Had the held state been written, the good request would advance its
+    state twice and diverge from mlx-lm."""
+    engine = engine_factory(max_num_batched_tokens=16)  # the good prompts prefill in chunks
+    forward = engine.runner._forward
+    calls: list[list[tuple[str, int]]] = []
+
+    def forward_then_fail(group, states):
+        calls.append([(s.request_id, s.num_computed_tokens) for s in group])
+        out = forward(group, states)
+        if any(s.request_id == "bad" and s.num_computed_tokens > 0 for s in group):
+            raise RuntimeError("injected fault")
+        return out
+
+    engine.runner._forward = forward_then_fail
+    engine.add_request(PROMPTS[0], GREEDY, "bad")
+    ids = [engine.add_request(p, GREEDY, f"good-{i}") for i, p in enumerate([PROMPTS[4], PROMPTS[3]])]
+    final = finish(engine)
+    assert final["bad"].outputs[0].finish_reason == "error"
+    assert [final[i].outputs[0].token_ids for i in ids] == [arch[2][4], arch[2][3]]
+    failed = next(i for i, call in enumerate(calls) if ("bad", 1) in call)
+    step_start = max(i for i, call in enumerate(calls[:failed]) if "bad" in dict(call)) + 1
+    same_step = [row for call in calls[step_start:failed] for row in call]
+    assert any(rid.startswith("good") and computed > 0 for rid, computed in same_step)  # state was held
+    assert_nothing_held(engine)
+
+
+# -- bookkeeping ------------------------------------------------------------------------------
+
+
+def test_random_joins_and_aborts_leak_no_slot_or_block(tmp_path, default_model_dir):
+    path = build_tiny_llama(tmp_path / "qwen3_5", default_model_dir, **TINY_QWEN3_5)
+    engine = EngineCore(model=str(path), block_size=4, num_kv_blocks=24, max_num_seqs=4, max_num_batched_tokens=12)
+    rng = random.Random(0)
+    live: list[str] = []
+    try:
+        for step in range(120):
+            action = rng.random()
+            if action < 0.3:
+                live.append(engine.add_request(rng.choice(PROMPTS), SamplingParams(max_tokens=rng.randint(1, 8), temperature=0)))
+            elif action < 0.45 and live:
+                engine.abort_request(live.pop(rng.randrange(len(live))))
+            engine.step()
+            engine.kv_cache.check_invariants()
+            engine.scheduler.check_invariants()
+            assert engine.kv_cache.stats().num_used_state_slots == engine.scheduler.num_running
+        finish(engine)
+        assert_nothing_held(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_a_state_slot_comes_with_the_first_allocation_and_goes_with_free():
+    kv = PagedCacheManager(num_blocks=10, block_size=4, num_state_slots=3)  # slots 1, 2
+    assert kv.allocate_slots("a", 5) == [1, 2]
+    assert kv.allocate_slots("b", 1) == [3]
+    assert (kv.get_state_slot("a"), kv.get_state_slot("b"), kv.get_state_slot("c")) == (1, 2, 0)
+    assert kv.allocate_slots("a", 9) == [4]  # growing keeps the slot
+    assert kv.allocate_slots("c", 1) is None  # no slot free: all or nothing
+    assert kv.get_block_ids("c") == [] and kv.get_num_free_blocks() == 5
+    kv.free("a")
+    assert kv.allocate_slots("c", 1) is not None and kv.get_state_slot("c") == 1
+    kv.check_invariants()
+    assert kv.stats().num_used_state_slots == 2 and kv.snapshot()["state_slots"] == {"b": 2, "c": 1}
+
+
+def test_recurrent_models_resume_no_prefix():
+    kv = PagedCacheManager(num_blocks=10, block_size=4, num_state_slots=3)
+    kv.allocate_slots("a", 8)
+    kv.cache_full_blocks("a", [b"h1", b"h2"], list(range(8)), num_full_blocks=2)
+    assert kv.get_computed_blocks("b", [b"h1", b"h2"]) == []
+    assert PagedCacheManager(num_blocks=10, block_size=4).resumes_prefixes
+
+
+# -- the cache object ------------------------------------------------------------------------
+
+
+def test_reads_gather_slots_fresh_rows_read_zeros_and_writes_wait_for_commit():
+    layout = StateLayout({0: (StateArray((2,), mx.float32), None)})
+    pool = StatePool(layout, num_slots=4)
+    pool.arrays[0][0] = mx.arange(8, dtype=mx.float32).reshape(4, 2)  # slot s holds [2s, 2s+1]
+    batch = StateBatch.build(slots=[3, 1], num_computed=[5, 0], num_new=[2, 1])
+    cache = RecurrentLayerCache(pool, 0, batch)
+    assert np.array(cache[0]).tolist() == [[6, 7], [0, 0]]  # row 1 has computed nothing yet
+    assert cache[1] is None  # never set by the model
+    assert np.array(cache.make_mask(2)).tolist() == [[True, True], [True, False]]
+    cache.advance(2)
+    assert np.array(cache.lengths).tolist() == [0, -1]
+    cache[0] = mx.full((2, 2), 9.0)
+    assert np.array(pool.arrays[0][0][3]).tolist() == [6, 7]  # held, not written
+    pool.commit(cache.writes())
+    assert np.array(pool.arrays[0][0]).tolist() == [[0, 1], [9, 9], [4, 5], [9, 9]]
+    unpadded = StateBatch.build(slots=[1, 2], num_computed=[0, 0], num_new=[3, 3])
+    assert unpadded.mask is None and unpadded.lengths is None and RecurrentLayerCache(pool, 0, unpadded)[0] is None
+
+
+def test_state_memory_comes_out_of_the_kv_budget(engine_factory, arch):
+    budget = 8 << 20
+    engine = engine_factory(kv_cache_memory=budget, max_num_seqs=8)
+    pool = engine.runner.state_pool
+    per_request = pool.layout.bytes_per_request
+    assert pool.num_slots == 9 and pool.nbytes == 9 * per_request
+    num_attention = sum(isinstance(s, FullAttentionSpec) for s in engine.runner.specs)
+    assert engine.kv_cache.num_blocks == engine.kv_layout.blocks_for_budget(budget - 9 * per_request, 16)
+    # The measured layout: attention layers per token (float32 here, as the config's shapes say),
+    # recurrent layers per request, in the snapshot with the slots for running requests.
+    per_token = kv_bytes_per_token(engine.model_config, 4, engine.runner.model, num_layers=num_attention)
+    assert engine.kv_layout.bytes_per_token == per_token
+    groups = engine.cache_snapshot(include_blocks=False)["kv_groups"]
+    [state] = [g for g in groups if g["kind"] == "recurrent_state"]
+    assert (state["bytes_per_request"], state["state_slots"], state["bytes_per_token"]) == (per_request, 8, 0)
+    engine.shutdown()
+    with pytest.raises(ValueError, match="cannot hold the recurrent state"):
+        engine_factory(kv_cache_memory=per_request * 9 - 1, max_num_seqs=8)

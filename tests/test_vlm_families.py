@@ -1,0 +1,238 @@
+"""Qwen3-VL (dense and MoE), Gemma 3, Mistral 3 and SmolVLM in the paged engine, on tiny
+random-weight models (tests/tiny_vlm.py).
+
+Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / LLaVA:
+
+* Qwen3-VL: deepstack (vision-block features added to the first text layers' hidden states at
+  the image positions) and interleaved multi-axis rotary positions.
+* Gemma 3: an image framed by ``<start_of_image>`` / ``<end_of_image>`` and newlines, features
+  scaled on the way in, and a text model alternating sliding-window (here 8 tokens, shorter
+  than every prompt) and global layers: the paged caches must apply the window.
+* Mistral 3: images at their own resolution (token count from the size), expanded to rows of
+  ``[IMG]`` separated by ``[IMG_BREAK]`` and closed by ``[IMG_END]``: features go to the
+  ``[IMG]`` positions only.
+* SmolVLM: an image split into tiles plus a global view, each framed by marker tokens
+  (``<fake_token_around_image><row_i_col_j>``); a text model without a hidden-state entry point.
+
+Both: one and two images equal mlx-vlm, batched with text-only requests equals solo (chunked
+prefills ending inside images, preemption), prefix cache on equals off with an image in the
+cached prefix, and the MLLM cache runs the encoder once for an image seen twice.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("mlx_vlm", reason="mlx-vlm (the `vlm` extra) is not installed")
+
+from test_multimodal import mlx_vlm_greedy, picture, run, tokens
+
+from vllm_mlx import EngineCore
+from vllm_mlx.attention import UnsupportedModelError
+from vllm_mlx.kv_spec import FullAttentionSpec, SlidingWindowSpec
+
+PLACEHOLDER = {
+    "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen3_vl_moe": "<|vision_start|><|image_pad|><|vision_end|>",
+    "gemma3": "<start_of_image>",
+    "mistral3": "[IMG]",
+    "smolvlm": "<image>",
+}
+
+
+@pytest.fixture(scope="module", params=list(PLACEHOLDER))
+def family(request, tmp_path_factory):
+    import tiny_vlm
+
+    name = request.param
+    return name, getattr(tiny_vlm, f"build_tiny_{name}")(tmp_path_factory.mktemp(name))
+
+
+@pytest.fixture(scope="module")
+def engine(family):
+    _, model_dir = family
+    engine = EngineCore(model=str(model_dir), num_kv_blocks=96, block_size=4, force_model_takeover=True)
+    yield engine
+    engine.shutdown()
+
+
+def make_engine(model_dir, **options) -> EngineCore:
+    return EngineCore(model=str(model_dir), block_size=4, force_model_takeover=True, **options)
+
+
+# -- engine == mlx-vlm ----------------------------------------------------------------------
+
+
+def test_one_image_equals_mlx_vlm(family, engine):
+    name, model_dir = family
+    image = picture(1, (100, 60))
+    text = PLACEHOLDER[name] + "What is in the picture?"
+    expected = mlx_vlm_greedy(model_dir, text, [image], max_tokens=8)
+    [out] = run(engine, [(text, [image])])
+    [bare] = run(engine, [("What is in the picture?", [image])])  # the engine adds the placeholder
+    assert out.outputs[0].token_ids == bare.outputs[0].token_ids == expected
+
+
+def test_two_images_in_order_equal_mlx_vlm(family, engine):
+    name, model_dir = family
+    a, b = picture(3), picture(4, (100, 60))
+    text = f"First {PLACEHOLDER[name]} then {PLACEHOLDER[name]} compare."
+    expected = mlx_vlm_greedy(model_dir, text, [a, b], max_tokens=8)
+    swapped = mlx_vlm_greedy(model_dir, text, [b, a], max_tokens=8)
+    assert tokens(run(engine, [(text, [a, b]), (text, [b, a])])) == [expected, swapped]
+    assert expected != swapped
+
+
+def test_the_prompt_is_expanded_as_mlx_vlm_expands_it(family, engine):
+    """Same token ids as mlx-vlm's processor, which expands the text before tokenizing. The tiny
+    Gemma 3 tokenizer, like Gemma's, has single tokens for runs of newlines: the "\n\n" around
+    an image must merge with the newlines next to the placeholder."""
+    from mlx_vlm import load
+
+    name, model_dir = family
+    _, processor = load(str(model_dir))
+    pad = PLACEHOLDER[name]
+    for text in [f"First {pad} then {pad} compare.", f"user\n{pad}\nWhat?", f"A:{pad}{pad}\n\nB", pad]:
+        images = [picture(i, (100, 60)) for i in range(text.count(pad))]
+        expected = processor(text=[text], images=images)["input_ids"][0].tolist()
+        assert engine.prepare_prompt(text, images).token_ids == expected, text
+    if name == "gemma3":  # "user\n" + "\n\n<start_of_image>" tokenized as one "\n\n\n"
+        [three_newlines] = engine.tokenizer.encode("\n\n\n", add_special_tokens=False)
+        assert three_newlines in engine.prepare_prompt(f"user\n{pad}\nWhat?", [picture(0)]).token_ids
+
+
+# -- batching, chunking, preemption -------------------------------------------------------------
+
+
+def test_batched_with_text_requests_equals_solo(family):
+    name, model_dir = family
+    pad = PLACEHOLDER[name]
+    prompts = [
+        ("Describe the image.", [picture(4)]),
+        ("Plain text, no image at all, long enough to pass the window.", []),
+        (f"Two of them: {pad} and {pad}.", [picture(5, (100, 60)), picture(6)]),
+        ("Short text.", []),
+        ("Another look.", [picture(7, (90, 90))]),
+    ]
+    # Small steps: prefill chunks end inside images; a small pool forces preemption.
+    options = {"num_kv_blocks": 30, "max_num_batched_tokens": 12, "enable_prefix_caching": False}
+    engine = make_engine(model_dir, **options)
+    try:
+        solo = [tokens(run(engine, [p]))[0] for p in prompts]
+        batched = tokens(run(engine, prompts))
+        preemptions = engine.get_stats()["scheduler"]["preemptions"]
+    finally:
+        engine.shutdown()
+    assert batched == solo
+    assert preemptions > 0
+    assert mlx_vlm_greedy(model_dir, pad + "Another look.", [picture(7, (90, 90))], 8) == solo[4]
+
+
+# -- caches -----------------------------------------------------------------------------------
+
+
+def test_prefix_cache_on_equals_off_with_an_image_in_the_prefix(family):
+    name, model_dir = family
+    image = picture(8)
+    prefix = f"You look at pictures closely. {PLACEHOLDER[name]} "
+    prompts = [(prefix + question, [image]) for question in ("What is it?", "What colour?", "What is it?")]
+
+    def outputs(enabled: bool):
+        engine = make_engine(model_dir, num_kv_blocks=96, enable_prefix_caching=enabled)
+        try:
+            first = engine.prepare_prompt(*prompts[0]).token_ids
+            image_end = max(i for i, t in enumerate(first) if t == engine.vision.image_token_id) + 1
+            outs = [run(engine, [p])[0] for p in prompts]
+            cached = [o.num_cached_tokens for o in outs]
+            return tokens(outs), cached, engine.get_stats()["mllm"], image_end, len(first)
+        finally:
+            engine.shutdown()
+
+    (on, cached_on, mllm_on, image_end, length), (off, cached_off, *_) = outputs(True), outputs(False)
+    assert on == off
+    assert cached_off == [0, 0, 0]
+    assert cached_on[1] >= image_end  # the shared prefix, image included, comes from the cache
+    assert cached_on[2] >= length - 4  # all but the last block
+    # Later prompts resume past the image: the encoder output is not even looked up.
+    assert mllm_on["encoder_runs"] == 1 and mllm_on["hits"] == 0
+
+
+def test_the_mllm_cache_encodes_an_image_seen_twice_once(family):
+    name, model_dir = family
+    image = picture(9)
+    # Different text before the image each time: no KV prefix reaches it.
+    prompts = [(f"{n} {PLACEHOLDER[name]} Describe.", [image]) for n in ("One", "Two")]
+
+    def outputs(enabled: bool):
+        engine = make_engine(model_dir, num_kv_blocks=96, enable_mllm_cache=enabled)
+        try:
+            return [tokens(run(engine, [p]))[0] for p in prompts], engine.get_stats()["mllm"]
+        finally:
+            engine.shutdown()
+
+    (on, on_stats), (off, off_stats) = outputs(True), outputs(False)
+    assert on == off
+    assert on_stats["encoder_runs"] == 1 and on_stats["hits"] == 1
+    assert off_stats["encoder_runs"] == 2
+
+
+# -- family specifics -------------------------------------------------------------------------
+
+
+def test_qwen3_vl_deepstack_features_reach_the_text_model(tmp_path):
+    """The oracle without deepstack answers differently, so equality above needs it."""
+    from mlx_vlm import load
+    from mlx_vlm.generate import stream_generate
+    from tiny_vlm import build_tiny_qwen3_vl
+
+    model_dir = build_tiny_qwen3_vl(tmp_path / "qwen3-vl")
+    text, image = PLACEHOLDER["qwen3_vl"] + "What is in the picture?", picture(1, (100, 60))
+    with_deepstack = mlx_vlm_greedy(model_dir, text, [image], max_tokens=8)
+    model, processor = load(str(model_dir))
+    model.vision_tower.deepstack_visual_indexes = []  # the tower then returns no deepstack features
+    processor.tokenizer.stopping_criteria = lambda token: False
+    steps = stream_generate(model, processor, text, image=[image], max_tokens=8, temperature=0.0)
+    assert [s.token for s in steps][:8] != with_deepstack
+
+
+def test_gemma3_reports_its_sliding_window_and_the_window_matters(tmp_path):
+    from tiny_vlm import build_tiny_gemma3
+
+    image = picture(2, (100, 60))
+    text = PLACEHOLDER["gemma3"] + "What is in the picture?"  # 33 tokens: past the window of 8
+    results = {}
+    for window in (8, 4096):
+        model_dir = build_tiny_gemma3(tmp_path / f"w{window}", sliding_window=window)
+        engine = make_engine(model_dir, num_kv_blocks=64)
+        try:
+            assert engine.runner.specs == [SlidingWindowSpec(window), FullAttentionSpec()] * 2
+            results[window] = tokens(run(engine, [(text, [image])]))[0]
+        finally:
+            engine.shutdown()
+        assert results[window] == mlx_vlm_greedy(model_dir, text, [image], max_tokens=8)
+    assert results[8] != results[4096]
+
+
+def test_qwen3_5_is_refused_with_the_reason(tmp_path, tiny_qwen2_vl_dir):
+    import shutil
+
+    other = tmp_path / "qwen3-5"
+    shutil.copytree(tiny_qwen2_vl_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_5"}))
+    with pytest.raises(UnsupportedModelError, match="qwen3_5.*recurrent state.*supported: gemma3, llava"):
+        EngineCore(model=str(other))
+
+
+def test_mistral3_with_a_ministral3_text_model_is_refused_before_loading(tmp_path):
+    """mlx-vlm's ministral3 text model scales attention by the first row's position only."""
+    from tiny_vlm import build_tiny_mistral3
+
+    model_dir = build_tiny_mistral3(tmp_path / "mistral3")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["text_config"]["model_type"] = "ministral3"
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="'mistral3'.*text model 'ministral3'.*first row"):
+        EngineCore(model=str(model_dir))

@@ -1,0 +1,187 @@
+"""Recurrent state for unmodified mlx-lm models: a slot pool and mlx-lm's ``ArraysCache`` protocol.
+
+Hybrid models (Qwen3.5/Qwen3-Next gated delta-nets, LFM2 short convolutions, Mamba-2 hybrids)
+keep, per recurrent layer, a few arrays of fixed size per sequence: ``cache[0]`` a convolution
+window, ``cache[1]`` an SSM or delta-net state. Their code reads ``cache[i]`` (None: start from
+zeros), assigns ``cache[i] = new``, calls ``cache.advance(T)``, and, for right-padded batches,
+masks padded tokens with ``cache.make_mask(T)`` and takes the state at each row's last real
+token through ``cache.lengths``.
+
+* ``StatePool`` holds, per recurrent layer and array, one ``[num_slots, ...]`` array; a running
+  request owns one slot (``state_slots.py``, on the scheduler's side). Shapes and dtypes come
+  from a probe: one token through the model with mlx-lm's own caches (``probe_state_layout``).
+* ``RecurrentLayerCache`` is one layer's cache in one forward call: ``cache[i]`` gathers the
+  rows' slots (zeros for a request that has computed nothing yet, so slots never need clearing),
+  ``cache[i] = v`` is *held*, not written.
+* Held states are written to the pool only once the whole step succeeded (``StatePool.commit``).
+  The engine re-runs each request of a failed step alone; a re-run must start from the state
+  before the step, so a failed step leaves the pool untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from vllm_mlx.kv_spec import LayerSpec, is_recurrent
+
+
+@dataclass(frozen=True)
+class StateArray:
+    """One state array of one request: its shape (without the batch axis) and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: mx.Dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.size
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Per recurrent layer (its cache index), its state arrays; None for an array the model
+    never sets."""
+
+    layers: dict[int, tuple[StateArray | None, ...]]
+
+    @property
+    def bytes_per_request(self) -> int:
+        return sum(a.nbytes for arrays in self.layers.values() for a in arrays if a is not None)
+
+
+def probe_state_layout(model, specs: list[LayerSpec]) -> StateLayout:
+    """Run one token through ``model`` with mlx-lm's own caches and read the state arrays it
+    leaves (shapes do not depend on the sequence length; dtypes are the model's own)."""
+    caches = model.make_cache()
+    mx.eval(model(mx.array([[0]]), cache=caches))
+    layers = {}
+    for index, spec in enumerate(specs):
+        if is_recurrent(spec):
+            arrays = [caches[index][i] for i in range(spec.num_arrays)]
+            layers[index] = tuple(None if a is None else StateArray(tuple(a.shape[1:]), a.dtype) for a in arrays)
+    return StateLayout(layers)
+
+
+@dataclass
+class StateBatch:
+    """The rows of one forward call as the recurrent layers see them (shared by every layer)."""
+
+    slots: mx.array  # (B,) state slot of each row
+    keep: mx.array | None  # (B,) False for rows starting from zeros; None when no row does
+    all_fresh: bool  # every row starts from zeros: reads return None (the model makes zeros)
+    lengths: mx.array | None  # (B,) real tokens per row when rows are padded, else None
+    mask: mx.array | None  # (B, T) real (not padding) tokens when rows are padded, else None
+
+    @classmethod
+    def build(cls, slots: list[int], num_computed: list[int], num_new: list[int]) -> StateBatch:
+        fresh = np.array(num_computed) == 0
+        width = max(num_new)
+        padded = any(n != width for n in num_new)
+        lengths = np.array(num_new, dtype=np.int32)
+        return cls(
+            slots=mx.array(np.array(slots, dtype=np.int32)),
+            keep=mx.array(~fresh) if fresh.any() and not fresh.all() else None,
+            all_fresh=bool(fresh.all()),
+            lengths=mx.array(lengths) if padded else None,
+            mask=mx.array(np.arange(width)[None, :] < lengths[:, None]) if padded else None,
+        )
+
+
+@dataclass
+class StateWrite:
+    """A state array computed in a step, to be written at ``slots`` once the step succeeded."""
+
+    layer: int
+    index: int
+    slots: mx.array
+    value: mx.array
+
+
+class StatePool:
+    """The recurrent state of every request: per layer and array, ``[num_slots, ...]``.
+
+    Slot 0 is the null slot (never a request's). Allocated up front from the probed layout, so
+    its memory is counted before the KV pool is sized.
+    """
+
+    def __init__(self, layout: StateLayout, num_slots: int) -> None:
+        self.layout = layout
+        self.num_slots = num_slots
+        self.arrays: dict[int, list[mx.array | None]] = {
+            layer: [None if a is None else mx.zeros((num_slots, *a.shape), dtype=a.dtype) for a in arrays]
+            for layer, arrays in layout.layers.items()
+        }
+
+    def read(self, layer: int, index: int, batch: StateBatch) -> mx.array | None:
+        """Rows' state array ``index`` of ``layer`` (zeros for fresh rows), or None when every
+        row is fresh or the model never sets this array."""
+        pool = self.arrays[layer][index]
+        if pool is None or batch.all_fresh:
+            return None
+        value = pool[batch.slots]
+        if batch.keep is not None:
+            value = mx.where(batch.keep.reshape(-1, *([1] * (value.ndim - 1))), value, mx.zeros_like(value))
+        return value
+
+    def commit(self, writes: list[StateWrite]) -> None:
+        """Write a successful step's states into the pool."""
+        for w in writes:
+            pool = self.arrays[w.layer][w.index]
+            if pool is None:
+                raise ValueError(f"layer {w.layer} set state array {w.index}, which the probe never saw")
+            pool[w.slots] = w.value.astype(pool.dtype)
+        if writes:
+            mx.eval(self.all_arrays())
+
+    def all_arrays(self) -> list[mx.array]:
+        return [a for arrays in self.arrays.values() for a in arrays if a is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.all_arrays())
+
+
+@dataclass
+class RecurrentLayerCache:
+    """mlx-lm's ``ArraysCache`` protocol for one recurrent layer during one forward call.
+
+    ``lengths`` starts as the rows' real token counts (None when no row is padded) and, as in
+    mlx-lm, ``advance(T)`` lowers it. ``make_mask(T)`` is True on real tokens (None: no padding).
+    """
+
+    pool: StatePool
+    layer: int
+    batch: StateBatch
+    lengths: mx.array | None = None
+    held: dict[int, mx.array] = field(default_factory=dict)
+    _read: dict[int, mx.array | None] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.lengths = self.batch.lengths
+
+    def __getitem__(self, index: int) -> mx.array | None:
+        if index in self.held:
+            return self.held[index]
+        if index not in self._read:
+            self._read[index] = self.pool.read(self.layer, index, self.batch)
+        return self._read[index]
+
+    def __setitem__(self, index: int, value: mx.array) -> None:
+        self.held[index] = value
+
+    def __bool__(self) -> bool:  # models test ``if cache:``
+        return True
+
+    def advance(self, num_tokens: int) -> None:
+        if self.lengths is not None:
+            self.lengths = self.lengths - num_tokens
+
+    def make_mask(self, num_tokens: int, **_) -> mx.array | None:
+        return self.batch.mask
+
+    def writes(self) -> list[StateWrite]:
+        """What this call computed, for ``StatePool.commit`` once the step succeeded."""
+        return [StateWrite(self.layer, i, self.batch.slots, v) for i, v in self.held.items()]

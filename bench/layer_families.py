@@ -1,9 +1,13 @@
-"""Models with sliding-window layers: an 8-turn chat and a batch, against mlx-lm.
+"""Models with sliding-window or recurrent layers: an 8-turn chat and a batch, against mlx-lm.
 
 No such model can be downloaded here, so this builds one with random weights and real widths
-(timing does not depend on weight values): Gemma 3 1B's widths (hidden 1152, 4 heads, 1 KV head,
-head dim 256, MLP 6912, sliding window 512, one global layer in six) with fewer layers
-(``--layers``) to keep CPU runs short, and the default model's tokenizer.
+(timing does not depend on weight values), with fewer layers (``--layers``) to keep CPU runs
+short, and the default model's tokenizer:
+  --family gemma3   Gemma 3 1B's widths (hidden 1152, 4 heads, 1 KV head, head dim 256, MLP 6912,
+                    sliding window 512, one global layer in six)
+  --family qwen3_5  a Qwen3.5-style hybrid at 2B-class widths (hidden 2048, MLP 6144; gated
+                    delta-net layers with 16 key / 16 value heads of 128, one full-attention layer
+                    in four with 8 heads, 2 KV heads of 256)
 
 Part 1, an 8-turn chat (a long system prompt, so the conversation outgrows the window): per turn
 the prompt tokens computed and the TTFT of
@@ -16,7 +20,7 @@ the prompt tokens computed and the TTFT of
 Part 2, a batch: ``--batch`` prompts at once, vs ``mlx_lm.batch_generate`` on the same weights
 (the ``vllm-mlx bench`` comparison, for this architecture).
 
-    python bench/layer_families.py [--layers 6] [--max-tokens 32] [--batch 8]
+    python bench/layer_families.py [--family gemma3|qwen3_5] [--layers 6] [--max-tokens 32] [--batch 8]
 """
 
 from __future__ import annotations
@@ -42,6 +46,23 @@ GEMMA3_1B_WIDTHS = {
     "sliding_window_pattern": 6,
     "max_position_embeddings": 32768,
 }
+QWEN3_5_2B_CLASS_WIDTHS = {
+    "model_type": "qwen3_5",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "full_attention_interval": 4,
+    "linear_num_value_heads": 16,
+    "linear_num_key_heads": 16,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "rope_parameters": {"type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    "max_position_embeddings": 32768,
+}
+FAMILIES = {"gemma3": GEMMA3_1B_WIDTHS, "qwen3_5": QWEN3_5_2B_CLASS_WIDTHS}
 SYSTEM = "You are a meticulous assistant. Answer briefly and precisely. " * 40  # ~480 tokens
 TURNS = [
     "What is a block table?", "Why keep a window of keys?", "What is evicted first?",
@@ -56,7 +77,8 @@ def build_model(args, out_dir: Path) -> Path:
 
     from vllm_mlx.models import resolve_model
 
-    return build_tiny_llama(out_dir, resolve_model("default"), num_hidden_layers=args.layers, **GEMMA3_1B_WIDTHS)
+    widths = FAMILIES[args.family]
+    return build_tiny_llama(out_dir, resolve_model("default"), num_hidden_layers=args.layers, **widths)
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -127,14 +149,16 @@ def batch_throughput(model_dir: Path, args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="gemma3")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--skip-batch", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_model(args, Path(tmp) / "gemma3-1b-widths")
-        print(f"gemma3_text, Gemma 3 1B widths, {args.layers} layers (window 512), {args.max_tokens} tokens per answer")
+        model_dir = build_model(args, Path(tmp) / args.family)
+        print(f"{FAMILIES[args.family]['model_type']} ({args.family} widths), {args.layers} layers, "
+              f"{args.max_tokens} tokens per answer")
         cached = engine_chat(model_dir, args, caching=True)
         cold = engine_chat(model_dir, args, caching=False)
         peer = mlx_lm_chat(model_dir, args, [row["answer"] for row in cached])

@@ -134,8 +134,9 @@ def test_the_vllm_plugin_path_still_refuses_recurrent_layers(tmp_path, default_m
 
     model, _ = mlx_lm.load(str(build_tiny_llama(tmp_path / "lfm2", default_model_dir, **TINY_LFM2)))
     assert isinstance(check_supported(model)[0], RecurrentStateSpec)
-    with pytest.raises(UnsupportedModelError, match="'lfm2' needs ArraysCache"):
+    with pytest.raises(UnsupportedModelError, match="'lfm2' needs ArraysCache") as refused:
         check_supported(model, recurrent=False)
+    assert "vllm-mlx's own engine serves them" in str(refused.value)
 
 
 # -- engine == mlx-lm -------------------------------------------------------------------------

@@ -89,8 +89,15 @@ def layer_specs(model, model_type: str | None = None, recurrent: bool = True) ->
             "RotatingKVCache layers, and keeps the recurrent ArraysCache state of "
             f"{', '.join(sorted(RECURRENT_ARCHITECTURES)) if recurrent else 'no architecture here'}; "
             "other recurrent or chunked layers are refused)"
+            + ("" if recurrent else _THROUGH_VLLM)
         )
     return specs
+
+
+_THROUGH_VLLM = (
+    ". Through vLLM (the MLX platform plugin) recurrent layers are not served yet; vllm-mlx's own "
+    "engine serves them: `vllm-mlx serve MODEL` or `vllm_mlx.LLM(MODEL)`"
+)
 
 
 def check_supported(model, model_type: str | None = None, recurrent: bool = True) -> list[LayerSpec]:

@@ -222,7 +222,7 @@ def test_qwen3_5_is_refused_with_the_reason(tmp_path, tiny_qwen2_vl_dir):
     shutil.copytree(tiny_qwen2_vl_dir, other)
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_5"}))
-    with pytest.raises(UnsupportedModelError, match="qwen3_5.*recurrent state.*supported: gemma3, llava"):
+    with pytest.raises(UnsupportedModelError, match="qwen3_5.*no vision adapter yet.*supported: gemma3, llava"):
         EngineCore(model=str(other))
 
 

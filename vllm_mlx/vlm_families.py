@@ -381,7 +381,7 @@ FAMILIES: tuple[type[VisionLanguageModel], ...] = (
 
 # Architectures mlx-vlm runs that the paged engine refuses for a known reason.
 NOT_YET: dict[str, str] = {
-    family: "its text model interleaves Gated DeltaNet (recurrent state) layers with attention, "
-    "and the paged engine has no recurrent-state layers yet"
+    family: "no vision adapter yet: its hybrid text model (Gated DeltaNet + attention) runs as "
+    "text-only qwen3_5, but the vision side (tower and prompt expansion) is not adapted"
     for family in ("qwen3_5", "qwen3_5_moe")
 }

@@ -14,6 +14,8 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
+from oracles import engine_tokens, finish
+from oracles import mlx_lm_tokens as oracle_tokens
 from tiny_model import (
     TINY_GRANITE_HYBRID,
     TINY_LFM2,
@@ -56,27 +58,12 @@ def arch(request, tmp_path_factory, default_model_dir):
     return name, path, mlx_lm_tokens(path)
 
 
-def mlx_lm_tokens(path, prompts=PROMPTS) -> list[list[int]]:
-    import mlx_lm
-
-    model, tokenizer = mlx_lm.load(str(path))
-    return [
-        [r.token for r in mlx_lm.stream_generate(model, tokenizer, tokenizer.encode(p), max_tokens=GREEDY.max_tokens)]
-        for p in prompts
-    ]
-
-
-def finish(engine: EngineCore, final: dict | None = None) -> dict:
-    final = {} if final is None else final
-    while engine.has_unfinished_requests():
-        final.update((o.request_id, o) for o in engine.step() if o.finished)
-    return final
+def mlx_lm_tokens(path, prompts=PROMPTS, max_tokens=GREEDY.max_tokens) -> list[list[int]]:
+    return oracle_tokens(path, prompts, max_tokens)
 
 
 def run_all(engine: EngineCore, prompts=PROMPTS) -> list[list[int]]:
-    ids = [engine.add_request(p, GREEDY) for p in prompts]
-    final = finish(engine)
-    return [final[i].outputs[0].token_ids for i in ids]
+    return engine_tokens(engine, prompts, GREEDY)
 
 
 def assert_nothing_held(engine: EngineCore) -> None:

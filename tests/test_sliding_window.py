@@ -11,6 +11,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from oracles import engine_tokens
+from oracles import mlx_lm_tokens as oracle_tokens
 from tiny_model import TINY_GEMMA3, TINY_GPT_OSS, build_tiny_llama
 
 from vllm_mlx import SamplingParams
@@ -49,21 +51,11 @@ def arch(request, tmp_path_factory, default_model_dir):
 
 
 def mlx_lm_tokens(path, prompts=PROMPTS, max_tokens=GREEDY.max_tokens) -> list[list[int]]:
-    import mlx_lm
-
-    model, tokenizer = mlx_lm.load(str(path))
-    return [
-        [r.token for r in mlx_lm.stream_generate(model, tokenizer, tokenizer.encode(p), max_tokens=max_tokens)]
-        for p in prompts
-    ]
+    return oracle_tokens(path, prompts, max_tokens)
 
 
 def run_all(engine: EngineCore, prompts=PROMPTS) -> list[list[int]]:
-    ids = [engine.add_request(p, GREEDY) for p in prompts]
-    final = {}
-    while engine.has_unfinished_requests():
-        final.update((o.request_id, o) for o in engine.step() if o.finished)
-    return [final[i].outputs[0].token_ids for i in ids]
+    return engine_tokens(engine, prompts, GREEDY)
 
 
 @pytest.fixture

@@ -1,0 +1,30 @@
+"""The two sides of the engine == mlx-lm oracle tests: mlx-lm's own greedy generation on a model
+directory, and the engine's greedy tokens for the same prompts run to the end."""
+
+from __future__ import annotations
+
+
+def mlx_lm_tokens(path, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """mlx-lm's ``stream_generate`` greedy tokens for each prompt, alone."""
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(str(path))
+    return [
+        [r.token for r in mlx_lm.stream_generate(model, tokenizer, tokenizer.encode(p), max_tokens=max_tokens)]
+        for p in prompts
+    ]
+
+
+def finish(engine, final: dict | None = None) -> dict:
+    """Step ``engine`` until idle; the final outputs by request id (added to ``final``)."""
+    final = {} if final is None else final
+    while engine.has_unfinished_requests():
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    return final
+
+
+def engine_tokens(engine, prompts: list[str], params) -> list[list[int]]:
+    """Submit every prompt at once, run to the end; each prompt's tokens, in order."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    final = finish(engine)
+    return [final[i].outputs[0].token_ids for i in ids]

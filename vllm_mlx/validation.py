@@ -20,10 +20,20 @@ def check_encodable(name: str, text: str) -> None:
     JSON (and Python) strings may hold unpaired surrogates (``"\\ud800"``); tokenizers and
     the block hashes need UTF-8, so such text is refused where it enters.
     """
+    if not is_encodable(text):
+        index = next(i for i, char in enumerate(text) if "\ud800" <= char <= "\udfff")
+        raise ValueError(f"{name} is not valid Unicode: unpaired surrogate at index {index}")
+
+
+def is_encodable(text: str) -> bool:
+    """True when ``text`` encodes as UTF-8 (it holds no unpaired surrogate)."""
+    if text.isascii():
+        return True
     try:
         text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"{name} is not valid Unicode: unpaired surrogate at index {exc.start}") from None
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -86,10 +86,6 @@ class WaitingQueue:
             del self._by_key[key]
         self._len -= 1
 
-    def keys(self) -> list[str]:
-        """The fairness keys with waiting requests, in rotation order."""
-        return list(self._by_key)
-
     def __len__(self) -> int:
         return self._len
 

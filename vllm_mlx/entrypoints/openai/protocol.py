@@ -14,6 +14,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
+from vllm_mlx.validation import is_encodable
+
 MAX_LOGPROBS = 20
 
 
@@ -84,7 +86,7 @@ class SamplingFields(_Strict):
 def _unencodable_path(value, path: str = "") -> str | None:
     """The dotted path of the first string (or dict key) in ``value`` that is not valid UTF-8."""
     if isinstance(value, str):
-        return None if value.isascii() or _encodes(value) else path
+        return None if is_encodable(value) else path
     if isinstance(value, dict):
         items = value.items()
     elif isinstance(value, (list, tuple)):
@@ -93,20 +95,12 @@ def _unencodable_path(value, path: str = "") -> str | None:
         return None
     for key, item in items:
         where = f"{path}.{key}" if path else str(key)
-        if isinstance(key, str) and not _encodes(key):
+        if isinstance(key, str) and not is_encodable(key):
             return path or "body"
         found = _unencodable_path(item, where)
         if found is not None:
             return found
     return None
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class TextPart(_Strict):

@@ -4,7 +4,9 @@
 The oracle is mlx-lm itself: greedy tokens of our engine equal ``mlx_lm.stream_generate``'s on the
 same directory, however requests arrive, are padded into shared forward calls, chunked,
 preempted or re-run after a failed step. The recurrent state lives in a slot per running
-request, owned through the KV manager's front door: no slot outlives its request.
+request, owned through the KV manager's front door: no slot outlives its request. Prefix hits
+resume from state checkpoints kept at block boundaries: caching on equals caching off, and a
+conversation's next turn resumes where the previous answer's last full block ended.
 """
 
 from __future__ import annotations
@@ -56,6 +58,12 @@ def arch(request, tmp_path_factory, default_model_dir):
     name = request.param
     path = build_tiny_llama(tmp_path_factory.mktemp(name), default_model_dir, **ARCHS[name])
     return name, path, mlx_lm_tokens(path)
+
+
+def load_tokenizer(path):
+    from mlx_lm.tokenizer_utils import load
+
+    return load(path)
 
 
 def mlx_lm_tokens(path, prompts=PROMPTS, max_tokens=GREEDY.max_tokens) -> list[list[int]]:
@@ -167,31 +175,24 @@ def test_staggered_arrivals_and_preemption_equal_mlx_lm(engine_factory, arch):
     assert_nothing_held(engine)
 
 
-def test_prefix_caching_is_off_for_recurrent_models_and_invisible(engine_factory, arch):
-    """No checkpoints of the state yet: a recurrent model gets no prefix hit (the state at the
-    hit point is gone), so caching on must give exactly the output of caching off."""
-    prompts = [PROMPTS[4] + q for q in ("What is a state?", "Why recur?", "What is a state?")]
-    off_engine = engine_factory(enable_prefix_caching=False, block_size=4)
-    off = run_all(off_engine, prompts)
-    off_engine.shutdown()
-    on = engine_factory(block_size=4)
-    outs = []
-    for p in prompts:  # one after another: a model without recurrent layers would hit
-        rid = on.add_request(p, GREEDY)
-        outs.append(finish(on)[rid])
-    assert [o.outputs[0].token_ids for o in outs] == off
-    assert [o.num_cached_tokens for o in outs] == [0, 0, 0]
-    stats = on.scheduler.prefix_cache.stats()
-    assert stats.queries == 3 and stats.hits == 0 and stats.hit_tokens == 0
-    assert not on.kv_cache.resumes_prefixes
+def test_without_checkpoints_a_recurrent_model_gets_no_prefix_hit(engine_factory, arch):
+    """``max_state_checkpoints=0``: the state at a hit point is never kept, so no hit."""
+    prompt = PROMPTS[4] + "What is a state?"
+    on = engine_factory(block_size=4, max_state_checkpoints=0)
+    outs = run_one_by_one(on, [prompt, prompt])
+    assert [o.num_cached_tokens for o in outs] == [0, 0]
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    assert not on.kv_cache.resumes_prefixes and on.runner.state_pool.num_slots == on.config.max_num_seqs + 1
 
 
-def test_a_failed_step_is_rerun_from_the_state_before_it(engine_factory, arch):
+@pytest.mark.parametrize("block_size", [64, 4])
+def test_a_failed_step_is_rerun_from_the_state_before_it(engine_factory, arch, block_size):
     """A step fails in its last forward call (the bad request's decode row) after a good request,
     mid-prefill with state already in its slot, computed (and held) its next state; each request
     is then re-run alone. Had the held state been written, the good request would advance its
-    state twice and diverge from mlx-lm."""
-    engine = engine_factory(max_num_batched_tokens=16)  # the good prompts prefill in chunks
+    state twice and diverge from mlx-lm. With 4-token blocks, steps also keep state checkpoints:
+    the failed one's are never published, the re-runs' are."""
+    engine = engine_factory(max_num_batched_tokens=16, block_size=block_size)
     forward = engine.runner._forward
     calls: list[list[tuple[str, int]]] = []
 
@@ -208,11 +209,89 @@ def test_a_failed_step_is_rerun_from_the_state_before_it(engine_factory, arch):
     final = finish(engine)
     assert final["bad"].outputs[0].finish_reason == "error"
     assert [final[i].outputs[0].token_ids for i in ids] == [arch[2][4], arch[2][3]]
+    assert_nothing_held(engine)
+    if block_size == 4:  # the checkpoints the good requests kept are right: a repeat equals mlx-lm
+        assert engine.kv_cache.stats().num_cached_state_checkpoints > 0
+        repeat = run_one_by_one(engine, [PROMPTS[4]])[0]
+        assert repeat.num_cached_tokens > 0 and repeat.outputs[0].token_ids == arch[2][4]
+        return
+    # 64-token blocks put no checkpoint cut in the good prompts' chunks: the layout is as meant.
     failed = next(i for i, call in enumerate(calls) if ("bad", 1) in call)
     step_start = max(i for i, call in enumerate(calls[:failed]) if "bad" in dict(call)) + 1
     same_step = [row for call in calls[step_start:failed] for row in call]
     assert any(rid.startswith("good") and computed > 0 for rid, computed in same_step)  # state was held
+
+
+# -- prefix hits from state checkpoints -----------------------------------------------------
+
+
+def run_one_by_one(engine: EngineCore, prompts, params=GREEDY) -> list:
+    """Each prompt submitted after the previous one finished (so later ones can hit)."""
+    outputs = []
+    for prompt in prompts:
+        request_id = engine.add_request(prompt, params)
+        outputs.append(finish(engine)[request_id])
+    return outputs
+
+
+def caching_off_tokens(path, prompts, **options) -> list[list[int]]:
+    """The tokens of ``prompts`` run one by one on an engine without prefix caching (made and
+    shut down here: one engine per model at a time)."""
+    engine = EngineCore(model=str(path), enable_prefix_caching=False, **options)
+    try:
+        return [o.outputs[0].token_ids for o in run_one_by_one(engine, prompts)]
+    finally:
+        engine.shutdown()
+
+
+def test_prefix_hits_resume_from_state_checkpoints_and_equal_caching_off(engine_factory, arch):
+    """The same prompt resumes from its prompt checkpoint; a prompt that shares only a prefix
+    gets no hit but leaves a checkpoint at the branch point, where the next one resumes."""
+    tokenizer = load_tokenizer(arch[1])
+    shared = tokenizer.encode(PROMPTS[4])
+    questions = [tokenizer.encode(q, add_special_tokens=False) for q in ("What is a state?", "Why recur?", "How?")]
+    prompts = [shared + questions[0], shared + questions[1], shared + questions[0], shared + questions[2]]
+    expected = caching_off_tokens(arch[1], prompts, block_size=4)
+    engine = engine_factory(block_size=4)
+    outs = run_one_by_one(engine, prompts)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    branch = len(shared) // 4 * 4  # where the blocks of the shared part end
+    assert [o.num_cached_tokens for o in outs] == [0, 0, (len(prompts[0]) - 1) // 4 * 4, branch]
     assert_nothing_held(engine)
+
+
+def test_a_conversation_computes_only_each_new_turn(engine_factory, arch):
+    """Turn k+1 is turn k's prompt and answer plus a new message: it resumes from the latest
+    checkpoint decode kept, the last block boundary before turn k's last computed token."""
+    engine = engine_factory(block_size=4)
+    message = engine.tokenizer.encode(" And then?", add_special_tokens=False)
+    history, turns, answers, cached = engine.tokenizer.encode(PROMPTS[1]), [], [], []
+    for _ in range(4):
+        out = run_one_by_one(engine, [history])[0]
+        turns.append(history)
+        answers.append(out.outputs[0].token_ids)
+        cached.append(out.num_cached_tokens)
+        history = history + out.outputs[0].token_ids + message
+    computed = [len(t) + GREEDY.max_tokens - 1 for t in turns]  # a turn's last token is never computed
+    assert cached == [0] + [n // 4 * 4 for n in computed[:-1]]
+    assert_nothing_held(engine)
+    engine.shutdown()
+    assert caching_off_tokens(arch[1], turns, block_size=4) == answers
+
+
+def test_a_hit_falls_back_to_an_earlier_checkpoint_when_the_latest_was_evicted(engine_factory, arch):
+    engine = engine_factory(block_size=4)
+    first = engine.tokenizer.encode(PROMPTS[4])
+    answer = run_one_by_one(engine, [first])[0].outputs[0].token_ids
+    follow_up = first + answer + engine.tokenizer.encode(" Why?", add_special_tokens=False)
+    checkpoints = engine.kv_cache.checkpoints
+    checkpoints.drop(checkpoints.keys()[-1])  # the answer's latest
+    out = run_one_by_one(engine, [follow_up])[0]
+    latest = (len(first) + len(answer) - 1) // 4 * 4
+    assert out.num_cached_tokens == max(latest - 4, (len(first) - 1) // 4 * 4)  # the one before
+    assert_nothing_held(engine)
+    engine.shutdown()
+    assert out.outputs[0].token_ids == caching_off_tokens(arch[1], [follow_up], block_size=4)[0]
 
 
 # -- bookkeeping ------------------------------------------------------------------------------
@@ -236,6 +315,7 @@ def test_random_joins_and_aborts_leak_no_slot_or_block(tmp_path, default_model_d
             assert engine.kv_cache.stats().num_used_state_slots == engine.scheduler.num_running
         finish(engine)
         assert_nothing_held(engine)
+        assert engine.scheduler.prefix_cache.stats().hits > 0  # repeated prompts resumed from checkpoints
     finally:
         engine.shutdown()
 
@@ -254,7 +334,7 @@ def test_a_state_slot_comes_with_the_first_allocation_and_goes_with_free():
     assert kv.stats().num_used_state_slots == 2 and kv.snapshot()["state_slots"] == {"b": 2, "c": 1}
 
 
-def test_recurrent_models_resume_no_prefix():
+def test_recurrent_models_resume_no_prefix_without_checkpoints():
     kv = PagedCacheManager(num_blocks=10, block_size=4, num_state_slots=3)
     kv.allocate_slots("a", 8)
     kv.cache_full_blocks("a", [b"h1", b"h2"], list(range(8)), num_full_blocks=2)
@@ -289,9 +369,12 @@ def test_state_memory_comes_out_of_the_kv_budget(engine_factory, arch):
     engine = engine_factory(kv_cache_memory=budget, max_num_seqs=8)
     pool = engine.runner.state_pool
     per_request = pool.layout.bytes_per_request
-    assert pool.num_slots == 9 and pool.nbytes == 9 * per_request
+    # 9 running slots (the null one included), then 2 * max_num_seqs checkpoints (the tiny
+    # model's states are small: half the budget holds many more).
+    assert pool.num_slots == 9 + 16 and pool.nbytes == 25 * per_request
+    assert engine.kv_cache.stats().num_state_checkpoints == 16
     num_attention = sum(isinstance(s, FullAttentionSpec) for s in engine.runner.specs)
-    assert engine.kv_cache.num_blocks == engine.kv_layout.blocks_for_budget(budget - 9 * per_request, 16)
+    assert engine.kv_cache.num_blocks == engine.kv_layout.blocks_for_budget(budget - 25 * per_request, 16)
     # The measured layout: attention layers per token (float32 here, as the config's shapes say),
     # recurrent layers per request, in the snapshot with the slots for running requests.
     per_token = kv_bytes_per_token(engine.model_config, 4, engine.runner.model, num_layers=num_attention)
@@ -299,6 +382,14 @@ def test_state_memory_comes_out_of_the_kv_budget(engine_factory, arch):
     groups = engine.cache_snapshot(include_blocks=False)["kv_groups"]
     [state] = [g for g in groups if g["kind"] == "recurrent_state"]
     assert (state["bytes_per_request"], state["state_slots"], state["bytes_per_token"]) == (per_request, 8, 0)
+    assert state["state_checkpoints"] == 16
     engine.shutdown()
     with pytest.raises(ValueError, match="cannot hold the recurrent state"):
         engine_factory(kv_cache_memory=per_request * 9 - 1, max_num_seqs=8)
+    # A tight budget gets fewer checkpoints: at most half of what is left for the KV blocks.
+    per_token = engine.kv_layout.bytes_per_token  # less than 2 states: one-token blocks
+    tight = engine_factory(kv_cache_memory=13 * per_request + per_token, max_num_seqs=8, block_size=1)
+    assert tight.kv_cache.stats().num_state_checkpoints == 2
+    tight.shutdown()
+    with pytest.raises(ValueError, match="cannot hold 40 state checkpoints"):
+        engine_factory(kv_cache_memory=per_request * 20, max_num_seqs=8, max_state_checkpoints=40)

@@ -135,6 +135,8 @@ class RowSpec:
     num_computed: int
     block_ids: list[int]
     state_slot: int = 0  # recurrent-state slot (models with recurrent layers)
+    state_read_slot: int | None = None  # where the state is read from, when not state_slot
+    checkpoint_slot: int | None = None  # a checkpoint slot the final state is also written to
 
     @property
     def context_len(self) -> int:
@@ -317,7 +319,11 @@ class MLXAttentionBackend:
         states = None
         if self.state_pool is not None:
             states = StateBatch.build(
-                [r.state_slot for r in rows], [r.num_computed for r in rows], [len(r.tokens) for r in rows]
+                [r.state_slot for r in rows],
+                [r.num_computed for r in rows],
+                [len(r.tokens) for r in rows],
+                read_slots=[r.state_slot if r.state_read_slot is None else r.state_read_slot for r in rows],
+                checkpoint_slots=[r.checkpoint_slot for r in rows],
             )
         return [
             RecurrentLayerCache(self.state_pool, layer, states)

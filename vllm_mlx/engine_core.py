@@ -67,6 +67,10 @@ class EngineConfig:
     """Longest prompt + output; None = the model's context length."""
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    max_state_checkpoints: int | None = None
+    """Models with recurrent layers: how many recurrent states at block boundaries to keep for
+    prefix hits (their bytes come out of the KV budget); None = ``2 * max_num_seqs``, at most
+    half of the budget left after the running requests' states; 0 = no prefix hits."""
     seed: int | None = None
     """Seed for the per-request seeds drawn when a request brings none (None = random)."""
     weight_format: str = "auto"
@@ -100,6 +104,8 @@ class EngineConfig:
         for name in ("num_kv_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 _check_int_option(name, getattr(self, name), minimum=1)
+        if self.max_state_checkpoints is not None:
+            _check_int_option("max_state_checkpoints", self.max_state_checkpoints, minimum=0)
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "force_model_takeover", "enable_mllm_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -204,7 +210,6 @@ class EngineCore:
         weights = loaded.vision.model if loaded.vision else loaded.model
         self.weight_format = prepare_model_weights(weights, choose_weight_format(config.weight_format))
         state_layout = probe_state_layout(loaded.model, specs) if any(map(is_recurrent, specs)) else None
-        num_state_slots = config.max_num_seqs + 1 if state_layout else 0  # + the null slot
         self.model_path: Path = loaded.path
         get_registry().claim(str(self.model_path), self, force=config.force_model_takeover)
         self.tokenizer = loaded.tokenizer
@@ -212,10 +217,11 @@ class EngineCore:
         # After the weights are in their final format: the KV dtype follows the activations'.
         self.kv_layout = measure_kv_layout(loaded.model, state_layout)
         budget = kv_budget_bytes(config.kv_cache_memory)
-        if state_layout is not None:
-            budget = state_budget_left(budget, num_state_slots, state_layout.bytes_per_request)
-        num_blocks = config.num_kv_blocks or self.kv_layout.blocks_for_budget(budget, config.block_size)
-        self.kv_cache = PagedCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_state_slots)
+        states = StateBudget.plan(config, budget, state_layout.bytes_per_request if state_layout else 0)
+        num_blocks = config.num_kv_blocks or self.kv_layout.blocks_for_budget(states.kv_bytes_left, config.block_size)
+        self.kv_cache = PagedCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, states.num_running_slots, states.num_checkpoints
+        )
         text_config = loaded.config.get("text_config", loaded.config)
         context_len = text_config.get("max_position_embeddings") or loaded.config.get("max_position_embeddings")
         self.scheduler = Scheduler(
@@ -225,7 +231,7 @@ class EngineCore:
             MLLMCacheManager(config.mllm_cache_memory) if self.vision and config.enable_mllm_cache else None
         )
         self.runner = MLXModelRunner(
-            loaded.model, num_blocks, config.block_size, self.mllm_cache, num_state_slots, state_layout
+            loaded.model, num_blocks, config.block_size, self.mllm_cache, states.num_slots, state_layout
         )
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.snapshotter = CacheSnapshotter(
@@ -233,7 +239,7 @@ class EngineCore:
             self.scheduler,
             self.tokenizer,
             self._mllm_snapshot,
-            self.kv_layout.to_dicts(num_blocks, max(num_state_slots - 1, 0)),  # slots but the null one
+            self.kv_layout.to_dicts(num_blocks, max(states.num_running_slots - 1, 0), states.num_checkpoints),
         )
         self.step_records: deque = deque(maxlen=4096)
         self._groups: dict[str, _Group] = {}
@@ -666,15 +672,44 @@ def kv_bytes_per_token(model_config: dict, dtype_bytes: int, model=None, num_lay
     return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes
 
 
-def state_budget_left(budget_bytes: int, num_slots: int, bytes_per_request: int) -> int:
-    """The KV budget once the recurrent-state pool (``num_slots`` fixed-size slots) is paid."""
-    left = budget_bytes - num_slots * bytes_per_request
-    if left <= 0:
-        raise ValueError(
-            f"kv_cache_memory={budget_bytes} bytes cannot hold the recurrent state of {num_slots - 1} "
-            f"requests ({bytes_per_request} bytes each): raise it or lower max_num_seqs"
-        )
-    return left
+@dataclass(frozen=True)
+class StateBudget:
+    """How the KV budget is shared with the recurrent-state pool (all zeros but
+    ``kv_bytes_left`` for a model without recurrent layers): one slot per running request plus
+    the null slot, then the checkpoint slots, all of ``bytes_per_request``."""
+
+    num_running_slots: int  # the null slot included
+    num_checkpoints: int
+    kv_bytes_left: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_running_slots + self.num_checkpoints
+
+    @classmethod
+    def plan(cls, config: EngineConfig, budget_bytes: int, bytes_per_request: int) -> StateBudget:
+        """Raises ``ValueError`` when the budget cannot hold the running requests' states."""
+        if not bytes_per_request:
+            return cls(0, 0, budget_bytes)
+        running = config.max_num_seqs + 1
+        left = budget_bytes - running * bytes_per_request
+        if left <= 0:
+            raise ValueError(
+                f"kv_cache_memory={budget_bytes} bytes cannot hold the recurrent state of {running - 1} "
+                f"requests ({bytes_per_request} bytes each): raise it or lower max_num_seqs"
+            )
+        wanted = config.max_state_checkpoints
+        if wanted is None:  # automatic: never more than half of what the KV blocks would get
+            wanted = min(2 * config.max_num_seqs, left // 2 // bytes_per_request)
+        num_checkpoints = wanted if config.enable_prefix_caching else 0
+        left -= num_checkpoints * bytes_per_request
+        if left <= 0:
+            raise ValueError(
+                f"kv_cache_memory={budget_bytes} bytes cannot hold {num_checkpoints} state checkpoints "
+                f"besides the running requests' states ({bytes_per_request} bytes each): lower "
+                "max_state_checkpoints"
+            )
+        return cls(running, num_checkpoints, left)
 
 
 def __getattr__(name: str):

@@ -96,15 +96,17 @@ class GroupLayout:
     bytes_per_token: int
     bytes_per_request: int = 0
 
-    def to_dict(self, num_blocks: int, num_state_slots: int = 0) -> dict:
+    def to_dict(self, num_blocks: int, num_state_slots: int = 0, num_checkpoints: int = 0) -> dict:
         """Plain data for snapshots: a paged group has all ``num_blocks`` blocks today (the
         groups share one block table, see the module docstring); a state group has
-        ``num_state_slots`` slots of ``bytes_per_request``."""
+        ``num_state_slots`` slots of ``bytes_per_request`` for running requests and
+        ``num_checkpoints`` more for states kept at block boundaries."""
         kind = getattr(self.spec, "kind", type(self.spec).__name__)
         info = {"kind": kind, "window": getattr(self.spec, "window", None), "layers": list(self.layers),
                 "bytes_per_token": self.bytes_per_token}  # fmt: skip
         if self.bytes_per_request:
-            return info | {"bytes_per_request": self.bytes_per_request, "state_slots": num_state_slots}
+            return info | {"bytes_per_request": self.bytes_per_request, "state_slots": num_state_slots,
+                           "state_checkpoints": num_checkpoints}  # fmt: skip
         return info | {"num_blocks": num_blocks}
 
 
@@ -134,5 +136,6 @@ class KVLayout:
             raise ValueError(f"kv_cache_memory={budget_bytes} bytes holds no block ({per_block} bytes each)")
         return int(num_blocks)
 
-    def to_dicts(self, num_blocks: int, num_state_slots: int = 0) -> list[dict]:
-        return [group.to_dict(num_blocks, num_state_slots) | {"dtype": self.dtype} for group in self.groups]
+    def to_dicts(self, num_blocks: int, num_state_slots: int = 0, num_checkpoints: int = 0) -> list[dict]:
+        return [group.to_dict(num_blocks, num_state_slots, num_checkpoints) | {"dtype": self.dtype}
+                for group in self.groups]  # fmt: skip

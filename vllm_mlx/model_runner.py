@@ -343,7 +343,14 @@ def mllm_cache_key(image_hash: str, cache_salt: str | None) -> str:
 def row_spec(item: ScheduledRequest) -> RowSpec:
     start = item.num_computed_tokens
     tokens = item.request.all_token_ids[start : start + item.num_new_tokens]
-    return RowSpec(tokens=tokens, num_computed=start, block_ids=item.block_ids, state_slot=item.state_slot)
+    return RowSpec(
+        tokens=tokens,
+        num_computed=start,
+        block_ids=item.block_ids,
+        state_slot=item.state_slot,
+        state_read_slot=item.state_read_slot,
+        checkpoint_slot=item.checkpoint_slot,
+    )
 
 
 def sampling_row(item: ScheduledRequest) -> SamplingRow:

@@ -16,8 +16,10 @@ Invariants (checked by :meth:`PagedCacheManager.check_invariants`):
   O(1) from the middle of the free queue) until the queue's head reaches it and evicts it.
 * With recurrent layers (``num_state_slots > 0``), every request holding blocks also holds one
   state slot (``state_slots.py``), taken with its first allocation and freed with its blocks.
-  A prefix hit must be a prefix *every* layer group can resume from; recurrent state is kept
-  only for running requests (no checkpoints yet), so such a model gets no prefix hits.
+* A prefix hit must be a prefix *every* layer group can resume from: with recurrent layers, it
+  ends where a state checkpoint is kept (``state_checkpoints.py``; none when
+  ``num_state_checkpoints == 0``, and then such a model gets no prefix hits). A checkpoint goes
+  with the block carrying its hash when that block is evicted.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 
+from vllm_mlx.state_checkpoints import StateCheckpoints
 from vllm_mlx.state_slots import NULL_STATE_SLOT, StateSlots
 
 __all__ = ["BlockTable", "CacheBlock", "CacheStats", "FreeBlockQueue", "PagedCacheManager"]
@@ -191,6 +194,9 @@ class CacheStats:
     prefix_hits: int = 0  # of those, tokens found
     num_state_slots: int = 0  # recurrent-state slots (excluding the null slot); 0: no recurrent layers
     num_used_state_slots: int = 0
+    num_state_checkpoints: int = 0  # checkpoint slots for recurrent prefix hits
+    num_cached_state_checkpoints: int = 0  # of those, holding a state
+    state_checkpoint_evictions: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -216,10 +222,16 @@ class PagedCacheManager:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int = 16, enable_caching: bool = True, num_state_slots: int = 0
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_caching: bool = True,
+        num_state_slots: int = 0,
+        num_state_checkpoints: int = 0,
     ) -> None:
         """``num_state_slots`` (the null slot included): recurrent-state slots, one per running
-        request; 0 for a model without recurrent layers."""
+        request; 0 for a model without recurrent layers. ``num_state_checkpoints``: further state
+        slots, numbered after those, that keep states at block boundaries for prefix hits."""
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         if block_size < 1:
@@ -237,8 +249,13 @@ class PagedCacheManager:
         self.num_cached_tokens: dict[str, int] = {}
         self._req_num_tokens: dict[str, int] = {}  # slots handed out per request
         self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
+        keeps_checkpoints = self.state_slots is not None and enable_caching and num_state_checkpoints > 0
+        self.checkpoints = StateCheckpoints(num_state_slots, num_state_checkpoints) if keeps_checkpoints else None
         self._stats = CacheStats(
-            num_blocks=num_blocks - 1, block_size=block_size, num_state_slots=max(0, num_state_slots - 1)
+            num_blocks=num_blocks - 1,
+            block_size=block_size,
+            num_state_slots=max(0, num_state_slots - 1),
+            num_state_checkpoints=num_state_checkpoints if keeps_checkpoints else 0,
         )
 
     # ---- queries -------------------------------------------------------------------------
@@ -273,28 +290,40 @@ class PagedCacheManager:
         slot = self.state_slots.slot_of(request_id) if self.state_slots else None
         return NULL_STATE_SLOT if slot is None else slot
 
+    def get_state_read_slot(self, request_id: str) -> int:
+        """Where the request's next step reads its recurrent state: the checkpoint it resumes
+        from until its first step is done (``finish_first_step``), then its own slot."""
+        pinned = self.checkpoints.pinned_slot(request_id) if self.checkpoints else None
+        return self.get_state_slot(request_id) if pinned is None else pinned
+
     @property
     def resumes_prefixes(self) -> bool:
-        """Whether every layer group can resume a request from a cached prefix. Recurrent
-        layers cannot (their state exists only for running requests: no checkpoints yet)."""
-        return self.enable_caching and self.state_slots is None
+        """Whether every layer group can resume a request from a cached prefix: recurrent
+        layers only from state checkpoints."""
+        return self.enable_caching and (self.state_slots is None or self.checkpoints is not None)
 
     def get_computed_blocks(self, request_id: str, block_hashes: list[bytes]) -> list[CacheBlock]:
         """Blocks for the longest prefix of ``block_hashes`` already cached; ref counts untouched.
 
-        Hashes chain their parents, so the first miss ends the run. Capping the hit so that at
-        least one token is still computed (to get logits) is the caller's business. Empty when
+        Hashes chain their parents, so the first miss ends the run. With recurrent layers the run
+        is cut back to its last block whose hash has a state checkpoint. Capping the hit so that
+        at least one token is still computed (to get logits) is the caller's business. Empty when
         some layer group cannot resume from a cached prefix (``resumes_prefixes``).
         """
         if not self.resumes_prefixes:
             return []
-        hits: list[CacheBlock] = []
-        for block_hash in block_hashes:
-            block = self.cached_blocks.get(block_hash)
-            if block is None:
-                break
-            hits.append(block)
+        hits = [self.cached_blocks[h] for h in block_hashes[: self.num_cached_blocks(block_hashes)]]
+        if self.checkpoints is not None:
+            while hits and hits[-1].block_hash not in self.checkpoints:
+                hits.pop()
         return hits
+
+    def num_cached_blocks(self, block_hashes: list[bytes]) -> int:
+        """How many leading blocks of ``block_hashes`` are cached (whatever the layer groups)."""
+        for i, block_hash in enumerate(block_hashes):
+            if block_hash not in self.cached_blocks:
+                return i
+        return len(block_hashes)
 
     # ---- mutations -----------------------------------------------------------------------
 
@@ -308,7 +337,8 @@ class PagedCacheManager:
 
         On the request's first allocation, ``computed_blocks`` (from ``get_computed_blocks``)
         head its table: each gets ``ref_cnt += 1`` and leaves the free queue if it was
-        cached-free, and the request takes a recurrent-state slot (models with recurrent layers).
+        cached-free, and the request takes a recurrent-state slot (models with recurrent layers)
+        and pins the state checkpoint of the hit's last block (read by its first step).
         New blocks come from the free queue's head (evicting any hash they carry).
         All-or-nothing: returns ``None`` and changes nothing when the free queue is too short
         or no state slot is free.
@@ -327,6 +357,8 @@ class PagedCacheManager:
                 return None
             self.state_slots.take(request_id)
 
+        if computed and self.checkpoints is not None:
+            self.checkpoints.pin(request_id, computed[-1].block_hash)
         self.req_to_blocks[request_id] = table
         if computed or request_id not in self.num_cached_tokens:
             self.num_cached_tokens[request_id] = len(computed) * self.block_size
@@ -386,6 +418,8 @@ class PagedCacheManager:
         self._req_num_tokens.pop(request_id, None)
         if self.state_slots is not None:
             self.state_slots.release(request_id)
+        if self.checkpoints is not None:
+            self.checkpoints.release(request_id)
         if table is None:
             return
         for block in reversed(table):
@@ -407,7 +441,31 @@ class PagedCacheManager:
             if block.ref_cnt == 0:
                 del self.cached_blocks[block_hash]
                 block.clear_content()
+        if self.checkpoints is not None:
+            self.checkpoints.reset()
         return True
+
+    # ---- recurrent-state checkpoints ---------------------------------------------------------
+
+    def reserve_state_checkpoint(self, request_id: str) -> int | None:
+        """A checkpoint slot that the request's next step writes its final state into (it must
+        end on a block boundary), or None when no checkpoint can be kept."""
+        if self.checkpoints is None or request_id not in self.req_to_blocks:
+            return None
+        return self.checkpoints.reserve(request_id)
+
+    def publish_state_checkpoint(self, request_id: str, block_hash: bytes, moving: bool) -> None:
+        """The reserved slot now holds the state after the block hashed ``block_hash``; see
+        ``StateCheckpoints.publish`` for ``moving``."""
+        self.checkpoints.publish(request_id, block_hash, moving)
+
+    def finish_step(self, request_id: str, succeeded: bool) -> None:
+        """The request's step is applied: the checkpoint it resumed from is no longer read,
+        and a reserved checkpoint slot its failed step wrote is free again."""
+        if self.checkpoints is not None:
+            self.checkpoints.unpin(request_id)
+            if not succeeded:
+                self.checkpoints.cancel(request_id)
 
     def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Hook for the prefix cache layer to account a lookup (in tokens)."""
@@ -427,6 +485,8 @@ class PagedCacheManager:
         for block in computed:
             if block.block_hash is None or self.cached_blocks.get(block.block_hash) is not block:
                 raise ValueError(f"block {block.block_id} is not a cached block")
+        if self.checkpoints is not None and computed[-1].block_hash not in self.checkpoints:
+            raise ValueError(f"no state checkpoint at the end of block {computed[-1].block_id}")
 
     def _touch(self, block: CacheBlock) -> None:
         if block.ref_cnt == 0:  # cached-free: revive it before eviction reaches it
@@ -436,8 +496,11 @@ class PagedCacheManager:
     def _take_free_block(self) -> CacheBlock:
         block = self.free_queue.popleft()
         if block.block_hash is not None:
-            # Reusing a cached-free block for new content evicts its cached prefix.
+            # Reusing a cached-free block for new content evicts its cached prefix (and the
+            # state checkpoint at its end: no hit can reach it any more).
             del self.cached_blocks[block.block_hash]
+            if self.checkpoints is not None:
+                self.checkpoints.drop(block.block_hash)
             self._stats.evictions += 1
         block.clear_content()
         block.ref_cnt = 1
@@ -466,6 +529,8 @@ class PagedCacheManager:
             num_cached_blocks=len(self.cached_blocks),
             usage=self.usage,
             num_used_state_slots=self.state_slots.num_used if self.state_slots else 0,
+            num_cached_state_checkpoints=len(self.checkpoints) if self.checkpoints else 0,
+            state_checkpoint_evictions=self.checkpoints.evictions if self.checkpoints else 0,
         )
 
     def snapshot(self) -> dict:
@@ -480,6 +545,7 @@ class PagedCacheManager:
             "requests": {rid: [b.block_id for b in t] for rid, t in self.req_to_blocks.items()},
             "free_queue": self.free_queue.block_ids(),  # eviction order, head first
             "state_slots": self.state_slots.owners() if self.state_slots else {},
+            "state_checkpoints": self.checkpoints.snapshot() if self.checkpoints else None,
             "stats": self.stats().to_dict(),
         }
 
@@ -521,6 +587,8 @@ class PagedCacheManager:
         _require(hashed == {id(b) for b in self.cached_blocks.values()}, "hashed block not in map")
         if self.state_slots is not None:
             self.state_slots.check_invariants(set(self.req_to_blocks))
+        if self.checkpoints is not None:
+            self.checkpoints.check_invariants(set(self.req_to_blocks))
 
     def _count_table_refs(self) -> dict[int, int]:
         refs: dict[int, int] = {}

@@ -168,13 +168,26 @@ class BlockAwarePrefixCache(PrefixCacheManager):
     def __init__(self, kv_cache: PagedCacheManager, namespace: str = "", enabled: bool = True) -> None:
         super().__init__(kv_cache, namespace, enabled)
         self._hashes: dict[str, list[bytes]] = {}
+        self._branch_points: dict[str, int] = {}
 
     def find_cached_blocks(self, request: Request) -> list[CacheBlock]:
+        """The request's cached prefix. With recurrent layers, a hit ends at a state checkpoint;
+        when more blocks than that are cached, where they end is remembered as the request's
+        branch point (``branch_point``): a checkpoint kept there serves the next such prompt."""
         if not self.enabled:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._request_hashes(request)[:max_blocks]
-        return self.kv_cache.get_computed_blocks(request.request_id, hashes)
+        hits = self.kv_cache.get_computed_blocks(request.request_id, hashes)
+        if self.kv_cache.checkpoints is not None:
+            num_cached = self.kv_cache.num_cached_blocks(hashes)
+            if num_cached > len(hits):
+                self._branch_points[request.request_id] = num_cached * self.block_size
+        return hits
+
+    def branch_point(self, request: Request) -> int | None:
+        """Where the blocks cached at the request's admission ended, past its hit (None if not)."""
+        return self._branch_points.get(request.request_id)
 
     def cache_computed_blocks(self, request: Request, num_computed_before: int) -> None:
         """Publish the blocks that became full of computed KV since ``num_computed_before``."""
@@ -184,8 +197,15 @@ class BlockAwarePrefixCache(PrefixCacheManager):
         hashes = self._request_hashes(request)
         self.kv_cache.cache_full_blocks(request.request_id, hashes, request.all_token_ids, num_full_blocks=num_full)
 
+    def publish_state_checkpoint(self, request: Request, moving: bool) -> None:
+        """The request's state checkpoint, written by the step just applied, now holds the state
+        after its ``num_computed_tokens`` (a block boundary): key it by that block's hash."""
+        key = self._request_hashes(request)[request.num_computed_tokens // self.block_size - 1]
+        self.kv_cache.publish_state_checkpoint(request.request_id, key, moving)
+
     def forget(self, request_id: str) -> None:
         self._hashes.pop(request_id, None)
+        self._branch_points.pop(request_id, None)
 
     def _request_hashes(self, request: Request) -> list[bytes]:
         hashes = self._hashes.setdefault(request.request_id, [])

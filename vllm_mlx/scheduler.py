@@ -54,6 +54,12 @@ class ScheduledRequest:
     """The request's whole block table after this step's allocation."""
     state_slot: int = 0
     """The request's recurrent-state slot (models with recurrent layers; 0: the null slot)."""
+    state_read_slot: int | None = None
+    """Where this step reads the state from when not ``state_slot``: the checkpoint a prefix
+    hit resumes from, in the first step after admission."""
+    checkpoint_slot: int | None = None
+    """A state-checkpoint slot this step also writes its final state into (the step ends on a
+    block boundary; published for prefix hits once the step succeeded)."""
 
     @property
     def request_id(self) -> str:
@@ -130,6 +136,11 @@ class Scheduler:
       and stop before the block of the last known token, so writes never touch a shared block;
     * ``num_tokens < max_model_len`` for every unfinished request, where ``max_model_len`` is
       the *effective* limit (see ``__init__``), so any request can always finish alone.
+
+    Hybrid models (recurrent layers) resume a prefix only where a state checkpoint was kept
+    (``state_checkpoints.py``): a step that ends on a block boundary writes one, and a prompt's
+    computation is cut at its last block boundary before its last token (``checkpoint_boundary``)
+    so that the same prompt, or a conversation's next turn, can resume there.
     """
 
     def __init__(
@@ -249,6 +260,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._cut_at_checkpoint(request, request.num_computed_tokens, num_new)
             total = request.num_computed_tokens + num_new
             while self.kv_cache.allocate_slots(request.request_id, total) is None:
                 victim = self.running.pop()  # the tail: most recently admitted
@@ -270,7 +282,7 @@ class Scheduler:
             num_new = request.num_tokens - num_hit
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
-            num_new = min(num_new, budget)
+            num_new = self._cut_at_checkpoint(request, num_hit, min(num_new, budget))
             if self.kv_cache.allocate_slots(request.request_id, num_hit + num_new, hits) is None:
                 break
             self.waiting.pop(request)
@@ -313,10 +325,15 @@ class Scheduler:
         request = scheduled.request
         error = runner_output.errors.get(request.request_id)
         if error is not None:  # its KV was not computed: nothing to cache
+            self.kv_cache.finish_step(request.request_id, succeeded=False)
             request.error(error)
             return True
         request.num_computed_tokens += scheduled.num_new_tokens
         self.prefix_cache.cache_computed_blocks(request, scheduled.num_computed_tokens)
+        if scheduled.checkpoint_slot is not None:
+            moving = request.num_computed_tokens not in self._checkpoint_boundaries(request)
+            self.prefix_cache.publish_state_checkpoint(request, moving)
+        self.kv_cache.finish_step(request.request_id, succeeded=True)
         if not scheduled.samples:
             return False
         token_id = runner_output.sampled_token_ids.get(request.request_id)
@@ -330,9 +347,30 @@ class Scheduler:
     # ---- helpers -------------------------------------------------------------------------------
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        block_ids = self.kv_cache.get_block_ids(request.request_id)
-        slot = self.kv_cache.get_state_slot(request.request_id)
-        return ScheduledRequest(request, request.num_computed_tokens, num_new, block_ids, slot)
+        rid, start = request.request_id, request.num_computed_tokens
+        slot = self.kv_cache.get_state_slot(rid)
+        read_slot = self.kv_cache.get_state_read_slot(rid)
+        on_boundary = (start + num_new) % self.block_size == 0
+        checkpoint = self.kv_cache.reserve_state_checkpoint(rid) if on_boundary else None
+        block_ids = self.kv_cache.get_block_ids(rid)
+        return ScheduledRequest(
+            request, start, num_new, block_ids, slot, read_slot if read_slot != slot else None, checkpoint
+        )
+
+    def _cut_at_checkpoint(self, request: Request, start: int, num_new: int) -> int:
+        """With state checkpoints, end the chunk from ``start`` at the first of the request's
+        checkpoint boundaries it would cross (the rest is the next step's)."""
+        if self.kv_cache.checkpoints is None:
+            return num_new
+        crossed = [b for b in self._checkpoint_boundaries(request) if start < b < start + num_new]
+        return min(crossed) - start if crossed else num_new
+
+    def _checkpoint_boundaries(self, request: Request) -> tuple[int, ...]:
+        """Where the request keeps state checkpoints that newer ones do not supersede: its
+        branch point and its prompt's last boundary (``state_checkpoints.py``)."""
+        branch = self.prefix_cache.branch_point(request)
+        prompt = checkpoint_boundary(request, self.block_size)
+        return (prompt,) if branch is None else (branch, prompt)
 
     def _admit(self, request: Request, num_hit: int) -> None:
         if self.prefix_cache.enabled:
@@ -436,6 +474,12 @@ class Scheduler:
 
 
 _WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+def checkpoint_boundary(request: Request, block_size: int) -> int:
+    """The last block boundary before the prompt's last token: as far as the same prompt can
+    ever be resumed from a cached prefix (at least one token is always computed)."""
+    return (request.num_prompt_tokens - 1) // block_size * block_size
 
 
 def _check_config(config: SchedulerConfig, kv_cache: PagedCacheManager) -> None:

@@ -16,6 +16,8 @@ token through ``cache.lengths``.
 * Held states are written to the pool only once the whole step succeeded (``StatePool.commit``).
   The engine re-runs each request of a failed step alone; a re-run must start from the state
   before the step, so a failed step leaves the pool untouched.
+* A row may read from another slot than the one it writes (a prefix hit resumes from a state
+  checkpoint, ``state_checkpoints.py``) and may write its final state into a checkpoint slot too.
 """
 
 from __future__ import annotations
@@ -69,24 +71,38 @@ def probe_state_layout(model, specs: list[LayerSpec]) -> StateLayout:
 class StateBatch:
     """The rows of one forward call as the recurrent layers see them (shared by every layer)."""
 
-    slots: mx.array  # (B,) state slot of each row
+    slots: mx.array  # (B,) state slot of each row: where its new state goes
+    read_slots: mx.array  # (B,) where each row's state comes from (its slot, or a checkpoint)
     keep: mx.array | None  # (B,) False for rows starting from zeros; None when no row does
     all_fresh: bool  # every row starts from zeros: reads return None (the model makes zeros)
     lengths: mx.array | None  # (B,) real tokens per row when rows are padded, else None
     mask: mx.array | None  # (B, T) real (not padding) tokens when rows are padded, else None
+    checkpoint_rows: mx.array | None = None  # rows whose new state is also kept as a checkpoint
+    checkpoint_slots: mx.array | None = None  # ... in these slots
 
     @classmethod
-    def build(cls, slots: list[int], num_computed: list[int], num_new: list[int]) -> StateBatch:
+    def build(
+        cls,
+        slots: list[int],
+        num_computed: list[int],
+        num_new: list[int],
+        read_slots: list[int] | None = None,
+        checkpoint_slots: list[int | None] | None = None,
+    ) -> StateBatch:
         fresh = np.array(num_computed) == 0
         width = max(num_new)
         padded = any(n != width for n in num_new)
         lengths = np.array(num_new, dtype=np.int32)
+        kept = [(row, slot) for row, slot in enumerate(checkpoint_slots or ()) if slot is not None]
         return cls(
             slots=mx.array(np.array(slots, dtype=np.int32)),
+            read_slots=mx.array(np.array(read_slots if read_slots is not None else slots, dtype=np.int32)),
             keep=mx.array(~fresh) if fresh.any() and not fresh.all() else None,
             all_fresh=bool(fresh.all()),
             lengths=mx.array(lengths) if padded else None,
             mask=mx.array(np.arange(width)[None, :] < lengths[:, None]) if padded else None,
+            checkpoint_rows=mx.array(np.array([r for r, _ in kept], dtype=np.int32)) if kept else None,
+            checkpoint_slots=mx.array(np.array([s for _, s in kept], dtype=np.int32)) if kept else None,
         )
 
 
@@ -121,7 +137,7 @@ class StatePool:
         pool = self.arrays[layer][index]
         if pool is None or batch.all_fresh:
             return None
-        value = pool[batch.slots]
+        value = pool[batch.read_slots]
         if batch.keep is not None:
             value = mx.where(batch.keep.reshape(-1, *([1] * (value.ndim - 1))), value, mx.zeros_like(value))
         return value
@@ -183,5 +199,12 @@ class RecurrentLayerCache:
         return self.batch.mask
 
     def writes(self) -> list[StateWrite]:
-        """What this call computed, for ``StatePool.commit`` once the step succeeded."""
-        return [StateWrite(self.layer, i, self.batch.slots, v) for i, v in self.held.items()]
+        """What this call computed, for ``StatePool.commit`` once the step succeeded: each row's
+        new state into its slot, and into its checkpoint slot for rows that keep one."""
+        batch = self.batch
+        writes = [StateWrite(self.layer, i, batch.slots, v) for i, v in self.held.items()]
+        if batch.checkpoint_rows is not None:
+            writes += [
+                StateWrite(self.layer, i, batch.checkpoint_slots, v[batch.checkpoint_rows]) for i, v in self.held.items()
+            ]
+        return writes

@@ -93,7 +93,9 @@ def group_label(group: dict) -> str:
     if group.get("bytes_per_token"):
         dtype = f" ({group['dtype']})" if group.get("dtype") else ""
         parts.append(f"{group['bytes_per_token']} B/token{dtype}")
-    for key, unit in (("bytes_per_request", "B/request"), ("state_slots", "state slots"), ("num_blocks", "blocks")):
+    units = (("bytes_per_request", "B/request"), ("state_slots", "state slots"),
+             ("state_checkpoints", "checkpoints"), ("num_blocks", "blocks"))  # fmt: skip
+    for key, unit in units:
         if group.get(key) is not None:
             parts.append(f"{group[key]} {unit}")
     return " · ".join(parts)

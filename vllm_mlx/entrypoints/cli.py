@@ -77,6 +77,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="reuse KV blocks of repeated prefixes (default: on)")
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                         help="prefill long prompts in chunks between decode steps (default: on)")
+    engine.add_argument("--max-state-checkpoints", type=int, default=None,
+                        help="hybrid models: recurrent states kept at block boundaries for prefix hits "
+                        "(default: 2 x max-num-seqs, at most half the KV budget; 0: no prefix hits)")  # fmt: skip
     engine.add_argument("--weight-format", default="auto", choices=["auto", "quantized", "float32"],
                         help="auto: quantized on Metal/CUDA, float32 on the CPU backend")  # fmt: skip
     engine.add_argument("--enable-mllm-cache", action=argparse.BooleanOptionalAction, default=True,
@@ -100,7 +103,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "enable_mllm_cache": args.enable_mllm_cache,
         "trust_remote_code": args.trust_remote_code,
     }
-    for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len", "mllm_cache_memory"):
+    for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len", "mllm_cache_memory", "max_state_checkpoints"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     return options

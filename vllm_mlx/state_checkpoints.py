@@ -1,0 +1,190 @@
+"""Recurrent-state checkpoints: the state of a sequence at a block boundary, kept for prefix reuse.
+
+Attention layers resume a cached prefix from its KV blocks; a recurrent layer keeps only the state
+after the last token it saw. So a hybrid model can resume a prefix only where the state *at that
+point* was kept: a checkpoint, keyed by the hash of the block that ends there (its hash chains
+the whole prefix, the namespace and the cache salt: ``prefix_cache.py``).
+
+Pure bookkeeping (no MLX), owned by ``PagedCacheManager``. Checkpoint slots are rows of the
+runner's ``StatePool`` after the running requests' rows; the runner writes a step's state into a
+request's checkpoint slot together with its running slot (``StateBatch``), and a request admitted
+on a hit reads its first step's state from the checkpoint.
+
+Which boundaries (the scheduler cuts prefill chunks there; ``Scheduler._cut_at_checkpoint``):
+
+* the last block boundary before a prompt's last token, which the same prompt resumes from;
+* a *branch point*: where the cached blocks a new prompt shares with earlier ones end, when no
+  checkpoint was kept there (a shared system prompt followed by different questions: the second
+  prompt leaves a checkpoint at the end of the shared part, and the third one resumes there);
+* every boundary a request's computation happens to end on (decode crosses one every
+  ``block_size`` tokens): *moving* checkpoints, of which only a request's latest matters (the
+  next turn of a conversation resumes there), so a newer one demotes the previous one to the
+  head of the eviction order.
+
+Life of a checkpoint slot:
+
+* free → *pending*: ``reserve`` before a step whose computation ends on a boundary (a free slot,
+  else the least recently used unpinned checkpoint is evicted);
+* pending → *keyed*: ``publish`` once the step succeeded (or back to free: ``cancel``);
+* keyed → pinned while a request admitted on it has not run its first step (``pin``/``unpin``),
+  so eviction never takes a checkpoint that a scheduled read depends on;
+* keyed → free: evicted (LRU, unpinned only), dropped with the block carrying its hash, or reset.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    slot: int
+    pins: int = 0
+
+
+class StateCheckpoints:
+    """``num_slots`` checkpoint slots, numbered from ``first_slot``; keyed ones in LRU order."""
+
+    def __init__(self, first_slot: int, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.first_slot = first_slot
+        self.num_slots = num_slots
+        self._free: deque[int] = deque(range(first_slot, first_slot + num_slots))
+        self._keyed: OrderedDict[bytes, Checkpoint] = OrderedDict()  # oldest (evicted first) first
+        self._pending: dict[str, int] = {}  # request -> slot its running step also writes
+        self._pinned: dict[str, bytes] = {}  # request -> the checkpoint its first step reads
+        self._latest: dict[str, bytes] = {}  # request -> its newest moving checkpoint
+        self.evictions = 0
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._keyed
+
+    def __len__(self) -> int:
+        """Keyed checkpoints."""
+        return len(self._keyed)
+
+    def keys(self) -> list[bytes]:
+        """The keyed checkpoints' hashes, next to be evicted first."""
+        return list(self._keyed)
+
+    def slot_of(self, key: bytes) -> int | None:
+        checkpoint = self._keyed.get(key)
+        return None if checkpoint is None else checkpoint.slot
+
+    def pending_slot(self, request_id: str) -> int | None:
+        return self._pending.get(request_id)
+
+    def pinned_slot(self, request_id: str) -> int | None:
+        key = self._pinned.get(request_id)
+        return None if key is None else self._keyed[key].slot
+
+    # ---- a request's checkpoints -----------------------------------------------------------
+
+    def pin(self, request_id: str, key: bytes) -> int:
+        """The request resumes from checkpoint ``key``: keep it until ``unpin``; its slot."""
+        if request_id in self._pinned:
+            raise ValueError(f"request {request_id!r} already resumes from a checkpoint")
+        checkpoint = self._keyed[key]
+        checkpoint.pins += 1
+        self._keyed.move_to_end(key)  # used: most recently
+        self._pinned[request_id] = key
+        return checkpoint.slot
+
+    def unpin(self, request_id: str) -> None:
+        key = self._pinned.pop(request_id, None)
+        if key is not None:
+            self._keyed[key].pins -= 1
+
+    def reserve(self, request_id: str) -> int | None:
+        """A slot for the state the request's next step ends with, or None when every slot is
+        pinned or pending (the step then simply keeps no checkpoint)."""
+        if request_id in self._pending:
+            return self._pending[request_id]
+        previous = self._latest.get(request_id)
+        if previous in self._keyed:  # superseded by this one: evicted first
+            self._keyed.move_to_end(previous, last=False)
+        if not self._free and not self._evict_one():
+            return None
+        slot = self._pending[request_id] = self._free.popleft()
+        return slot
+
+    def publish(self, request_id: str, key: bytes, moving: bool) -> None:
+        """The pending slot now holds the state after the block hashed ``key``. ``moving``: a
+        boundary that a newer one of the same request supersedes (demoting this one then)."""
+        slot = self._pending.pop(request_id)
+        if key in self._keyed:  # the same state is kept already
+            self._free.append(slot)
+            self._keyed.move_to_end(key)
+        else:
+            self._keyed[key] = Checkpoint(slot)
+        if moving:
+            previous = self._latest.get(request_id)
+            if previous is not None and previous != key and previous in self._keyed:
+                self._keyed.move_to_end(previous, last=False)
+            self._latest[request_id] = key
+
+    def cancel(self, request_id: str) -> None:
+        """The step failed or the request ended before it: its pending slot is free again."""
+        slot = self._pending.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def release(self, request_id: str) -> None:
+        """The request is gone (finished, aborted, preempted); its published checkpoints stay."""
+        self.cancel(request_id)
+        self.unpin(request_id)
+        self._latest.pop(request_id, None)
+
+    # ---- eviction ------------------------------------------------------------------------------
+
+    def drop(self, key: bytes) -> None:
+        """Forget checkpoint ``key`` (the block carrying its hash was evicted: no hit can reach
+        it any more). Pinned ones stay: their request holds that block."""
+        checkpoint = self._keyed.get(key)
+        if checkpoint is not None and checkpoint.pins == 0:
+            del self._keyed[key]
+            self._free.append(checkpoint.slot)
+
+    def reset(self) -> None:
+        """Forget every unpinned checkpoint."""
+        for key in [k for k, c in self._keyed.items() if c.pins == 0]:
+            self.drop(key)
+
+    def _evict_one(self) -> bool:
+        for key, checkpoint in self._keyed.items():
+            if checkpoint.pins == 0:
+                del self._keyed[key]
+                self._free.append(checkpoint.slot)
+                self.evictions += 1
+                return True
+        return False
+
+    # ---- observation ---------------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        return {
+            "num_slots": self.num_slots,
+            "keyed": [{"hash": key.hex()[:12], "slot": c.slot, "pins": c.pins} for key, c in self._keyed.items()],
+            "pending": dict(self._pending),
+        }
+
+    def check_invariants(self, holders: set[str]) -> None:
+        """Every slot is free, pending or keyed exactly once; pins match the requests pinning;
+        only ``holders`` (requests holding blocks) pend or pin."""
+        slots = list(self._free) + list(self._pending.values()) + [c.slot for c in self._keyed.values()]
+        expected = list(range(self.first_slot, self.first_slot + self.num_slots))
+        if sorted(slots) != expected:
+            raise AssertionError(f"checkpoint slots lost or doubled: {sorted(slots)}")
+        pins: dict[bytes, int] = {}
+        for key in self._pinned.values():
+            pins[key] = pins.get(key, 0) + 1
+        for key, checkpoint in self._keyed.items():
+            if checkpoint.pins != pins.get(key, 0):
+                raise AssertionError(f"checkpoint {key.hex()[:12]} has {checkpoint.pins} pins, {pins.get(key, 0)} pinners")
+        strangers = (set(self._pending) | set(self._pinned)) - holders
+        if strangers:
+            raise AssertionError(f"requests without blocks pend or pin checkpoints: {sorted(strangers)}")

@@ -300,7 +300,7 @@ def test_unsupported_vision_architectures_are_refused_at_load(tiny_qwen2_vl_dir,
     shutil.copytree(tiny_qwen2_vl_dir, other)
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "model_type": "idefics3"}))
-    supported = "gemma3, llava, mistral3, qwen2_5_vl, qwen2_vl, qwen3_vl, qwen3_vl_moe, smolvlm"
+    supported = "gemma3, llava, mistral3, qwen2_5_vl, qwen2_vl, qwen3_5, qwen3_5_moe, qwen3_vl, qwen3_vl_moe, smolvlm"
     with pytest.raises(UnsupportedModelError, match=rf"idefics3.*\(supported: {supported}\)"):
         EngineCore(model=str(other))
 

@@ -12,6 +12,8 @@ No model hub is reachable in the test environment, so the multimodal tests build
   ``padding``; see :func:`drop_text_kwargs_for_images`.
 * :func:`build_tiny_qwen3_vl` / :func:`build_tiny_qwen3_vl_moe`: Qwen3-VL (dense or
   mixture-of-experts text), 16 px patches, deepstack features into text layers 0 and 1.
+* :func:`build_tiny_qwen3_5` / :func:`build_tiny_qwen3_5_moe`: Qwen3.5 (dense or MoE text),
+  Qwen3-VL's tower without deepstack, a hybrid text model (gated delta-net + full attention).
 * :func:`build_tiny_gemma3`: Gemma 3 (SigLIP at 56x56, pooled to 4 tokens per image), text layers
   alternating a sliding window of 8 and global attention; its tokenizer has newline-run tokens.
 * :func:`build_tiny_mistral3`: Mistral 3 (Pixtral at the image's resolution up to 112 px, 2x2
@@ -490,6 +492,48 @@ QWEN3_VL_MOE_TEXT_CONFIG = {
 }
 
 
+# Qwen3.5's text model: gated delta-net (linear attention) layers with a full-attention layer
+# every ``full_attention_interval`` (here 2: layers 1 and 3). Its attention layers gate their
+# output and rotate only part of each head (real models a quarter; here half of head_dim 32:
+# 8 frequencies, 2/3/3 over (t, h, w), interleaved as in Qwen3-VL).
+QWEN3_5_TEXT_CONFIG = {
+    "model_type": "qwen3_5_text",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "full_attention_interval": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {
+        "type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+        "mrope_section": [2, 3, 3],
+        "mrope_interleaved": True,
+    },
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+}
+
+# Qwen3.5-MoE's text model: every MLP is 4 experts (2 per token) plus a gated shared expert.
+QWEN3_5_MOE_TEXT_CONFIG = {
+    **QWEN3_5_TEXT_CONFIG,
+    "model_type": "qwen3_5_moe_text",
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64,
+    "norm_topk_prob": True,
+}
+
+
 def build_tiny_qwen3_vl(
     out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0, moe: bool = False
 ) -> Path:
@@ -497,21 +541,59 @@ def build_tiny_qwen3_vl(
     text layers 0 and 1. A 64x64 picture is 4 image tokens, 100x60 is 6 (96x64 after resizing).
     ``moe``: Qwen3-VL-MoE (mixture-of-experts MLPs, same vision side). ``tokenizer_dir`` as in
     :func:`build_tiny_qwen2_vl`."""
+    model_type = "qwen3_vl_moe" if moe else "qwen3_vl"
+    architecture = "Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration"
+    text = QWEN3_VL_MOE_TEXT_CONFIG if moe else QWEN3_VL_TEXT_CONFIG
+    return _build_qwen3_vl_layout(out_dir, tokenizer_dir, seed, model_type, architecture, text, QWEN3_VL_VISION_CONFIG)
+
+
+def build_tiny_qwen3_vl_moe(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
+    """:func:`build_tiny_qwen3_vl` with mixture-of-experts text MLPs."""
+    return build_tiny_qwen3_vl(out_dir, tokenizer_dir, seed=seed, moe=True)
+
+
+def build_tiny_qwen3_5(
+    out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0, moe: bool = False
+) -> Path:
+    """A tiny random-weight Qwen3.5 VLM directory: Qwen3-VL's tower without deepstack and a
+    hybrid text model (gated delta-net layers 0 and 2, full attention 1 and 3). Images take as
+    many tokens as in :func:`build_tiny_qwen3_vl`. ``moe``: Qwen3.5-MoE's text model."""
+    model_type = "qwen3_5_moe" if moe else "qwen3_5"
+    architecture = "Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"
+    text = QWEN3_5_MOE_TEXT_CONFIG if moe else QWEN3_5_TEXT_CONFIG
+    vision = {**QWEN3_VL_VISION_CONFIG, "deepstack_visual_indexes": []}
+    return _build_qwen3_vl_layout(out_dir, tokenizer_dir, seed, model_type, architecture, text, vision)
+
+
+def build_tiny_qwen3_5_moe(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
+    """:func:`build_tiny_qwen3_5` with mixture-of-experts text MLPs (and a shared expert)."""
+    return build_tiny_qwen3_5(out_dir, tokenizer_dir, seed=seed, moe=True)
+
+
+def _build_qwen3_vl_layout(
+    out_dir: Path,
+    tokenizer_dir: Path | None,
+    seed: int,
+    model_type: str,
+    architecture: str,
+    text_config: dict,
+    vision_config: dict,
+) -> Path:
+    """A directory in Qwen3-VL's layout (config, weights, tokenizer, the processor's three
+    files) for mlx-vlm's ``model_type`` package."""
     import importlib
 
-    model_type = "qwen3_vl_moe" if moe else "qwen3_vl"
     arch = importlib.import_module(f"mlx_vlm.models.{model_type}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = _make_tokenizer(tokenizer_dir, QWEN_SPECIAL_TOKENS)
     ids = {t: tok.token_to_id(t) for t in QWEN_SPECIAL_TOKENS}
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
-    text = QWEN3_VL_MOE_TEXT_CONFIG if moe else QWEN3_VL_TEXT_CONFIG
     config = {
         "model_type": model_type,
-        "architectures": ["Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration"],
-        "text_config": {**text, "vocab_size": vocab_size},
-        "vision_config": {**QWEN3_VL_VISION_CONFIG, "model_type": model_type},
+        "architectures": [architecture],
+        "text_config": {**text_config, "vocab_size": vocab_size},
+        "vision_config": {**vision_config, "model_type": model_type},
         "vocab_size": vocab_size,
         "image_token_id": ids["<|image_pad|>"],
         "video_token_id": ids["<|video_pad|>"],
@@ -523,7 +605,7 @@ def build_tiny_qwen3_vl(
     model = _instantiate(arch, config, seed)
     _save_weights(model, out_dir / "model.safetensors")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    max_length = QWEN3_VL_TEXT_CONFIG["max_position_embeddings"]
+    max_length = text_config["max_position_embeddings"]
     _save_tokenizer(out_dir, tok, "<|im_end|>", "<|endoftext|>", max_length, QWEN2_VL_CHAT_TEMPLATE)
     vision = config["vision_config"]
     preprocessor = {
@@ -545,11 +627,6 @@ def build_tiny_qwen3_vl(
         (out_dir / name).write_text(json.dumps(preprocessor, indent=2))
     (out_dir / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}, indent=2))
     return out_dir
-
-
-def build_tiny_qwen3_vl_moe(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
-    """:func:`build_tiny_qwen3_vl` with mixture-of-experts text MLPs."""
-    return build_tiny_qwen3_vl(out_dir, tokenizer_dir, seed=seed, moe=True)
 
 
 GEMMA3_SPECIAL_TOKENS = [

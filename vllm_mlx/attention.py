@@ -51,6 +51,7 @@ NULL_SLOT = 0
 RECURRENT_ARCHITECTURES: dict[str, bool] = {
     "lfm2": True,
     "qwen3_5": True,
+    "qwen3_5_moe": True,  # qwen3_5's layers with MoE MLPs (mlx-lm's text model and mlx-vlm's VLM)
     "qwen3_next": True,
     "granitemoehybrid": True,
     "nemotron_h": False,

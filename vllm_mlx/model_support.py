@@ -62,7 +62,7 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
         "qwen2_5_vl": "tests/test_multimodal.py::test_greedy_tokens_equal_mlx_vlm[qwen2_5_vl]",
         "llava": "tests/test_multimodal.py::test_greedy_tokens_equal_mlx_vlm[llava]",
         **{name: f"tests/test_vlm_families.py::test_one_image_equals_mlx_vlm[{name}]"
-           for name in ("qwen3_vl", "qwen3_vl_moe", "gemma3", "mistral3", "smolvlm")},
+           for name in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "gemma3", "mistral3", "smolvlm")},
     },
 }
 

@@ -26,6 +26,7 @@ __all__ = [
     "Mistral3Model",
     "Qwen2VLModel",
     "Qwen3VLModel",
+    "Qwen3_5Model",
     "SmolVLMModel",
 ]
 
@@ -144,6 +145,70 @@ class Qwen3VLModel(Qwen2VLModel):
             visual_pos_masks=mask,
             deepstack_visual_embeds=deepstack or None,
         )
+
+
+class Qwen3_5Model(Qwen3VLModel):
+    """Qwen3.5 and Qwen3.5-MoE: Qwen3-VL's vision side and positions, and a hybrid text model
+    (gated delta-net layers, a full-attention layer every ``full_attention_interval``).
+
+    * Vision: Qwen3-VL's tower; mlx-vlm disables deepstack for 3.5 (its config refuses
+      ``deepstack_visual_indexes``), so ``encode`` returns the main features only and the text
+      model takes embeddings and positions as Qwen2-VL's does.
+    * Positions: Qwen3-VL's (mlx-vlm's ``get_rope_index`` is the same for still images);
+      the attention layers rotate only part of each head, inside the model.
+    * Recurrent layers: their state lives in the engine's state pool, as for the text-only
+      ``qwen3_5`` (``attention.RECURRENT_ARCHITECTURES``), but mlx-vlm's delta-net code talks
+      to it through two calls mlx-lm's does not make; ``MlxVlmStateCache`` adds them.
+    """
+
+    model_types = ("qwen3_5", "qwen3_5_moe")
+    hidden_states = VisionLanguageModel.hidden_states  # no deepstack features to pass on
+
+    def language_hidden_states(self, embeds, inputs, cache, position_ids):
+        cache = [MlxVlmStateCache(c) if layer.is_linear else c for layer, c in zip(self.layers, cache)]
+        return super().language_hidden_states(embeds, inputs, cache, position_ids)
+
+
+class MlxVlmStateCache:
+    """mlx-vlm's recurrent-cache calls over a cache with mlx-lm's ``ArraysCache`` protocol
+    (the engine's ``RecurrentLayerCache``; mlx-lm's own ``ArraysCache`` while probing).
+
+    mlx-vlm's delta-net layers do not assign ``cache[i]``: they hand the convolution input to
+    ``update_window`` (keep each row's last ``width`` inputs) and the state update to
+    ``update_recurrent`` (run it from the cached state, keep the new one). mlx-vlm's own cache
+    also records speculative-decoding history there, which the engine never asks for. The rest
+    (``cache[i]``, ``lengths``, ``advance``, ``make_mask``) is the wrapped cache's.
+    """
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+
+    def __getattr__(self, name: str):
+        return getattr(self.cache, name)
+
+    def __getitem__(self, index: int) -> mx.array | None:
+        return self.cache[index]
+
+    def __setitem__(self, index: int, value: mx.array) -> None:
+        self.cache[index] = value
+
+    def update_window(self, index: int, source: mx.array, width: int, *, lengths: mx.array | None = None):
+        """Keep ``source[:, n - width : n]`` where ``n`` is the row's real length in ``source``
+        (``source`` is the previous window followed by the new tokens; ``lengths``: each row's
+        real new tokens when rows are right-padded)."""
+        new = source.shape[1] - width
+        if lengths is None:
+            window = source[:, new:]
+        else:
+            positions = mx.clip(lengths, 0, new)[:, None] + mx.arange(width)
+            window = mx.take_along_axis(source, positions[:, :, None], axis=1)
+        self.cache[index] = window
+        return window
+
+    def update_recurrent(self, index: int, length: int, update):
+        output, state = update(self.cache[index], None)[:2]  # None: no history to keep
+        self.cache[index] = state
+        return output, state
 
 
 class Gemma3Model(VisionLanguageModel):
@@ -373,6 +438,7 @@ def _newline_run(tokens: list[int], newline_text, *, from_end: bool) -> int:
 FAMILIES: tuple[type[VisionLanguageModel], ...] = (
     Qwen2VLModel,
     Qwen3VLModel,
+    Qwen3_5Model,
     LlavaModel,
     Gemma3Model,
     Mistral3Model,
@@ -380,8 +446,4 @@ FAMILIES: tuple[type[VisionLanguageModel], ...] = (
 )
 
 # Architectures mlx-vlm runs that the paged engine refuses for a known reason.
-NOT_YET: dict[str, str] = {
-    family: "no vision adapter yet: its hybrid text model (Gated DeltaNet + attention) runs as "
-    "text-only qwen3_5, but the vision side (tower and prompt expansion) is not adapted"
-    for family in ("qwen3_5", "qwen3_5_moe")
-}
+NOT_YET: dict[str, str] = {}

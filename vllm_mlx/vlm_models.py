@@ -104,6 +104,9 @@ class VisionLanguageModel:
         self.config = config
         self.path = path
         self.language = model.language_model
+        # The architecture as the config names it: the runner's layer checks key on it (the
+        # text model's own type, e.g. "qwen3_5_text", is not the one they list).
+        self.model_type = config.get("model_type")
         self.image_token_id = self._image_token_id()
         self.placeholder_token_id = self._placeholder_token_id()
         # Everything that turns pixels into encoder input: part of every image's cache key.
@@ -126,9 +129,10 @@ class VisionLanguageModel:
 
         ``attention.layer_specs`` reads the kind of each (full attention, sliding window,
         anything else refused). mlx-vlm has its own ``KVCache``/``RotatingKVCache`` classes;
-        they are mapped to mlx-lm's here, so the runner needs no second vocabulary.
+        they are mapped to mlx-lm's here, so the runner needs no second vocabulary (and so is
+        mlx-vlm's ``ArraysCache``: recurrent state, checked by the config's ``model_type``).
         """
-        from mlx_lm.models.cache import KVCache, RotatingKVCache
+        from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
         make = getattr(self.language, "make_cache", None)
         if make is None:
@@ -140,8 +144,15 @@ class VisionLanguageModel:
                 cache = KVCache()
             elif kind == "RotatingKVCache" and cache.keep == 0:
                 cache = RotatingKVCache(max_size=cache.max_size, keep=0)
+            elif kind == "ArraysCache":
+                cache = ArraysCache(len(cache.cache))
             caches.append(cache)  # any other kind is left as it is: layer_specs names it
         return caches
+
+    def __call__(self, inputs: mx.array, cache: list) -> mx.array:
+        """Text only, over ``make_cache()``'s caches: ``state_pool.probe_state_layout`` runs a
+        token this way to read the recurrent states a hybrid text model leaves."""
+        return self.hidden_states(inputs, cache, None, None)
 
     def embed(self, inputs: mx.array) -> mx.array:
         return self.language.model.embed_tokens(inputs)

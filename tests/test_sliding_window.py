@@ -128,8 +128,9 @@ def test_batched_chunked_prefill_equals_mlx_lm(engine_factory, arch):
 
 
 def test_staggered_arrivals_and_preemption_equal_mlx_lm(engine_factory, arch):
-    # 24 usable blocks of 4 tokens cannot hold the five requests at once: preemption happens.
-    engine = engine_factory(block_size=4, num_kv_blocks=25, max_num_batched_tokens=16)
+    # 31 usable blocks of 4 tokens cannot hold the five requests at once (each holds all its
+    # blocks in the full-attention group, up to 7 in the sliding one): preemption happens.
+    engine = engine_factory(block_size=4, num_kv_blocks=32, max_num_batched_tokens=16)
     request_ids, final = [], {}
     for step in range(5000):
         if step % 3 == 0 and len(request_ids) < len(PROMPTS):
@@ -162,14 +163,62 @@ def test_default_block_size_equals_mlx_lm(engine_factory, arch):
     assert run_all(engine_factory()) == arch[1]
 
 
+def test_window_blocks_return_to_the_pool_during_a_long_generation(engine_factory, arch):
+    """The sliding group's table keeps only the blocks its window reaches: the rest are the null
+    block and back in the pool while the request decodes; the output is still mlx-lm's."""
+    prompt, max_tokens = PROMPTS[4], 40
+    expected = mlx_lm_tokens(arch[0], [prompt], max_tokens)[0]
+    engine = engine_factory(block_size=4, max_num_batched_tokens=16)
+    request_id = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    held, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out if out.finished else final
+        tables = engine.kv_cache.get_block_tables(request_id)
+        if tables:
+            full, sliding = tables
+            live = [b for b in sliding if b]
+            assert len(live) <= -(-(WINDOW - 1 + 16) // 4) + 1 and sliding[-len(live) :] == live
+            usage = engine.cache_snapshot(include_blocks=False)["block_groups"]  # what the inspector shows
+            assert [g["num_used_blocks"] for g in usage] == [len(full), len(live)]
+            held.append((len(full), len(live)))
+        engine.kv_cache.check_invariants()
+    assert final.outputs[0].token_ids == expected
+    assert held[-1][0] > 20 and held[-1][1] <= 3  # ~100 tokens in full, a window and a block in sliding
+    assert engine.kv_cache.stats().num_used_blocks == 0
+
+
+def test_random_joins_aborts_and_preemptions_leak_no_block(engine_factory):
+    import random
+
+    engine = engine_factory(block_size=4, num_kv_blocks=40, max_num_seqs=4, max_num_batched_tokens=12)
+    rng, live = random.Random(0), []
+    for _ in range(150):
+        action = rng.random()
+        if action < 0.3:
+            params = SamplingParams(max_tokens=rng.randint(1, 20), temperature=0)
+            live.append(engine.add_request(rng.choice(PROMPTS), params))
+        elif action < 0.4 and live:
+            engine.abort_request(live.pop(rng.randrange(len(live))))
+        engine.step()
+        engine.kv_cache.check_invariants()
+        engine.scheduler.check_invariants()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv_cache.stats().num_used_blocks == 0 and engine.scheduler.num_preemptions > 0
+    engine.kv_cache.check_invariants()
+
+
 # -- sizing -----------------------------------------------------------------------------------
 
 
 def test_kv_sizing_matches_the_pool(engine_factory):
     engine = engine_factory(block_size=4, num_kv_blocks=64)
     run_all(engine, PROMPTS[:1])
-    pool = engine.runner.pool
-    assert pool.nbytes == engine.kv_layout.bytes_per_token * pool.num_slots
+    pool, block_groups = engine.runner.pool, engine.runner.block_groups
+    # Sliding and full layers store the same shapes: one array per pair, one table per group.
+    assert [g.window for g in block_groups.groups] == [None, WINDOW] and block_groups.num_arrays * 2 == len(engine.runner.specs)
+    assert pool.nbytes == engine.kv_layout.bytes_per_token // 2 * pool.num_slots
     assert engine.kv_layout.bytes_per_token == kv_bytes_per_token(engine.model_config, 4, engine.runner.model)
     groups = engine.cache_snapshot(include_blocks=False)["kv_groups"]
     assert sorted((g["kind"], g["window"]) for g in groups) == [("full_attention", None), ("sliding_window", WINDOW)]

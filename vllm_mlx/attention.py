@@ -16,8 +16,10 @@ batch a different request at its own position:
   layer's own window), exactly mlx-lm's ``create_causal_mask`` rule: a query at position ``p``
   sees keys ``p - window + 1 .. p``.
 
-Every layer of one kind gathers the same slots, and models ask for one mask per kind, so both
-are built once per forward call per distinct window (``BatchLayout`` caches them), not per layer.
+A request holds one block table per block group (``kv_spec.plan_block_groups``): a sliding-window
+group's table has the null block where its blocks fell out of the window. The layers of one
+group and window gather the same slots, and models ask for one mask per kind, so both are built
+once per forward call (``BatchLayout`` caches them), not per layer.
 The mask is a plain boolean array, which ``mx.fast.scaled_dot_product_attention`` takes together
 with attention sinks (gpt-oss passes ``sinks=``: they only add a per-head term to the softmax).
 
@@ -39,7 +41,14 @@ import mlx.core as mx
 import numpy as np
 
 from vllm_mlx.errors import VllmMlxError
-from vllm_mlx.kv_spec import FullAttentionSpec, LayerSpec, RecurrentStateSpec, SlidingWindowSpec, is_recurrent
+from vllm_mlx.kv_spec import (
+    BlockGroups,
+    FullAttentionSpec,
+    LayerSpec,
+    RecurrentStateSpec,
+    SlidingWindowSpec,
+    is_recurrent,
+)
 from vllm_mlx.state_pool import RecurrentLayerCache, StateBatch, StatePool
 
 NULL_SLOT = 0
@@ -130,7 +139,8 @@ def _describe(cache) -> str:
 @dataclass
 class RowSpec:
     """One row of a forward call: ``tokens`` are new, ``num_computed`` tokens precede them, and
-    ``block_ids`` (the request's block table) covers all of them."""
+    ``block_ids`` (the request's block table) covers all of them; with several block groups,
+    ``block_tables`` holds one table per group (``block_ids`` is then the first)."""
 
     tokens: list[int]
     num_computed: int
@@ -138,14 +148,19 @@ class RowSpec:
     state_slot: int = 0  # recurrent-state slot (models with recurrent layers)
     state_read_slot: int | None = None  # where the state is read from, when not state_slot
     checkpoint_slot: int | None = None  # a checkpoint slot the final state is also written to
+    block_tables: list[list[int]] | None = None
 
     @property
     def context_len(self) -> int:
         return self.num_computed + len(self.tokens)
 
-    def slots(self, block_size: int) -> np.ndarray:
-        """Physical slots of positions ``0 .. context_len - 1``."""
-        blocks = np.asarray(self.block_ids, dtype=np.int32)[:, None] * block_size
+    def table(self, group: int) -> list[int]:
+        return self.block_ids if self.block_tables is None else self.block_tables[group]
+
+    def slots(self, block_size: int, group: int = 0) -> np.ndarray:
+        """Physical slots of positions ``0 .. context_len - 1`` in ``group``'s table (positions
+        in null entries map to the null block: never read, see ``BatchLayout.keys``)."""
+        blocks = np.asarray(self.table(group), dtype=np.int32)[:, None] * block_size
         return (blocks + np.arange(block_size, dtype=np.int32)).ravel()[: self.context_len]
 
 
@@ -162,60 +177,69 @@ class KeyView:
 
 
 @dataclass
+class GroupSlots:
+    """One block group's slots in a forward call: where each row's positions live."""
+
+    row_slots: list[np.ndarray]  # per row: the slots of positions 0 .. context_len - 1
+    write_slots: mx.array  # (B*T,) destination slot of each new token (padding -> null block)
+
+
+@dataclass
 class BatchLayout:
     """Index arrays shared by every layer during one forward call.
 
-    Key views and masks are built on first use and kept for the call: one per distinct window.
+    Key views and masks are built on first use and kept for the call: one per block group and
+    distinct window (masks depend on positions only: one per window).
     """
 
     num_computed: np.ndarray  # (B,) tokens already in the cache per row
     context_len: np.ndarray  # (B,) num_computed + the row's new tokens
     num_new: int  # T: new tokens of the longest row
-    row_slots: list[np.ndarray]  # per row: the slots of positions 0 .. context_len - 1
+    groups: list[GroupSlots]  # per block group
     offsets: mx.array  # (B,) num_computed as an MLX array: RoPE offsets
-    write_slots: mx.array  # (B*T,) destination slot of each new token (padding -> null block)
     _views: dict = field(default_factory=dict, init=False, repr=False)
     _masks: dict = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
-    def build(cls, rows: list[RowSpec], block_size: int) -> BatchLayout:
+    def build(cls, rows: list[RowSpec], block_size: int, num_groups: int = 1) -> BatchLayout:
         num_new = max(len(r.tokens) for r in rows)
-        row_slots = [r.slots(block_size) for r in rows]
-        write = np.full((len(rows), num_new), NULL_SLOT, dtype=np.int32)
-        for i, (row, slots) in enumerate(zip(rows, row_slots)):
-            write[i, : len(row.tokens)] = slots[row.num_computed :]
         computed = np.array([r.num_computed for r in rows], dtype=np.int32)
         return cls(
             num_computed=computed,
             context_len=np.array([r.context_len for r in rows], dtype=np.int32),
             num_new=num_new,
-            row_slots=row_slots,
+            groups=[_group_slots(rows, block_size, group, num_new) for group in range(num_groups)],
             offsets=mx.array(computed),
-            write_slots=mx.array(write.ravel()),
         )
 
-    def keys(self, window: int | None) -> KeyView:
-        """The keys a layer with this window (None: full attention) reads: from the first
-        position the row's first new query still sees, to the end of its context."""
-        view = self._views.get(window)
+    def key_start(self, window: int | None) -> np.ndarray:
+        """Per row, the first position some new query of the row still sees (0 without a
+        window): the first key a layer with this window reads."""
+        if window is None:
+            return np.zeros_like(self.num_computed)
+        return np.maximum(0, self.num_computed - window + 1)
+
+    def keys(self, window: int | None, group: int = 0) -> KeyView:
+        """The keys a layer of ``group`` with this window (None: full attention) reads: from the
+        first position the row's first new query still sees, to the end of its context."""
+        view = self._views.get((group, window))
         if view is None:
-            start = np.zeros_like(self.num_computed)
-            if window is not None:
-                start = np.maximum(0, self.num_computed - window + 1)
+            start = self.key_start(window)
             gather = np.full((len(start), int((self.context_len - start).max())), NULL_SLOT, dtype=np.int32)
-            for i, slots in enumerate(self.row_slots):
+            for i, slots in enumerate(self.groups[group].row_slots):
                 gather[i, : len(slots) - start[i]] = slots[start[i] :]
-            view = self._views[window] = KeyView(start, mx.array(gather))
+            view = self._views[(group, window)] = KeyView(start, mx.array(gather))
         return view
 
     def mask(self, keys_window: int | None, window: int | None) -> mx.array:
-        """``(B, 1, T, L)`` visibility over ``keys(keys_window)``: causal, not padding, and
-        within the last ``window`` positions (None: no limit)."""
+        """``(B, 1, T, L)`` visibility over the keys a layer with ``keys_window`` reads: causal,
+        not padding, and within the last ``window`` positions (None: no limit)."""
         mask = self._masks.get((keys_window, window))
         if mask is None:
-            view = self.keys(keys_window)
+            start = self.key_start(keys_window)
+            width = int((self.context_len - start).max())
             query_pos = self.num_computed[:, None] + np.arange(self.num_new, dtype=np.int32)  # (B, T)
-            key_pos = view.start[:, None] + np.arange(view.gather_slots.shape[1], dtype=np.int32)  # (B, L)
+            key_pos = start[:, None] + np.arange(width, dtype=np.int32)  # (B, L)
             q, k = query_pos[:, :, None], key_pos[:, None, :]
             visible = (k <= q) & (k < self.context_len[:, None, None])
             if window is not None:
@@ -225,8 +249,18 @@ class BatchLayout:
         return mask
 
 
+def _group_slots(rows: list[RowSpec], block_size: int, group: int, num_new: int) -> GroupSlots:
+    row_slots = [r.slots(block_size, group) for r in rows]
+    write = np.full((len(rows), num_new), NULL_SLOT, dtype=np.int32)
+    for i, (row, slots) in enumerate(zip(rows, row_slots)):
+        write[i, : len(row.tokens)] = slots[row.num_computed :]
+    return GroupSlots(row_slots, mx.array(write.ravel()))
+
+
 class KVPool:
-    """Keys and values of every layer, ``[n_kv_heads, num_slots, head_dim]`` per layer.
+    """Keys and values, ``[n_kv_heads, num_slots, head_dim]`` per array: one array per
+    attention layer, or, with block groups, one per position in a group, shared by one layer of
+    each group (``kv_spec.BlockGroups``).
 
     Head-major, so that a gather through the block tables yields, per head and row, the context's
     keys as contiguous ``[L, head_dim]`` rows: attention reads them without another copy.
@@ -236,6 +270,7 @@ class KVPool:
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int) -> None:
+        """``num_layers``: the number of arrays (layers, or positions in a block group)."""
         self.num_slots = num_blocks * block_size
         self.block_size = block_size
         self.keys: list[mx.array | None] = [None] * num_layers
@@ -282,11 +317,15 @@ class PagedLayerCache:
     ``update_and_fetch`` returns, and ``make_mask`` always describes exactly those keys.
     """
 
-    def __init__(self, pool: KVPool, layer: int, layout: BatchLayout, window: int | None = None) -> None:
+    def __init__(
+        self, pool: KVPool, layer: int, layout: BatchLayout, window: int | None = None, group: int = 0
+    ) -> None:
+        """``layer``: the pool array this layer uses; ``group``: its block group."""
         self.pool = pool
         self.layer = layer
         self.layout = layout
         self.window = window
+        self.group = group
 
     @property
     def offset(self) -> mx.array:
@@ -297,8 +336,8 @@ class PagedLayerCache:
         # [B, H, T, D] -> [H, B*T, D]: one row per new token, in write_slots order.
         flat_k = keys.transpose(1, 0, 2, 3).reshape(heads, batch * num_new, keys.shape[-1])
         flat_v = values.transpose(1, 0, 2, 3).reshape(heads, batch * num_new, values.shape[-1])
-        self.pool.write(self.layer, self.layout.write_slots, flat_k, flat_v)
-        return self.pool.gather(self.layer, self.layout.keys(self.window).gather_slots)
+        self.pool.write(self.layer, self.layout.groups[self.group].write_slots, flat_k, flat_v)
+        return self.pool.gather(self.layer, self.layout.keys(self.window, self.group).gather_slots)
 
     def make_mask(self, num_tokens: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         """The mask over this layer's keys; ``window_size`` (else the layer's own window) limits
@@ -310,13 +349,21 @@ class MLXAttentionBackend:
     """Builds the per-layer caches that a forward call hands to the model: paged KV for
     attention layers, state-pool views for recurrent ones (``state_pool`` is then required)."""
 
-    def __init__(self, pool: KVPool, specs: list[LayerSpec], state_pool: StatePool | None = None) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        specs: list[LayerSpec],
+        state_pool: StatePool | None = None,
+        block_groups: BlockGroups | None = None,
+    ) -> None:
         self.pool = pool
         self.specs = list(specs)
         self.state_pool = state_pool
+        self.block_groups = block_groups or BlockGroups.single(self.specs)
+        self._group_of = {layer: self.block_groups.group_of_layer(layer) for layer in self.block_groups.array_of_layer}
 
     def make_caches(self, rows: list[RowSpec]) -> list[PagedLayerCache | RecurrentLayerCache]:
-        layout = BatchLayout.build(rows, self.pool.block_size)
+        layout = BatchLayout.build(rows, self.pool.block_size, len(self.block_groups.groups))
         states = None
         if self.state_pool is not None:
             states = StateBatch.build(
@@ -327,8 +374,10 @@ class MLXAttentionBackend:
                 checkpoint_slots=[r.checkpoint_slot for r in rows],
             )
         return [
-            RecurrentLayerCache(self.state_pool, layer, states)
-            if is_recurrent(spec)
-            else PagedLayerCache(self.pool, layer, layout, spec.window)
+            RecurrentLayerCache(self.state_pool, layer, states) if is_recurrent(spec) else self._paged(layer, layout)
             for layer, spec in enumerate(self.specs)
         ]
+
+    def _paged(self, layer: int, layout: BatchLayout) -> PagedLayerCache:
+        array = self.block_groups.array_of_layer[layer]
+        return PagedLayerCache(self.pool, array, layout, self.specs[layer].window, self._group_of[layer])

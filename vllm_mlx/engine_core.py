@@ -218,10 +218,14 @@ class EngineCore:
         self.kv_layout = measure_kv_layout(loaded.model, state_layout)
         budget = kv_budget_bytes(config.kv_cache_memory)
         states = StateBudget.plan(config, budget, state_layout.bytes_per_request if state_layout else 0)
-        num_blocks = config.num_kv_blocks or self.kv_layout.blocks_for_budget(states.kv_bytes_left, config.block_size)
-        self.kv_cache = PagedCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, states.num_running_slots, states.num_checkpoints
+        block_groups = self.kv_layout.block_groups(specs)
+        num_blocks = config.num_kv_blocks or self.kv_layout.blocks_for_budget(
+            states.kv_bytes_left, config.block_size, block_groups
         )
+        self.kv_cache = PagedCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, states.num_running_slots,
+            states.num_checkpoints, block_groups.windows,
+        )  # fmt: skip
         text_config = loaded.config.get("text_config", loaded.config)
         context_len = text_config.get("max_position_embeddings") or loaded.config.get("max_position_embeddings")
         self.scheduler = Scheduler(
@@ -231,8 +235,9 @@ class EngineCore:
             MLLMCacheManager(config.mllm_cache_memory) if self.vision and config.enable_mllm_cache else None
         )
         self.runner = MLXModelRunner(
-            loaded.model, num_blocks, config.block_size, self.mllm_cache, states.num_slots, state_layout
-        )
+            loaded.model, num_blocks, config.block_size, self.mllm_cache, states.num_slots, state_layout,
+            block_groups=block_groups,
+        )  # fmt: skip
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.snapshotter = CacheSnapshotter(
             self.kv_cache,
@@ -665,8 +670,8 @@ def kv_bytes_per_token(model_config: dict, dtype_bytes: int, model=None, num_lay
     engine sizes its pool from the measured layout instead (``model_runner.measure_kv_layout``),
     which is exact (dtype, latent attention, layers that share keys).
 
-    Sliding-window layers count in full: they keep every block of a running request today (the
-    mask limits what they read, not what they hold; kv_spec.py).
+    Sliding-window layers count in full here (an upper bound: with block groups they hold only
+    the blocks their window reaches; kv_spec.py).
     """
     shape = kv_shape(model_config, model, num_layers)
     return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes

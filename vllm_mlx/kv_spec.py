@@ -1,11 +1,16 @@
 """What each layer of a model needs from the KV cache (vLLM v1's ``KVCacheSpec`` idea).
 
 Plain data, no MLX: the runner derives one spec per layer from the model
-(``attention.layer_specs``), and the cache manager may one day size and free blocks per group.
+(``attention.layer_specs``), and ``plan_block_groups`` decides which layers share a block table.
 
-Today every group keeps every block of every running request: a sliding-window layer attends
-only to its window (the runner gathers and masks just those keys), but its out-of-window blocks
-stay allocated, since all layers share one block table. Correct output, no memory saved yet.
+Block groups (vLLM v1's hybrid KV cache groups): a request holds one block table per group, all
+over one pool of block ids. The KV pool's arrays are shared across groups: array ``j`` holds
+layer ``j`` of *every* group, so a block id costs ``num_arrays`` layers' worth of memory, whichever
+group holds it. A sliding-window group needs only the blocks its window still reaches; the
+others go back to the pool as the sequence grows, which is where the memory is saved. This needs
+every attention layer to store the same KV shape and dtype; otherwise (and for models whose
+attention layers are all of one kind) all attention layers form one group that keeps every block,
+and a sliding-window layer only reads its window.
 
 A recurrent layer (``RecurrentStateSpec``) holds no blocks at all: its state is a fixed-size slot
 per running request in the state pool (``state_pool.py``).
@@ -86,6 +91,60 @@ def group_layers(specs: list[LayerSpec]) -> list[LayerGroup]:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockGroup:
+    """Attention layers that share one block table per request. ``window``: the group's
+    sliding window (blocks wholly before it are freed); None keeps every block."""
+
+    window: int | None
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BlockGroups:
+    """Which attention layer uses which block group and which KV array. Group 0 keeps every
+    block (full attention): its table is the request's primary one (prefix hits are counted on
+    it)."""
+
+    groups: tuple[BlockGroup, ...]
+    array_of_layer: dict[int, int]
+    num_arrays: int
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        return tuple(g.window for g in self.groups)
+
+    def group_of_layer(self, layer: int) -> int:
+        return next(i for i, g in enumerate(self.groups) if layer in g.layers)
+
+    @classmethod
+    def single(cls, specs: list[LayerSpec]) -> BlockGroups:
+        """Every attention layer in one group that keeps every block, each with its own array."""
+        layers = tuple(i for i, spec in enumerate(specs) if not is_recurrent(spec))
+        return cls((BlockGroup(None, layers),), {layer: layer for layer in layers}, len(specs))
+
+
+def plan_block_groups(specs: list[LayerSpec], uniform_layers: bool) -> BlockGroups:
+    """Split the attention layers into block groups of equal size (the smallest kind's layer
+    count), full-attention groups first, when that saves memory: the model mixes sliding-window
+    and full layers and ``uniform_layers`` (every attention layer stores the same KV shape and
+    dtype, so they can share arrays). Otherwise ``BlockGroups.single``."""
+    kinds = group_layers([s for s in specs if not is_recurrent(s)])
+    attention = [i for i, s in enumerate(specs) if not is_recurrent(s)]
+    kinds = [LayerGroup(k.spec, tuple(attention[i] for i in k.layers)) for k in kinds]
+    has_full = any(k.spec.window is None for k in kinds)
+    if len(kinds) < 2 or not has_full or not uniform_layers:
+        return BlockGroups.single(specs)
+    size = min(len(k.layers) for k in kinds)
+    groups, array_of_layer = [], {}
+    for kind in sorted(kinds, key=lambda k: k.spec.window is not None):  # full attention first
+        for start in range(0, len(kind.layers), size):
+            chunk = kind.layers[start : start + size]
+            groups.append(BlockGroup(kind.spec.window, chunk))
+            array_of_layer.update((layer, j) for j, layer in enumerate(chunk))
+    return BlockGroups(tuple(groups), array_of_layer, size)
+
+
+@dataclass(frozen=True, slots=True)
 class GroupLayout:
     """A layer group's memory: ``bytes_per_token`` is the keys and values one token takes in
     all of the group's layers, as the model writes them (dtype, KV heads, key and value sizes);
@@ -97,8 +156,8 @@ class GroupLayout:
     bytes_per_request: int = 0
 
     def to_dict(self, num_blocks: int, num_state_slots: int = 0, num_checkpoints: int = 0) -> dict:
-        """Plain data for snapshots: a paged group has all ``num_blocks`` blocks today (the
-        groups share one block table, see the module docstring); a state group has
+        """Plain data for snapshots: a paged group draws on the pool's ``num_blocks`` blocks
+        (shared by every block group, see the module docstring); a state group has
         ``num_state_slots`` slots of ``bytes_per_request`` for running requests and
         ``num_checkpoints`` more for states kept at block boundaries."""
         kind = getattr(self.spec, "kind", type(self.spec).__name__)
@@ -117,18 +176,33 @@ class KVLayout:
 
     groups: tuple[GroupLayout, ...]
     dtype: str
+    uniform_layers: bool = False
+    """Every attention layer stores keys and values of one shape and dtype."""
+
+    def block_groups(self, specs: list[LayerSpec]) -> BlockGroups:
+        return plan_block_groups(specs, self.uniform_layers)
+
+    def bytes_per_block_token(self, block_groups: BlockGroups) -> int:
+        """What one token of one block id costs: every layer's keys and values with one group,
+        else ``num_arrays`` layers' (the arrays are shared across groups)."""
+        if len(block_groups.groups) == 1:
+            return self.bytes_per_token
+        attention = [g for g in self.groups if g.bytes_per_request == 0]
+        per_layer = attention[0].bytes_per_token // len(attention[0].layers)
+        return per_layer * block_groups.num_arrays
 
     @property
     def bytes_per_token(self) -> int:
         return sum(group.bytes_per_token for group in self.groups)
 
-    def blocks_for_budget(self, budget_bytes: int, block_size: int) -> int:
+    def blocks_for_budget(self, budget_bytes: int, block_size: int, block_groups: BlockGroups | None = None) -> int:
         """How many blocks (plus the null block) ``budget_bytes`` holds.
 
         Raises:
             ValueError: The budget holds no block.
         """
-        per_block = self.bytes_per_token * block_size
+        per_token = self.bytes_per_token if block_groups is None else self.bytes_per_block_token(block_groups)
+        per_block = per_token * block_size
         if per_block == 0:
             raise ValueError("the model writes no keys or values: nothing to size the KV pool by")
         num_blocks = budget_bytes // per_block + 1

@@ -26,7 +26,7 @@ import numpy as np
 
 from vllm_mlx.attention import KVPool, MLXAttentionBackend, RowSpec, layer_specs
 from vllm_mlx.canonical import canonical_bytes
-from vllm_mlx.kv_spec import GroupLayout, KVLayout, group_layers, is_recurrent
+from vllm_mlx.kv_spec import BlockGroups, GroupLayout, KVLayout, group_layers, is_recurrent
 from vllm_mlx.mllm_cache import MLLMCacheManager
 from vllm_mlx.multimodal import ImageInput
 from vllm_mlx.request import Request, SamplingParams
@@ -101,7 +101,8 @@ class MLXModelRunner:
     ``model`` is an mlx-lm model, or a ``VisionLanguageModel`` adapter; ``mllm_cache`` (vision
     models only; None = no caching) keeps encoder outputs across requests. A model with
     recurrent layers gets a state pool of ``num_state_slots`` slots (the null slot included;
-    ``state_layout``: its probed shapes, probed here when not given).
+    ``state_layout``: its probed shapes, probed here when not given). ``block_groups``: which
+    layers share a block table and KV arrays (None: one group, one array per layer).
     """
 
     def __init__(
@@ -114,6 +115,7 @@ class MLXModelRunner:
         state_layout: StateLayout | None = None,
         *,
         split_head: bool = True,
+        block_groups: BlockGroups | None = None,
     ) -> None:
         from vllm_mlx.vlm_models import VisionLanguageModel
 
@@ -124,10 +126,11 @@ class MLXModelRunner:
         self.mllm_cache = mllm_cache
         self.specs = layer_specs(model, getattr(model, "model_type", None))
         self.num_layers = len(self.specs)  # one cache per spec (make_cache may differ from layers)
-        self.pool = KVPool(self.num_layers, num_blocks, block_size)
+        self.block_groups = block_groups or BlockGroups.single(self.specs)
+        self.pool = KVPool(self.block_groups.num_arrays, num_blocks, block_size)
         self.state_pool = self._make_state_pool(num_state_slots, state_layout)
         self.pads = all(s.pads for s in self.specs if is_recurrent(s))
-        self.attention = MLXAttentionBackend(self.pool, self.specs, self.state_pool)
+        self.attention = MLXAttentionBackend(self.pool, self.specs, self.state_pool, self.block_groups)
         self.last_step: StepRecord | None = None
         self.vision_encoder_runs = 0
 
@@ -145,8 +148,8 @@ class MLXModelRunner:
         self.model = self.split = self.vision = self.state_pool = None
         if self.attention is not None:
             self.attention.state_pool = None
-        self.pool.keys = [None] * self.num_layers
-        self.pool.values = [None] * self.num_layers
+        self.pool.keys = [None] * len(self.pool.keys)
+        self.pool.values = [None] * len(self.pool.values)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         output = ModelRunnerOutput()
@@ -320,9 +323,22 @@ def measure_kv_layout(model, state_layout: StateLayout | None = None) -> KVLayou
                         sum(per_request[i] for i in group.layers))  # fmt: skip
             for group in group_layers(runner.specs)
         )
-        return KVLayout(groups, runner.pool.dtype or "float32")
+        return KVLayout(groups, runner.pool.dtype or "float32", _uniform_layers(runner.pool, specs))
     finally:
         runner.release()
+
+
+def _uniform_layers(pool: KVPool, specs) -> bool:
+    """Whether every attention layer wrote keys and values of one shape and dtype (so layers of
+    different block groups can share KV arrays)."""
+    attention = [i for i, spec in enumerate(specs) if not is_recurrent(spec)]
+    shapes = set()
+    for i in attention:
+        keys, values = pool.keys[i], pool.values[i]
+        if keys is None:  # writes nothing (reuses another layer's keys): keep it simple
+            return False
+        shapes.add((keys.shape[0], keys.shape[2], keys.dtype, values.shape[0], values.shape[2], values.dtype))
+    return len(shapes) == 1
 
 
 def _state_bytes(layout: StateLayout | None, num_layers: int) -> list[int]:
@@ -350,6 +366,7 @@ def row_spec(item: ScheduledRequest) -> RowSpec:
         state_slot=item.state_slot,
         state_read_slot=item.state_read_slot,
         checkpoint_slot=item.checkpoint_slot,
+        block_tables=item.block_tables,
     )
 
 

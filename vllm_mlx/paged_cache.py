@@ -16,7 +16,14 @@ Invariants (checked by :meth:`PagedCacheManager.check_invariants`):
   O(1) from the middle of the free queue) until the queue's head reaches it and evicts it.
 * With recurrent layers (``num_state_slots > 0``), every request holding blocks also holds one
   state slot (``state_slots.py``), taken with its first allocation and freed with its blocks.
-* A prefix hit must be a prefix *every* layer group can resume from: with recurrent layers, it
+* With block groups (``group_windows``: one entry per group, ``kv_spec.plan_block_groups``), a
+  request holds one table per group over the same blocks; group 0 keeps every block and its
+  table is ``req_to_blocks``. A sliding-window group's table holds the null block where its
+  blocks fell wholly out of the window (``free_out_of_window``), and nowhere else. Each group has
+  its own hash map (``cached[g]``; ``cached_blocks`` is group 0's); a hashed block is in the map
+  of its ``group``.
+* A prefix hit must be a prefix *every* layer group can resume from: a sliding-window group needs
+  only the blocks its window reaches at the hit point. With recurrent layers, it
   ends where a state checkpoint is kept (``state_checkpoints.py``; none when
   ``num_state_checkpoints == 0``, and then such a model gets no prefix hits). A checkpoint goes
   with the block carrying its hash when that block is evicted.
@@ -24,156 +31,13 @@ Invariants (checked by :meth:`PagedCacheManager.check_invariants`):
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
+from vllm_mlx.block_pool import BlockTable, CacheBlock, FreeBlockQueue
 from vllm_mlx.state_checkpoints import StateCheckpoints
 from vllm_mlx.state_slots import NULL_STATE_SLOT, StateSlots
 
 __all__ = ["BlockTable", "CacheBlock", "CacheStats", "FreeBlockQueue", "PagedCacheManager"]
-
-
-@dataclass(slots=True, eq=False)  # identity equality: two blocks are never "the same" by value
-class CacheBlock:
-    """Metadata of one physical KV block."""
-
-    block_id: int
-    ref_cnt: int = 0
-    # Set only while the block is full and registered in the manager's hash map.
-    block_hash: bytes | None = None
-    # Token slots handed out in this block (block_size once full).
-    num_tokens: int = 0
-    # Kept only for full hashed blocks, so observers can show what a cached block holds.
-    token_ids: tuple[int, ...] | None = None
-    # Free-queue links; both None exactly when the block is not in the queue.
-    prev_free: CacheBlock | None = field(default=None, repr=False)
-    next_free: CacheBlock | None = field(default=None, repr=False)
-    is_null: bool = False
-
-    @property
-    def in_free_queue(self) -> bool:
-        return self.prev_free is not None
-
-    @property
-    def is_used(self) -> bool:
-        return self.ref_cnt > 0
-
-    @property
-    def is_cached_free(self) -> bool:
-        """Free, but still reusable by a prefix hit until evicted."""
-        return self.ref_cnt == 0 and self.block_hash is not None
-
-    def clear_content(self) -> None:
-        """Forget the hash and the token bookkeeping (the KV data is simply overwritten later)."""
-        self.block_hash = None
-        self.token_ids = None
-        self.num_tokens = 0
-
-
-class FreeBlockQueue:
-    """Doubly linked list of free blocks, threaded through the blocks' own links.
-
-    Head = next to evict (least recently freed). A Python deque cannot remove from the middle in
-    O(1), and a prefix hit must pull a cached-free block out of wherever it sits.
-    """
-
-    def __init__(self, blocks: list[CacheBlock] | None = None) -> None:
-        self._head = CacheBlock(block_id=-1)  # sentinels: no None checks on the hot paths
-        self._tail = CacheBlock(block_id=-1)
-        self._head.next_free = self._tail
-        self._tail.prev_free = self._head
-        self._len = 0
-        for block in blocks or ():
-            self.append(block)
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __iter__(self) -> Iterator[CacheBlock]:
-        node = self._head.next_free
-        while node is not self._tail:
-            assert node is not None
-            yield node
-            node = node.next_free
-
-    def _link(self, block: CacheBlock, prev: CacheBlock, nxt: CacheBlock) -> None:
-        if block.in_free_queue:
-            raise ValueError(f"block {block.block_id} is already in the free queue")
-        block.prev_free, block.next_free = prev, nxt
-        prev.next_free = block
-        nxt.prev_free = block
-        self._len += 1
-
-    def append(self, block: CacheBlock) -> None:
-        """Add at the tail: evicted last."""
-        assert self._tail.prev_free is not None
-        self._link(block, self._tail.prev_free, self._tail)
-
-    def appendleft(self, block: CacheBlock) -> None:
-        """Add at the head: evicted first."""
-        assert self._head.next_free is not None
-        self._link(block, self._head, self._head.next_free)
-
-    def remove(self, block: CacheBlock) -> None:
-        """Unlink ``block`` from wherever it is, in O(1)."""
-        prev, nxt = block.prev_free, block.next_free
-        if prev is None or nxt is None:
-            raise ValueError(f"block {block.block_id} is not in the free queue")
-        prev.next_free = nxt
-        nxt.prev_free = prev
-        block.prev_free = block.next_free = None
-        self._len -= 1
-
-    def popleft(self) -> CacheBlock:
-        """Take the least recently freed block."""
-        first = self._head.next_free
-        if first is self._tail or first is None:
-            raise IndexError("pop from an empty free block queue")
-        self.remove(first)
-        return first
-
-    def block_ids(self) -> list[int]:
-        return [b.block_id for b in self]
-
-    def check_links(self) -> list[CacheBlock]:
-        """Walk the queue checking back-links and length; return its blocks (for invariants)."""
-        blocks: list[CacheBlock] = []
-        prev = self._head
-        for block in self:
-            if block.prev_free is not prev or len(blocks) >= self._len:
-                raise AssertionError(f"free queue links broken at block {block.block_id}")
-            blocks.append(block)
-            prev = block
-        if self._tail.prev_free is not prev or len(blocks) != self._len:
-            raise AssertionError(f"free queue holds {len(blocks)} blocks, counts {self._len}")
-        return blocks
-
-
-@dataclass
-class BlockTable:
-    """A request's logical→physical block map (append-only while the request lives)."""
-
-    block_ids: list[int]
-    block_size: int
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.block_ids)
-
-    @property
-    def num_slots(self) -> int:
-        return len(self.block_ids) * self.block_size
-
-    def slot(self, position: int) -> int:
-        """Physical slot of token ``position``: its block's first slot plus the in-block offset."""
-        if not 0 <= position < self.num_slots:
-            raise IndexError(f"position {position} outside the table's {self.num_slots} slots")
-        block_idx, offset = divmod(position, self.block_size)
-        return self.block_ids[block_idx] * self.block_size + offset
-
-    def slots(self, start: int, end: int) -> list[int]:
-        """Physical slots of positions ``start .. end-1``."""
-        return [self.slot(pos) for pos in range(start, end)]
 
 
 @dataclass
@@ -228,10 +92,15 @@ class PagedCacheManager:
         enable_caching: bool = True,
         num_state_slots: int = 0,
         num_state_checkpoints: int = 0,
+        group_windows: tuple[int | None, ...] = (None,),
     ) -> None:
         """``num_state_slots`` (the null slot included): recurrent-state slots, one per running
         request; 0 for a model without recurrent layers. ``num_state_checkpoints``: further state
-        slots, numbered after those, that keep states at block boundaries for prefix hits."""
+        slots, numbered after those, that keep states at block boundaries for prefix hits.
+        ``group_windows``: the sliding window of each block group (None: keeps every block; the
+        first group must)."""
+        if not group_windows or group_windows[0] is not None:
+            raise ValueError(f"the first block group must keep every block, got windows {group_windows}")
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         if block_size < 1:
@@ -244,8 +113,11 @@ class PagedCacheManager:
         self.null_block.is_null = True
         # Ascending ids at start, so a fresh manager hands out 1, 2, 3, ...
         self.free_queue = FreeBlockQueue(self.blocks[1:])
-        self.cached_blocks: dict[bytes, CacheBlock] = {}
+        self.group_windows = tuple(group_windows)
+        self.cached: list[dict[bytes, CacheBlock]] = [{} for _ in self.group_windows]
+        self.cached_blocks = self.cached[0]
         self.req_to_blocks: dict[str, list[CacheBlock]] = {}
+        self._other_tables: dict[str, list[list[CacheBlock]]] = {}  # groups 1.. (with block groups)
         self.num_cached_tokens: dict[str, int] = {}
         self._req_num_tokens: dict[str, int] = {}  # slots handed out per request
         self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
@@ -277,6 +149,25 @@ class PagedCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def get_block_tables(self, request_id: str) -> list[list[int]]:
+        """The request's table of every block group (block 0 where a block left the window)."""
+        return [[b.block_id for b in table] for table in self._tables(request_id)]
+
+    def token_capacity(self, max_step_tokens: int) -> int:
+        """The longest sequence one request can hold alone while computing at most
+        ``max_step_tokens`` tokens per step: every full-attention group holds all of its
+        blocks, a sliding-window group only those its window and one step reach."""
+        reach = [None if w is None else self.num_blocks_needed(w - 1 + max_step_tokens) + 1 for w in self.group_windows]
+
+        def blocks_held(num_blocks: int) -> int:
+            return sum(num_blocks if r is None else min(num_blocks, r) for r in reach)
+
+        low, high = 0, self.num_usable_blocks  # the most blocks per table that fit: bisect
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if blocks_held(mid) <= self.num_usable_blocks else (low, mid - 1)
+        return low * self.block_size
 
     def get_block_table(self, request_id: str) -> BlockTable:
         return BlockTable(self.get_block_ids(request_id), self.block_size)
@@ -312,11 +203,22 @@ class PagedCacheManager:
         """
         if not self.resumes_prefixes:
             return []
-        hits = [self.cached_blocks[h] for h in block_hashes[: self.num_cached_blocks(block_hashes)]]
-        if self.checkpoints is not None:
-            while hits and hits[-1].block_hash not in self.checkpoints:
-                hits.pop()
-        return hits
+        num_hit = self.num_cached_blocks(block_hashes)
+        while num_hit and not self._resumable(block_hashes, num_hit):
+            num_hit -= 1
+        return [self.cached_blocks[h] for h in block_hashes[:num_hit]]
+
+    def _resumable(self, block_hashes: list[bytes], num_hit: int) -> bool:
+        """Whether every group can resume after the first ``num_hit`` blocks (group 0 has them):
+        the other groups hold the blocks their window reaches, and a state checkpoint is kept
+        there (models with recurrent layers)."""
+        if self.checkpoints is not None and block_hashes[num_hit - 1] not in self.checkpoints:
+            return False
+        for group in range(1, len(self.group_windows)):
+            first = self._first_needed_block(group, num_hit * self.block_size)
+            if any(h not in self.cached[group] for h in block_hashes[first:num_hit]):
+                return False
+        return True
 
     def num_cached_blocks(self, block_hashes: list[bytes]) -> int:
         """How many leading blocks of ``block_hashes`` are cached (whatever the layer groups)."""
@@ -343,32 +245,52 @@ class PagedCacheManager:
         All-or-nothing: returns ``None`` and changes nothing when the free queue is too short
         or no state slot is free.
         """
-        table = self.req_to_blocks.get(request_id, [])
+        is_new = request_id not in self.req_to_blocks
+        tables = [[] for _ in self.group_windows] if is_new else self._tables(request_id)
         computed = list(computed_blocks or ())
-        if computed:
-            self._check_computed(request_id, table, computed)
-        num_have = len(table) + len(computed)
-        num_new = max(0, self.num_blocks_needed(num_tokens_total) - num_have)
-        num_revived = sum(1 for b in computed if b.ref_cnt == 0)
-        if num_new + num_revived > len(self.free_queue):
+        hit_tables = self._hit_tables(request_id, tables[0], computed)
+        num_needed = self.num_blocks_needed(num_tokens_total)
+        num_new = [max(0, num_needed - len(t) - len(h)) for t, h in zip(tables, hit_tables)]
+        num_revived = sum(1 for hits in hit_tables for b in hits if b.ref_cnt == 0 and not b.is_null)
+        if sum(num_new) + num_revived > len(self.free_queue):
             return None
-        if self.state_slots is not None and request_id not in self.req_to_blocks:
+        if self.state_slots is not None and is_new:
             if self.state_slots.num_free == 0:
                 return None
             self.state_slots.take(request_id)
 
         if computed and self.checkpoints is not None:
             self.checkpoints.pin(request_id, computed[-1].block_hash)
-        self.req_to_blocks[request_id] = table
+        self.req_to_blocks[request_id] = tables[0]
+        if len(tables) > 1:
+            self._other_tables[request_id] = tables[1:]
         if computed or request_id not in self.num_cached_tokens:
             self.num_cached_tokens[request_id] = len(computed) * self.block_size
-        for block in computed:
-            self._touch(block)
-        table.extend(computed)
-        new_blocks = [self._take_free_block() for _ in range(num_new)]
-        table.extend(new_blocks)
-        self._note_tokens(request_id, table, max(num_tokens_total, len(computed) * self.block_size))
-        return [b.block_id for b in new_blocks]
+        for table, hits in zip(tables, hit_tables):  # every hit leaves the free queue first,
+            for block in hits:  # so that no group's new block evicts another group's hit
+                if not block.is_null:
+                    self._touch(block)
+            table.extend(hits)
+        new_ids: list[int] = []
+        for table, count in zip(tables, num_new):
+            new_blocks = [self._take_free_block() for _ in range(count)]
+            table.extend(new_blocks)
+            new_ids += [b.block_id for b in new_blocks]
+        self._note_tokens(request_id, tables, max(num_tokens_total, len(computed) * self.block_size))
+        return new_ids
+
+    def free_out_of_window(self, request_id: str, num_computed_tokens: int) -> int:
+        """Give back the blocks of the request's sliding-window groups that no query from
+        ``num_computed_tokens`` on can see (they become the null block in its tables); the
+        number of blocks freed. A hashed one stays cached-free for later prefix hits."""
+        freed = 0
+        for group, table in enumerate(self._tables(request_id)):
+            for i in range(min(self._first_needed_block(group, num_computed_tokens), len(table))):
+                if not table[i].is_null:
+                    self._release(table[i])
+                    table[i] = self.null_block
+                    freed += 1
+        return freed
 
     def cache_full_blocks(
         self,
@@ -396,14 +318,16 @@ class PagedCacheManager:
         if len(token_ids) < num_full_blocks * self.block_size:
             raise ValueError(f"{len(token_ids)} token ids cannot fill {num_full_blocks} blocks")
         bs = self.block_size
-        for i in range(num_full_blocks):
-            block, block_hash = table[i], block_hashes[i]
-            if block.block_hash is not None or block_hash in self.cached_blocks:
-                continue
-            block.block_hash = block_hash
-            block.token_ids = tuple(token_ids[i * bs : (i + 1) * bs])
-            block.num_tokens = bs
-            self.cached_blocks[block_hash] = block
+        for group, group_table in enumerate(self._tables(request_id)):
+            cached = self.cached[group]
+            for i in range(num_full_blocks):
+                block, block_hash = group_table[i], block_hashes[i]
+                if block.is_null or block.block_hash is not None or block_hash in cached:
+                    continue
+                block.block_hash, block.group = block_hash, group
+                block.token_ids = tuple(token_ids[i * bs : (i + 1) * bs])
+                block.num_tokens = bs
+                cached[block_hash] = block
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks; unknown ids are ignored (abort after finish is fine).
@@ -413,23 +337,30 @@ class PagedCacheManager:
         blocks before it, so the head (system prompt, shared instructions) is reused by many
         more later prompts than the tail is.
         """
-        table = self.req_to_blocks.pop(request_id, None)
+        tables = self._tables(request_id) if request_id in self.req_to_blocks else None
+        self.req_to_blocks.pop(request_id, None)
+        self._other_tables.pop(request_id, None)
         self.num_cached_tokens.pop(request_id, None)
         self._req_num_tokens.pop(request_id, None)
         if self.state_slots is not None:
             self.state_slots.release(request_id)
         if self.checkpoints is not None:
             self.checkpoints.release(request_id)
-        if table is None:
+        if tables is None:
             return
-        for block in reversed(table):
-            block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, f"block {block.block_id} ref_cnt went negative"
-            if block.ref_cnt == 0:
-                if block.block_hash is None:
-                    block.clear_content()
-                self.free_queue.append(block)
-                self._stats.frees += 1
+        for position in reversed(range(len(tables[0]))):  # tails first, across the groups
+            for table in tables:
+                if not table[position].is_null:
+                    self._release(table[position])
+
+    def _release(self, block: CacheBlock) -> None:
+        block.ref_cnt -= 1
+        assert block.ref_cnt >= 0, f"block {block.block_id} ref_cnt went negative"
+        if block.ref_cnt == 0:
+            if block.block_hash is None:
+                block.clear_content()
+            self.free_queue.append(block)
+            self._stats.frees += 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget the hashes of every free block (they become plain free, queue order kept).
@@ -437,10 +368,11 @@ class PagedCacheManager:
         Blocks in use keep their hashes: requests still point at them and their content is
         still valid. Always succeeds and returns True.
         """
-        for block_hash, block in list(self.cached_blocks.items()):
-            if block.ref_cnt == 0:
-                del self.cached_blocks[block_hash]
-                block.clear_content()
+        for cached in self.cached:
+            for block_hash, block in list(cached.items()):
+                if block.ref_cnt == 0:
+                    del cached[block_hash]
+                    block.clear_content()
         if self.checkpoints is not None:
             self.checkpoints.reset()
         return True
@@ -488,6 +420,35 @@ class PagedCacheManager:
         if self.checkpoints is not None and computed[-1].block_hash not in self.checkpoints:
             raise ValueError(f"no state checkpoint at the end of block {computed[-1].block_id}")
 
+    def _tables(self, request_id: str) -> list[list[CacheBlock]]:
+        """The request's table of every group (group 0's first); empty when it holds none."""
+        table = self.req_to_blocks.get(request_id)
+        if table is None:
+            return []
+        return [table, *self._other_tables.get(request_id, ())]
+
+    def _first_needed_block(self, group: int, num_computed_tokens: int) -> int:
+        """The first block a query at position ``num_computed_tokens`` or later still sees in
+        ``group`` (0 without a window)."""
+        window = self.group_windows[group]
+        return 0 if window is None else max(0, num_computed_tokens - window + 1) // self.block_size
+
+    def _hit_tables(self, request_id: str, table: list[CacheBlock], computed: list[CacheBlock]) -> list[list[CacheBlock]]:
+        """Per group, the blocks a hit on ``computed`` (group 0's) puts at the head of the
+        request's tables: the null block before a sliding window's reach."""
+        if not computed:
+            return [[] for _ in self.group_windows]
+        self._check_computed(request_id, table, computed)
+        hashes = [b.block_hash for b in computed]
+        hit_tables = [computed]
+        for group in range(1, len(self.group_windows)):
+            first = self._first_needed_block(group, len(computed) * self.block_size)
+            blocks = [self.cached[group].get(h) for h in hashes[first:]]
+            if any(b is None for b in blocks):
+                raise ValueError(f"block group {group} does not hold the hit's blocks")
+            hit_tables.append([self.null_block] * first + blocks)
+        return hit_tables
+
     def _touch(self, block: CacheBlock) -> None:
         if block.ref_cnt == 0:  # cached-free: revive it before eviction reaches it
             self.free_queue.remove(block)
@@ -498,7 +459,7 @@ class PagedCacheManager:
         if block.block_hash is not None:
             # Reusing a cached-free block for new content evicts its cached prefix (and the
             # state checkpoint at its end: no hit can reach it any more).
-            del self.cached_blocks[block.block_hash]
+            del self.cached[block.group][block.block_hash]
             if self.checkpoints is not None:
                 self.checkpoints.drop(block.block_hash)
             self._stats.evictions += 1
@@ -507,15 +468,17 @@ class PagedCacheManager:
         self._stats.allocations += 1
         return block
 
-    def _note_tokens(self, request_id: str, table: list[CacheBlock], num_tokens: int) -> None:
+    def _note_tokens(self, request_id: str, tables: list[list[CacheBlock]], num_tokens: int) -> None:
         # Only the blocks past the previous high-water mark change; hashed blocks are full.
         old = self._req_num_tokens.get(request_id, 0)
-        new = min(max(old, num_tokens), len(table) * self.block_size)
+        new = min(max(old, num_tokens), len(tables[0]) * self.block_size)
         self._req_num_tokens[request_id] = new
         bs = self.block_size
-        for i in range(old // bs, self.num_blocks_needed(new)):
-            if table[i].block_hash is None:
-                table[i].num_tokens = min(bs, new - i * bs)
+        for table in tables:
+            for block_index in range(old // bs, self.num_blocks_needed(new)):
+                block = table[block_index]
+                if block.block_hash is None and not block.is_null:
+                    block.num_tokens = min(bs, new - block_index * bs)
 
     # ---- observation ---------------------------------------------------------------------
 
@@ -524,9 +487,9 @@ class PagedCacheManager:
         return replace(
             self._stats,
             num_used_blocks=self.num_usable_blocks - num_free,
-            num_cached_free_blocks=sum(1 for b in self.cached_blocks.values() if b.ref_cnt == 0),
+            num_cached_free_blocks=sum(1 for c in self.cached for b in c.values() if b.ref_cnt == 0),
             num_free_blocks=num_free,
-            num_cached_blocks=len(self.cached_blocks),
+            num_cached_blocks=sum(map(len, self.cached)),
             usage=self.usage,
             num_used_state_slots=self.state_slots.num_used if self.state_slots else 0,
             num_cached_state_checkpoints=len(self.checkpoints) if self.checkpoints else 0,
@@ -536,18 +499,31 @@ class PagedCacheManager:
     def snapshot(self) -> dict:
         """Plain-data view for stats endpoints and the inspector (one pass over the blocks)."""
         owners: dict[int, list[str]] = {}
-        for request_id, table in self.req_to_blocks.items():
-            for block in table:
-                owners.setdefault(block.block_id, []).append(request_id)
+        held: dict[str, list[int]] = {}  # per request, the blocks of all its tables
+        for request_id in self.req_to_blocks:
+            held[request_id] = [b.block_id for t in self._tables(request_id) for b in t if not b.is_null]
+            for block_id in held[request_id]:
+                owners.setdefault(block_id, []).append(request_id)
         return {
             "block_size": self.block_size,
             "blocks": [self._block_view(b, owners.get(b.block_id, [])) for b in self.blocks],
-            "requests": {rid: [b.block_id for b in t] for rid, t in self.req_to_blocks.items()},
+            "requests": held,
+            "tables": {rid: self.get_block_tables(rid) for rid in self.req_to_blocks},  # per group
+            "block_groups": self.block_group_usage(),
             "free_queue": self.free_queue.block_ids(),  # eviction order, head first
             "state_slots": self.state_slots.owners() if self.state_slots else {},
             "state_checkpoints": self.checkpoints.snapshot() if self.checkpoints else None,
             "stats": self.stats().to_dict(),
         }
+
+    def block_group_usage(self) -> list[dict]:
+        """Per block group: its window and how many blocks its tables hold now."""
+        return [{"window": w, "num_used_blocks": self._num_held(g)} for g, w in enumerate(self.group_windows)]
+
+    def _num_held(self, group: int) -> int:
+        """Distinct blocks the requests' tables of ``group`` hold."""
+        tables = (self._tables(rid)[group] for rid in self.req_to_blocks)
+        return len({b.block_id for table in tables for b in table if not b.is_null})
 
     @staticmethod
     def _block_view(block: CacheBlock, owners: list[str]) -> dict:
@@ -581,10 +557,11 @@ class PagedCacheManager:
         _require(0 not in queued, "null block is in the free queue")
         for block in self.blocks[1:]:
             self._check_block(block, refs.get(block.block_id, 0), block.block_id in queued)
-        for block_hash, block in self.cached_blocks.items():
-            _require(block.block_hash == block_hash, f"stale map entry: {block.block_id}")
+        for group, cached in enumerate(self.cached):
+            for block_hash, block in cached.items():
+                _require(block.block_hash == block_hash and block.group == group, f"stale map entry: {block.block_id}")
         hashed = {id(b) for b in self.blocks if b.block_hash is not None}
-        _require(hashed == {id(b) for b in self.cached_blocks.values()}, "hashed block not in map")
+        _require(hashed == {id(b) for c in self.cached for b in c.values()}, "hashed block not in map")
         if self.state_slots is not None:
             self.state_slots.check_invariants(set(self.req_to_blocks))
         if self.checkpoints is not None:
@@ -592,14 +569,26 @@ class PagedCacheManager:
 
     def _count_table_refs(self) -> dict[int, int]:
         refs: dict[int, int] = {}
-        for request_id, table in self.req_to_blocks.items():
-            ids = [b.block_id for b in table]
+        for request_id in self.req_to_blocks:
+            tables = self._tables(request_id)
+            _require(len(tables) == len(self.group_windows), f"request {request_id!r} lacks a group's table")
+            _require(len({len(t) for t in tables}) == 1, f"request {request_id!r}'s tables differ in length")
+            ids = [b.block_id for t in tables for b in t if not b.is_null]
             _require(len(set(ids)) == len(ids), f"request {request_id!r} repeats a block: {ids}")
-            for block in table:
-                ok = block is self.blocks[block.block_id] and not block.is_null
-                _require(ok, f"request {request_id!r} holds a foreign or null block")
-                refs[block.block_id] = refs.get(block.block_id, 0) + 1
+            for group, table in enumerate(tables):
+                self._check_table(request_id, group, table)
+                for block in table:
+                    refs[block.block_id] = refs.get(block.block_id, 0) + (not block.is_null)
         return refs
+
+    def _check_table(self, request_id: str, group: int, table: list[CacheBlock]) -> None:
+        """Own blocks only; null entries only in a sliding-window group, and only at its head."""
+        for block in table:
+            _require(block is self.blocks[block.block_id], f"request {request_id!r} holds a foreign block")
+        num_null = sum(b.is_null for b in table)
+        windowed = self.group_windows[group] is not None
+        _require(num_null == 0 or windowed, f"request {request_id!r} has a null block in full group {group}")
+        _require(all(b.is_null for b in table[:num_null]), f"request {request_id!r}: null block after a live one")
 
     def _check_block(self, block: CacheBlock, num_refs: int, queued: bool) -> None:
         bid, ref_cnt = block.block_id, block.ref_cnt

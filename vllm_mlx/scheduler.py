@@ -60,6 +60,8 @@ class ScheduledRequest:
     checkpoint_slot: int | None = None
     """A state-checkpoint slot this step also writes its final state into (the step ends on a
     block boundary; published for prefix hits once the step succeeded)."""
+    block_tables: list[list[int]] | None = None
+    """With several block groups, the table of each (``block_ids`` is the first); else None."""
 
     @property
     def request_id(self) -> str:
@@ -156,7 +158,7 @@ class Scheduler:
         self.block_size = kv_cache.block_size
         self.cache_namespace = cache_namespace
         self.prefix_cache = BlockAwarePrefixCache(kv_cache, cache_namespace, config.enable_prefix_caching)
-        limits = [kv_cache.num_usable_blocks * self.block_size]
+        limits = [kv_cache.token_capacity(config.max_num_batched_tokens)]
         if config.max_model_len is not None:
             limits.append(config.max_model_len)
         if not config.enable_chunked_prefill:
@@ -259,6 +261,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            self.kv_cache.free_out_of_window(request.request_id, request.num_computed_tokens)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             num_new = self._cut_at_checkpoint(request, request.num_computed_tokens, num_new)
             total = request.num_computed_tokens + num_new
@@ -352,10 +355,11 @@ class Scheduler:
         read_slot = self.kv_cache.get_state_read_slot(rid)
         on_boundary = (start + num_new) % self.block_size == 0
         checkpoint = self.kv_cache.reserve_state_checkpoint(rid) if on_boundary else None
-        block_ids = self.kv_cache.get_block_ids(rid)
+        tables = self.kv_cache.get_block_tables(rid)
         return ScheduledRequest(
-            request, start, num_new, block_ids, slot, read_slot if read_slot != slot else None, checkpoint
-        )
+            request, start, num_new, tables[0], slot, read_slot if read_slot != slot else None, checkpoint,
+            tables if len(tables) > 1 else None,
+        )  # fmt: skip
 
     def _cut_at_checkpoint(self, request: Request, start: int, num_new: int) -> int:
         """With state checkpoints, end the chunk from ``start`` at the first of the request's
@@ -467,7 +471,7 @@ class Scheduler:
         _require(request.num_tokens < self.max_model_len, f"{rid} exceeds max_model_len")
         block_ids = self.kv_cache.get_block_ids(rid)
         _require(len(block_ids) * bs >= request.num_computed_tokens, f"{rid} table too short")
-        for bid in block_ids:
+        for bid in {b for table in self.kv_cache.get_block_tables(rid) for b in table if b}:
             block = self.kv_cache.blocks[bid]
             shared_partial = block.ref_cnt > 1 and block.block_hash is None
             _require(not shared_partial, f"{rid} holds shared partial block {bid}")

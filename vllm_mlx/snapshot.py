@@ -21,7 +21,8 @@ class CacheSnapshotter:
     """Builds ``cache_snapshot()`` dicts: ``blocks``, ``requests``, ``free_queue``, ``stats``,
     ``mllm`` (``{"entries": [...], "stats": {...}}`` from ``mllm_snapshot``) and ``kv_groups``:
     one dict per layer group (``kind``, ``window``, ``layers``, ``bytes_per_token``, ``dtype``,
-    ``num_blocks``; see ``kv_spec.GroupLayout``), fixed for the engine's life."""
+    ``num_blocks``; see ``kv_spec.GroupLayout``), fixed for the engine's life; ``block_groups``:
+    per block group (``kv_spec.BlockGroups``) its window and the blocks its tables hold now."""
 
     def __init__(
         self,
@@ -44,7 +45,7 @@ class CacheSnapshotter:
         requests = self.scheduler.snapshot()
         if include_blocks:
             kv = self.kv_cache.snapshot()
-            self._fill_block_tokens(kv["blocks"], requests)
+            self._fill_block_tokens(kv["blocks"], kv["tables"])
             for block in kv["blocks"]:
                 block["text"] = self._text(block["token_ids"]) if block["token_ids"] else ""
         else:
@@ -62,20 +63,23 @@ class CacheSnapshotter:
             "stats": stats,
             "mllm": self.mllm_snapshot(),
             "kv_groups": [dict(group, layers=list(group["layers"])) for group in self.kv_groups],
+            "block_groups": self.kv_cache.block_group_usage(),
         }
 
-    def _fill_block_tokens(self, blocks: list[dict], requests: dict) -> None:
-        """Blocks still being filled carry no token ids of their own: take them from an owner."""
+    def _fill_block_tokens(self, blocks: list[dict], tables: dict[str, list[list[int]]]) -> None:
+        """Blocks still being filled carry no token ids of their own: take them from an owner
+        (any of its block groups' tables; block 0 is the null block)."""
         size = self.kv_cache.block_size
-        for request_id, view in requests.items():
+        for request_id, group_tables in tables.items():
             request = self.scheduler.get_request(request_id)
             if request is None:
                 continue
             tokens = request.all_token_ids[: request.num_computed_tokens]
-            for index, block_id in enumerate(view["block_ids"]):
-                block = blocks[block_id]
-                if block["token_ids"] is None:
-                    block["token_ids"] = tokens[index * size : (index + 1) * size]
+            for table in group_tables:
+                for index, block_id in enumerate(table):
+                    block = blocks[block_id]
+                    if block_id and block["token_ids"] is None:
+                        block["token_ids"] = tokens[index * size : (index + 1) * size]
 
     def _text(self, token_ids: list[int]) -> str:
         key = tuple(token_ids)

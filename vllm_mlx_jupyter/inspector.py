@@ -79,8 +79,20 @@ def encode_snapshot(snapshot: dict, rows: Iterable[dict] = (), colors: dict[str,
         "block_tables": np.asarray(tables, dtype="<i4").tobytes(),
         "stats": _stats(snapshot["stats"]),
         "mllm": _mllm_entries(snapshot.get("mllm")),
-        "kv_groups": [dict(group, label=group_label(group)) for group in snapshot.get("kv_groups", [])],
+        "kv_groups": [dict(group, label=group_label(group)) for group in snapshot.get("kv_groups", [])]
+        + _block_group_lines(snapshot.get("block_groups", [])),
     }
+
+
+def _block_group_lines(block_groups: list[dict]) -> list[dict]:
+    """With several block groups, one line each: e.g. "block group 2 · window 512 · 33 blocks held"."""
+    if len(block_groups) < 2:
+        return []
+    lines = []
+    for index, group in enumerate(block_groups):
+        window = f"window {group['window']}" if group["window"] else "all blocks"
+        lines.append({"label": f"block group {index} · {window} · {group['num_used_blocks']} blocks held"})
+    return lines
 
 
 def group_label(group: dict) -> str:

@@ -164,6 +164,18 @@ def test_one_mask_for_the_batch_leaves_free_rows_and_masks_vocabulary_padding(co
     assert StepMasks.build([_Row("a"), _Row("b")]) is None  # no constraint: nothing to pay
 
 
+def test_a_matcher_that_cannot_follow_the_accepted_tokens_fails_its_row_alone(compiler):
+    grammar = compiler.compile(StructuredOutputsParams(choice=["yes", "no"]))
+    maybe = compiler.ll_tokenizer.tokenize_str("maybe")
+    rows = [_Row("bad", RequestConstraint(grammar, {2}), maybe), _Row("good", RequestConstraint(grammar, {2}))]
+    masks = StepMasks.build(rows)
+    assert not masks.bitmask[0].any() and masks.bitmask[1].any()
+    yes = compiler.ll_tokenizer.tokenize_str("yes")[0]
+    rejected = masks.rejected(rows, [yes, yes])
+    assert list(rejected) == ["bad"] and rejected["bad"].startswith(f"{ERROR_PREFIX}the choice constraint failed")
+    assert "bad" in StepMasks.build(rows).rejected(rows, [yes, yes])  # the error sticks
+
+
 # -- the engine on the tiny model --------------------------------------------------------------
 
 
@@ -193,7 +205,8 @@ def test_regex_and_choice_hold_and_free_rows_are_unchanged(tiny_engine):
 def test_n_siblings_have_independent_matchers(tiny_engine):
     engine = tiny_engine()
     params = SamplingParams(
-        n=3, max_tokens=16, temperature=1.0, seed=7, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{4,8}\.")
+        n=3, max_tokens=16, temperature=1.0, top_p=0.9, min_p=0.01, repetition_penalty=1.2, seed=7,
+        structured_outputs=StructuredOutputsParams(regex=r"[a-z]{4,8}\."),
     )
     out = run_one(engine, PROMPTS[1], params)
     texts = [c.text for c in out.outputs]

@@ -202,6 +202,38 @@ def test_regex_and_choice_hold_and_free_rows_are_unchanged(tiny_engine):
     assert engine.kv_cache.stats().num_used_blocks == 0
 
 
+@pytest.fixture(scope="module")
+def padded_vocab_model_dir(tmp_path_factory, default_model_dir):
+    """The tiny llama with 96 logits rows past the tokenizer's vocabulary (as models pad theirs),
+    their embeddings (tied to the head) scaled up so that padding ids win every free argmax."""
+    from tiny_model import build_tiny_llama
+
+    tokenizer_dir = tmp_path_factory.mktemp("padded-tokenizer")
+    vocab = json.loads((default_model_dir / "config.json").read_text())["vocab_size"]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tokenizer_dir / name).write_bytes((default_model_dir / name).read_bytes())
+    (tokenizer_dir / "config.json").write_text(json.dumps({"vocab_size": vocab + 96}))
+    model_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny-padded"), tokenizer_dir)
+    weights = mx.load(str(model_dir / "model.safetensors"))
+    weights["model.embed_tokens.weight"][vocab:] *= 50
+    mx.save_safetensors(str(model_dir / "model.safetensors"), weights)
+    return model_dir, vocab
+
+
+def test_logits_past_the_tokenizer_vocabulary_are_never_sampled(padded_vocab_model_dir):
+    model_dir, vocab = padded_vocab_model_dir
+    engine = EngineCore(model=str(model_dir))
+    try:
+        free = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, skip_special_tokens=False))
+        regex = engine.add_request(PROMPTS[1], constrained(regex=REGEX))
+        final = run_all(engine)
+    finally:
+        engine.shutdown()
+    assert any(t >= vocab for t in final[free].token_ids)  # what an unmasked row does here
+    assert final[regex].finish_reason == "stop", final[regex].error
+    assert max(final[regex].token_ids) < vocab and re.fullmatch(REGEX, final[regex].text)
+
+
 def test_n_siblings_have_independent_matchers(tiny_engine):
     engine = tiny_engine()
     params = SamplingParams(

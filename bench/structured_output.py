@@ -239,6 +239,17 @@ def bench_decode(args) -> dict:
     return {"free_tok_s": rates["free"], "json_tok_s": rates["json"], "ratio": rates["json"] / rates["free"]}
 
 
+def print_grammar_table(results: dict[str, dict]) -> None:
+    print("grammar engine | tokenizer (s) | mid schema compile (ms) | cached | large schema compile (ms) | cached "
+          "| mask mean / p50 / max (us)")  # fmt: skip
+    for name, r in results.items():
+        print(
+            f"{name} | {r['tokenizer_s']:.2f} | {r['mid_compile_ms']:.2f} | {r['mid_cached_ms']:.3f} | "
+            f"{r['large_compile_ms']:.2f} | {r['large_cached_ms']:.3f} | "
+            f"{r['mask_mean_us']:.1f} / {r['mask_p50_us']:.1f} / {r['mask_max_us']:.0f} ({r['mask_tokens']} tokens)"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
@@ -259,16 +270,10 @@ def main() -> None:
     engines = {"llguidance": bench_llguidance}
     if args.compare_xgrammar:
         engines["xgrammar"] = bench_xgrammar
-    print("grammar engine | tokenizer (s) | mid schema compile (ms) | cached | large schema compile (ms) | cached | mask mean / p50 / max (us)")
-    for name, bench in engines.items():
-        r = bench(tokenizer, eos)
-        print(
-            f"{name} | {r['tokenizer_s']:.2f} | {r['mid_compile_ms']:.2f} | {r['mid_cached_ms']:.3f} | "
-            f"{r['large_compile_ms']:.2f} | {r['large_cached_ms']:.3f} | "
-            f"{r['mask_mean_us']:.1f} / {r['mask_p50_us']:.1f} / {r['mask_max_us']:.0f} ({r['mask_tokens']} tokens)"
-        )
+    print_grammar_table({name: bench(tokenizer, eos) for name, bench in engines.items()})
     r = bench_step_masks(tokenizer, eos, args.batch)
-    print(f"engine batch mask, {args.batch} constrained rows: build {r['build_ms']:.2f} ms, apply {r['apply_ms']:.2f} ms per step")
+    print(f"engine batch mask, {args.batch} constrained rows: "
+          f"build {r['build_ms']:.2f} ms, apply {r['apply_ms']:.2f} ms per step")  # fmt: skip
     if not args.skip_decode:
         r = bench_decode(args)
         print(f"decode at batch {args.batch}: unconstrained {r['free_tok_s']:.1f} tok/s, "

@@ -250,7 +250,10 @@ def test_a_constraint_that_admits_nothing_fails_alone(tiny_engine):
     engine = tiny_engine()
     expected = run_one(engine, PROMPTS[1], FREE).token_ids
     nothing = engine.add_request(PROMPTS[0], constrained(regex=r"[^\s\S]"))  # the empty language
-    conflict = engine.add_request(PROMPTS[2], SamplingParams(max_tokens=8, min_tokens=4, temperature=0, structured_outputs=StructuredOutputsParams(choice=["a"])))
+    min_tokens = SamplingParams(
+        max_tokens=8, min_tokens=4, temperature=0, structured_outputs=StructuredOutputsParams(choice=["a"])
+    )
+    conflict = engine.add_request(PROMPTS[2], min_tokens)
     free = engine.add_request(PROMPTS[1], FREE)
     final = run_all(engine)
     assert final[nothing].finish_reason == "error"

@@ -110,7 +110,10 @@ def test_two_schemas_alternated_concurrently_each_get_their_own_constraint(serve
 
 
 def test_json_object_in_a_stream_and_structured_outputs_on_completions(http):
-    with http.stream("POST", "/v1/chat/completions", json=chat_body("What is the capital of France? Answer in JSON.", stream=True, response_format={"type": "json_object"}, max_tokens=64)) as response:
+    body = chat_body(
+        "What is the capital of France? Answer in JSON.", stream=True, response_format={"type": "json_object"}, max_tokens=64
+    )
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
         assert response.status_code == 200
         events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
@@ -118,7 +121,10 @@ def test_json_object_in_a_stream_and_structured_outputs_on_completions(http):
     assert finish == ["stop"], text
     assert isinstance(json.loads(text), dict)
     choices = ["Paris", "London", "Berlin"]
-    body = {"model": MODEL, "prompt": "The capital of France is", "temperature": 0, "max_tokens": 8, "structured_outputs": {"choice": choices}}
+    body = {
+        "model": MODEL, "prompt": "The capital of France is", "temperature": 0, "max_tokens": 8,
+        "structured_outputs": {"choice": choices},
+    }  # fmt: skip
     response = http.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"] in choices

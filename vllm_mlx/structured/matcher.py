@@ -49,7 +49,8 @@ class RequestConstraint:
             self.num_consumed = count
         if count > self.num_consumed:
             if not self.matcher.consume_tokens(list(output_token_ids[self.num_consumed :])):
-                self.error = f"{ERROR_PREFIX}the {self.compiled.kind} constraint failed: {compact_error(self.matcher.get_error())}"
+                why = compact_error(self.matcher.get_error())
+                self.error = f"{ERROR_PREFIX}the {self.compiled.kind} constraint failed: {why}"
             self.num_consumed = count
         return self.error
 

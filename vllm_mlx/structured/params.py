@@ -73,7 +73,9 @@ class StructuredOutputsParams:
                 except ValueError as exc:
                     raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
             elif not isinstance(value, (dict, bool)):
-                raise ValueError(f"structured_outputs.json must be a JSON Schema (a dict or JSON text), got {type(value).__name__}")
+                raise ValueError(
+                    f"structured_outputs.json must be a JSON Schema (a dict or JSON text), got {type(value).__name__}"
+                )
         elif kind == "json_object":
             if value is not True:
                 raise ValueError(f"structured_outputs.json_object must be True when set, got {value!r}")

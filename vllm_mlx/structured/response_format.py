@@ -33,7 +33,8 @@ class ResponseFormat:
             ValueError: Something else, or a schema that is not a dict.
         """
         if isinstance(response_format, type) and hasattr(response_format, "model_json_schema"):
-            return cls(StructuredOutputsParams(json=response_format.model_json_schema()), response_format.model_validate_json)
+            schema = response_format.model_json_schema()
+            return cls(StructuredOutputsParams(json=schema), response_format.model_validate_json)
         if not isinstance(response_format, dict):
             raise ValueError(
                 "response_format must be a Pydantic model class or a JSON Schema dict, got "

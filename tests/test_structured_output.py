@@ -197,6 +197,7 @@ def test_regex_and_choice_hold_and_free_rows_are_unchanged(tiny_engine):
     assert re.fullmatch(REGEX, final[ids[1]].text), final[ids[1]].text
     assert final[ids[2]].text in choices
     assert re.fullmatch(r"(ab|cd){1,5}!", final[ids[4]].text), final[ids[4]].text
+    assert engine.get_stats()["structured_outputs"] == {"cached": 3, "hits": 0, "misses": 3}
     for i in (ids[1], ids[2], ids[4]):
         assert final[i].finish_reason == "stop", final[i].error
     assert engine.kv_cache.stats().num_used_blocks == 0

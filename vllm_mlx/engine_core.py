@@ -590,9 +590,14 @@ class EngineCore:
         return None, token_ids
 
     def get_stats(self) -> dict:
-        """Plain data: ``{"scheduler": {running, waiting, preemptions, steps, ...}, "kv_cache": {...}}``,
-        and ``"mllm"`` (the multimodal cache's stats) for a vision-language model."""
-        stats = {"scheduler": self.scheduler.stats(), "kv_cache": self.kv_cache.stats().to_dict()}
+        """Plain data: ``{"scheduler": {running, waiting, preemptions, steps, ...}, "kv_cache": {...},
+        "structured_outputs": {cached, hits, misses}}`` (compiled grammars), and ``"mllm"`` (the
+        multimodal cache's stats) for a vision-language model."""
+        stats = {
+            "scheduler": self.scheduler.stats(),
+            "kv_cache": self.kv_cache.stats().to_dict(),
+            "structured_outputs": self.grammars.stats(),
+        }
         if self.vision is not None:
             stats["mllm"] = self._mllm_stats()
         return stats

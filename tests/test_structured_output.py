@@ -4,7 +4,8 @@ Oracles: every constrained output validates (``jsonschema``, ``re.fullmatch``, m
 free rows are token-for-token what they are without the constrained rows (greedy); a preempted
 constrained request equals the same request without preemption. The tiny random-weight llama
 serves the fast engine tests (its text is gibberish, but the constraint still has to hold); the
-default model serves the JSON Schema and ``response_format`` tests.
+default model serves the JSON Schema and ``response_format`` tests; hypothesis fuzzes schemas
+in one batch on the tiny model.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import jsonschema
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from vllm_mlx import SamplingParams
 from vllm_mlx.engine_core import EngineCore
@@ -295,6 +298,46 @@ def test_preemption_mid_constraint_continues_identically(tiny_engine):
     assert len(expected[0]) == 30  # still constrained when preempted
     assert re.fullmatch(r"[a-z ]+", final[ids[0]].text) and re.fullmatch(r"[0-9]+", final[ids[1]].text)
     assert tight.kv_cache.stats().num_used_blocks == 0
+
+
+# Fuzzed JSON Schemas: bounded leaves (so a random model can finish), nested objects and arrays.
+_LEAVES = st.one_of(
+    st.builds(lambda lo, n: {"type": "integer", "minimum": lo, "maximum": lo + n}, st.integers(-50, 50), st.integers(0, 1000)),
+    st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 6)),
+    st.just({"type": "boolean"}),
+    st.lists(st.text("abcxyz", min_size=1, max_size=4), min_size=1, max_size=3, unique=True).map(lambda e: {"enum": e}),
+)
+_SCHEMAS = st.recursive(
+    _LEAVES,
+    lambda inner: st.one_of(
+        st.builds(lambda items, n: {"type": "array", "items": items, "maxItems": n}, inner, st.integers(0, 2)),
+        st.dictionaries(st.sampled_from("abcd"), inner, min_size=1, max_size=3).map(
+            lambda props: {"type": "object", "properties": props, "required": sorted(props), "additionalProperties": False}
+        ),
+    ),
+    max_leaves=5,
+)
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(schemas=st.lists(_SCHEMAS, min_size=6, max_size=6))
+def test_fuzzed_schemas_in_one_batch_each_hold(tiny_model_dir, schemas):
+    engine = EngineCore(model=str(tiny_model_dir), max_num_seqs=8)
+    try:
+        compact = [StructuredOutputsParams(json=s, disable_any_whitespace=True) for s in schemas]
+        params = [SamplingParams(max_tokens=48, temperature=0, structured_outputs=c) for c in compact]
+        ids = [engine.add_request(PROMPTS[i % len(PROMPTS)], p) for i, p in enumerate(params)]
+        ids.append(engine.add_request(PROMPTS[0], FREE))
+        final = run_all(engine)
+    finally:
+        engine.shutdown()
+    for request_id, schema in zip(ids, schemas):
+        out = final[request_id]
+        assert out.finish_reason in ("stop", "length"), out.error
+        if out.finish_reason == "stop":  # a whole document; cut short, it is a prefix of one
+            jsonschema.validate(json.loads(out.text), schema)
+    assert sum(final[i].finish_reason == "stop" for i in ids[:-1]) >= 3  # not vacuous: most finish
+    assert final[ids[-1]].finish_reason == "length"
 
 
 # -- JSON Schema on the default model -----------------------------------------------------------

@@ -194,13 +194,18 @@ def test_regex_and_choice_hold_and_free_rows_are_unchanged(tiny_engine):
         engine.add_request(PROMPTS[2], constrained(choice=choices)),
         engine.add_request(PROMPTS[1], FREE),
         engine.add_request(PROMPTS[3], constrained(regex=r"(ab|cd){1,5}!")),
+        engine.add_request(PROMPTS[0], constrained(grammar='root ::= "x" [0-9] ("+" [0-9])?')),  # GBNF
+        engine.add_request(PROMPTS[2], constrained(grammar='start: "(" NUM ")"\nNUM: /[0-9]{1,3}/')),  # Lark
     ]
     final = run_all(engine)
     assert [final[ids[0]].token_ids, final[ids[3]].token_ids] == expected
     assert re.fullmatch(REGEX, final[ids[1]].text), final[ids[1]].text
     assert final[ids[2]].text in choices
     assert re.fullmatch(r"(ab|cd){1,5}!", final[ids[4]].text), final[ids[4]].text
-    assert engine.get_stats()["structured_outputs"] == {"cached": 3, "hits": 0, "misses": 3}
+    assert re.fullmatch(r"x[0-9](\+[0-9])?", final[ids[5]].text) and re.fullmatch(r"\([0-9]{1,3}\)", final[ids[6]].text)
+    for i in ids[5:]:
+        assert final[i].finish_reason == "stop", final[i].error
+    assert engine.get_stats()["structured_outputs"] == {"cached": 5, "hits": 0, "misses": 5}
     for i in (ids[1], ids[2], ids[4]):
         assert final[i].finish_reason == "stop", final[i].error
     assert engine.kv_cache.stats().num_used_blocks == 0

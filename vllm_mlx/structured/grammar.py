@@ -12,6 +12,7 @@ compiled grammar's initial matcher for each request (~10 us).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import re
@@ -137,6 +138,9 @@ class GrammarCompiler:
         backend = getattr(self._hf_tokenizer, "backend_tokenizer", None)
         if backend is None:
             raise ConstraintError("structured outputs need a fast (tokenizer.json) tokenizer; this model has none")
+        backend = copy.copy(backend)  # serialized without padding or truncation, which llguidance must not see
+        backend.no_padding()
+        backend.no_truncation()
         return llguidance.LLTokenizer(backend.to_str(), eos_token=self.eos_token_ids or None)
 
     @property

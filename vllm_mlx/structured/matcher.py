@@ -49,10 +49,13 @@ class RequestConstraint:
             self.num_consumed = count
         if count > self.num_consumed:
             if not self.matcher.consume_tokens(list(output_token_ids[self.num_consumed :])):
-                why = compact_error(self.matcher.get_error())
-                self.error = f"{ERROR_PREFIX}the {self.compiled.kind} constraint failed: {why}"
+                self.error = self._matcher_error()
             self.num_consumed = count
         return self.error
+
+    def _matcher_error(self) -> str:
+        why = compact_error(self.matcher.get_error())
+        return f"{ERROR_PREFIX}the {self.compiled.kind} constraint failed: {why}"
 
     def check_sampled(self, token_id: int, allowed: bool, any_allowed: bool) -> str | None:
         """Why ``token_id`` (sampled from this step's masked logits) cannot be accepted, or None.
@@ -61,14 +64,16 @@ class RequestConstraint:
         token at all (only looked at when ``allowed`` is False).
         """
         kind = self.compiled.kind
-        if not allowed and not any_allowed:
+        if allowed and token_id in self.eos_token_ids and not self.matcher.is_accepting():
+            # llguidance allows EOS where the grammar cannot go on (e.g. a regex matching nothing)
+            return f"{ERROR_PREFIX}the {kind} constraint admits no complete output from here"
+        if self.matcher.is_error():  # computing this step's mask failed (e.g. a resource limit)
+            return self._matcher_error()
+        if not any_allowed:
             return f"{ERROR_PREFIX}no token can continue the output under the {kind} constraint"
         if not allowed:
             return (
                 f"{ERROR_PREFIX}every token the {kind} constraint allows is excluded by other sampling "
                 "settings (e.g. min_tokens forbids EOS where the output is complete)"
             )
-        if token_id in self.eos_token_ids and not self.matcher.is_accepting():
-            # llguidance allows EOS where the grammar cannot go on (e.g. a regex matching nothing)
-            return f"{ERROR_PREFIX}the {kind} constraint admits no complete output from here"
         return None

@@ -96,8 +96,9 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "MLXWorker": ("worker", "MLXWorker"),
     "MLXModelRunner": ("model_runner", "MLXModelRunner"),
     "MLXAttentionBackend": ("attention", "MLXAttentionBackend"),
-    # High-level offline API; not part of the seed's __all__.
+    # High-level offline API and vLLM-shaped helpers; not part of the seed's __all__.
     "LLM": ("llm", "LLM"),
+    "StructuredOutputsParams": ("structured.params", "StructuredOutputsParams"),
 }
 
 # Names whose modules import torch and vllm (the `vllm` extra).

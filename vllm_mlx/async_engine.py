@@ -34,6 +34,7 @@ from vllm_mlx.images import ImageSource
 from vllm_mlx.media_policy import MediaPolicy
 from vllm_mlx.mlx_threads import clear_streams_at_exit, clear_thread_streams, create_random_state_here
 from vllm_mlx.request import RequestOutput, SamplingParams
+from vllm_mlx.structured.grammar import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +127,7 @@ class _Add:
     cache_salt: str | None
     fairness_key: str | None
     stream: RequestStream
+    constraint: CompiledGrammar | None = None
 
 
 @dataclass
@@ -248,6 +250,7 @@ class AsyncEngineCore:
         cache_salt: str | None = None,
         images: Sequence[ImageSource] | None = None,
         fairness_key: str | None = None,
+        constraint: CompiledGrammar | None = None,
     ) -> RequestStream:
         """Submit a request from any thread; returns its output stream at once.
 
@@ -264,6 +267,9 @@ class AsyncEngineCore:
             images: Images for a vision-language model. They are loaded and preprocessed here,
                 on the calling thread (fetching a URL may take a while: from an event loop,
                 call ``prepare_prompt`` in an executor and pass its result instead).
+            constraint: ``compile_constraint(sampling_params)``'s result; None compiles
+                ``sampling_params.structured_outputs`` (if any) here, on the calling thread,
+                never on the engine thread. An invalid one is raised by the stream.
 
         Returns:
             The request's ``RequestStream``: iterate it (blocking) or ``async for`` it. Leaving
@@ -275,13 +281,16 @@ class AsyncEngineCore:
         request_id = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(request_id, self)
         params = sampling_params or SamplingParams()
-        if images:
-            try:
+        try:
+            if images:
                 prompt = self.prepare_prompt(prompt, images)
-            except Exception as exc:  # the request's own error: raised by its stream
-                stream.put(exc)
-                return stream
-        self._submit(_Add(request_id, prompt, params, cache_salt, fairness_key, stream))
+            constraint = constraint or self.compile_constraint(params)
+        except EngineDeadError:
+            raise
+        except Exception as exc:  # the request's own error: raised by its stream
+            stream.put(exc)
+            return stream
+        self._submit(_Add(request_id, prompt, params, cache_salt, fairness_key, stream, constraint))
         return stream
 
     def check_images(self, images: Sequence[ImageSource]) -> None:
@@ -305,6 +314,21 @@ class AsyncEngineCore:
         if engine is None or not self.is_running:
             raise self._dead_error(self._error)
         return engine.prepare_prompt(prompt, images, media_policy=media_policy)
+
+    def compile_constraint(self, params: SamplingParams) -> CompiledGrammar | None:
+        """``EngineCore.compile_constraint`` on the calling thread (llguidance only, no MLX);
+        None when ``params`` has no ``structured_outputs``.
+
+        Raises:
+            ConstraintError: An invalid schema, regex or grammar (a ``ValueError``).
+            EngineDeadError: The engine is not running.
+        """
+        if params.structured_outputs is None:
+            return None
+        engine = self.engine
+        if engine is None or not self.is_running:
+            raise self._dead_error(self._error)
+        return engine.compile_constraint(params)
 
     def generate(
         self, prompt: str | list[int], sampling_params: SamplingParams | None = None, **kwargs
@@ -432,6 +456,7 @@ class AsyncEngineCore:
                 command.request_id,
                 cache_salt=command.cache_salt,
                 fairness_key=command.fairness_key,
+                constraint=command.constraint,
             )
         except Exception as exc:
             command.stream.put(exc)

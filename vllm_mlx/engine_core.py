@@ -27,6 +27,8 @@ from vllm_mlx.paged_cache import PagedCacheManager
 from vllm_mlx.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
 from vllm_mlx.scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput, TokenLogprobs
 from vllm_mlx.snapshot import CacheSnapshotter
+from vllm_mlx.structured.grammar import CompiledGrammar, GrammarCompiler
+from vllm_mlx.structured.matcher import RequestConstraint
 from vllm_mlx.validation import check_encodable, parse_bytes, parse_memory
 
 logger = logging.getLogger(__name__)
@@ -239,6 +241,7 @@ class EngineCore:
             block_groups=block_groups,
         )  # fmt: skip
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.eos_token_ids)
         self.snapshotter = CacheSnapshotter(
             self.kv_cache,
             self.scheduler,
@@ -265,6 +268,7 @@ class EngineCore:
         cache_salt: str | None = None,
         images: Sequence[ImageSource] | None = None,
         fairness_key: str | None = None,
+        constraint: CompiledGrammar | None = None,
     ) -> str:
         """Queue a prompt (text or token ids); returns the request id. Outputs come from ``step()``.
 
@@ -285,6 +289,8 @@ class EngineCore:
             fairness_key: Requests with the same key share one turn of admission (the
                 scheduler serves keys round-robin); None = this request's own id. The server
                 gives all prompts of one HTTP request one key.
+            constraint: ``compile_constraint(sampling_params)``, compiled beforehand on another
+                thread; None compiles ``sampling_params.structured_outputs`` (if any) here.
 
         Returns:
             The request id, which later ``RequestOutput``s carry.
@@ -293,7 +299,8 @@ class EngineCore:
             ValueError: ``request_id`` is already in use, a token id (prompt or
                 ``stop_token_ids``) is outside the vocabulary, a string is not valid Unicode,
                 images were given to a text-only model, or the prompt's image placeholders do
-                not match the images.
+                not match the images; ``ConstraintError`` (a ``ValueError``): an invalid
+                structured-output schema, regex or grammar.
         """
         if self.runner.model is None:
             raise VllmMlxError("the engine is shut down")
@@ -302,6 +309,7 @@ class EngineCore:
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._check_request(params, request_id, cache_salt, fairness_key)
+        grammar = constraint or self.compile_constraint(params)
         prepared = prompt if isinstance(prompt, PreparedPrompt) else self.prepare_prompt(prompt, images)
         text, token_ids = prepared.text, prepared.token_ids
         group = _Group(request_id, text, token_ids)
@@ -313,6 +321,7 @@ class EngineCore:
                 child_id, token_ids, child_params, prompt=text,
                 eos_token_ids=self.eos_token_ids, cache_salt=cache_salt, mm_input=prepared.mm_input,
                 fairness_key=fairness_key or request_id,
+                constraint=RequestConstraint(grammar, self.eos_token_ids) if grammar else None,
             )  # fmt: skip
             if prepared.error is not None:
                 request.error(prepared.error)
@@ -345,6 +354,17 @@ class EngineCore:
             check_encodable("cache_salt", cache_salt)
         if fairness_key is not None:
             check_encodable("fairness_key", fairness_key)
+
+    def compile_constraint(self, params: SamplingParams) -> CompiledGrammar | None:
+        """The compiled grammar of ``params.structured_outputs`` (None without one), from the
+        cache when seen before. Thread-safe, no MLX work: call it from any thread.
+
+        Raises:
+            ConstraintError: An invalid schema, regex or grammar (a ``ValueError``).
+        """
+        if params.structured_outputs is None:
+            return None
+        return self.grammars.compile(params.structured_outputs)
 
     @property
     def vocab_size(self) -> int | None:
@@ -581,9 +601,14 @@ class EngineCore:
         return None, token_ids
 
     def get_stats(self) -> dict:
-        """Plain data: ``{"scheduler": {running, waiting, preemptions, steps, ...}, "kv_cache": {...}}``,
-        and ``"mllm"`` (the multimodal cache's stats) for a vision-language model."""
-        stats = {"scheduler": self.scheduler.stats(), "kv_cache": self.kv_cache.stats().to_dict()}
+        """Plain data: ``{"scheduler": {running, waiting, preemptions, steps, ...}, "kv_cache": {...},
+        "structured_outputs": {cached, hits, misses}}`` (compiled grammars), and ``"mllm"`` (the
+        multimodal cache's stats) for a vision-language model."""
+        stats = {
+            "scheduler": self.scheduler.stats(),
+            "kv_cache": self.kv_cache.stats().to_dict(),
+            "structured_outputs": self.grammars.stats(),
+        }
         if self.vision is not None:
             stats["mllm"] = self._mllm_stats()
         return stats

@@ -15,6 +15,7 @@ from pathlib import Path
 from vllm_mlx.chat import split_chat_images, template_token_ids
 from vllm_mlx.engine_core import EngineConfig, EngineCore
 from vllm_mlx.request import RequestOutput, SamplingParams
+from vllm_mlx.structured.response_format import ResponseFormat
 
 Prompt = str | list[int] | dict
 """Text, token ids, or a dict with "prompt" or "prompt_token_ids" and optionally "cache_salt"
@@ -67,6 +68,8 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        response_format: object = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list (text or token ids); outputs in prompt order.
 
@@ -78,6 +81,9 @@ class LLM:
                 placeholder each in the prompt, or none and they go first).
             sampling_params: One ``SamplingParams`` for every prompt, one per prompt, or None
                 for the defaults.
+            response_format: A Pydantic model class or a JSON Schema dict: every output is
+                constrained to it, and each completion's ``parsed`` holds the validated object
+                (None if the text does not validate, e.g. when ``max_tokens`` cut it short).
 
         Returns:
             The final ``RequestOutput`` of each prompt, in prompt order. A prompt the engine
@@ -86,12 +92,17 @@ class LLM:
 
         Raises:
             ValueError: A prompt dict with unknown keys or no prompt, token ids outside the
-                vocabulary, images for a text-only model, or a list of sampling params whose
-                length differs from the prompts'.
+                vocabulary, images for a text-only model, a list of sampling params whose
+                length differs from the prompts', an invalid schema (``ConstraintError``), or
+                ``response_format`` with sampling params that already have
+                ``structured_outputs``.
         """
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))
+        fmt = ResponseFormat.of(response_format) if response_format is not None else None
+        if fmt is not None:
+            params = [_constrained(sp, fmt) for sp in params]
         ids: list[str] = []
         try:
             for prompt, sp in zip(prompts, params):
@@ -99,7 +110,12 @@ class LLM:
         except BaseException:  # a prompt refused outright: the ones queued before it go too
             self._abort(ids)
             raise
-        return self._run(ids)
+        outputs = self._run(ids)
+        if fmt is not None:
+            for output in outputs:
+                for completion in output.outputs:
+                    completion.parsed = fmt.parsed(completion.text)
+        return outputs
 
     def _add(self, prompt: Prompt, params: SamplingParams | None) -> str:
         if not isinstance(prompt, dict):
@@ -143,6 +159,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
+        response_format: object = None,
     ) -> list[RequestOutput]:
         """Chat completion for one conversation (a list of OpenAI-style messages) or a batch.
 
@@ -153,6 +170,7 @@ class LLM:
                 ``{"type": "image_url", "image_url": {"url": path_or_data_or_http_url}}``.
             sampling_params: As for ``generate``.
             add_generation_prompt: End the templated prompt with the assistant's turn header.
+            response_format: As for ``generate`` (outputs' ``parsed`` holds the object).
 
         Returns:
             One final ``RequestOutput`` per conversation, in order.
@@ -163,7 +181,7 @@ class LLM:
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.chat_prompt(c, add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, response_format=response_format)
 
     def chat_prompt(self, messages: list[Message], add_generation_prompt: bool = True) -> dict:
         """The prompt dict ``chat`` submits for one conversation: templated token ids and the
@@ -227,6 +245,12 @@ def _images_of(multi_modal_data: dict | None) -> list:
     if images is None:
         return []
     return list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+def _constrained(params: SamplingParams, fmt: ResponseFormat) -> SamplingParams:
+    if params.structured_outputs is not None:
+        raise ValueError("give either response_format or SamplingParams.structured_outputs, not both")
+    return params.clone(structured_outputs=fmt.params)
 
 
 def _per_prompt(params, count: int) -> list[SamplingParams]:

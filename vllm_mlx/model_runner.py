@@ -14,6 +14,10 @@ With a vision-language model, a row whose tokens include image placeholders gets
 features written over the placeholders' embeddings; the features come from the MLLM cache or
 from one vision-encoder run per image, and are dropped once the prompt's images are in the KV
 cache (a prefix-cache hit past an image skips the encoder altogether).
+
+Rows whose request has a structured-output constraint get their logits masked (one MLX
+expression for the batch, ``structured/bitmask.py``) before sampling; a request whose sampled
+token the constraint cannot accept is reported in ``ModelRunnerOutput.errors``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from vllm_mlx.request import Request, SamplingParams
 from vllm_mlx.sampling import SamplingRow, sample
 from vllm_mlx.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from vllm_mlx.state_pool import RecurrentLayerCache, StateLayout, StatePool, StateWrite, probe_state_layout
+from vllm_mlx.structured.bitmask import StepMasks
 
 # A group accepts a row while padded tokens stay within this factor of real tokens.
 MAX_PADDING_FACTOR = 1.25
@@ -172,8 +177,15 @@ class MLXModelRunner:
         )
         self._drop_finished_image_features(runnable)
         if sampled:
-            result = sample(mx.stack(logits), [sampling_row(s) for s in sampled])
+            requests = [s.request for s in sampled]
+            masks = StepMasks.build(requests)  # None when no row has a structured-output constraint
+            batch = mx.stack(logits) if masks is None else masks.apply(mx.stack(logits))
+            result = sample(batch, [sampling_row(s) for s in sampled])
+            if masks is not None:  # fail closed: such a request ends with an error, alone
+                output.errors.update(masks.rejected(requests, result.token_ids))
             for item, token_id, logprobs in zip(sampled, result.token_ids, result.logprobs):
+                if item.request_id in output.errors:
+                    continue
                 output.sampled_token_ids[item.request_id] = token_id
                 if logprobs is not None:
                     output.logprobs[item.request_id] = logprobs

@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 from enum import IntEnum, auto
 from typing import TYPE_CHECKING
 
+from vllm_mlx.structured.params import StructuredOutputsParams
 from vllm_mlx.validation import check_encodable
 
 if TYPE_CHECKING:
     from vllm_mlx.multimodal import MultiModalInput
+    from vllm_mlx.structured.matcher import RequestConstraint
 
 MAX_LOGPROBS = 20
 _FLOAT_FIELDS = (
@@ -136,6 +138,8 @@ class SamplingParams:
     """Completions per prompt (>= 1)."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the detokenized text."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON Schema, regex, choice or grammar (docs/structured_outputs.md)."""
 
     def __post_init__(self) -> None:
         self._validate_lengths()
@@ -178,6 +182,11 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_range("logprobs", _require_int("logprobs", self.logprobs), 0, MAX_LOGPROBS)
         _check_min("n", _require_int("n", self.n), 1)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -260,6 +269,8 @@ class Request:
     stop_reason: str | int | None = None
     """The stop string or stop token id that ended the request, else None."""
     error_message: str | None = None
+    constraint: RequestConstraint | None = None
+    """The matcher of its structured-output constraint (the model runner masks its logits)."""
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
@@ -346,6 +357,10 @@ class CompletionOutput:
     """"stop", "length", "abort", "error", or None while running."""
     stop_reason: str | int | None = None
     """The stop string or stop token id that matched, else None."""
+    parsed: object = None
+    """With ``LLM.generate/chat(response_format=...)``: the text parsed and validated (a
+    Pydantic model instance, or the JSON value); None when it does not parse or validate
+    (e.g. cut short by ``max_tokens``)."""
 
     @property
     def finished(self) -> bool:
@@ -388,6 +403,11 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason if self.outputs else None
+
+    @property
+    def parsed(self) -> object:
+        """The first completion's ``parsed`` (see ``CompletionOutput.parsed``)."""
+        return self.outputs[0].parsed if self.outputs else None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -4,7 +4,8 @@ Requests are validated strictly (``"stream": "yes"`` or ``"n": 1.5`` is a 400, n
 coercion); unknown fields are ignored, as OpenAI does. Value ranges that ``SamplingParams``
 already checks (temperature, top_p, penalties, ...) are left to it, so one place owns them.
 Fields beyond OpenAI's (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
-``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``, ``cache_salt``) follow vLLM.
+``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``, ``cache_salt``,
+``structured_outputs``) follow vLLM.
 """
 
 from __future__ import annotations
@@ -44,6 +45,23 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's ``response_format.json_schema``. The schema is always enforced: ``strict``
+    is accepted and changes nothing."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: str
+    """"text", "json_object" or "json_schema" (others are refused by the server)."""
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(_Strict):
     """Fields shared by chat and text completions (vLLM's names where OpenAI has none).
 
@@ -74,6 +92,10 @@ class SamplingFields(_Strict):
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     """Folded into prefix-cache hashes: requests with different salts never share KV blocks."""
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None
+    """vLLM's constraint object (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``,
+    ...); checked by ``StructuredOutputsParams.from_dict``."""
 
     @model_validator(mode="after")
     def _strings_encode(self):
@@ -127,17 +149,12 @@ class ChatMessage(_Strict):
     name: str | None = None
 
 
-class ResponseFormat(_Strict):
-    type: str
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict] | None = None
     add_generation_prompt: bool = True
 

@@ -27,6 +27,9 @@ from vllm_mlx.engine_core import PreparedPrompt
 from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
 from vllm_mlx.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from vllm_mlx.request import RequestOutput, SamplingParams
+from vllm_mlx.structured.grammar import CompiledGrammar, ConstraintError
+from vllm_mlx.structured.matcher import ERROR_PREFIX as CONSTRAINT_ERROR_PREFIX
+from vllm_mlx.structured.params import StructuredOutputsParams
 from vllm_mlx.validation import LimitExceeded, RequestLimits
 
 DISCONNECT_POLL_S = 0.25
@@ -154,6 +157,7 @@ class OpenAIServing:
         limit = self.info.max_model_len
         room = limit - prompt_len
         fields = {
+            "structured_outputs": self.structured_outputs(req),
             "max_tokens": room if max_tokens is None else max_tokens,
             "min_tokens": req.min_tokens,
             "n": req.n,
@@ -194,15 +198,59 @@ class OpenAIServing:
             )
         return params
 
+    @staticmethod
+    def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
+        """The request's constraint: OpenAI's ``response_format`` or vLLM's ``structured_outputs``."""
+        fmt, extra = req.response_format, req.structured_outputs
+        if fmt is not None and fmt.type != "text" and extra is not None:
+            raise OpenAIError(400, "Give either response_format or structured_outputs, not both.", param="structured_outputs")
+        if extra is not None:
+            try:
+                return StructuredOutputsParams.from_dict(extra)
+            except (TypeError, ValueError) as exc:
+                raise OpenAIError(400, str(exc), param="structured_outputs") from None
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.type != "json_schema":
+            raise OpenAIError(
+                400,
+                f"response_format {fmt.type!r} is not supported (only 'text', 'json_object' and 'json_schema').",
+                param="response_format",
+            )
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise OpenAIError(400, "response_format.json_schema.schema is required.", param="response_format")
+        return StructuredOutputsParams(json=fmt.json_schema.schema_)
+
+    async def compile_constraint(self, params: SamplingParams, req: SamplingFields) -> CompiledGrammar | None:
+        """Compile the request's constraint in a worker thread (never on the event loop or the
+        engine thread); an invalid schema, regex or grammar is a 400."""
+        if params.structured_outputs is None:
+            return None
+        try:
+            return await asyncio.to_thread(self.engine.compile_constraint, params)
+        except ConstraintError as exc:
+            param = "structured_outputs" if req.structured_outputs is not None else "response_format"
+            raise OpenAIError(400, f"Invalid {param}: {exc}", param=param, code="invalid_constraint") from None
+        except EngineDeadError:
+            raise engine_dead() from None
+
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
     # -- running requests ---------------------------------------------------------------------
 
     def submit(
-        self, prompts: list[list[int] | PreparedPrompt], params: list[SamplingParams], prefix: str, cache_salt: str | None
+        self,
+        prompts: list[list[int] | PreparedPrompt],
+        params: list[SamplingParams],
+        prefix: str,
+        cache_salt: str | None,
+        constraint: CompiledGrammar | None = None,
     ) -> list[RequestStream]:
         """Submit one engine request per prompt; ids are ``prefix`` (+ ``-i`` for a batch).
+        ``constraint``: the compiled ``structured_outputs`` all the prompts share.
 
         All prompts of one HTTP request share a fairness key: the scheduler admits them in
         turn with other clients' requests, so a large batch cannot starve a small request.
@@ -211,7 +259,9 @@ class OpenAIServing:
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
                 request_id = prefix if len(prompts) == 1 else f"{prefix}-{i}"
-                stream = self.engine.add_request(prompt, sp, request_id, cache_salt=cache_salt, fairness_key=prefix)
+                stream = self.engine.add_request(
+                    prompt, sp, request_id, cache_salt=cache_salt, fairness_key=prefix, constraint=constraint
+                )
                 streams.append(stream)
         except EngineDeadError:
             for stream in streams:
@@ -321,6 +371,8 @@ def check_finished(output: RequestOutput) -> None:
     reasons = {c.finish_reason for c in output.outputs}
     if "error" in reasons:
         message = output.error or "the request failed"
+        if message.startswith(CONSTRAINT_ERROR_PREFIX):  # the client's constraint, not our fault
+            raise OpenAIError(400, message, code="structured_output_failed")
         status = 400 if "limit" in message else 500
         raise OpenAIError(status, message, code="context_length_exceeded" if status == 400 else None)
     if "abort" in reasons:

@@ -60,8 +60,9 @@ class ChatServing(OpenAIServing):
         top_k = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, max_tokens, len(token_ids), top_k)
+        constraint = await self.compile_constraint(params, req)
         request_id = new_id("chatcmpl")
-        streams = self.submit([prompt], [params], request_id, req.cache_salt)
+        streams = self.submit([prompt], [params], request_id, req.cache_salt, constraint)
         if req.stream:
             first, rest = await self.first_output(streams, raw_request)
             return self._stream(req, request_id, top_k, first, rest)
@@ -163,11 +164,5 @@ def _top(text: str, logprob: float) -> TopLogprob:
 def _check_supported(req: ChatCompletionRequest) -> None:
     if req.tools:
         raise OpenAIError(400, "Tool calling is not supported by this server.", param="tools")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise OpenAIError(
-            400,
-            f"response_format {req.response_format.type!r} is not supported (only 'text').",
-            param="response_format",
-        )
     if req.top_logprobs and not req.logprobs:
         raise OpenAIError(400, "top_logprobs requires logprobs: true.", param="top_logprobs")

@@ -31,8 +31,9 @@ class CompletionServing(OpenAIServing):
         for prompt in prompts:
             self.check_prompt(prompt)
         params = [self.sampling_params(req, req.max_tokens, len(p), req.logprobs) for p in prompts]
+        constraint = await self.compile_constraint(params[0], req)  # the prompts share one constraint
         request_id = new_id("cmpl")
-        streams = self.submit(prompts, params, request_id, req.cache_salt)
+        streams = self.submit(prompts, params, request_id, req.cache_salt, constraint)
         if req.stream:
             first, rest = await self.first_output(streams, raw_request)
             return self._stream(req, request_id, first, rest)

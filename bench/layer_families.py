@@ -17,6 +17,10 @@ the prompt tokens computed and the TTFT of
                     longest common prefix (trimmed where mlx-lm can trim; rebuilt where it cannot,
                     as a rotating sliding-window cache that has wrapped cannot be trimmed)
 
+The cached run also reports the most KV memory the conversation held during each turn, with block
+groups (a sliding-window group keeps only the blocks its window reaches) and as one table shared
+by every layer would hold it.
+
 Part 2, a batch: ``--batch`` prompts at once, vs ``mlx_lm.batch_generate`` on the same weights
 (the ``vllm-mlx bench`` comparison, for this architecture).
 
@@ -97,18 +101,36 @@ def engine_chat(model_dir: Path, args, caching: bool) -> list[dict]:
     for question in TURNS:
         messages.append({"role": "user", "content": question})
         prompt = chat_ids(engine.tokenizer, messages)
-        start, first, final = time.monotonic(), None, None
+        start, first, final, held = time.monotonic(), None, None, KVHeld()
         rid = engine.add_request(prompt, params)
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.request_id == rid:
                     first = first or (time.monotonic() - start if out.token_ids else None)
                     final = out if out.finished else final
+            held.measure(engine)
         computed = len(prompt) - final.num_cached_tokens
-        rows.append({"prompt": len(prompt), "computed": computed, "ttft": first, "answer": final.text})
+        rows.append({"prompt": len(prompt), "computed": computed, "ttft": first, "answer": final.text,
+                     "kv_mib": held.grouped / 2**20, "kv_one_table_mib": held.one_table / 2**20})  # fmt: skip
         messages.append({"role": "assistant", "content": final.text})
     engine.shutdown()
     return rows
+
+
+class KVHeld:
+    """The most KV bytes held at a step boundary: as the block groups hold them, and as one block
+    table shared by every attention layer would (every block, all layers)."""
+
+    def __init__(self) -> None:
+        self.grouped = self.one_table = 0
+
+    def measure(self, engine) -> None:
+        usage = engine.cache_snapshot(include_blocks=False)["block_groups"]
+        block_tokens = engine.kv_cache.block_size
+        per_block = engine.kv_layout.bytes_per_block_token(engine.runner.block_groups) * block_tokens
+        self.grouped = max(self.grouped, sum(g["num_used_blocks"] for g in usage) * per_block)
+        all_layers = engine.kv_layout.bytes_per_token * block_tokens
+        self.one_table = max(self.one_table, usage[0]["num_used_blocks"] * all_layers)
 
 
 def mlx_lm_chat(model_dir: Path, args, answers: list[str]) -> list[dict]:
@@ -171,6 +193,8 @@ def main() -> None:
         mean = lambda rows: statistics.mean(r["ttft"] for r in rows[later])  # noqa: E731
         print(f"mean TTFT turns 2-8: cached {mean(cached):.3f} s, cold {mean(cold):.3f} s, mlx-lm {mean(peer):.3f} s; "
               f"cached/cold {mean(cached) / mean(cold):.2f}x, cached/mlx-lm {mean(cached) / mean(peer):.2f}x")  # fmt: skip
+        print("KV MiB held at most per turn (cached run), block groups / one table: "
+              + ", ".join(f"{r['kv_mib']:.1f}/{r['kv_one_table_mib']:.1f}" for r in cached))
         if not args.skip_batch:
             print()
             batch_throughput(model_dir, args)

@@ -157,7 +157,8 @@ class PrefixCacheManager:
 
 
 class BlockAwarePrefixCache(PrefixCacheManager):
-    """The prefix cache as the scheduler uses it: per request, on the paged blocks.
+    """The prefix cache as the KV manager (``kv_cache_manager.py``) uses it: per request, on the
+    paged blocks.
 
     A hit maps the new request's block table onto the same physical blocks (ref count + 1,
     zero copy). Each request's block hashes are computed once, incrementally, as blocks fill.

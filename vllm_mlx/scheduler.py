@@ -1,7 +1,8 @@
 """Continuous-batching scheduler: token budgets, chunked prefill, preemption.
 
-Pure bookkeeping (no MLX). The scheduler talks to the KV cache through three calls of
-``PagedCacheManager`` (find computed blocks, allocate slots, free) and never touches KV arrays.
+Pure bookkeeping (no MLX). The scheduler talks to the KV cache through one front door,
+``KVCacheManager`` (find computed blocks, allocate slots, complete a step, free), and never
+touches KV arrays.
 The model runner sees only a ``SchedulerOutput`` and answers with a ``ModelRunnerOutput``.
 """
 
@@ -12,8 +13,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from vllm_mlx.errors import internal_error_message
+from vllm_mlx.kv_cache_manager import KVCacheManager
 from vllm_mlx.paged_cache import PagedCacheManager
-from vllm_mlx.prefix_cache import BlockAwarePrefixCache
 from vllm_mlx.request import Request, RequestStatus
 from vllm_mlx.waiting_queue import WaitingQueue
 
@@ -139,10 +140,8 @@ class Scheduler:
     * ``num_tokens < max_model_len`` for every unfinished request, where ``max_model_len`` is
       the *effective* limit (see ``__init__``), so any request can always finish alone.
 
-    Hybrid models (recurrent layers) resume a prefix only where a state checkpoint was kept
-    (``state_checkpoints.py``): a step that ends on a block boundary writes one, and a prompt's
-    computation is cut at its last block boundary before its last token (``checkpoint_boundary``)
-    so that the same prompt, or a conversation's next turn, can resume there.
+    Hybrid models (recurrent layers) resume a prefix only where a state checkpoint was kept:
+    prefill chunks are cut where the KV manager keeps one (``KVCacheManager.cut_at_checkpoint``).
     """
 
     def __init__(
@@ -154,11 +153,12 @@ class Scheduler:
         request's ``cache_salt`` are folded into its block hashes."""
         _check_config(config, kv_cache)
         self.config = config
-        self.kv_cache = kv_cache
+        self.kv_cache = kv_cache  # observers read it; scheduling goes through self.kv
         self.block_size = kv_cache.block_size
         self.cache_namespace = cache_namespace
-        self.prefix_cache = BlockAwarePrefixCache(kv_cache, cache_namespace, config.enable_prefix_caching)
-        limits = [kv_cache.token_capacity(config.max_num_batched_tokens)]
+        self.kv = KVCacheManager(kv_cache, cache_namespace, config.enable_prefix_caching)
+        self.prefix_cache = self.kv.prefix_cache
+        limits = [self.kv.token_capacity(config.max_num_batched_tokens)]
         if config.max_model_len is not None:
             limits.append(config.max_model_len)
         if not config.enable_chunked_prefill:
@@ -254,18 +254,15 @@ class Scheduler:
         """No seat for ``request``, or too few free blocks for its first chunk."""
         if len(self.running) >= self.config.max_num_seqs:
             return True
-        first_chunk = min(request.num_tokens, self.config.max_num_batched_tokens)
-        return self.kv_cache.get_num_free_blocks() < self.kv_cache.num_blocks_needed(first_chunk)
+        return not self.kv.has_room_for(min(request.num_tokens, self.config.max_num_batched_tokens))
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            self.kv_cache.free_out_of_window(request.request_id, request.num_computed_tokens)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            num_new = self._cut_at_checkpoint(request, request.num_computed_tokens, num_new)
-            total = request.num_computed_tokens + num_new
-            while self.kv_cache.allocate_slots(request.request_id, total) is None:
+            num_new = self.kv.cut_at_checkpoint(request, request.num_computed_tokens, num_new)
+            while not self.kv.allocate_slots(request, request.num_computed_tokens + num_new):
                 victim = self.running.pop()  # the tail: most recently admitted
                 self._preempt(victim, output)
                 if victim is request:
@@ -280,13 +277,13 @@ class Scheduler:
         load = Counter(r.fairness_key for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek(load)
-            hits = self.prefix_cache.find_cached_blocks(request)
+            hits = self.kv.get_computed_blocks(request)
             num_hit = len(hits) * self.block_size
             num_new = request.num_tokens - num_hit
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
-            num_new = self._cut_at_checkpoint(request, num_hit, min(num_new, budget))
-            if self.kv_cache.allocate_slots(request.request_id, num_hit + num_new, hits) is None:
+            num_new = self.kv.cut_at_checkpoint(request, num_hit, min(num_new, budget))
+            if not self.kv.allocate_slots(request, num_hit + num_new, hits):
                 break
             self.waiting.pop(request)
             load[request.fairness_key] += 1
@@ -327,16 +324,13 @@ class Scheduler:
         """Apply one request's share of a step; True if it advanced (a token, or its end)."""
         request = scheduled.request
         error = runner_output.errors.get(request.request_id)
+        checkpointed = scheduled.checkpoint_slot is not None
         if error is not None:  # its KV was not computed: nothing to cache
-            self.kv_cache.finish_step(request.request_id, succeeded=False)
+            self.kv.complete_step(request, scheduled.num_computed_tokens, checkpointed, succeeded=False)
             request.error(error)
             return True
         request.num_computed_tokens += scheduled.num_new_tokens
-        self.prefix_cache.cache_computed_blocks(request, scheduled.num_computed_tokens)
-        if scheduled.checkpoint_slot is not None:
-            moving = request.num_computed_tokens not in self._checkpoint_boundaries(request)
-            self.prefix_cache.publish_state_checkpoint(request, moving)
-        self.kv_cache.finish_step(request.request_id, succeeded=True)
+        self.kv.complete_step(request, scheduled.num_computed_tokens, checkpointed, succeeded=True)
         if not scheduled.samples:
             return False
         token_id = runner_output.sampled_token_ids.get(request.request_id)
@@ -350,35 +344,14 @@ class Scheduler:
     # ---- helpers -------------------------------------------------------------------------------
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        rid, start = request.request_id, request.num_computed_tokens
-        slot = self.kv_cache.get_state_slot(rid)
-        read_slot = self.kv_cache.get_state_read_slot(rid)
-        on_boundary = (start + num_new) % self.block_size == 0
-        checkpoint = self.kv_cache.reserve_state_checkpoint(rid) if on_boundary else None
-        tables = self.kv_cache.get_block_tables(rid)
+        cache = self.kv.assign(request, num_new)
         return ScheduledRequest(
-            request, start, num_new, tables[0], slot, read_slot if read_slot != slot else None, checkpoint,
-            tables if len(tables) > 1 else None,
+            request, request.num_computed_tokens, num_new, cache.block_ids, cache.state_slot,
+            cache.state_read_slot, cache.checkpoint_slot, cache.block_tables,
         )  # fmt: skip
 
-    def _cut_at_checkpoint(self, request: Request, start: int, num_new: int) -> int:
-        """With state checkpoints, end the chunk from ``start`` at the first of the request's
-        checkpoint boundaries it would cross (the rest is the next step's)."""
-        if self.kv_cache.checkpoints is None:
-            return num_new
-        crossed = [b for b in self._checkpoint_boundaries(request) if start < b < start + num_new]
-        return min(crossed) - start if crossed else num_new
-
-    def _checkpoint_boundaries(self, request: Request) -> tuple[int, ...]:
-        """Where the request keeps state checkpoints that newer ones do not supersede: its
-        branch point and its prompt's last boundary (``state_checkpoints.py``)."""
-        branch = self.prefix_cache.branch_point(request)
-        prompt = checkpoint_boundary(request, self.block_size)
-        return (prompt,) if branch is None else (branch, prompt)
-
     def _admit(self, request: Request, num_hit: int) -> None:
-        if self.prefix_cache.enabled:
-            self.prefix_cache.record_query(request.num_tokens, num_hit)
+        self.kv.record_admission(request, num_hit)
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_hit
         request.status = RequestStatus.RUNNING
@@ -386,16 +359,15 @@ class Scheduler:
         self.running.append(request)
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
-        self.kv_cache.free(request.request_id)
+        self.kv.free(request, finished=False)
         request.preempt()
         self.waiting.appendleft(request)
         self.num_preemptions += 1
         output.preempted_ids.append(request.request_id)
 
     def _release(self, request: Request) -> None:
-        self.kv_cache.free(request.request_id)
+        self.kv.free(request, finished=True)
         self.requests.pop(request.request_id, None)
-        self.prefix_cache.forget(request.request_id)
 
     def _check_stop(self, request: Request) -> None:
         """Token-level stops, after ``request``'s newest token was appended."""
@@ -471,7 +443,7 @@ class Scheduler:
         _require(request.num_tokens < self.max_model_len, f"{rid} exceeds max_model_len")
         block_ids = self.kv_cache.get_block_ids(rid)
         _require(len(block_ids) * bs >= request.num_computed_tokens, f"{rid} table too short")
-        for bid in {b for table in self.kv_cache.get_block_tables(rid) for b in table if b}:
+        for bid in set(self.kv.held_block_ids(request)):
             block = self.kv_cache.blocks[bid]
             shared_partial = block.ref_cnt > 1 and block.block_hash is None
             _require(not shared_partial, f"{rid} holds shared partial block {bid}")
@@ -479,11 +451,6 @@ class Scheduler:
 
 _WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
-
-def checkpoint_boundary(request: Request, block_size: int) -> int:
-    """The last block boundary before the prompt's last token: as far as the same prompt can
-    ever be resumed from a cached prefix (at least one token is always computed)."""
-    return (request.num_prompt_tokens - 1) // block_size * block_size
 
 
 def _check_config(config: SchedulerConfig, kv_cache: PagedCacheManager) -> None:

@@ -249,3 +249,19 @@ def test_layout_writes_then_reads_the_window_through_the_pool():
     assert forward(0, 12) == list(range(12))
     assert forward(12, 6) == list(range(12 - WINDOW + 1, 18))
     assert forward(18, 1) == list(range(18 - WINDOW + 1, 19))
+
+
+def test_chunked_attention_is_refused_saying_what_it_would_need():
+    from mlx_lm.models.cache import ChunkedKVCache, KVCache
+
+    from vllm_mlx.attention import UnsupportedModelError
+
+    class Llama4Caches:  # only make_cache() is asked: Llama 4's cache layout, three chunked to one full
+        model_type = "llama4"
+
+        def make_cache(self):
+            return [ChunkedKVCache(8), ChunkedKVCache(8), ChunkedKVCache(8), KVCache()]
+
+    with pytest.raises(UnsupportedModelError, match="needs ChunkedKVCache caches") as refused:
+        layer_specs(Llama4Caches())
+    assert "one scalar offset" in str(refused.value)

@@ -99,9 +99,21 @@ def layer_specs(model, model_type: str | None = None, recurrent: bool = True) ->
             "RotatingKVCache layers, and keeps the recurrent ArraysCache state of "
             f"{', '.join(sorted(RECURRENT_ARCHITECTURES)) if recurrent else 'no architecture here'}; "
             "other recurrent or chunked layers are refused)"
+            + "".join(f". {_WHY_NOT[kind]}" for kind in sorted(refused) if kind in _WHY_NOT)
             + ("" if recurrent else _THROUGH_VLLM)
         )
     return specs
+
+
+# What a cache kind would need beyond the paged protocol, where it is more than a missing branch.
+_WHY_NOT = {
+    "ChunkedKVCache": (
+        "Chunked attention (Llama 4) is not a cache change alone: the model's own code builds its "
+        "chunk mask from one scalar offset and start position for the whole batch "
+        "(cache[0].offset, cache[0].start_position), so rows at different positions cannot share "
+        "a forward call without an adapter for that code"
+    ),
+}
 
 
 _THROUGH_VLLM = (

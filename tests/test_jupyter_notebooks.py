@@ -114,7 +114,9 @@ def test_demo_command_runs_the_quickstart_and_summarises(tmp_path, tiny_model_di
         cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "3 requests, up to 3 in one batch" in done.stdout
+    # Cells share the batch; with the tiny model an answer takes ~0.1 s, so on a loaded machine
+    # the first may finish before the third cell runs: at least two must overlap.
+    assert re.search(r"3 requests, up to [23] in one batch", done.stdout), done.stdout
     assert "tok/s aggregate" in done.stdout and "time to first token: haiku" in done.stdout
     executed = json.loads(output.read_text())
     assert not any("VLLM_MLX_DEMO_SUMMARY" in "".join(c["source"]) for c in executed["cells"])

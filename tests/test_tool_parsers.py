@@ -392,3 +392,59 @@ def test_select_reasoning_parser():
     assert select_reasoning_parser(CHATML_TEMPLATE) is None
     assert select_reasoning_parser(template, "<|im_start|>assistant\n").starts_in_reasoning is False
     assert select_reasoning_parser(template, "<|im_start|>assistant\n<think>\n").starts_in_reasoning is True
+
+
+# -- anything a model may write -------------------------------------------------------------------
+
+PIECES = [
+    "<tool_call>", "</tool_call>", "<tool_", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>",
+    "<function=get_weather>", "<function=nope>", "</function>", "<parameter=days>", "<parameter=city>",
+    "</parameter>", '{"name": "get_weather", "arguments": {"days": 3}}', '"parameters": {}}',
+    '{"name": "get_time"', "{", "}", "[", "]", ":", ",", ";", '"', "NaN", "3", "true", "Paris",
+    "\n", " ", "ok", "é", "<think>", "</think>",
+]  # fmt: skip
+WHOLE_CALLS = [
+    HERMES_ONE, CODER_WEATHER, LLAMA_WEATHER, "<|python_tag|>" + LLAMA_TIME, '[TOOL_CALLS]get_time[ARGS]{"tz": "UTC"}',
+    '[TOOL_CALLS] [{"name": "get_time", "arguments": {}}, {"name": "nope"}]',
+]  # fmt: skip
+OUTPUTS = st.lists(st.one_of(st.sampled_from(PIECES), st.sampled_from(WHOLE_CALLS)), max_size=16).map("".join)
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+@pytest.mark.parametrize("tools", [None, TOOLS], ids=["no-tools", "tools"])
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(text=OUTPUTS, cuts=st.lists(st.integers(0, 10_000), max_size=8))
+def test_any_output_parses_without_error_and_streams_the_same(name, tools, text, cuts):
+    """Never raises; arguments are strict JSON objects; no call => the text, unchanged."""
+    case = Case("fuzz", name, text, None, tools=tools)
+    result = make_parser(case).extract(text)
+    for call in result.tool_calls:
+        assert isinstance(json.loads(call.arguments, parse_constant=pytest.fail), dict)
+    if not result.tool_calls:
+        assert result.content == (text or None)
+    assert reassemble(stream_chunks(case, split_at(text, cuts))) == result
+    assert reassemble(stream_chunks(case, list(text))) == result
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(text=OUTPUTS, cuts=st.lists(st.integers(0, 10_000), max_size=8), opened=st.booleans())
+def test_any_output_splits_into_reasoning_the_same_streamed(text, cuts, opened):
+    case = ReasoningCase("fuzz", text, None, None, opened)
+    result = ReasoningParser(opened).extract(text)
+    expected = (result.reasoning_content, result.content)
+    assert reasoning_stream(case, split_at(text, cuts)) == expected
+    assert reasoning_stream(case, list(text)) == expected
+
+
+def test_non_finite_numbers_are_not_arguments():
+    text = '<tool_call>{"name": "get_weather", "arguments": {"days": NaN}}</tool_call>'
+    assert TOOL_PARSERS["hermes"]().extract(text) == ToolCallResult(text, [])
+
+
+def test_a_long_argument_streams_in_linear_time():
+    """A region's end is searched only in new text: a 200 kB file a few characters at a time."""
+    content = "x = 1\n" * 40_000
+    text = f"<tool_call>\n<function=write_file>\n<parameter=content>\n{content}</parameter>\n</function>\n</tool_call>"
+    stream = TOOL_PARSERS["qwen3_coder"](TOOLS).stream()
+    deltas = [d for i in range(0, len(text), 3) for d in stream.feed(text[i : i + 3])] + stream.finish()
+    assert json.loads(reassemble(deltas).tool_calls[0].arguments) == {"content": content[:-1]}

@@ -106,7 +106,8 @@ def tool_schemas(tools: Sequence[dict] | None) -> dict[str, dict] | None:
 
 
 def dump_arguments(arguments: dict[str, Any]) -> str:
-    return json.dumps(arguments, ensure_ascii=False)
+    """Arguments as strict JSON (``NaN``/``Infinity``, which Python's parser admits, raise)."""
+    return json.dumps(arguments, ensure_ascii=False, allow_nan=False)
 
 
 def call_from_object(obj: Any, argument_keys: Sequence[str] = ("arguments",)) -> ParsedCall | None:
@@ -188,6 +189,7 @@ class ToolCallStream:
         self.pending_ws = ""  # trailing content whitespace, sent unless a call follows
         self.after_call = False  # drop the whitespace that follows a call
         self.at_beginning = True  # nothing but whitespace seen so far
+        self.scanned = 0  # inside: the region's body before this holds no end (a long file stays linear)
         self.num_calls = 0
 
     def feed(self, text: str) -> list[StreamDelta]:
@@ -245,31 +247,36 @@ class ToolCallStream:
 
     def _step_inside(self, out: list[StreamDelta]) -> bool:
         parser = self.parser
-        ends = [(self.buffer.find(parser.end_marker), parser.end_marker)] if parser.end_marker else []
-        if parser.start_closes_region:
-            ends += [(self.buffer.find(m), "") for m in parser.start_markers]
-        ends = [(pos, end) for pos, end in ends if pos >= 0]
+        closers = [(parser.end_marker, parser.end_marker)] if parser.end_marker else []
+        if parser.start_closes_region:  # the next start marker stays, to open the next region
+            closers += [(marker, "") for marker in parser.start_markers]
+        ends = []
+        for text, consumed in closers:
+            pos = self.buffer.find(text, max(0, self.scanned - len(text) + 1))
+            if pos >= 0:
+                ends.append((pos, consumed))
         if not ends:
+            self.scanned = len(self.buffer)
             return False
         pos, end = min(ends, key=lambda e: e[0])
         marker, body = self.marker, self.buffer[:pos]
-        self.marker, self.buffer = None, self.buffer[pos + len(end) :]
+        self.marker, self.buffer, self.scanned = None, self.buffer[pos + len(end) :], 0
         self._close_region(marker, body, end, out)
         return True
 
     def _close_region(self, marker: str, body: str, end: str, out: list[StreamDelta]) -> None:
         try:
-            calls = self.parser.parse_region(body)
-        except Exception:  # noqa: BLE001 - a format bug must not end the request: it is content
-            calls = None
+            calls = [(call.name, dump_arguments(call.arguments)) for call in self.parser.parse_region(body) or []]
+        except Exception:  # noqa: BLE001 - no output may end the request: what fails is content
+            calls = []
         if not calls:
             self._content(marker + body + end, out)
             return
         self.pending_ws, self.after_call = "", True
-        for call in calls:
+        for name, arguments in calls:
             index, self.num_calls = self.num_calls, self.num_calls + 1
-            out.append(StreamDelta(tool_call=ToolCallDelta(index, self.parser.id_factory(), call.name)))
-            out.append(StreamDelta(tool_call=ToolCallDelta(index, arguments=dump_arguments(call.arguments))))
+            out.append(StreamDelta(tool_call=ToolCallDelta(index, self.parser.id_factory(), name)))
+            out.append(StreamDelta(tool_call=ToolCallDelta(index, arguments=arguments)))
 
     def _content(self, text: str, out: list[StreamDelta]) -> None:
         """Send content, holding back trailing whitespace and dropping it after a call."""

@@ -102,6 +102,10 @@ CASES = [
         '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Zürich\\"}"}\n</tool_call>',
         None, [("get_weather", {"city": "Zürich"})],
     ),  # fmt: skip
+    Case(
+        "hermes-parameters-key", "hermes", '<tool_call>{"name": "get_time", "parameters": {"tz": "Europe/Berlin"}}</tool_call>',
+        None, [BERLIN_TIME],
+    ),  # fmt: skip
     Case("hermes-no-call", "hermes", "The capital of France is Paris.\n", "The capital of France is Paris.\n"),
     Case("hermes-marker-prefix-in-text", "hermes", "Wrap it in <tool> or <tool_", "Wrap it in <tool> or <tool_"),
     Case("hermes-broken-json", "hermes", HERMES_ONE.replace("3}}", "3}"), HERMES_ONE.replace("3}}", "3}")),

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import string
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any

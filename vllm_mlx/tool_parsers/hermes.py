@@ -2,6 +2,8 @@
 
 Each ``<tool_call>`` block is parsed on its own: a valid block is a call, an invalid one (broken
 JSON, no name, an unknown function) is content, verbatim; an unclosed block at the end is content.
+``"parameters"`` is accepted for ``"arguments"`` (some fine-tunes write it), and arguments sent as a
+JSON string are decoded.
 """
 
 from __future__ import annotations
@@ -21,5 +23,5 @@ class HermesToolParser(ToolParser):
             obj = json.loads(body)
         except ValueError:
             return None
-        call = call_from_object(obj)
+        call = call_from_object(obj, ("arguments", "parameters"))
         return [call] if call is not None and self.known(call) else None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import secrets
 import string
+from collections.abc import Sequence
 
 from vllm_mlx.tool_parsers.base import IdFactory, ParsedCall, ToolParser, call_from_object
 
@@ -32,7 +33,7 @@ class MistralToolParser(ToolParser):
     end_marker = None
     start_closes_region = True
 
-    def __init__(self, tools=None, id_factory: IdFactory | None = None):
+    def __init__(self, tools: Sequence[dict] | None = None, id_factory: IdFactory | None = None):
         super().__init__(tools, id_factory or mistral_call_id)
 
     def parse_region(self, body: str) -> list[ParsedCall] | None:

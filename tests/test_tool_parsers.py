@@ -96,6 +96,10 @@ CASES = [
         "I'll check the weather in Paris and the time in Berlin.\n\n" + HERMES_TWO,
         "I'll check the weather in Paris and the time in Berlin.", [PARIS, BERLIN_TIME],
     ),  # fmt: skip
+    Case(
+        "hermes-text-between", "hermes", "First Paris.\n\n" + HERMES_ONE + "\nThen Berlin:\n" + HERMES_TWO[len(HERMES_ONE) :] + "\n",
+        "First Paris.\n\nThen Berlin:", [PARIS, BERLIN_TIME],
+    ),  # fmt: skip
     Case("hermes-text-after", "hermes", HERMES_ONE + "\n\nI'll report back.  ", "I'll report back.  ", [PARIS]),
     Case(
         "hermes-unicode-and-string-arguments", "hermes",

@@ -13,8 +13,9 @@ Invariants (tests/test_tool_parsers.py checks them on every recorded output, in 
   that is not in ``tools`` (when tools are given), is content, byte for byte as the model wrote
   it (markers included). A region is all or nothing unless its format documents otherwise.
 - Whitespace that only separates content from a call is dropped (the ``\\n\\n`` a model writes
-  before ``<tool_call>``, and between and after calls); everything else is kept. An output with
-  no call is returned unchanged as content.
+  before ``<tool_call>``, and between and after calls); whitespace before a call that separates two
+  pieces of content is kept, once (``A\\n\\n<call>\\nB`` -> ``A\\n\\nB``); everything else is
+  kept. An output with no call is returned unchanged as content.
 - A call is streamed once its region is complete: first a delta with its index, id and name (and
   ``arguments=""``), then its arguments. Nothing is ever retracted, so nothing is sent that a
   later token could still turn back into content.
@@ -185,8 +186,9 @@ class ToolCallStream:
         self.parser = parser
         self.buffer = ""  # outside: text not yet sent; inside: the open region's body
         self.marker: str | None = None  # the start marker of the open region, if any
-        self.pending_ws = ""  # trailing content whitespace, sent unless a call follows
-        self.after_call = False  # drop the whitespace that follows a call
+        self.pending_ws = ""  # trailing content whitespace: sent only if more content follows
+        self.after_call = False  # the last thing was a call: drop the whitespace that follows it
+        self.sent_content = False
         self.at_beginning = True  # nothing but whitespace seen so far
         self.scanned = 0  # inside: the region's body before this holds no end (a long file stays linear)
         self.num_calls = 0
@@ -209,9 +211,9 @@ class ToolCallStream:
         else:
             self._content(self.buffer, out)
             self.buffer = ""
-        if self.pending_ws:
+        if self.pending_ws and not self.after_call:
             out.append(StreamDelta(content=self.pending_ws))
-            self.pending_ws = ""
+        self.pending_ws = ""
         return out
 
     # -- the state machine ----------------------------------------------------------------------
@@ -271,7 +273,9 @@ class ToolCallStream:
         if not calls:
             self._content(marker + body + end, out)
             return
-        self.pending_ws, self.after_call = "", True
+        if not self.sent_content:  # nothing before the call for that whitespace to separate
+            self.pending_ws = ""
+        self.after_call = True
         for name, arguments in calls:
             index, self.num_calls = self.num_calls, self.num_calls + 1
             out.append(StreamDelta(tool_call=ToolCallDelta(index, self.parser.id_factory(), name)))
@@ -289,5 +293,5 @@ class ToolCallStream:
         body = text.rstrip()
         if body:
             out.append(StreamDelta(content=self.pending_ws + body))
-            self.pending_ws = ""
+            self.pending_ws, self.sent_content = "", True
         self.pending_ws += text[len(body) :]

@@ -179,7 +179,7 @@ class ToolCallStream:
     """One output's incremental parser: ``feed`` text deltas, then ``finish`` once.
 
     Holds back only what could still change meaning: a suffix that may begin a start marker, an
-    open region, and trailing whitespace (dropped if a call follows).
+    open region, and trailing whitespace (sent only once more content follows).
     """
 
     def __init__(self, parser: ToolParser):

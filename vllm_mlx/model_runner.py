@@ -41,9 +41,9 @@ from vllm_mlx.state_pool import RecurrentLayerCache, StateLayout, StatePool, Sta
 from vllm_mlx.structured.bitmask import StepMasks
 
 # What a forward call costs besides its tokens, in tokens of compute: every weight is read once
-# per call however few rows it has. Measured ~25 on a 2-core x86_64 CPU with a 2B-class float32
-# model (0.4 s per call, 16 ms per token); a GPU's ratio of bandwidth to compute is of the same
-# order. Padding a row costs its padded tokens; a call of its own costs this.
+# per call however few rows it has. ~20 measured on a 2-core x86_64 CPU with a 2B-class float32
+# hybrid (backbone: 0.19 s for one token, 9 ms per token in large calls); a GPU computes tokens
+# relatively faster, so a call weighs more there. Padding a row costs its padded tokens.
 CALL_COST_TOKENS = 32
 NULL_BLOCK = 0  # reserved: never allocated to a request (padding writes land there)
 

@@ -25,6 +25,7 @@ Part 2, a batch: ``--batch`` prompts at once, vs ``mlx_lm.batch_generate`` on th
 (the ``vllm-mlx bench`` comparison, for this architecture).
 
     python bench/layer_families.py [--family gemma3|qwen3_5] [--layers 6] [--max-tokens 32] [--batch 8]
+                                    [--skip-chat | --skip-batch]
 """
 
 from __future__ import annotations
@@ -176,28 +177,35 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--skip-batch", action="store_true")
+    parser.add_argument("--skip-chat", action="store_true", help="run only the batch part")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(args, Path(tmp) / args.family)
         print(f"{FAMILIES[args.family]['model_type']} ({args.family} widths), {args.layers} layers, "
               f"{args.max_tokens} tokens per answer")
-        cached = engine_chat(model_dir, args, caching=True)
-        cold = engine_chat(model_dir, args, caching=False)
-        peer = mlx_lm_chat(model_dir, args, [row["answer"] for row in cached])
-        print(f"\n{'turn':>4s}{'prompt':>8s} | {'computed: cached':>17s}{'cold':>7s}{'mlx-lm':>8s} | "
-              f"{'TTFT s: cached':>15s}{'cold':>8s}{'mlx-lm':>8s}")  # fmt: skip
-        for turn, (a, b, c) in enumerate(zip(cached, cold, peer), 1):
-            print(f"{turn:4d}{a['prompt']:8d} | {a['computed']:17d}{b['computed']:7d}{c['computed']:8d} | "
-                  f"{a['ttft']:15.3f}{b['ttft']:8.3f}{c['ttft']:8.3f}")  # fmt: skip
-        later = slice(1, None)  # turn 1 is cold for everyone
-        mean = lambda rows: statistics.mean(r["ttft"] for r in rows[later])  # noqa: E731
-        print(f"mean TTFT turns 2-8: cached {mean(cached):.3f} s, cold {mean(cold):.3f} s, mlx-lm {mean(peer):.3f} s; "
-              f"cached/cold {mean(cached) / mean(cold):.2f}x, cached/mlx-lm {mean(cached) / mean(peer):.2f}x")  # fmt: skip
-        print("KV MiB held at most per turn (cached run), block groups / one table: "
-              + ", ".join(f"{r['kv_mib']:.1f}/{r['kv_one_table_mib']:.1f}" for r in cached))
+        if not args.skip_chat:
+            chat(model_dir, args)
         if not args.skip_batch:
             print()
             batch_throughput(model_dir, args)
+
+
+def chat(model_dir: Path, args) -> None:
+    """Part 1: the 8-turn chat, ours cached and cold, and mlx-lm's prompt cache."""
+    cached = engine_chat(model_dir, args, caching=True)
+    cold = engine_chat(model_dir, args, caching=False)
+    peer = mlx_lm_chat(model_dir, args, [row["answer"] for row in cached])
+    print(f"\n{'turn':>4s}{'prompt':>8s} | {'computed: cached':>17s}{'cold':>7s}{'mlx-lm':>8s} | "
+          f"{'TTFT s: cached':>15s}{'cold':>8s}{'mlx-lm':>8s}")  # fmt: skip
+    for turn, (a, b, c) in enumerate(zip(cached, cold, peer), 1):
+        print(f"{turn:4d}{a['prompt']:8d} | {a['computed']:17d}{b['computed']:7d}{c['computed']:8d} | "
+              f"{a['ttft']:15.3f}{b['ttft']:8.3f}{c['ttft']:8.3f}")  # fmt: skip
+    later = slice(1, None)  # turn 1 is cold for everyone
+    mean = lambda rows: statistics.mean(r["ttft"] for r in rows[later])  # noqa: E731
+    print(f"mean TTFT turns 2-8: cached {mean(cached):.3f} s, cold {mean(cold):.3f} s, mlx-lm {mean(peer):.3f} s; "
+          f"cached/cold {mean(cached) / mean(cold):.2f}x, cached/mlx-lm {mean(cached) / mean(peer):.2f}x")  # fmt: skip
+    print("KV MiB held at most per turn (cached run), block groups / one table: "
+          + ", ".join(f"{r['kv_mib']:.1f}/{r['kv_one_table_mib']:.1f}" for r in cached))
 
 
 if __name__ == "__main__":

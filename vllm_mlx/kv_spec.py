@@ -128,9 +128,7 @@ def plan_block_groups(specs: list[LayerSpec], uniform_layers: bool) -> BlockGrou
     count), full-attention groups first, when that saves memory: the model mixes sliding-window
     and full layers and ``uniform_layers`` (every attention layer stores the same KV shape and
     dtype, so they can share arrays). Otherwise ``BlockGroups.single``."""
-    kinds = group_layers([s for s in specs if not is_recurrent(s)])
-    attention = [i for i, s in enumerate(specs) if not is_recurrent(s)]
-    kinds = [LayerGroup(k.spec, tuple(attention[i] for i in k.layers)) for k in kinds]
+    kinds = [kind for kind in group_layers(specs) if not is_recurrent(kind.spec)]
     has_full = any(k.spec.window is None for k in kinds)
     if len(kinds) < 2 or not has_full or not uniform_layers:
         return BlockGroups.single(specs)

@@ -285,11 +285,14 @@ class PagedCacheManager:
         number of blocks freed. A hashed one stays cached-free for later prefix hits."""
         freed = 0
         for group, table in enumerate(self._tables(request_id)):
-            for i in range(min(self._first_needed_block(group, num_computed_tokens), len(table))):
-                if not table[i].is_null:
-                    self._release(table[i])
-                    table[i] = self.null_block
-                    freed += 1
+            # Null entries are a prefix: walk back from the first needed block to the last freed
+            # one, so each step costs the blocks it frees, not the whole sequence.
+            i = min(self._first_needed_block(group, num_computed_tokens), len(table)) - 1
+            while i >= 0 and not table[i].is_null:
+                self._release(table[i])
+                table[i] = self.null_block
+                freed += 1
+                i -= 1
         return freed
 
     def cache_full_blocks(

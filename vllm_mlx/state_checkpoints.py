@@ -146,8 +146,7 @@ class StateCheckpoints:
         it any more). Pinned ones stay: their request holds that block."""
         checkpoint = self._keyed.get(key)
         if checkpoint is not None and checkpoint.pins == 0:
-            del self._keyed[key]
-            self._free.append(checkpoint.slot)
+            self._free.append(self._keyed.pop(key).slot)
 
     def reset(self) -> None:
         """Forget every unpinned checkpoint."""
@@ -155,13 +154,12 @@ class StateCheckpoints:
             self.drop(key)
 
     def _evict_one(self) -> bool:
-        for key, checkpoint in self._keyed.items():
-            if checkpoint.pins == 0:
-                del self._keyed[key]
-                self._free.append(checkpoint.slot)
-                self.evictions += 1
-                return True
-        return False
+        unpinned = next((key for key, c in self._keyed.items() if c.pins == 0), None)
+        if unpinned is None:
+            return False
+        self.drop(unpinned)
+        self.evictions += 1
+        return True
 
     # ---- observation ---------------------------------------------------------------------------
 

@@ -114,3 +114,11 @@ def test_a_failed_step_frees_its_reserved_checkpoint_and_without_caching_none_is
     off = PagedCacheManager(num_blocks=8, block_size=4, enable_caching=False, num_state_slots=3, num_state_checkpoints=2)
     off.allocate_slots("a", 4)
     assert off.checkpoints is None and off.reserve_state_checkpoint("a") is None and not off.resumes_prefixes
+
+
+@pytest.mark.parametrize("value", [-1, 2.5, "8", True])
+def test_a_bad_max_state_checkpoints_is_refused_naming_the_option(value):
+    from vllm_mlx.engine_core import EngineConfig
+
+    with pytest.raises(ValueError, match="max_state_checkpoints must be an int >= 0"):
+        EngineConfig(max_state_checkpoints=value).normalize()

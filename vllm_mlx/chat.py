@@ -12,6 +12,7 @@ has its text parts joined into one string, which every template accepts.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from vllm_mlx.images import ImageSource
@@ -67,10 +68,42 @@ def _template_part(part: dict, images: list[ImageSource]) -> dict:
     raise ValueError(f"unsupported content part type {kind!r} (use 'text', 'image_url' or 'image')")
 
 
-def template_token_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+def template_token_ids(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+) -> list[int]:
     """``messages`` under ``tokenizer``'s chat template, as a list of int token ids (some
-    tokenizers return a ``BatchEncoding`` rather than a list)."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    tokenizers return a ``BatchEncoding`` rather than a list). ``tools``: OpenAI function tools,
+    which templates that know tools render into the prompt."""
+    messages = [_template_tool_calls(m) for m in messages]
+    extra = {"tools": tools} if tools else {}
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra
+    )
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return [int(t) for t in ids]
+
+
+def _template_tool_calls(message: dict) -> dict:
+    """An assistant message's ``tool_calls`` as chat templates expect them.
+
+    OpenAI sends each call's ``arguments`` as a JSON string; Hugging Face templates (Qwen,
+    Llama 3, Mistral, Hermes) iterate or ``tojson`` it as a mapping, so a string would be
+    rendered quoted. Arguments that are not a JSON object stay as they are.
+    """
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    converted = []
+    for call in calls:
+        function = dict(call.get("function") or {})
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                function["arguments"] = parsed
+        converted.append({**call, "function": function})
+    return {**message, "tool_calls": converted}

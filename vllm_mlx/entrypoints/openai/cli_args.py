@@ -8,6 +8,7 @@ import os
 
 from vllm_mlx.entrypoints.openai import DEFAULT_MAX_BODY_BYTES
 from vllm_mlx.media_policy import SERVER_MAX_IMAGES, SERVER_MAX_PIXELS, MediaPolicy, parse_limit_mm_per_prompt
+from vllm_mlx.tool_parsers.registry import ALIASES, TOOL_PARSERS
 from vllm_mlx.validation import RequestLimits
 
 
@@ -36,6 +37,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser, parse_bytes) -> None:
         "--cache-stats-per-request",
         action="store_true",
         help="list live requests (ids, token counts) in /v1/cache/stats (default: aggregates only)",
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted([*TOOL_PARSERS, *ALIASES]),
+        help="the model's tool-call format for tool_choice 'auto' (default: recognised from the chat template)",
     )
     _add_limit_arguments(parser.add_argument_group("request limits (raise them for trusted clients)"))
     # Engine flags shared with other commands come from cli.add_model_arguments; this one is the

@@ -147,6 +147,10 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None
+    """An assistant turn's calls (OpenAI's shape; the template gets each ``arguments`` as a mapping)."""
+    tool_call_id: str | None = None
+    """A ``tool`` message: the call this is the result of."""
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -156,6 +160,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[dict] | None = None
+    """OpenAI function tools, rendered by the chat template (checked by ``ToolPlan.of``)."""
+    tool_choice: str | dict | None = None
+    """"none", "auto" (the default with tools), "required" or a named function."""
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
 
 
@@ -206,12 +214,37 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-FinishReason = Literal["stop", "length"] | None
+FinishReason = Literal["stop", "length", "tool_calls"] | None
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+    """A JSON object, as text (OpenAI's shape)."""
+
+
+class ToolCallInfo(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class AssistantMessage(BaseModel):
+    """``content`` is null when the turn is only tool calls; ``reasoning_content`` (a model's
+    ``<think>`` text, vLLM's field) and ``tool_calls`` appear only when there are some."""
+
     role: Literal["assistant"] = "assistant"
-    content: str = ""
+    content: str | None = ""
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallInfo] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_empty_extras(self, handler) -> dict:
+        data = handler(self)
+        for key in ("reasoning_content", "tool_calls"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
 
 
 class ChatChoice(BaseModel):
@@ -230,13 +263,33 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(BaseModel):
+class _WithoutNulls(BaseModel):
+    """Serialized without its null fields: a delta carries only what changed."""
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunction(_WithoutNulls):
+    name: str | None = None
+    arguments: str = ""
+
+
+class DeltaToolCall(_WithoutNulls):
+    """A piece of call ``index``: its first piece has ``id``, ``type`` and the name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+
+class DeltaMessage(_WithoutNulls):
     role: Literal["assistant"] | None = None
     content: str | None = None
-
-    @model_serializer
-    def _without_nulls(self) -> dict:  # a delta carries only what changed
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

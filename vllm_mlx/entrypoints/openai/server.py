@@ -251,6 +251,7 @@ def run_server(args: argparse.Namespace, engine_options: dict) -> int:
         limits=request_limits(args),
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         cache_stats_per_request=args.cache_stats_per_request,
+        tool_call_parser=args.tool_call_parser,
     )
     engine = AsyncEngineCore(EngineConfig(model=args.model, **engine_options)).start()
     try:

@@ -66,6 +66,8 @@ class ServingOptions:
     count tells a client whether another tenant's prompt began like its own."""
     cache_stats_per_request: bool = False
     """``/v1/cache/stats`` lists live requests (ids, token counts); off = aggregates only."""
+    tool_call_parser: str | None = None
+    """The model's tool-call format (``--tool-call-parser``); None = read from the chat template."""
 
 
 @dataclass(frozen=True)
@@ -149,15 +151,27 @@ class OpenAIServing:
             raise OpenAIError(400, f"Prompt token ids must be in [0, {vocab}).", param=param)
 
     def sampling_params(
-        self, req: SamplingFields, max_tokens: int | None, prompt_len: int, logprobs: int | None
+        self,
+        req: SamplingFields,
+        max_tokens: int | None,
+        prompt_len: int,
+        logprobs: int | None,
+        tool_constraint: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
-        """``SamplingParams`` for one prompt; ``max_tokens=None`` means "up to the limit"."""
+        """``SamplingParams`` for one prompt; ``max_tokens=None`` means "up to the limit".
+        ``tool_constraint``: what ``tool_choice`` enforces (``required`` or a named function)."""
         if req.logit_bias:
             raise OpenAIError(400, "logit_bias is not supported.", param="logit_bias")
         limit = self.info.max_model_len
         room = limit - prompt_len
+        constraint = self.structured_outputs(req)
+        if tool_constraint is not None and constraint is not None:
+            raise OpenAIError(
+                400, "A forced tool_choice cannot be combined with response_format or structured_outputs.",
+                param="tool_choice",
+            )  # fmt: skip
         fields = {
-            "structured_outputs": self.structured_outputs(req),
+            "structured_outputs": constraint or tool_constraint,
             "max_tokens": room if max_tokens is None else max_tokens,
             "min_tokens": req.min_tokens,
             "n": req.n,
@@ -232,6 +246,8 @@ class OpenAIServing:
             return await asyncio.to_thread(self.engine.compile_constraint, params)
         except ConstraintError as exc:
             param = "structured_outputs" if req.structured_outputs is not None else "response_format"
+            if req.structured_outputs is None and (req.response_format is None or req.response_format.type == "text"):
+                param = "tools"  # the constraint is the one tool_choice made from the tools' schemas
             raise OpenAIError(400, f"Invalid {param}: {exc}", param=param, code="invalid_constraint") from None
         except EngineDeadError:
             raise engine_dead() from None

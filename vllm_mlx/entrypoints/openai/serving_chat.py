@@ -1,9 +1,15 @@
 """``POST /v1/chat/completions``: messages -> chat template -> engine -> OpenAI's chat shapes.
 
 One engine request per HTTP request; ``n`` choices come back in one ``RequestOutput``
-(``outputs[i]``). Streaming sends, per choice, a first chunk with the role, then content
-deltas (each choice's text diffed against what was sent for it), the finish reason once, an
-optional usage chunk (``stream_options.include_usage``) and ``data: [DONE]``.
+(``outputs[i]``). Each choice's text goes through the request's ``ChatOutputParser``
+(``tool_parsers.chat_output``): ``<think>`` reasoning into ``reasoning_content``, tool calls into
+``tool_calls``; a forced ``tool_choice`` is a constraint on the output. Streaming sends, per
+choice, a first chunk with the role, then the parsed deltas of each new piece of text (content,
+reasoning or a tool call's name and arguments), the finish reason once, an optional usage chunk
+(``stream_options.include_usage``) and ``data: [DONE]``.
+
+``generate`` returns response models (a ``ChatCompletionResponse``, or an async iterator of
+``ChatCompletionChunk``): the Anthropic and Responses APIs translate those.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from vllm_mlx.chat import ChatPrompt, split_chat_images, template_token_ids
 from vllm_mlx.engine_core import PreparedPrompt
@@ -24,7 +31,11 @@ from vllm_mlx.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatLogprob,
     ChatLogprobs,
+    DeltaFunction,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCallInfo,
     TopLogprob,
 )
 from vllm_mlx.entrypoints.openai.serving import (
@@ -37,6 +48,14 @@ from vllm_mlx.entrypoints.openai.serving import (
 )
 from vllm_mlx.media_policy import MediaPolicy
 from vllm_mlx.request import CompletionOutput
+from vllm_mlx.tool_parsers.chat_output import (
+    ChatDelta,
+    ChatOutputParser,
+    ChatOutputStream,
+    ChatResult,
+    ToolPlan,
+    plan_chat_output,
+)
 
 
 class ChatServing(OpenAIServing):
@@ -49,34 +68,61 @@ class ChatServing(OpenAIServing):
 
     async def create(self, req: ChatCompletionRequest, raw_request=None) -> ChatCompletionResponse | AsyncIterator[str]:
         """A response model, or (``stream=True``) an async iterator of SSE lines."""
+        result = await self.generate(req, raw_request)
+        return result if isinstance(result, ChatCompletionResponse) else _sse_lines(result)
+
+    async def generate(
+        self, req: ChatCompletionRequest, raw_request=None
+    ) -> ChatCompletionResponse | AsyncIterator[ChatCompletionChunk]:
+        """Run one chat request: the response, or (``stream=True``) its chunks. Errors before
+        the first output raise ``OpenAIError``; the chunk iterator raises it for later ones."""
         self.check_model(req.model)
         _check_supported(req)
+        plan = _tool_plan(req)
         chat = self._split_images(req)
-        token_ids = await self.run_tokenizer(self._apply_template, chat.messages, req.add_generation_prompt)
+        token_ids = await self.run_tokenizer(
+            self._apply_template, chat.messages, req.add_generation_prompt, plan.template_tools
+        )
         prompt = await self._with_images(token_ids, chat.images) if chat.images else token_ids
         if isinstance(prompt, PreparedPrompt):
             token_ids = prompt.token_ids
         self.check_prompt(token_ids, param="messages")
+        parser = self._output_parser(plan, token_ids)
         top_k = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self.sampling_params(req, max_tokens, len(token_ids), top_k)
+        params = self.sampling_params(req, max_tokens, len(token_ids), top_k, plan.constraint)
         constraint = await self.compile_constraint(params, req)
         request_id = new_id("chatcmpl")
         streams = self.submit([prompt], [params], request_id, req.cache_salt, constraint)
         if req.stream:
             first, rest = await self.first_output(streams, raw_request)
-            return self._stream(req, request_id, top_k, first, rest)
+            return self._chunks(req, request_id, top_k, parser, first, rest)
         [final] = await self.collect(streams, raw_request)
-        choices = [
-            ChatChoice(
-                index=c.index,
-                message=AssistantMessage(content=c.text),
-                finish_reason=c.finish_reason,
-                logprobs=self._logprobs(c, 0, top_k),
-            )
-            for c in final.outputs
-        ]
+        choices = [self._choice(c, parser, top_k) for c in final.outputs]
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=self.usage([final]))
+
+    def _choice(self, c: CompletionOutput, parser: ChatOutputParser, top_k: int | None) -> ChatChoice:
+        result = parser.extract(c.text) if parser.parses_anything else ChatResult(c.text)
+        calls = [
+            ToolCallInfo(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+            for call in result.tool_calls
+        ]
+        message = AssistantMessage(
+            content=result.content if result.content or calls else "",
+            reasoning_content=result.reasoning_content,
+            tool_calls=calls or None,
+        )
+        finish = parser.finish_reason(c.finish_reason, len(calls))
+        return ChatChoice(index=c.index, message=message, finish_reason=finish, logprobs=self._logprobs(c, 0, top_k))
+
+    def _output_parser(self, plan: ToolPlan, token_ids: list[int]) -> ChatOutputParser:
+        template = getattr(self.tokenizer, "chat_template", None)
+        template = template if isinstance(template, str) else str(template or "")
+        try:
+            tail = self.tokenizer.decode(token_ids[-16:])
+            return plan_chat_output(plan, template, tail, self.options.tool_call_parser)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), param="tool_choice") from None
 
     def _split_images(self, req: ChatCompletionRequest) -> ChatPrompt:
         """The messages for the template and the images of their ``image_url`` parts."""
@@ -102,49 +148,36 @@ class ChatServing(OpenAIServing):
             raise OpenAIError(400, f"Invalid image: {prepared.error}", param="messages", code="invalid_image")
         return prepared
 
-    def _apply_template(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    def _apply_template(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise OpenAIError(400, "This model has no chat template; use /v1/completions.", param="messages")
         try:
-            return template_token_ids(self.tokenizer, messages, add_generation_prompt)
+            return template_token_ids(self.tokenizer, messages, add_generation_prompt, tools)
         except Exception as exc:  # a template that rejects the conversation (e.g. role order)
             raise OpenAIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
 
-    async def _stream(self, req, request_id, top_k, first, rest) -> AsyncIterator[str]:
+    async def _chunks(self, req, request_id, top_k, parser, first, rest) -> AsyncIterator[ChatCompletionChunk]:
         created = int(time.time())
-        n = req.n
-        sent_chars, sent_tokens, done = [0] * n, [0] * n, [False] * n
+        choices = [_StreamedChoice(i, parser.stream()) for i in range(req.n)]
 
-        def chunk(choices, usage=None) -> str:
-            return sse(
-                ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices, usage=usage)
-            )
+        def chunk(choices, usage=None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices, usage=usage)
 
         try:
-            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(n)])
+            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(req.n)])
             item, final = first, None
             while item is not None:
                 output = item[1]
                 for c in output.outputs:
-                    i = c.index
-                    delta, lp = c.text[sent_chars[i] :], self._logprobs(c, sent_tokens[i], top_k)
-                    sent_chars[i], sent_tokens[i] = len(c.text), len(c.token_ids)
-                    finish = c.finish_reason if not done[i] else None
-                    done[i] = done[i] or finish is not None
-                    if delta or finish or (lp and lp.content):
-                        choice = ChatChunkChoice(
-                            index=i, delta=DeltaMessage(content=delta), logprobs=lp, finish_reason=finish
-                        )
-                        yield chunk([choice])
+                    state = choices[c.index]
+                    for piece in state.advance(c, parser, self._logprobs(c, state.sent_tokens, top_k)):
+                        yield chunk([piece])
                 final = output if output.finished else final
                 item = await anext(rest, None)
             if req.stream_options and req.stream_options.include_usage and final is not None:
                 yield chunk([], usage=self.usage([final]))
-        except OpenAIError as exc:
-            yield sse_error(exc)
         finally:
             await rest.aclose()
-        yield "data: [DONE]\n\n"
 
     def _logprobs(self, c: CompletionOutput, start: int, top_k: int | None) -> ChatLogprobs | None:
         if top_k is None or c.logprobs is None:
@@ -157,12 +190,71 @@ class ChatServing(OpenAIServing):
         return ChatLogprobs(content=content)
 
 
+@dataclass
+class _StreamedChoice:
+    """What one streamed choice has sent so far, and its parser."""
+
+    index: int
+    parser: ChatOutputStream
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    done: bool = False
+
+    def advance(self, c: CompletionOutput, parser: ChatOutputParser, logprobs: ChatLogprobs | None) -> list[ChatChunkChoice]:
+        """The chunks for ``c``'s new text: one per parsed delta, the logprobs on the first,
+        the finish reason on the last."""
+        text = c.text[self.sent_chars :]
+        self.sent_chars, self.sent_tokens = len(c.text), len(c.token_ids)
+        deltas = self.parser.feed(text) if text else []
+        finished = c.finish_reason is not None and not self.done
+        if finished:
+            deltas += self.parser.finish()
+        self.done = self.done or finished
+        pieces = [ChatChunkChoice(index=self.index, delta=_delta_message(d)) for d in deltas]
+        if not pieces and (finished or (logprobs and logprobs.content)):
+            pieces.append(ChatChunkChoice(index=self.index, delta=DeltaMessage()))
+        if pieces:
+            pieces[0].logprobs = logprobs
+        if finished:
+            pieces[-1].finish_reason = parser.finish_reason(c.finish_reason, self.parser.num_calls)
+        return pieces
+
+
+def _delta_message(delta: ChatDelta) -> DeltaMessage:
+    call = delta.tool_call
+    if call is None:
+        return DeltaMessage(content=delta.content, reasoning_content=delta.reasoning_content)
+    piece = DeltaToolCall(
+        index=call.index, id=call.id, type="function" if call.id else None,
+        function=DeltaFunction(name=call.name, arguments=call.arguments),
+    )  # fmt: skip
+    return DeltaMessage(tool_calls=[piece])
+
+
+async def _sse_lines(chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterator[str]:
+    """Chunks as server-sent events; an error after the stream started is an error event."""
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+    except OpenAIError as exc:
+        yield sse_error(exc)
+    finally:
+        await chunks.aclose()
+    yield "data: [DONE]\n\n"
+
+
+def _tool_plan(req: ChatCompletionRequest) -> ToolPlan:
+    try:
+        return ToolPlan.of(req.tools, req.tool_choice, req.parallel_tool_calls)
+    except ValueError as exc:
+        param = "tool_choice" if "tool_choice" in str(exc) else "tools"
+        raise OpenAIError(400, str(exc), param=param) from None
+
+
 def _top(text: str, logprob: float) -> TopLogprob:
     return TopLogprob(token=text, logprob=max(logprob, -9999.0), bytes=list(text.encode("utf-8")))
 
 
 def _check_supported(req: ChatCompletionRequest) -> None:
-    if req.tools:
-        raise OpenAIError(400, "Tool calling is not supported by this server.", param="tools")
     if req.top_logprobs and not req.logprobs:
         raise OpenAIError(400, "top_logprobs requires logprobs: true.", param="top_logprobs")

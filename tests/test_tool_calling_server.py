@@ -1,0 +1,287 @@
+"""Tool calling and reasoning through the OpenAI server, live on 127.0.0.1, with the official client.
+
+The model is a tiny random-weight llama whose chat template renders tools Hermes/Qwen style
+(``<tools>`` in the system turn, ``<tool_call>`` JSON for calls, ``<tool_response>`` for results).
+A random model never calls a tool by itself, which is the point for ``required`` and named
+functions: the calls must come from the constraint, not from luck. ``auto`` parsing is exercised
+by forcing the model's native markup with a regex (``structured_outputs``), so the real parser
+runs on real engine output; reasoning likewise with a ``<think>`` template.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+import jsonschema  # noqa: E402
+
+from vllm_mlx.async_engine import AsyncEngineCore  # noqa: E402
+from vllm_mlx.chat import template_token_ids  # noqa: E402
+from vllm_mlx.entrypoints.openai.server import build_app  # noqa: E402
+from live_server import LiveServer  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+MODEL = "tiny-tools"
+
+HERMES_TEMPLATE = """
+{%- if tools %}<|im_start|>system
+You may call these functions:
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant
+{%- for call in message.tool_calls %}
+<tool_call>
+{{ {"name": call.function.name, "arguments": call.function.arguments} | tojson }}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if thinking %}<think>
+{% endif %}{% endif %}"""
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Rome", "Oslo"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+
+
+def with_template(src, dst, template: str):
+    shutil.copytree(src, dst)
+    config_path = dst / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = template
+    config_path.write_text(json.dumps(config))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def tools_model_dir(tiny_model_dir, tmp_path_factory):
+    return with_template(tiny_model_dir, tmp_path_factory.mktemp("tools") / "model", HERMES_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def thinking_model_dir(tiny_model_dir, tmp_path_factory):
+    template = "{% set thinking = true %}" + HERMES_TEMPLATE
+    return with_template(tiny_model_dir, tmp_path_factory.mktemp("think") / "model", template)
+
+
+def serve(model_dir):
+    engine = AsyncEngineCore(model=str(model_dir), max_num_seqs=8).start()
+    return engine, LiveServer(build_app(engine, served_model_name=MODEL))
+
+
+@pytest.fixture(scope="module")
+def client(tools_model_dir):
+    engine, live = serve(tools_model_dir)
+    yield openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    live.stop()
+    engine.stop()
+
+
+def ask(client, content: str = "What is the weather in Oslo?", **kwargs):
+    kwargs = {"temperature": 0, "max_tokens": 64, **kwargs}
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kwargs)
+
+
+def check_call(call) -> None:
+    assert call.type == "function" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def streamed(client, **kwargs):
+    """Reassemble a streamed answer as a client does: content, reasoning and tool calls."""
+    content, reasoning, calls, finish = "", "", {}, None
+    for chunk in ask(client, stream=True, **kwargs):
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            reasoning += getattr(delta, "reasoning_content", None) or ""
+            for piece in delta.tool_calls or []:
+                call = calls.setdefault(piece.index, {"id": piece.id, "name": "", "arguments": ""})
+                call["name"] += piece.function.name or ""
+                call["arguments"] += piece.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, reasoning, [calls[i] for i in sorted(calls)], finish
+
+
+def as_dicts(calls) -> list[dict]:
+    return [{"name": c.function.name, "arguments": c.function.arguments} for c in calls]
+
+
+def test_the_template_renders_tools_and_earlier_calls_as_objects(tools_model_dir):
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tokenizer = load_tokenizer(tools_model_dir)
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome", "days": 1}'}},
+        ]},  # fmt: skip
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 C"},
+    ]
+    text = tokenizer.decode(template_token_ids(tokenizer, messages, tools=TOOLS))
+    assert '"name": "get_weather"' in text and '"description": "The weather in a city."' in text
+    assert '"arguments": {"city": "Rome", "days": 1}' in text  # an object, not a quoted string
+    assert "<tool_response>\nsunny, 24 C\n</tool_response>" in text
+
+
+def test_required_is_enforced_and_every_call_validates(client):
+    response = ask(client, tool_choice="required", tools=TOOLS)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls and choice.message.content is None
+    for call in choice.message.tool_calls:
+        check_call(call)
+
+
+def test_required_without_parallel_calls_makes_exactly_one(client):
+    response = ask(client, tool_choice="required", tools=TOOLS, parallel_tool_calls=False)
+    [call] = response.choices[0].message.tool_calls
+    check_call(call)
+
+
+def test_a_named_function_is_called_with_valid_arguments(client):
+    for name in ("get_time", "get_weather"):
+        response = ask(client, tool_choice={"type": "function", "function": {"name": name}}, tools=TOOLS)
+        choice = response.choices[0]
+        [call] = choice.message.tool_calls
+        assert call.function.name == name and choice.finish_reason == "stop"
+        check_call(call)
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    ["required", {"type": "function", "function": {"name": "get_weather"}}],
+    ids=["required", "named"],
+)
+def test_streamed_tool_call_deltas_reassemble_to_the_whole_call(client, tool_choice):
+    whole = ask(client, tool_choice=tool_choice, tools=TOOLS).choices[0]
+    content, _, calls, finish = streamed(client, tool_choice=tool_choice, tools=TOOLS)
+    assert [{"name": c["name"], "arguments": c["arguments"]} for c in calls] == as_dicts(whole.message.tool_calls)
+    assert all(c["id"].startswith("call_") for c in calls)
+    assert content == "" and finish == whole.finish_reason
+
+
+def test_auto_parses_the_models_own_call_markup(client):
+    force = {"structured_outputs": {"regex": "Let me check\\.\n\n" + HERMES_CALL.replace("{", "\\{").replace("}", "\\}")}}
+    whole = ask(client, tools=TOOLS, extra_body=force).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    assert whole.message.content == "Let me check."
+    assert as_dicts(whole.message.tool_calls) == [
+        {"name": "get_weather", "arguments": json.dumps({"city": "Oslo", "days": 2})}
+    ]
+    content, _, calls, finish = streamed(client, tools=TOOLS, extra_body=force)
+    assert content == "Let me check." and finish == "tool_calls"
+    assert [{"name": c["name"], "arguments": c["arguments"]} for c in calls] == as_dicts(whole.message.tool_calls)
+
+
+def test_tool_choice_none_answers_with_text_and_leaves_markup_alone(client):
+    force = {"structured_outputs": {"regex": HERMES_CALL.replace("{", "\\{").replace("}", "\\}")}}
+    choice = ask(client, tools=TOOLS, tool_choice="none", extra_body=force).choices[0]
+    assert choice.message.tool_calls is None and choice.message.content == HERMES_CALL
+    assert choice.finish_reason == "stop"
+
+
+def test_a_conversation_with_tool_results_goes_on(client):
+    messages = [
+        {"role": "user", "content": "Weather in Rome?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome", "days": 1}'}},
+        ]},  # fmt: skip
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    response = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=4, temperature=0)
+    assert response.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize(
+    "kwargs, param, message",
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS}, "tool_choice", "not in tools"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tool_choice": "sometimes", "tools": TOOLS}, "tool_choice", "must be one of"),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", "name"),
+        ({"tools": [WEATHER, WEATHER]}, "tools", "twice"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+            "cannot be combined",
+        ),
+    ],
+)
+def test_bad_tool_requests_are_400s_that_say_why(client, kwargs, param, message):
+    with pytest.raises(openai.BadRequestError) as info:
+        ask(client, **kwargs)
+    error = info.value.body
+    assert error["param"] == param and message in error["message"]
+
+
+def test_auto_on_a_template_without_a_call_format_says_how_to_fix_it(tiny_model_dir):
+    engine, live = serve(tiny_model_dir)  # SmolLM2's own template: no tools, no markup
+    try:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="--tool-call-parser"):
+            ask(client, tools=TOOLS)
+        [call] = ask(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}).choices[0].message.tool_calls
+        check_call(call)  # forced calls work on any model
+    finally:
+        live.stop()
+        engine.stop()
+
+
+def test_reasoning_is_split_from_the_answer_whole_and_streamed(thinking_model_dir):
+    engine, live = serve(thinking_model_dir)
+    try:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+        force = {"structured_outputs": {"regex": "Oslo is cold\\.\n</think>\n\nIt is cold\\."}}
+        message = ask(client, extra_body=force).choices[0].message
+        assert message.reasoning_content == "Oslo is cold.\n" and message.content == "It is cold."
+        content, reasoning, calls, finish = streamed(client, extra_body=force)
+        assert (content, reasoning, calls, finish) == ("It is cold.", "Oslo is cold.\n", [], "stop")
+    finally:
+        live.stop()
+        engine.stop()

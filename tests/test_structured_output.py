@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import jsonschema
 import mlx.core as mx
@@ -177,6 +179,36 @@ def test_a_matcher_that_cannot_follow_the_accepted_tokens_fails_its_row_alone(co
     rejected = masks.rejected(rows, [yes, yes])
     assert list(rejected) == ["bad"] and rejected["bad"].startswith(f"{ERROR_PREFIX}the choice constraint failed")
     assert "bad" in StepMasks.build(rows).rejected(rows, [yes, yes])  # the error sticks
+
+
+def test_masks_work_on_a_thread_other_than_the_one_that_imported_the_module():
+    """MLX streams are per thread: a module-level MLX array made by the thread that imported
+    the module cannot be evaluated by a later engine thread once the first one's streams are
+    cleared (seen when one server test's engine thread imported it and the next one masked)."""
+    script = """
+import threading
+import mlx.core as mx
+import numpy as np
+
+def importer():
+    from vllm_mlx.structured import bitmask  # noqa: F401
+    from vllm_mlx.mlx_threads import clear_thread_streams
+    mx.eval(mx.zeros(1))
+    clear_thread_streams()
+
+thread = threading.Thread(target=importer)
+thread.start()
+thread.join()
+from vllm_mlx.structured.bitmask import StepMasks
+masks = StepMasks.__new__(StepMasks)
+masks.rows, masks.bitmask = [0], np.full((1, 1), 0b101, dtype=np.int32)
+out = masks.apply(mx.zeros((1, 32)))
+mx.eval(out)
+print(int(np.isfinite(np.array(out)).sum()))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "2"
 
 
 # -- the engine on the tiny model --------------------------------------------------------------

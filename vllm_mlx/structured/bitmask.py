@@ -23,7 +23,10 @@ import numpy as np
 from vllm_mlx.request import Request
 from vllm_mlx.structured.matcher import RequestConstraint
 
-_SHIFTS = mx.arange(32, dtype=mx.uint32)
+# Bit positions of a 32-bit mask word. NumPy, not MLX: an MLX array made at import is a lazy
+# op on the importing thread's stream, and evaluating it on another engine thread fails
+# ("There is no Stream(cpu, 1) in current thread") once that thread's streams are gone.
+_SHIFTS = np.arange(32, dtype=np.uint32)
 _executor = None
 _executor_lock = threading.Lock()
 
@@ -87,7 +90,7 @@ class StepMasks:
         """``[k, width]`` bool from the bitmask; columns past the tokenizer's vocabulary: False."""
         bits = mx.array(self.bitmask.view(np.uint32))
         k, words = self.bitmask.shape
-        allowed = ((bits[:, :, None] >> _SHIFTS) & 1).astype(mx.bool_).reshape(k, words * 32)
+        allowed = ((bits[:, :, None] >> mx.array(_SHIFTS)) & 1).astype(mx.bool_).reshape(k, words * 32)
         if words * 32 >= width:
             return allowed[:, :width]
         return mx.concatenate([allowed, mx.zeros((k, width - words * 32), dtype=mx.bool_)], axis=1)

@@ -16,9 +16,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from vllm_mlx_jupyter.generation import PREFILLING, QUEUED, Generation
 from vllm_mlx.chat import split_chat_images, template_token_ids
+from vllm_mlx_jupyter.generation import PREFILLING, QUEUED, Generation
 from vllm_mlx_jupyter.prompt import ChatSession, user_content
+from vllm_mlx_jupyter.reading import OutputReader
+from vllm_mlx_jupyter.tools import ToolSet
 
 MONITOR_PERIOD = 0.25
 FINISHED_ROWS = 16  # finished generations the inspector keeps listing
@@ -92,12 +94,33 @@ class Session:
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tokenizer, "chat_template", None))
 
-    def chat_token_ids(self, messages: list[dict]) -> list[int]:
-        """Apply the model's chat template (any thread: the template tokenizer is locked)."""
+    def chat_token_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Apply the model's chat template, with ``tools`` rendered by it (any thread: the
+        template tokenizer is locked)."""
         if not self.has_chat_template:
             raise SessionError(f"the model {self.model!r} has no chat template: use --raw")
         with self._tokenizer_lock:
-            return template_token_ids(self._tokenizer, messages)
+            return template_token_ids(self._tokenizer, messages, tools=tools)
+
+    def tool_parser(self, name: str | None, tools: ToolSet | None):
+        """The parser of the model's tool calls: ``name``'s, else the one its chat template
+        shows; None when neither tools nor a name is given."""
+        from vllm_mlx.tool_parsers import TOOL_PARSERS, select_tool_parser
+
+        if tools is None and name is None:
+            return None
+        if not self.has_chat_template:
+            raise SessionError(f"--tools needs a chat template, and the model {self.model!r} has none")
+        try:
+            parser = select_tool_parser(self._tokenizer.chat_template, name, tools.specs if tools else None)
+        except ValueError as exc:
+            raise SessionError(f"--tool-call-parser: {exc}") from None
+        if parser is None:
+            raise SessionError(
+                "the model's chat template shows no tool-call format known here: "
+                f"give --tool-call-parser NAME (one of {', '.join(sorted(TOOL_PARSERS))})"
+            )
+        return parser
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine: running generations end as aborted; chat histories are kept."""
@@ -134,20 +157,32 @@ class Session:
         format: str = "markdown",
         interval: float = 0.1,
         images: list | None = None,
+        response_format=None,
+        tools: ToolSet | None = None,
+        tool_parser: str | None = None,
     ) -> Generation:
         """Submit a prompt (with ``images`` for a vision-language model: paths, URLs, bytes or
-        PIL images, placed before the text); returns its started ``Generation`` at once."""
+        PIL images, placed before the text); returns its started ``Generation`` at once.
+
+        ``response_format`` (a ``ResponseFormat``, already in ``params``) gives ``.parsed``;
+        ``tools`` are rendered by the chat template and the output's calls parsed (a chat keeps
+        them for later turns). An empty ``prompt`` continues a chat after tool results.
+        """
         engine = self.require_engine()
-        if chat is not None and raw:
-            raise SessionError("--chat needs the chat template; it cannot be combined with --raw")
+        if raw and (chat is not None or tools is not None):
+            flag = "--chat" if chat is not None else "--tools"
+            raise SessionError(f"{flag} needs the chat template; it cannot be combined with --raw")
         session = self.chats.setdefault(chat, ChatSession(chat)) if chat is not None else None
+        self.check_prompt(prompt, chat)
         name = name or self._next_name(session)
         previous = self.generations.get(name)
         if previous is not None and not previous.done:
             raise SessionError(f"generation {name!r} is still running: abort it or choose another --name")
-        build, after, on_finish = self._prompt_plan(prompt, session, system, raw, list(images or []))
+        tools = tools or (session.tools if session is not None else None)
+        reader = OutputReader(response_format, self.tool_parser(tool_parser, tools))
+        build, after, on_finish = self._prompt_plan(prompt, session, system, raw, list(images or []), tools)
         gen = Generation(name, engine, params, build, after=after, on_finish=on_finish,
-                         format=format, interval=interval)  # fmt: skip
+                         format=format, interval=interval, reader=reader, chat=session)  # fmt: skip
         gen.start()
         with self._lock:
             self.generations.pop(name, None)
@@ -157,30 +192,44 @@ class Session:
         self._ensure_monitor()
         return gen
 
-    def _prompt_plan(self, prompt: str, session: ChatSession | None, system: str | None, raw: bool, images: list):
+    def check_prompt(self, prompt: str, chat: str | None) -> None:
+        """Refuse an empty prompt, unless it is a chat turn that answers tool results."""
+        session = self.chats.get(chat) if chat is not None else None
+        if not prompt and (session is None or not session.awaits_answer):
+            raise SessionError(
+                "%%generate: the cell is empty; write the prompt in the cell body "
+                "(only after tool results may a --chat turn have none: %generate --chat SESSION)"
+            )
+
+    def _prompt_plan(
+        self, prompt: str, session: ChatSession | None, system: str | None, raw: bool, images: list, tools: ToolSet | None
+    ):
         """(build_prompt, after, on_finish) for a plain, raw or chat request."""
-        user = user_content(prompt, images)
+        user = user_content(prompt, images) if prompt or images else None
+        specs = tools.specs if tools is not None else None
         if session is not None:
             if system is not None:
                 session.system = system
+            session.tools = tools
             session.turns += 1
             after = session.pending if session.pending is not None and not session.pending.done else None
-            return (lambda: self.chat_prompt(session.conversation(user)), after,
-                    lambda gen: session.record(user, gen.text))  # fmt: skip
+            return (lambda: self.chat_prompt(session.conversation(user), specs), after,
+                    lambda gen: session.record(user, gen))  # fmt: skip
         if raw or not self.has_chat_template:
             text = f"{system}\n\n{prompt}" if system else prompt
             return (lambda: self._with_images(text, images)), None, None
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-        return (lambda: self.chat_prompt(messages)), None, None
+        return (lambda: self.chat_prompt(messages, specs)), None, None
 
-    def chat_prompt(self, messages: list[dict]):
-        """Token ids of ``messages`` under the chat template, with their images prepared."""
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None):
+        """Token ids of ``messages`` (and ``tools``) under the chat template, with their images
+        prepared."""
         chat = split_chat_images(messages)
         try:
             self.require_engine().check_images(chat.images)
         except ValueError as exc:
             raise SessionError(f"--image: {exc}") from None
-        return self._with_images(self.chat_token_ids(chat.messages), chat.images)
+        return self._with_images(self.chat_token_ids(chat.messages, tools), chat.images)
 
     def _with_images(self, prompt: str | list[int], images: list):
         """``prompt`` as is, or with images, loaded and preprocessed (``PreparedPrompt``)."""

@@ -277,8 +277,8 @@ class Generation:
 
     def add_tool_result(self, call: ToolCall | str, content: object) -> None:
         """Answer one of this turn's tool calls (a ``ToolCall`` or its id) in its chat session;
-        ``content`` that is not a string is sent as JSON. The next ``%%generate --chat``
-        cell (its body may be empty) continues the conversation with the results."""
+        ``content`` that is not a string is sent as JSON. The next turn of the chat
+        (``%generate --chat SESSION``, no prompt, lets the model answer) includes the results."""
         self._chat_session().add_tool_result(self, call, content)
 
     def run_tools(self) -> list[object]:

@@ -94,10 +94,10 @@ class ChatSession:
                 calls, or it has a result already.
         """
         call_id = getattr(call, "id", call)
-        if self.recorded is not gen or self.pending is not gen:
-            raise ValueError(f"{gen.name!r} is not the latest finished turn of chat {self.name!r}")
+        self._check_latest(gen)
         if call_id not in {c.id for c in gen.tool_calls}:
-            raise ValueError(f"{gen.name!r} made no tool call {call_id!r} (its calls: {[c.id for c in gen.tool_calls]})")
+            known = [c.id for c in gen.tool_calls]
+            raise ValueError(f"{gen.name!r} made no tool call {call_id!r} (its calls: {known})")
         if call_id in _answered(self.messages):
             raise ValueError(f"tool call {call_id!r} has a result already")
         text = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False, default=str)
@@ -105,6 +105,7 @@ class ChatSession:
 
     def run_tools(self, gen) -> list[object]:
         """Run ``gen``'s calls with the Python functions of ``tools``; add and return the results."""
+        self._check_latest(gen)
         functions = self.tools.functions if self.tools is not None else {}
         missing = [c.name for c in gen.tool_calls if c.name not in functions]
         if missing:
@@ -114,6 +115,11 @@ class ChatSession:
             results.append(functions[call.name](**json.loads(call.arguments)))
             self.add_tool_result(gen, call, results[-1])
         return results
+
+    def _check_latest(self, gen) -> None:
+        """Results belong right after their turn: ``gen`` must be the last one, and finished."""
+        if self.recorded is not gen or self.pending is not gen:
+            raise ValueError(f"{gen.name!r} is not the latest finished turn of chat {self.name!r}")
 
     def transcript(self) -> str:
         lines = [f"[system] {self.system}"] if self.system else []

@@ -16,9 +16,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from vllm_mlx.chat import split_chat_images, template_token_ids
 from vllm_mlx_jupyter.generation import PREFILLING, QUEUED, Generation
+from vllm_mlx.chat import split_chat_images, template_token_ids
 from vllm_mlx_jupyter.prompt import ChatSession, user_content
+from vllm_mlx.structured.response_format import ResponseFormat
 from vllm_mlx_jupyter.reading import OutputReader
 from vllm_mlx_jupyter.tools import ToolSet
 
@@ -109,10 +110,11 @@ class Session:
 
         if tools is None and name is None:
             return None
-        if not self.has_chat_template:
-            raise SessionError(f"--tools needs a chat template, and the model {self.model!r} has none")
+        template = getattr(self._tokenizer, "chat_template", None) or ""
+        if tools is not None and "tools" not in template:  # the model would never see them
+            raise SessionError(f"--tools: the chat template of {self.model!r} does not render tools")
         try:
-            parser = select_tool_parser(self._tokenizer.chat_template, name, tools.specs if tools else None)
+            parser = select_tool_parser(template, name, tools.specs if tools else None)
         except ValueError as exc:
             raise SessionError(f"--tool-call-parser: {exc}") from None
         if parser is None:
@@ -157,7 +159,7 @@ class Session:
         format: str = "markdown",
         interval: float = 0.1,
         images: list | None = None,
-        response_format=None,
+        response_format: ResponseFormat | None = None,
         tools: ToolSet | None = None,
         tool_parser: str | None = None,
     ) -> Generation:
@@ -202,8 +204,9 @@ class Session:
             )
 
     def _prompt_plan(
-        self, prompt: str, session: ChatSession | None, system: str | None, raw: bool, images: list, tools: ToolSet | None
-    ):
+        self, prompt: str, session: ChatSession | None, system: str | None, raw: bool, images: list,
+        tools: ToolSet | None,
+    ):  # fmt: skip
         """(build_prompt, after, on_finish) for a plain, raw or chat request."""
         user = user_content(prompt, images) if prompt or images else None
         specs = tools.specs if tools is not None else None

@@ -37,7 +37,7 @@ def tool_set(value: object) -> ToolSet:
         raise ValueError("the list of tools is empty")
     specs, functions = [], {}
     for item in items:
-        if callable(item) and not isinstance(item, dict):
+        if callable(item):
             spec = function_tool(item)
             functions[spec["function"]["name"]] = item
         else:

@@ -27,6 +27,7 @@ from vllm_mlx_jupyter.tools import function_tool
 
 TIMEOUT = 120.0
 HERMES_TEMPLATE = """\
+{#- The model may think first, in <think>...</think>. #}
 {%- if tools %}<|im_start|>system
 You may call these tools:
 <tools>
@@ -69,6 +70,11 @@ def get_weather(city: str, unit: Literal["C", "F"] = "C") -> dict:
     Longer notes that are not part of the description.
     """
     return {"city": city, "temperature": 21, "unit": unit}
+
+
+def set_light(on: bool, color: Literal["red", "green"]) -> str:
+    """Switch the light."""
+    return f"light {'on' if on else 'off'}, {color}"
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +177,8 @@ def test_regex_and_choice_hold(ip):
     ("--tools colors", "--tools colors"),
     ("--tools weather_tools --raw", "--raw"),
     ("--tools weather_tools --tool-call-parser nope", "nope"),
+    ("--tools weather_tools --tool-choice set_light", "not in tools"),
+    ("--tools weather_tools --tool-choice required --regex a", "give no other"),
 ])  # fmt: skip
 def test_bad_constraints_and_tools_are_usage_errors(ip, line, message):
     ip.user_ns.update(verdict_schema=VERDICT_SCHEMA, colors=["red", "green"], weather_tools=[get_weather])
@@ -221,6 +229,27 @@ def test_tools_are_rendered_and_calls_are_parsed_without_chat(ip, decode):
         gen.add_tool_result(gen.tool_calls[0], "21 C")
 
 
+def test_tool_choice_enforces_a_call(ip):
+    ip.user_ns["light_tools"] = [set_light, get_weather]
+    gen = generate(ip, "--tools light_tools --tool-choice set_light --max-tokens 32", "Lights on!")
+    assert gen.finish_reason == "stop", gen.text
+    [call] = gen.tool_calls
+    assert call.name == "set_light" and set(json.loads(call.arguments)) == {"on", "color"}
+    gen = generate(ip, "--tools light_tools --tool-choice required --max-tokens 48 --seed 1", "Lights on!")
+    assert gen.tool_calls and gen.tool_calls[0].name in ("set_light", "get_weather")
+    assert gen.content == ""
+
+
+def test_reasoning_is_split_off_and_folded(ip):
+    ip.user_ns["weather_tools"] = [get_weather]
+    regex = CALL_REGEX.replace("'<tool_call>", "'<think>Paris is in France[.]</think>\\n<tool_call>")
+    gen = generate(ip, f"--tools weather_tools --regex {regex} --max-tokens 64", "Weather in Paris?")
+    assert gen.reasoning == "Paris is in France." and [c.name for c in gen.tool_calls] == ["get_weather"]
+    assert gen.content == ""
+    html = body_bundle(gen)["text/html"]
+    assert "<details><summary>thinking</summary>" in html and "Paris is in France." in html
+
+
 def test_chat_records_calls_and_continues_with_tool_results(ip, decode):
     from vllm_mlx_jupyter import get_session
 
@@ -265,6 +294,6 @@ def test_tool_calls_from_model_text_are_shown_as_text_never_as_html():
     from vllm_mlx.tool_parsers import ToolCall
 
     call = ToolCall("call_1", "<img src=x onerror=alert(1)>", '{"q": "<script>alert(2)</script>"}')
-    body = body_bundle(SimpleNamespace(content="", tool_calls=[call], format="markdown"))
+    body = body_bundle(SimpleNamespace(content="", reasoning=None, tool_calls=[call], format="markdown"))
     assert "<img" not in body["text/html"] and "<script" not in body["text/html"]
     assert "&lt;script&gt;" in body["text/html"] and call.arguments in body["text/plain"]

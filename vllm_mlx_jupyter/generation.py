@@ -49,7 +49,8 @@ class Generation:
     generation returns its partial text; a failed one raises ``GenerationError``);
     ``await gen`` does the same without blocking the event loop. ``.cancel()`` aborts it.
 
-    With ``--tools``, ``.tool_calls`` are the calls and ``.content`` the text outside them; with
+    With ``--tools``, ``.tool_calls`` are the calls and ``.content`` the text outside them (and
+    outside ``.reasoning``, a thinking model's ``<think>`` block); with
     ``--schema``/``--json``, ``.parsed`` is the validated object once done (None, with
     ``.parse_error`` saying why, when the output does not parse, e.g. cut by ``max_tokens``).
     """
@@ -113,6 +114,11 @@ class Generation:
     def content(self) -> str:
         """The text outside tool calls (the whole text without ``--tools``)."""
         return self.reading.content
+
+    @property
+    def reasoning(self) -> str | None:
+        """``<think>`` reasoning (split off only with ``--tools``, as the server does)."""
+        return self.reading.reasoning
 
     @property
     def tool_calls(self) -> list[ToolCall]:

@@ -103,6 +103,8 @@ class GenerateMagics(Magics):
     @argument("--compact-json", action="store_true", help="with --schema/--json: no whitespace between tokens")
     @argument("--tools", metavar="VAR", help="tools: a list of OpenAI tool dicts or Python functions (.tool_calls)")
     @argument("--tool-call-parser", metavar="NAME", help="tool-call format (default: from the chat template)")
+    @argument("--tool-choice", metavar="auto|none|required|NAME",
+              help="auto (default); required or a function NAME: a call is enforced, on any model")  # fmt: skip
     @line_cell_magic
     def generate(self, line: str, cell: str | None = None):
         """Generate from the cell body (the prompt); returns a ``Generation`` handle at once.
@@ -138,6 +140,7 @@ class GenerateMagics(Magics):
                 prompt, params, name=args.name, chat=args.chat, system=system, raw=args.raw,
                 format=args.format or self.format, interval=self.update_interval, images=images,
                 response_format=fmt, tools=tools, tool_parser=args.tool_call_parser or self.tool_call_parser,
+                tool_choice=args.tool_choice,
             )  # fmt: skip
         except SessionError as exc:
             raise UsageError(str(exc)) from None

@@ -87,10 +87,12 @@ def body_bundle(gen) -> dict:
     escapes raw HTML and leaves ``javascript:`` links as text, and sent as ``text/html``; no
     ``text/markdown`` is ever sent. ``<img onerror=...>`` in an answer shows as text.
 
-    Tool calls follow the text as ``name(arguments)``, never as the model's call markup.
+    Reasoning comes first, folded; tool calls follow the text as ``name(arguments)``, never as
+    the model's call markup.
     """
     text, calls = gen.content, [f"{call.name}({call.arguments})" for call in gen.tool_calls]
-    plain = "\n".join(filter(None, [text, *(f"tool call: {call}" for call in calls)]))
+    thinking = f"thinking: {gen.reasoning}" if gen.reasoning else None
+    plain = "\n".join(filter(None, [thinking, text, *(f"tool call: {call}" for call in calls)]))
     if gen.format == "text":
         return {"text/plain": plain}
     if gen.format == "code":
@@ -98,7 +100,8 @@ def body_bundle(gen) -> dict:
         source = f"{fence}\n{text}\n{fence}"
     else:
         source = text
-    markup = _markdown()(source) + "".join(
+    folded = f"<details><summary>thinking</summary>{_markdown()(gen.reasoning)}</details>" if gen.reasoning else ""
+    markup = folded + _markdown()(source) + "".join(
         f'<div class="vllm-mlx-tool-call" style="font-family:monospace">&#128295; {html.escape(call)}</div>'
         for call in calls
     )

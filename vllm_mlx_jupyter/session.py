@@ -11,6 +11,7 @@ at most ~5% of the engine's time on snapshots (its period is 20x a snapshot's co
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -93,7 +94,11 @@ class Session:
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self._tokenizer, "chat_template", None))
+        return bool(self._template)
+
+    @property
+    def _template(self) -> str:
+        return getattr(self._tokenizer, "chat_template", None) or ""
 
     def chat_token_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Apply the model's chat template, with ``tools`` rendered by it (any thread: the
@@ -103,26 +108,32 @@ class Session:
         with self._tokenizer_lock:
             return template_token_ids(self._tokenizer, messages, tools=tools)
 
-    def tool_parser(self, name: str | None, tools: ToolSet | None):
-        """The parser of the model's tool calls: ``name``'s, else the one its chat template
-        shows; None when neither tools nor a name is given."""
-        from vllm_mlx.tool_parsers import TOOL_PARSERS, select_tool_parser
+    def chat_output_parser(
+        self, tools: ToolSet | None, name: str | None, choice: str | None = None, prompt_tail: str = ""
+    ):
+        """How a request with ``tools`` is parsed: tool calls in the format ``name`` gives or the
+        chat template shows (or, for ``choice`` ``required`` or a function name, the enforced
+        call), and ``<think>`` reasoning; None without tools.
 
-        if tools is None and name is None:
+        Raises:
+            SessionError: A bad ``choice``, or for ``auto``: no chat template that renders tools,
+                or no known tool-call format.
+        """
+        from vllm_mlx.tool_parsers.chat_output import ToolPlan, plan_chat_output
+
+        if tools is None:
             return None
-        template = getattr(self._tokenizer, "chat_template", None) or ""
-        if tools is not None and "tools" not in template:  # the model would never see them
-            raise SessionError(f"--tools: the chat template of {self.model!r} does not render tools")
         try:
-            parser = select_tool_parser(template, name, tools.specs if tools else None)
+            plan = ToolPlan.of(tools.specs, _tool_choice(choice))
+        except ValueError as exc:
+            raise SessionError(f"--tool-choice: {exc}") from None
+        template = self._template
+        if plan.choice.mode == "auto" and (problem := _auto_problem(template, name, self.model)):
+            raise SessionError(problem)
+        try:
+            return plan_chat_output(plan, template, prompt_tail, name)
         except ValueError as exc:
             raise SessionError(f"--tool-call-parser: {exc}") from None
-        if parser is None:
-            raise SessionError(
-                "the model's chat template shows no tool-call format known here: "
-                f"give --tool-call-parser NAME (one of {', '.join(sorted(TOOL_PARSERS))})"
-            )
-        return parser
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine: running generations end as aborted; chat histories are kept."""
@@ -162,13 +173,16 @@ class Session:
         response_format: ResponseFormat | None = None,
         tools: ToolSet | None = None,
         tool_parser: str | None = None,
+        tool_choice: str | None = None,
     ) -> Generation:
         """Submit a prompt (with ``images`` for a vision-language model: paths, URLs, bytes or
         PIL images, placed before the text); returns its started ``Generation`` at once.
 
         ``response_format`` (a ``ResponseFormat``, already in ``params``) gives ``.parsed``;
         ``tools`` are rendered by the chat template and the output's calls parsed (a chat keeps
-        them for later turns). An empty ``prompt`` continues a chat after tool results.
+        them for later turns); ``tool_choice`` is ``auto`` (default), ``none``, ``required`` or a
+        function's name (the last two are enforced by a constraint, on any model). An empty
+        ``prompt`` continues a chat after tool results.
         """
         engine = self.require_engine()
         if raw and (chat is not None or tools is not None):
@@ -180,9 +194,20 @@ class Session:
         previous = self.generations.get(name)
         if previous is not None and not previous.done:
             raise SessionError(f"generation {name!r} is still running: abort it or choose another --name")
-        tools = tools or (session.tools if session is not None else None)
-        reader = OutputReader(response_format, self.tool_parser(tool_parser, tools))
-        build, after, on_finish = self._prompt_plan(prompt, session, system, raw, list(images or []), tools)
+        if tools is None and session is not None and session.tools is not None:
+            tools = session.tools  # a later turn: the model may call them only if it can
+            if tool_choice is None and _auto_problem(self._template, tool_parser, self.model):
+                tool_choice = "none"
+        parser_for = functools.partial(self.chat_output_parser, tools, tool_parser, tool_choice)
+        parser = parser_for()  # refuse now what the cell cannot use; the real one needs the prompt
+        params = _with_forced_call(params, parser)
+        reader = OutputReader(response_format)
+        specs = parser.plan.template_tools if parser is not None else None
+        if session is not None:
+            session.tools = tools
+        build, after, on_finish = self._prompt_plan(prompt, session, system, raw, list(images or []), specs)
+        if parser is not None:
+            build = self._reading_with(build, reader, parser_for)
         gen = Generation(name, engine, params, build, after=after, on_finish=on_finish,
                          format=format, interval=interval, reader=reader, chat=session)  # fmt: skip
         gen.start()
@@ -193,6 +218,20 @@ class Session:
             session.pending = gen
         self._ensure_monitor()
         return gen
+
+    def _reading_with(self, build: Callable, reader: OutputReader, parser_for: Callable) -> Callable:
+        """``build``, then give ``reader`` the request's parser (``parser_for(prompt_tail)``: an
+        open ``<think>`` at the prompt's end means the output starts inside reasoning)."""
+
+        def build_and_plan():
+            prompt = build()
+            token_ids = getattr(prompt, "token_ids", prompt)  # a PreparedPrompt has them
+            with self._tokenizer_lock:
+                tail = self._tokenizer.decode(token_ids[-16:])
+            reader.use(parser_for(tail))
+            return prompt
+
+        return build_and_plan
 
     def check_prompt(self, prompt: str, chat: str | None) -> None:
         """Refuse an empty prompt, unless it is a chat turn that answers tool results."""
@@ -205,15 +244,14 @@ class Session:
 
     def _prompt_plan(
         self, prompt: str, session: ChatSession | None, system: str | None, raw: bool, images: list,
-        tools: ToolSet | None,
+        specs: list[dict] | None,
     ):  # fmt: skip
-        """(build_prompt, after, on_finish) for a plain, raw or chat request."""
+        """(build_prompt, after, on_finish) for a plain, raw or chat request; ``specs``: the
+        tools the chat template renders."""
         user = user_content(prompt, images) if prompt or images else None
-        specs = tools.specs if tools is not None else None
         if session is not None:
             if system is not None:
                 session.system = system
-            session.tools = tools
             session.turns += 1
             after = session.pending if session.pending is not None and not session.pending.done else None
             return (lambda: self.chat_prompt(session.conversation(user), specs), after,
@@ -372,6 +410,41 @@ class Session:
         for gen in pending:
             gen.observe(requests.get(gen.request_id))
         return cost
+
+
+def _tool_choice(choice: str | None) -> str | dict | None:
+    """``--tool-choice``: a mode, or a function's name (OpenAI's named-function form)."""
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice
+    return {"type": "function", "function": {"name": choice}}
+
+
+def _auto_problem(template: str, parser_name: str | None, model: str | None) -> str | None:
+    """Why ``auto`` cannot work here (the model must see the tools, and its calls must be
+    readable); None when it can."""
+    from vllm_mlx.tool_parsers import TOOL_PARSERS, tool_parser_name
+
+    if "tools" not in template:
+        return (
+            f"--tools: the chat template of {model!r} does not render tools "
+            "(--tool-choice required, or a function's name, works on any model)"
+        )
+    if parser_name is None and tool_parser_name(template) is None:
+        return (
+            "the model's chat template shows no tool-call format known here: "
+            f"give --tool-call-parser NAME (one of {', '.join(sorted(TOOL_PARSERS))})"
+        )
+    return None
+
+
+def _with_forced_call(params, parser):
+    """``params`` with the constraint that enforces a ``required`` or named call, if any."""
+    constraint = parser.plan.constraint if parser is not None else None
+    if constraint is None:
+        return params
+    if params.structured_outputs is not None:
+        raise SessionError("--tool-choice required (or a function's name) is a constraint: give no other")
+    return params.clone(structured_outputs=constraint)
 
 
 class _Ticker:

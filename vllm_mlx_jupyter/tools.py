@@ -30,20 +30,16 @@ def tool_set(value: object) -> ToolSet:
     """From one tool or a list of them (OpenAI tool dicts or functions).
 
     Raises:
-        ValueError: Something else, or a dict without ``function.name``.
+        ValueError: Something else, or tools the server would refuse too (the message says which).
     """
+    from vllm_mlx.tool_parsers.tool_choice import check_tools
+
     items = list(value) if isinstance(value, (list, tuple)) else [value]
     if not items:
         raise ValueError("the list of tools is empty")
-    specs, functions = [], {}
-    for item in items:
-        if callable(item):
-            spec = function_tool(item)
-            functions[spec["function"]["name"]] = item
-        else:
-            spec = _checked_spec(item)
-        specs.append(spec)
-    return ToolSet(specs, functions)
+    specs = [function_tool(item) if callable(item) else item for item in items]
+    functions = {spec["function"]["name"]: item for spec, item in zip(specs, items) if callable(item)}
+    return ToolSet(check_tools(specs), functions)
 
 
 def function_tool(function: Callable) -> dict:
@@ -72,13 +68,3 @@ def _json_schema(hint: object) -> dict:
         return {"type": "array", "items": _json_schema(args[0])}
     kind = _JSON_TYPES.get(origin or hint)
     return {"type": kind} if kind else {}
-
-
-def _checked_spec(item: object) -> dict:
-    function = item.get("function") if isinstance(item, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise ValueError(
-            'a tool is a Python function or an OpenAI tool dict {"type": "function", "function": '
-            f'{{"name": ..., "parameters": ...}}}}, got {item!r:.80}'
-        )
-    return item

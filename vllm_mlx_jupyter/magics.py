@@ -57,9 +57,9 @@ class GenerateMagics(Magics):
     system = Unicode(None, allow_none=True, help="Default --system prompt.").tag(config=True)
     format = Enum(FORMATS, "markdown", help="Default --format.").tag(config=True)
     update_interval = Float(0.1, help="Seconds between live updates of a cell (>= 0.1).").tag(config=True)
-    tool_call_parser = Unicode(None, allow_none=True, help="Default --tool-call-parser (None: from the template).").tag(
-        config=True
-    )
+    tool_call_parser = Unicode(
+        None, allow_none=True, help="Default --tool-call-parser (None: from the chat template)."
+    ).tag(config=True)
 
     @default("model")
     def _default_model(self) -> str:

@@ -194,11 +194,7 @@ class Session:
         previous = self.generations.get(name)
         if previous is not None and not previous.done:
             raise SessionError(f"generation {name!r} is still running: abort it or choose another --name")
-        if tools is None and session is not None and session.tools is not None:
-            tools = session.tools  # a later turn: the model may call them only if it can
-            if tool_choice is None and _auto_problem(self._template, tool_parser, self.model):
-                tool_choice = "none"
-        parser_for = functools.partial(self.chat_output_parser, tools, tool_parser, tool_choice)
+        tools, parser_for = self._turn_tools(session, tools, tool_parser, tool_choice)
         parser = parser_for()  # refuse now what the cell cannot use; the real one needs the prompt
         params = _with_forced_call(params, parser)
         reader = OutputReader(response_format)
@@ -219,19 +215,33 @@ class Session:
         self._ensure_monitor()
         return gen
 
+    def _turn_tools(self, session: ChatSession | None, tools: ToolSet | None, name: str | None, choice: str | None):
+        """(the turn's tools, ``parser_for(prompt_tail="")``). A chat turn without ``--tools``
+        keeps the session's, called with ``auto`` only where the model can call them by itself."""
+        if tools is None and session is not None and session.tools is not None:
+            tools = session.tools
+            if choice is None and _auto_problem(self._template, name, self.model):
+                choice = "none"
+        return tools, functools.partial(self.chat_output_parser, tools, name, choice)
+
     def _reading_with(self, build: Callable, reader: OutputReader, parser_for: Callable) -> Callable:
         """``build``, then give ``reader`` the request's parser (``parser_for(prompt_tail)``: an
         open ``<think>`` at the prompt's end means the output starts inside reasoning)."""
 
         def build_and_plan():
             prompt = build()
-            token_ids = getattr(prompt, "token_ids", prompt)  # a PreparedPrompt has them
-            with self._tokenizer_lock:
-                tail = self._tokenizer.decode(token_ids[-16:])
-            reader.use(parser_for(tail))
+            reader.use(parser_for(self._tail(prompt)))
             return prompt
 
         return build_and_plan
+
+    def _tail(self, prompt) -> str:
+        """The end of a prompt as text (a model without a chat template gets text prompts)."""
+        token_ids = getattr(prompt, "token_ids", prompt)  # a PreparedPrompt has them
+        if isinstance(token_ids, str):
+            return token_ids[-64:]
+        with self._tokenizer_lock:
+            return self._tokenizer.decode(token_ids[-16:])
 
     def check_prompt(self, prompt: str, chat: str | None) -> None:
         """Refuse an empty prompt, unless it is a chat turn that answers tool results."""

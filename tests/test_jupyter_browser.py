@@ -35,7 +35,7 @@ HOSTILE_CELL = """from types import SimpleNamespace
 from IPython.display import display
 from vllm_mlx_jupyter.render import body_bundle
 answer = '**Hi** <img src=x onerror="document.body.dataset.xss=1"> <script>document.body.dataset.xss=2</script>'
-display(body_bundle(SimpleNamespace(text=answer, format="markdown")), raw=True)"""
+display(body_bundle(SimpleNamespace(content=answer, reasoning=None, tool_calls=[], format="markdown")), raw=True)"""
 SETTINGS = {
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"checkForUpdates": False, "fetchNews": "false"},
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},

@@ -11,6 +11,8 @@ Invariants:
 - Renders are throttled to one per ``interval`` (>= 0.1 s), except the final one.
 - A generation that waits for ``after`` (the previous turn of its chat) builds its prompt only
   once ``after`` is done, so the prompt includes that turn.
+- ``reading`` (content, tool calls, ``.parsed``) is final before ``on_finish`` runs, so a chat
+  records the turn's tool calls.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
+from vllm_mlx_jupyter.reading import OutputReader, Reading
+
 if TYPE_CHECKING:
     from vllm_mlx.engine_core import PreparedPrompt
+    from vllm_mlx.tool_parsers import ToolCall
 
 QUEUED, PREFILLING, GENERATING = "queued", "prefilling", "generating"
 DONE, ABORTED, ERROR = "done", "aborted", "error"
@@ -43,6 +48,11 @@ class Generation:
     ``RequestOutput``. ``.result(timeout)`` blocks and returns the final text (an aborted
     generation returns its partial text; a failed one raises ``GenerationError``);
     ``await gen`` does the same without blocking the event loop. ``.cancel()`` aborts it.
+
+    With ``--tools``, ``.tool_calls`` are the calls and ``.content`` the text outside them (and
+    outside ``.reasoning``, a thinking model's ``<think>`` block); with
+    ``--schema``/``--json``, ``.parsed`` is the validated object once done (None, with
+    ``.parse_error`` saying why, when the output does not parse, e.g. cut by ``max_tokens``).
     """
 
     def __init__(
@@ -56,6 +66,8 @@ class Generation:
         on_finish: Callable[[Generation], None] | None = None,
         format: str = "markdown",
         interval: float = MIN_INTERVAL,
+        reader: OutputReader | None = None,
+        chat=None,
     ) -> None:
         self.name = name
         self.request_id = name
@@ -67,6 +79,10 @@ class Generation:
         self.prompt: str | list[int] | PreparedPrompt | None = None
         self.num_prompt_tokens: int | None = None
         self.submitted_at: float | None = None
+        self.chat = chat
+        """The ``ChatSession`` this generation is a turn of, or None."""
+        self.reading = Reading("")
+        self._reader = reader or OutputReader()
         self._engine = engine
         self._build_prompt = build_prompt
         self._after = after
@@ -93,6 +109,28 @@ class Generation:
     @property
     def done(self) -> bool:
         return self._done.is_set()
+
+    @property
+    def content(self) -> str:
+        """The text outside tool calls (the whole text without ``--tools``)."""
+        return self.reading.content
+
+    @property
+    def reasoning(self) -> str | None:
+        """``<think>`` reasoning (split off only with ``--tools``, as the server does)."""
+        return self.reading.reasoning
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return self.reading.tool_calls
+
+    @property
+    def parsed(self) -> object:
+        return self.reading.parsed
+
+    @property
+    def parse_error(self) -> str | None:
+        return self.reading.parse_error
 
     @property
     def finish_reason(self) -> str | None:
@@ -140,6 +178,7 @@ class Generation:
     def _on_output(self, output) -> None:
         with self._lock:
             self.output = output
+            self.reading = self._reader.feed(output.text)
             self.num_prompt_tokens = len(output.prompt_token_ids)
             if output.token_ids:
                 self._advance(GENERATING)
@@ -174,6 +213,8 @@ class Generation:
                 self.state = ABORTED
             else:
                 self.state = DONE
+            if output is not None:
+                self.reading = self._reader.finish(output.text, output.finish_reason)
         if self.state == DONE and self._on_finish is not None:
             try:
                 self._on_finish(self)
@@ -239,6 +280,22 @@ class Generation:
             self.cancel()
             raise
         return self._future.result()
+
+    def add_tool_result(self, call: ToolCall | str, content: object) -> None:
+        """Answer one of this turn's tool calls (a ``ToolCall`` or its id) in its chat session;
+        ``content`` that is not a string is sent as JSON. The next turn of the chat
+        (``%generate --chat SESSION``, no prompt, lets the model answer) includes the results."""
+        self._chat_session().add_tool_result(self, call, content)
+
+    def run_tools(self) -> list[object]:
+        """Call the Python functions given as ``--tools`` with each call's arguments, add their
+        results (``add_tool_result``) and return them, in call order."""
+        return self._chat_session().run_tools(self)
+
+    def _chat_session(self):
+        if self.chat is None:
+            raise GenerationError(f"generation {self.name!r} is not a chat turn: use --chat SESSION for tool results")
+        return self.chat
 
     # -- views ----------------------------------------------------------------------------
 

@@ -14,11 +14,12 @@ import shlex
 from pathlib import Path
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, line_magic, magics_class, no_var_expand
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 from traitlets import Bool, Dict, Enum, Float, Int, Unicode, default, validate
 
+from vllm_mlx_jupyter.constraints import compile_check, response_format, variable
 from vllm_mlx_jupyter.prompt import interpolate
 from vllm_mlx_jupyter.session import Session, SessionError
 
@@ -56,6 +57,9 @@ class GenerateMagics(Magics):
     system = Unicode(None, allow_none=True, help="Default --system prompt.").tag(config=True)
     format = Enum(FORMATS, "markdown", help="Default --format.").tag(config=True)
     update_interval = Float(0.1, help="Seconds between live updates of a cell (>= 0.1).").tag(config=True)
+    tool_call_parser = Unicode(
+        None, allow_none=True, help="Default --tool-call-parser (None: from the chat template)."
+    ).tag(config=True)
 
     @default("model")
     def _default_model(self) -> str:
@@ -90,30 +94,53 @@ class GenerateMagics(Magics):
     @argument("--wait", action="store_true", help="block until done (an interrupt aborts)")
     @argument("--format", choices=FORMATS, help="how to show the text")
     @argument("--raw-braces", action="store_true", help="no {name} interpolation")
-    @cell_magic
-    def generate(self, line: str, cell: str):
+    @argument("--schema", metavar="VAR", help="constrain to a Pydantic model or JSON Schema dict (.parsed)")
+    @argument("--json", action="store_true", help="constrain to any JSON object (.parsed)")
+    @argument("--regex", metavar="PATTERN", help="constrain: the whole output matches PATTERN")
+    @argument("--choice", action="append", metavar="TEXT_OR_VAR",
+              help="constrain to one of these (repeatable, or one variable holding a list)")  # fmt: skip
+    @argument("--grammar", metavar="VAR_OR_TEXT", help="constrain to a Lark/GBNF grammar")
+    @argument("--compact-json", action="store_true", help="with --schema/--json: no whitespace between tokens")
+    @argument("--tools", metavar="VAR", help="tools: a list of OpenAI tool dicts or Python functions (.tool_calls)")
+    @argument("--tool-call-parser", metavar="NAME", help="tool-call format (default: from the chat template)")
+    @argument("--tool-choice", metavar="auto|none|required|NAME",
+              help="auto (default); required or a function NAME: a call is enforced, on any model")  # fmt: skip
+    @line_cell_magic
+    def generate(self, line: str, cell: str | None = None):
         """Generate from the cell body (the prompt); returns a ``Generation`` handle at once.
 
         ``{name}`` in the prompt is replaced by the value of ``name`` from the notebook when it
         exists; other braces are left alone (``--raw-braces`` turns this off). The live output
         shows the text as it streams, a status line and a stop button. The handle has
-        ``.text``, ``.done``, ``.result(timeout)``, ``.cancel()``, ``.output`` and is awaitable.
+        ``.text``, ``.done``, ``.result(timeout)``, ``.cancel()``, ``.output`` and is awaitable;
+        ``.parsed`` (``--schema``, ``--json``), ``.tool_calls`` and ``.add_tool_result()``
+        (``--tools``). After tool results, the line form ``%generate --chat SESSION`` (no
+        prompt) lets the model answer them.
         """
         args = _parse(self.generate, line)
         images = [self._image(name) for name in args.image or []]
+        cell = cell or ""
         prompt = cell.strip("\n") if args.raw else cell.strip()
-        if not prompt:
-            raise UsageError("%%generate: the cell is empty; write the prompt in the cell body")
+        try:
+            self.session.check_prompt(prompt, args.chat)  # before a model loads for nothing
+        except SessionError as exc:
+            raise UsageError(str(exc)) from None
         system = args.system if args.system is not None else self.system
         if not args.raw_braces:
             prompt = interpolate(prompt, self.shell.user_ns)
             system = interpolate(system, self.shell.user_ns) if system else system
-        params = self._sampling_params(args)
+        fmt = response_format(args, self.shell.user_ns)
+        tools = self._tools(args.tools)
+        params = self._sampling_params(args, fmt)
         self._ensure_loaded()
+        if fmt is not None:
+            compile_check(self.session.engine, fmt)
         try:
             gen = self.session.generate(
                 prompt, params, name=args.name, chat=args.chat, system=system, raw=args.raw,
                 format=args.format or self.format, interval=self.update_interval, images=images,
+                response_format=fmt, tools=tools, tool_parser=args.tool_call_parser or self.tool_call_parser,
+                tool_choice=args.tool_choice,
             )  # fmt: skip
         except SessionError as exc:
             raise UsageError(str(exc)) from None
@@ -126,7 +153,7 @@ class GenerateMagics(Magics):
             gen.wait()
         return gen
 
-    def _sampling_params(self, args):
+    def _sampling_params(self, args, fmt):
         from vllm_mlx.request import SamplingParams
 
         def pick(value, fallback):
@@ -139,9 +166,21 @@ class GenerateMagics(Magics):
                 temperature=pick(args.temperature, self.temperature),
                 top_p=pick(args.top_p, self.top_p), top_k=pick(args.top_k, self.top_k),
                 seed=pick(args.seed, self.seed), stop=stop,
+                structured_outputs=fmt.params if fmt is not None else None,
             )  # fmt: skip
         except ValueError as exc:
             raise UsageError(f"%%generate: {exc}") from None
+
+    def _tools(self, name: str | None):
+        """``--tools VAR``: the variable's tools (OpenAI dicts or functions), or None."""
+        from vllm_mlx_jupyter.tools import tool_set
+
+        if name is None:
+            return None
+        try:
+            return tool_set(variable("--tools", name, self.shell.user_ns))
+        except (ValueError, TypeError) as exc:
+            raise UsageError(f"%%generate --tools {name}: {exc}") from None
 
     def _image(self, name: str):
         """``--image NAME``: the notebook variable NAME, else NAME as a path or URL."""

@@ -40,6 +40,11 @@ def status_parts(gen) -> list[str]:
     if state == ERROR:
         state = f"error: {gen.error}"
     parts = [gen.name, state]
+    if gen.tool_calls:
+        n = len(gen.tool_calls)
+        parts.append(f"{n} tool call{'s' if n != 1 else ''}")
+    if gen.parse_error:
+        parts.append(f"not parsed: {gen.parse_error}")
     if out is not None:
         n = len(out.token_ids)
         parts.append(f"{n} token{'s' if n != 1 else ''}")
@@ -81,16 +86,26 @@ def body_bundle(gen) -> dict:
     in ``text/markdown`` and ``text/html`` as is. So Markdown is rendered here, by a renderer that
     escapes raw HTML and leaves ``javascript:`` links as text, and sent as ``text/html``; no
     ``text/markdown`` is ever sent. ``<img onerror=...>`` in an answer shows as text.
+
+    Reasoning comes first, folded; tool calls follow the text as ``name(arguments)``, never as
+    the model's call markup.
     """
-    text = gen.text
+    text, calls = gen.content, [f"{call.name}({call.arguments})" for call in gen.tool_calls]
+    thinking = f"thinking: {gen.reasoning}" if gen.reasoning else None
+    plain = "\n".join(filter(None, [thinking, text, *(f"tool call: {call}" for call in calls)]))
     if gen.format == "text":
-        return {"text/plain": text}
+        return {"text/plain": plain}
     if gen.format == "code":
         fence = "`" * max(3, _longest_backtick_run(text) + 1)
         source = f"{fence}\n{text}\n{fence}"
     else:
         source = text
-    return {"text/html": f'<div class="vllm-mlx-text">{_markdown()(source)}</div>', "text/plain": text}
+    folded = f"<details><summary>thinking</summary>{_markdown()(gen.reasoning)}</details>" if gen.reasoning else ""
+    markup = folded + _markdown()(source) + "".join(
+        f'<div class="vllm-mlx-tool-call" style="font-family:monospace">&#128295; {html.escape(call)}</div>'
+        for call in calls
+    )
+    return {"text/html": f'<div class="vllm-mlx-text">{markup}</div>', "text/plain": plain}
 
 
 @functools.cache

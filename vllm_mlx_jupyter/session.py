@@ -11,6 +11,7 @@ at most ~5% of the engine's time on snapshots (its period is 20x a snapshot's co
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -19,6 +20,9 @@ from collections.abc import Callable, Iterable
 from vllm_mlx_jupyter.generation import PREFILLING, QUEUED, Generation
 from vllm_mlx.chat import split_chat_images, template_token_ids
 from vllm_mlx_jupyter.prompt import ChatSession, user_content
+from vllm_mlx.structured.response_format import ResponseFormat
+from vllm_mlx_jupyter.reading import OutputReader
+from vllm_mlx_jupyter.tools import ToolSet
 
 MONITOR_PERIOD = 0.25
 FINISHED_ROWS = 16  # finished generations the inspector keeps listing
@@ -90,14 +94,46 @@ class Session:
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self._tokenizer, "chat_template", None))
+        return bool(self._template)
 
-    def chat_token_ids(self, messages: list[dict]) -> list[int]:
-        """Apply the model's chat template (any thread: the template tokenizer is locked)."""
+    @property
+    def _template(self) -> str:
+        return getattr(self._tokenizer, "chat_template", None) or ""
+
+    def chat_token_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Apply the model's chat template, with ``tools`` rendered by it (any thread: the
+        template tokenizer is locked)."""
         if not self.has_chat_template:
             raise SessionError(f"the model {self.model!r} has no chat template: use --raw")
         with self._tokenizer_lock:
-            return template_token_ids(self._tokenizer, messages)
+            return template_token_ids(self._tokenizer, messages, tools=tools)
+
+    def chat_output_parser(
+        self, tools: ToolSet | None, name: str | None, choice: str | None = None, prompt_tail: str = ""
+    ):
+        """How a request with ``tools`` is parsed: tool calls in the format ``name`` gives or the
+        chat template shows (or, for ``choice`` ``required`` or a function name, the enforced
+        call), and ``<think>`` reasoning; None without tools.
+
+        Raises:
+            SessionError: A bad ``choice``, or for ``auto``: no chat template that renders tools,
+                or no known tool-call format.
+        """
+        from vllm_mlx.tool_parsers.chat_output import ToolPlan, plan_chat_output
+
+        if tools is None:
+            return None
+        try:
+            plan = ToolPlan.of(tools.specs, _tool_choice(choice))
+        except ValueError as exc:
+            raise SessionError(f"--tool-choice: {exc}") from None
+        template = self._template
+        if plan.choice.mode == "auto" and (problem := _auto_problem(template, name, self.model)):
+            raise SessionError(problem)
+        try:
+            return plan_chat_output(plan, template, prompt_tail, name)
+        except ValueError as exc:
+            raise SessionError(f"--tool-call-parser: {exc}") from None
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine: running generations end as aborted; chat histories are kept."""
@@ -134,20 +170,42 @@ class Session:
         format: str = "markdown",
         interval: float = 0.1,
         images: list | None = None,
+        response_format: ResponseFormat | None = None,
+        tools: ToolSet | None = None,
+        tool_parser: str | None = None,
+        tool_choice: str | None = None,
     ) -> Generation:
         """Submit a prompt (with ``images`` for a vision-language model: paths, URLs, bytes or
-        PIL images, placed before the text); returns its started ``Generation`` at once."""
+        PIL images, placed before the text); returns its started ``Generation`` at once.
+
+        ``response_format`` (a ``ResponseFormat``, already in ``params``) gives ``.parsed``;
+        ``tools`` are rendered by the chat template and the output's calls parsed (a chat keeps
+        them for later turns); ``tool_choice`` is ``auto`` (default), ``none``, ``required`` or a
+        function's name (the last two are enforced by a constraint, on any model). An empty
+        ``prompt`` continues a chat after tool results.
+        """
         engine = self.require_engine()
-        if chat is not None and raw:
-            raise SessionError("--chat needs the chat template; it cannot be combined with --raw")
+        if raw and (chat is not None or tools is not None):
+            flag = "--chat" if chat is not None else "--tools"
+            raise SessionError(f"{flag} needs the chat template; it cannot be combined with --raw")
         session = self.chats.setdefault(chat, ChatSession(chat)) if chat is not None else None
+        self.check_prompt(prompt, chat)
         name = name or self._next_name(session)
         previous = self.generations.get(name)
         if previous is not None and not previous.done:
             raise SessionError(f"generation {name!r} is still running: abort it or choose another --name")
-        build, after, on_finish = self._prompt_plan(prompt, session, system, raw, list(images or []))
+        tools, parser_for = self._turn_tools(session, tools, tool_parser, tool_choice)
+        parser = parser_for()  # refuse now what the cell cannot use; the real one needs the prompt
+        params = _with_forced_call(params, parser)
+        reader = OutputReader(response_format)
+        specs = parser.plan.template_tools if parser is not None else None
+        if session is not None:
+            session.tools = tools
+        build, after, on_finish = self._prompt_plan(prompt, session, system, raw, list(images or []), specs)
+        if parser is not None:
+            build = self._reading_with(build, reader, parser_for)
         gen = Generation(name, engine, params, build, after=after, on_finish=on_finish,
-                         format=format, interval=interval)  # fmt: skip
+                         format=format, interval=interval, reader=reader, chat=session)  # fmt: skip
         gen.start()
         with self._lock:
             self.generations.pop(name, None)
@@ -157,30 +215,72 @@ class Session:
         self._ensure_monitor()
         return gen
 
-    def _prompt_plan(self, prompt: str, session: ChatSession | None, system: str | None, raw: bool, images: list):
-        """(build_prompt, after, on_finish) for a plain, raw or chat request."""
-        user = user_content(prompt, images)
+    def _turn_tools(self, session: ChatSession | None, tools: ToolSet | None, name: str | None, choice: str | None):
+        """(the turn's tools, ``parser_for(prompt_tail="")``). A chat turn without ``--tools``
+        keeps the session's, called with ``auto`` only where the model can call them by itself."""
+        if tools is None and session is not None and session.tools is not None:
+            tools = session.tools
+            if choice is None and _auto_problem(self._template, name, self.model):
+                choice = "none"
+        return tools, functools.partial(self.chat_output_parser, tools, name, choice)
+
+    def _reading_with(self, build: Callable, reader: OutputReader, parser_for: Callable) -> Callable:
+        """``build``, then give ``reader`` the request's parser (``parser_for(prompt_tail)``: an
+        open ``<think>`` at the prompt's end means the output starts inside reasoning)."""
+
+        def build_and_plan():
+            prompt = build()
+            reader.use(parser_for(self._tail(prompt)))
+            return prompt
+
+        return build_and_plan
+
+    def _tail(self, prompt) -> str:
+        """The end of a prompt as text (a model without a chat template gets text prompts)."""
+        token_ids = getattr(prompt, "token_ids", prompt)  # a PreparedPrompt has them
+        if isinstance(token_ids, str):
+            return token_ids[-64:]
+        with self._tokenizer_lock:
+            return self._tokenizer.decode(token_ids[-16:])
+
+    def check_prompt(self, prompt: str, chat: str | None) -> None:
+        """Refuse an empty prompt, unless it is a chat turn that answers tool results."""
+        session = self.chats.get(chat) if chat is not None else None
+        if not prompt and (session is None or not session.awaits_answer):
+            raise SessionError(
+                "%%generate: the cell is empty; write the prompt in the cell body "
+                "(only after tool results may a --chat turn have none: %generate --chat SESSION)"
+            )
+
+    def _prompt_plan(
+        self, prompt: str, session: ChatSession | None, system: str | None, raw: bool, images: list,
+        specs: list[dict] | None,
+    ):  # fmt: skip
+        """(build_prompt, after, on_finish) for a plain, raw or chat request; ``specs``: the
+        tools the chat template renders."""
+        user = user_content(prompt, images) if prompt or images else None
         if session is not None:
             if system is not None:
                 session.system = system
             session.turns += 1
             after = session.pending if session.pending is not None and not session.pending.done else None
-            return (lambda: self.chat_prompt(session.conversation(user)), after,
-                    lambda gen: session.record(user, gen.text))  # fmt: skip
+            return (lambda: self.chat_prompt(session.conversation(user), specs), after,
+                    lambda gen: session.record(user, gen))  # fmt: skip
         if raw or not self.has_chat_template:
             text = f"{system}\n\n{prompt}" if system else prompt
             return (lambda: self._with_images(text, images)), None, None
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-        return (lambda: self.chat_prompt(messages)), None, None
+        return (lambda: self.chat_prompt(messages, specs)), None, None
 
-    def chat_prompt(self, messages: list[dict]):
-        """Token ids of ``messages`` under the chat template, with their images prepared."""
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None):
+        """Token ids of ``messages`` (and ``tools``) under the chat template, with their images
+        prepared."""
         chat = split_chat_images(messages)
         try:
             self.require_engine().check_images(chat.images)
         except ValueError as exc:
             raise SessionError(f"--image: {exc}") from None
-        return self._with_images(self.chat_token_ids(chat.messages), chat.images)
+        return self._with_images(self.chat_token_ids(chat.messages, tools), chat.images)
 
     def _with_images(self, prompt: str | list[int], images: list):
         """``prompt`` as is, or with images, loaded and preprocessed (``PreparedPrompt``)."""
@@ -320,6 +420,41 @@ class Session:
         for gen in pending:
             gen.observe(requests.get(gen.request_id))
         return cost
+
+
+def _tool_choice(choice: str | None) -> str | dict | None:
+    """``--tool-choice``: a mode, or a function's name (OpenAI's named-function form)."""
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice
+    return {"type": "function", "function": {"name": choice}}
+
+
+def _auto_problem(template: str, parser_name: str | None, model: str | None) -> str | None:
+    """Why ``auto`` cannot work here (the model must see the tools, and its calls must be
+    readable); None when it can."""
+    from vllm_mlx.tool_parsers import TOOL_PARSERS, tool_parser_name
+
+    if "tools" not in template:
+        return (
+            f"--tools: the chat template of {model!r} does not render tools "
+            "(--tool-choice required, or a function's name, works on any model)"
+        )
+    if parser_name is None and tool_parser_name(template) is None:
+        return (
+            "the model's chat template shows no tool-call format known here: "
+            f"give --tool-call-parser NAME (one of {', '.join(sorted(TOOL_PARSERS))})"
+        )
+    return None
+
+
+def _with_forced_call(params, parser):
+    """``params`` with the constraint that enforces a ``required`` or named call, if any."""
+    constraint = parser.plan.constraint if parser is not None else None
+    if constraint is None:
+        return params
+    if params.structured_outputs is not None:
+        raise SessionError("--tool-choice required (or a function's name) is a constraint: give no other")
+    return params.clone(structured_outputs=constraint)
 
 
 class _Ticker:

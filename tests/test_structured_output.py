@@ -199,9 +199,8 @@ def importer():
 thread = threading.Thread(target=importer)
 thread.start()
 thread.join()
-from vllm_mlx.structured.bitmask import StepMasks
-masks = StepMasks.__new__(StepMasks)
-masks.rows, masks.bitmask = [0], np.full((1, 1), 0b101, dtype=np.int32)
+from vllm_mlx.structured.bitmask import RowMask, StepMasks
+masks = StepMasks([RowMask(0, None, force_token=2)], np.full((1, 1), 0b101, dtype=np.int32), {})
 out = masks.apply(mx.zeros((1, 32)))
 mx.eval(out)
 print(int(np.isfinite(np.array(out)).sum()))

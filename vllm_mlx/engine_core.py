@@ -29,6 +29,7 @@ from vllm_mlx.scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig, Sc
 from vllm_mlx.snapshot import CacheSnapshotter
 from vllm_mlx.structured.grammar import CompiledGrammar, GrammarCompiler
 from vllm_mlx.structured.matcher import RequestConstraint
+from vllm_mlx.structured.reasoning_gate import ReasoningGate, ThinkTokens
 from vllm_mlx.validation import check_encodable, parse_bytes, parse_memory
 
 logger = logging.getLogger(__name__)
@@ -242,6 +243,7 @@ class EngineCore:
         )  # fmt: skip
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, self.eos_token_ids)
+        self.think_tokens = ThinkTokens.of(self.tokenizer)
         self.snapshotter = CacheSnapshotter(
             self.kv_cache,
             self.scheduler,
@@ -312,6 +314,7 @@ class EngineCore:
         grammar = constraint or self.compile_constraint(params)
         prepared = prompt if isinstance(prompt, PreparedPrompt) else self.prepare_prompt(prompt, images)
         text, token_ids = prepared.text, prepared.token_ids
+        gate = self._reasoning_gate(token_ids, params, grammar)
         group = _Group(request_id, text, token_ids)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         for index in range(params.n):
@@ -322,6 +325,7 @@ class EngineCore:
                 eos_token_ids=self.eos_token_ids, cache_salt=cache_salt, mm_input=prepared.mm_input,
                 fairness_key=fairness_key or request_id,
                 constraint=RequestConstraint(grammar, self.eos_token_ids) if grammar else None,
+                reasoning_gate=gate,
             )  # fmt: skip
             if prepared.error is not None:
                 request.error(prepared.error)
@@ -354,6 +358,19 @@ class EngineCore:
             check_encodable("cache_salt", cache_salt)
         if fairness_key is not None:
             check_encodable("fairness_key", fairness_key)
+
+    def _reasoning_gate(
+        self, prompt_token_ids: list[int], params: SamplingParams, grammar: CompiledGrammar | None
+    ) -> ReasoningGate | None:
+        """The gate of a request on a thinking model that has a constraint or a thinking budget."""
+        think = self.think_tokens
+        if params.max_thinking_tokens is not None and think is None:
+            raise ValueError(
+                "max_thinking_tokens needs a thinking model: this tokenizer has no single-token <think> and </think>"
+            )
+        if think is None or (grammar is None and params.max_thinking_tokens is None):
+            return None
+        return ReasoningGate(think, think.prompt_opens(prompt_token_ids), params.max_thinking_tokens)
 
     def compile_constraint(self, params: SamplingParams) -> CompiledGrammar | None:
         """The compiled grammar of ``params.structured_outputs`` (None without one), from the

@@ -19,6 +19,7 @@ from vllm_mlx.validation import check_encodable
 if TYPE_CHECKING:
     from vllm_mlx.multimodal import MultiModalInput
     from vllm_mlx.structured.matcher import RequestConstraint
+    from vllm_mlx.structured.reasoning_gate import ReasoningGate
 
 MAX_LOGPROBS = 20
 _FLOAT_FIELDS = (
@@ -139,7 +140,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     """Leave special tokens out of the detokenized text."""
     structured_outputs: StructuredOutputsParams | None = None
-    """Constrain the output to a JSON Schema, regex, choice or grammar (docs/structured_outputs.md)."""
+    """Constrain the output to a JSON Schema, regex, choice or grammar (docs/structured_outputs.md).
+    On a thinking model the constraint starts after ``</think>``."""
+    max_thinking_tokens: int | None = None
+    """A thinking model's reasoning budget: after this many tokens of ``<think>`` reasoning,
+    ``</think>`` is forced (None: no limit). Needs single-token think markers in the tokenizer."""
 
     def __post_init__(self) -> None:
         self._validate_lengths()
@@ -156,6 +161,8 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
+        if self.max_thinking_tokens is not None:
+            _check_min("max_thinking_tokens", _require_int("max_thinking_tokens", self.max_thinking_tokens), 0)
 
     def _validate_sampling(self) -> None:
         _check_min("temperature", _require_float("temperature", self.temperature), 0)
@@ -271,6 +278,8 @@ class Request:
     error_message: str | None = None
     constraint: RequestConstraint | None = None
     """The matcher of its structured-output constraint (the model runner masks its logits)."""
+    reasoning_gate: ReasoningGate | None = None
+    """A thinking model's reasoning: where the constraint starts, the thinking budget."""
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0

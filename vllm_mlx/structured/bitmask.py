@@ -1,8 +1,9 @@
 """One step's token masks: fill the constrained rows' bitmasks, mask the batch's logits once.
 
 ``StepMasks.build(requests)`` syncs each constrained request's matcher with its accepted tokens
-and fills one ``[k, words]`` int32 bitmask for the ``k`` constrained rows (llguidance's
-executor, in parallel, off the GIL). ``apply`` masks the ``[N, V]`` logits in one MLX
+(those after its reasoning, see ``reasoning_gate``) and fills one ``[k, words]`` int32 bitmask
+for the ``k`` masked rows (llguidance's executor, in parallel, off the GIL); a row whose
+thinking budget is spent allows ``</think>`` alone. ``apply`` masks the ``[N, V]`` logits in one MLX
 expression: disallowed tokens, and logits columns the tokenizer does not have (models pad their
 vocabulary), become ``-inf``; rows without a constraint are not touched. After sampling,
 ``rejected`` names the requests whose token cannot be accepted (fail closed: they end with an
@@ -42,39 +43,83 @@ def _mask_executor():
         return _executor
 
 
+@dataclass(frozen=True)
+class RowMask:
+    """How one batch row is masked this step: by its constraint (following ``tokens``), or
+    by ``force_token`` alone (a thinking budget closing the reasoning)."""
+
+    row: int
+    constraint: RequestConstraint | None
+    tokens: Sequence[int] = ()
+    """The output tokens the constraint follows (those after the reasoning, if any)."""
+    force_token: int | None = None
+    also_allow: int | None = None
+    """A token allowed besides the constraint's (``<think>`` as a thinking model's first token)."""
+
+    @classmethod
+    def of(cls, row: int, request: Request) -> RowMask | None:
+        """The row's mask, or None when nothing restricts its next token."""
+        gate = getattr(request, "reasoning_gate", None)
+        if gate is None:
+            return cls(row, request.constraint, request.output_token_ids) if request.constraint else None
+        phase = gate.phase(request.output_token_ids)
+        if phase.force_token is not None:
+            return cls(row, None, force_token=phase.force_token)
+        if phase.constrain_from is None or request.constraint is None:
+            return None
+        tokens = request.output_token_ids[phase.constrain_from :]
+        return cls(row, request.constraint, tokens, also_allow=phase.also_allow)
+
+    @property
+    def width(self) -> int:
+        """Tokens the mask must cover."""
+        forced = (self.force_token or 0) + 1
+        return max(self.constraint.vocab_size if self.constraint else 0, forced, (self.also_allow or 0) + 1)
+
+
 @dataclass
 class StepMasks:
-    """Token masks of the constrained rows of one step's batch."""
+    """Token masks of the masked rows of one step's batch."""
 
-    rows: list[int]
-    """Batch rows that have a constraint (ascending)."""
-    constraints: list[RequestConstraint]
+    masks: list[RowMask]
+    """One per masked row (ascending rows)."""
     bitmask: np.ndarray
-    """``[len(rows), words]`` int32: bit ``t % 32`` of word ``t // 32`` is set when token t is allowed."""
+    """``[len(masks), words]`` int32: bit ``t % 32`` of word ``t // 32`` is set when token t is allowed."""
     errors: dict[int, str]
     """Row -> why its matcher failed before this step (its mask allows nothing)."""
 
+    @property
+    def rows(self) -> list[int]:
+        """Batch rows that are masked (ascending)."""
+        return [m.row for m in self.masks]
+
     @classmethod
     def build(cls, requests: Sequence[Request]) -> StepMasks | None:
-        """Masks for the rows of ``requests`` (one per batch row) that have a constraint; None
-        when none has one (the step then pays nothing)."""
-        rows = [i for i, r in enumerate(requests) if r.constraint is not None]
-        if not rows:
+        """Masks for the rows of ``requests`` (one per batch row) whose next token is restricted;
+        None when none is (the step then pays nothing)."""
+        masks = [m for i, r in enumerate(requests) if (m := RowMask.of(i, r)) is not None]
+        if not masks:
             return None
-        constraints = [requests[i].constraint for i in rows]
-        words = (max(c.vocab_size for c in constraints) + 31) // 32
-        bitmask = np.zeros((len(rows), words), dtype=np.int32)
+        words = (max(m.width for m in masks) + 31) // 32
+        bitmask = np.zeros((len(masks), words), dtype=np.int32)
         errors: dict[int, str] = {}
         live: list[tuple[object, int]] = []
-        for k, (row, constraint) in enumerate(zip(rows, constraints)):
-            error = constraint.sync(requests[row].output_token_ids)
+        for k, mask in enumerate(masks):
+            if mask.constraint is None:
+                continue
+            error = mask.constraint.sync(mask.tokens)
             if error is None:
-                live.append((constraint.matcher, k))
+                live.append((mask.constraint.matcher, k))
             else:
-                errors[row] = error
+                errors[mask.row] = error
         if live:
-            _mask_executor().unsafe_compute_mask_ptr(live, bitmask.ctypes.data, words * 4, len(rows))
-        return cls(rows, constraints, bitmask, errors)
+            _mask_executor().unsafe_compute_mask_ptr(live, bitmask.ctypes.data, words * 4, len(masks))
+        for k, mask in enumerate(masks):
+            if mask.force_token is not None:
+                _set_bit(bitmask, k, mask.force_token)
+            elif mask.also_allow is not None and mask.row not in errors:
+                _set_bit(bitmask, k, mask.also_allow)
+        return cls(masks, bitmask, errors)
 
     def apply(self, logits: mx.array) -> mx.array:
         """``logits`` ([N, V]) with every token the masks forbid at ``-inf`` (constrained rows only)."""
@@ -98,14 +143,14 @@ class StepMasks:
     def rejected(self, requests: Sequence[Request], token_ids: Sequence[int]) -> dict[str, str]:
         """Request id -> error, for each constrained row whose sampled token cannot be accepted."""
         out: dict[str, str] = {}
-        for k, (row, constraint) in enumerate(zip(self.rows, self.constraints)):
-            error = self.errors.get(row)
-            if error is None:
-                token = token_ids[row]
+        for k, mask in enumerate(self.masks):
+            token = token_ids[mask.row]
+            error = self.errors.get(mask.row)
+            if error is None and mask.constraint is not None and token != mask.also_allow:
                 allowed = self._bit(k, token)
-                error = constraint.check_sampled(token, allowed, allowed or bool(self.bitmask[k].any()))
+                error = mask.constraint.check_sampled(token, allowed, allowed or bool(self.bitmask[k].any()))
             if error is not None:
-                out[requests[row].request_id] = error
+                out[requests[mask.row].request_id] = error
         return out
 
     def _bit(self, k: int, token: int) -> bool:
@@ -113,3 +158,7 @@ class StepMasks:
         if token < 0 or word >= self.bitmask.shape[1]:
             return False
         return bool((int(self.bitmask[k, word]) >> (token & 31)) & 1)
+
+
+def _set_bit(bitmask: np.ndarray, k: int, token: int) -> None:
+    bitmask.view(np.uint32)[k, token >> 5] |= np.uint32(1 << (token & 31))

@@ -102,11 +102,14 @@ def plan_chat_output(
     prompt_tail: str,
     tool_parser_name: str | None = None,
     id_factory: IdFactory | None = None,
+    constraints_follow_reasoning: bool = False,
 ) -> ChatOutputParser:
     """The parser for one request. ``prompt_tail``: the end of the rendered prompt (an open
     ``<think>`` there means the output starts inside the reasoning).
 
-    A forced call's output is JSON from its first token, so it is not split for reasoning.
+    ``constraints_follow_reasoning``: the engine starts constraints after ``</think>`` (the
+    tokenizer has single-token think markers, see ``structured.reasoning_gate``). Otherwise a
+    forced call's output is JSON from its first token, so it is not split for reasoning.
 
     Raises:
         ValueError: ``auto`` with tools, but no tool-call format is known for the template and
@@ -122,7 +125,8 @@ def plan_chat_output(
                 "shows none we know: start the server with --tool-call-parser NAME, or use "
                 "tool_choice 'required' or a named function (enforced on any model)"
             )
-    reasoning = None if plan.choice.forced else select_reasoning_parser(chat_template, prompt_tail)
+    splits_reasoning = constraints_follow_reasoning or not plan.choice.forced
+    reasoning = select_reasoning_parser(chat_template, prompt_tail) if splits_reasoning else None
     return ChatOutputParser(plan, tool_parser, reasoning, id_factory)
 
 

@@ -93,6 +93,8 @@ class SamplingFields(_Strict):
     cache_salt: str | None = None
     """Folded into prefix-cache hashes: requests with different salts never share KV blocks."""
     response_format: ResponseFormat | None = None
+    max_thinking_tokens: int | None = None
+    """A thinking model's reasoning budget: ``</think>`` is forced after this many tokens."""
     structured_outputs: dict | None = None
     """vLLM's constraint object (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``,
     ...); checked by ``StructuredOutputsParams.from_dict``."""

@@ -78,13 +78,16 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int | None
     path: str
+    thinks: bool = False
+    """The tokenizer has single-token ``<think>``/``</think>``: constraints start after the reasoning."""
 
     @classmethod
     def read(cls, engine: AsyncEngineCore) -> ModelInfo:
         def info(core) -> ModelInfo:
             return cls(
-                core.tokenizer, core.max_model_len, core.vocab_size, str(core.model_path)
-            )
+                core.tokenizer, core.max_model_len, core.vocab_size, str(core.model_path),
+                core.think_tokens is not None,
+            )  # fmt: skip
 
         return engine.call(info)
 
@@ -181,6 +184,7 @@ class OpenAIServing:
             "ignore_eos": req.ignore_eos,
             "skip_special_tokens": req.skip_special_tokens,
             "logprobs": logprobs,
+            "max_thinking_tokens": req.max_thinking_tokens,
         }
         for name in (
             "temperature",
@@ -201,6 +205,11 @@ class OpenAIServing:
         except ValueError as exc:
             name = str(exc).split(" ", 1)[0]
             raise OpenAIError(400, str(exc), param=name if name in fields else None) from None
+        if params.max_thinking_tokens is not None and not self.info.thinks:
+            raise OpenAIError(
+                400, "max_thinking_tokens needs a thinking model (single-token <think> and </think>); this one has none.",
+                param="max_thinking_tokens",
+            )  # fmt: skip
         if params.max_tokens > room:
             raise OpenAIError(
                 400,

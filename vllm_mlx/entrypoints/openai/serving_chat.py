@@ -120,7 +120,9 @@ class ChatServing(OpenAIServing):
         template = template if isinstance(template, str) else str(template or "")
         try:
             tail = self.tokenizer.decode(token_ids[-16:])
-            return plan_chat_output(plan, template, tail, self.options.tool_call_parser)
+            return plan_chat_output(
+                plan, template, tail, self.options.tool_call_parser, constraints_follow_reasoning=self.info.thinks
+            )
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param="tool_choice") from None
 

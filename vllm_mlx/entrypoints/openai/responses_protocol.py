@@ -108,6 +108,8 @@ class ResponsesRequest(_Strict):
     """Accepted; nothing is stored either way."""
     metadata: dict | None = None
     user: str | None = None
+    structured_outputs: dict | None = None
+    """vLLM's constraint object (``regex``, ``json``, ``choice``, ...), as on chat completions."""
 
 
 # -- responses --------------------------------------------------------------------------------

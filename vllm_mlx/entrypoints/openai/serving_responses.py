@@ -185,7 +185,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     fields: dict = {
         "model": req.model, "messages": chat_messages(req), "max_completion_tokens": req.max_output_tokens,
         "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
-        "parallel_tool_calls": req.parallel_tool_calls,
+        "parallel_tool_calls": req.parallel_tool_calls, "structured_outputs": req.structured_outputs,
     }  # fmt: skip
     if req.tools:
         fields["tools"] = [_function_tool(t) for t in req.tools]

@@ -39,3 +39,20 @@ def tiny_llava_dir(tmp_path_factory):
     from tiny_vlm import build_tiny_llava
 
     return build_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
+
+
+@pytest.fixture(scope="session")
+def tools_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny llama with a Hermes-style tools chat template (tests/tool_models.py)."""
+    from tool_models import HERMES_TEMPLATE, with_template
+
+    return with_template(tiny_model_dir, tmp_path_factory.mktemp("tools") / "model", HERMES_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def thinking_model_dir(tiny_model_dir, tmp_path_factory):
+    """The same, with a ``<think>`` block opened in every generation prompt."""
+    from tool_models import HERMES_TEMPLATE, with_template
+
+    template = "{% set thinking = true %}" + HERMES_TEMPLATE
+    return with_template(tiny_model_dir, tmp_path_factory.mktemp("think") / "model", template)

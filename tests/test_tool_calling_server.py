@@ -11,7 +11,6 @@ runs on real engine output; reasoning likewise with a ``<think>`` template.
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
@@ -19,99 +18,11 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 import jsonschema  # noqa: E402
 
-from vllm_mlx.async_engine import AsyncEngineCore  # noqa: E402
+from tool_models import HERMES_CALL, MODEL, SCHEMAS, TOOLS, WEATHER, serve  # noqa: E402
+
 from vllm_mlx.chat import template_token_ids  # noqa: E402
-from vllm_mlx.entrypoints.openai.server import build_app  # noqa: E402
-from live_server import LiveServer  # noqa: E402
 
 pytestmark = pytest.mark.e2e
-MODEL = "tiny-tools"
-
-HERMES_TEMPLATE = """
-{%- if tools %}<|im_start|>system
-You may call these functions:
-<tools>
-{%- for tool in tools %}
-{{ tool | tojson }}
-{%- endfor %}
-</tools>
-Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
-{% endif %}
-{%- for message in messages %}
-{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant
-{%- for call in message.tool_calls %}
-<tool_call>
-{{ {"name": call.function.name, "arguments": call.function.arguments} | tojson }}
-</tool_call>
-{%- endfor %}<|im_end|>
-{% elif message.role == 'tool' %}<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
-{% else %}<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% if thinking %}<think>
-{% endif %}{% endif %}"""
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"enum": ["Paris", "Rome", "Oslo"]},
-                "days": {"type": "integer", "minimum": 1, "maximum": 7},
-            },
-            "required": ["city", "days"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"enum": ["UTC", "CET"]}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
-}
-TOOLS = [WEATHER, TIME]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
-
-
-def with_template(src, dst, template: str):
-    shutil.copytree(src, dst)
-    config_path = dst / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = template
-    config_path.write_text(json.dumps(config))
-    return dst
-
-
-@pytest.fixture(scope="module")
-def tools_model_dir(tiny_model_dir, tmp_path_factory):
-    return with_template(tiny_model_dir, tmp_path_factory.mktemp("tools") / "model", HERMES_TEMPLATE)
-
-
-@pytest.fixture(scope="module")
-def thinking_model_dir(tiny_model_dir, tmp_path_factory):
-    template = "{% set thinking = true %}" + HERMES_TEMPLATE
-    return with_template(tiny_model_dir, tmp_path_factory.mktemp("think") / "model", template)
-
-
-def serve(model_dir):
-    engine = AsyncEngineCore(model=str(model_dir), max_num_seqs=8).start()
-    return engine, LiveServer(build_app(engine, served_model_name=MODEL))
 
 
 @pytest.fixture(scope="module")

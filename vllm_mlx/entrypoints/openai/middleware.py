@@ -1,4 +1,5 @@
-"""ASGI middleware: API-key check and request-body size limit, both answering in OpenAI's error shape.
+"""ASGI middleware: API-key check and request-body size limit, answering in OpenAI's error shape
+(Anthropic's on the ``/v1/messages`` routes).
 
 Both are plain ASGI (not ``BaseHTTPMiddleware``), so streaming responses and client-disconnect
 notifications pass through untouched.
@@ -11,19 +12,24 @@ import json
 
 from starlette.exceptions import HTTPException
 
+from vllm_mlx.entrypoints.anthropic.protocol import error_body, is_messages_path
 from vllm_mlx.entrypoints.openai import DEFAULT_MAX_BODY_BYTES
 
 
 async def send_error(
     send,
+    scope,
     status: int,
     message: str,
     *,
     code: str | None = None,
-    type: str = "invalid_request_error",
     headers: list[tuple[bytes, bytes]] = (),
 ) -> None:
-    body = json.dumps({"error": {"message": message, "type": type, "param": None, "code": code}}).encode()
+    if is_messages_path(scope["path"]):
+        error = error_body(status, message)
+    else:
+        error = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+    body = json.dumps(error).encode()
     await send(
         {
             "type": "http.response.start",
@@ -35,21 +41,28 @@ async def send_error(
 
 
 class ApiKeyMiddleware:
-    """Require ``Authorization: Bearer <key>`` on ``/v1/...`` (compared in constant time)."""
+    """Require the key on ``/v1/...``: ``Authorization: Bearer <key>`` (OpenAI's clients) or
+    ``x-api-key: <key>`` (Anthropic's), compared in constant time."""
 
     def __init__(self, app, api_key: str, prefix: str = "/v1") -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
         self.prefix = prefix
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith(self.prefix):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                message = "Missing API key." if not given else "Incorrect API key provided."
-                await send_error(send, 401, message, code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")])
+            headers = dict(scope["headers"])
+            bearer, x_api_key = headers.get(b"authorization"), headers.get(b"x-api-key")
+            if not (self._matches(bearer, b"Bearer ") or self._matches(x_api_key)):
+                message = "Missing API key." if bearer is None and x_api_key is None else "Incorrect API key provided."
+                await send_error(
+                    send, scope, 401, message, code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")]
+                )
                 return
         await self.app(scope, receive, send)
+
+    def _matches(self, given: bytes | None, prefix: bytes = b"") -> bool:
+        return given is not None and hmac.compare_digest(given, prefix + self.key)
 
 
 class BodyTooLarge(HTTPException):
@@ -73,7 +86,7 @@ class BodySizeLimitMiddleware:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
             await send_error(
-                send, 413, f"Request body too large (limit {self.max_bytes} bytes).", code="request_too_large"
+                send, scope, 413, f"Request body too large (limit {self.max_bytes} bytes).", code="request_too_large"
             )
             return
         received = 0

@@ -43,6 +43,9 @@ class ErrorResponse(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's: every chunk carries the usage so far (the Anthropic stream needs the prompt's
+    token count in its first event)."""
 
 
 class JsonSchemaFormat(_Strict):
@@ -217,6 +220,9 @@ class CompletionLogprobs(BaseModel):
 
 
 FinishReason = Literal["stop", "length", "tool_calls"] | None
+StopReason = str | int | None
+"""vLLM's ``stop_reason``: the stop string or stop token id that ended a choice (None for
+the model's end-of-sequence token or any other ending)."""
 
 
 class FunctionCall(BaseModel):
@@ -254,6 +260,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason = None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -299,6 +306,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason = None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -3,8 +3,11 @@
     vllm-mlx serve [MODEL] --host 127.0.0.1 --port 8000 [--api-key KEY]
 
 ``build_app(engine)`` wires routes, middleware and error handlers around a started engine (the
-caller owns the engine; several apps may share one, as the tests do). Every error is OpenAI's
-``{"error": {message, type, param, code}}``: FastAPI's 422 validation errors become 400s.
+caller owns the engine; several apps may share one, as the tests do). Besides OpenAI's chat
+completions, completions and Responses, it serves Anthropic's Messages API (``/v1/messages``).
+Every error is OpenAI's ``{"error": {message, type, param, code}}`` (Anthropic's
+``{"type": "error", "error": {type, message}}`` on the ``/v1/messages`` routes): FastAPI's 422
+validation errors become 400s.
 """
 
 from __future__ import annotations
@@ -29,10 +32,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm_mlx import __version__
 from vllm_mlx.async_engine import AsyncEngineCore, EngineDeadError
 from vllm_mlx.engine_core import EngineConfig
+from vllm_mlx.entrypoints.anthropic.protocol import MessagesInput, MessagesRequest, error_body, is_messages_path
+from vllm_mlx.entrypoints.anthropic.serving import AnthropicServing
 from vllm_mlx.entrypoints.openai.cli_args import request_limits, serve_media_policy
 from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
 from vllm_mlx.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware, BodySizeLimitMiddleware
 from vllm_mlx.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from vllm_mlx.entrypoints.openai.responses_protocol import ResponsesRequest
 from vllm_mlx.entrypoints.openai.serving import (
     ClientDisconnected,
     ModelInfo,
@@ -42,6 +48,7 @@ from vllm_mlx.entrypoints.openai.serving import (
 )
 from vllm_mlx.entrypoints.openai.serving_chat import ChatServing
 from vllm_mlx.entrypoints.openai.serving_completion import CompletionServing
+from vllm_mlx.entrypoints.openai.serving_responses import ResponsesServing
 from vllm_mlx.media_policy import MediaPolicy
 
 logger = logging.getLogger(__name__)
@@ -81,6 +88,7 @@ def build_app(
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-mlx-tokenize")
     chat = ChatServing(engine, name, metrics, info, pool, options, media_policy=media_policy)
     completion = CompletionServing(engine, name, metrics, info, pool, options)
+    messages, responses = AnthropicServing(chat), ResponsesServing(chat)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -125,6 +133,18 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await _respond(completion.create(body, request))
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return await _respond(responses.create(body, request))
+
+    @app.post("/v1/messages")
+    async def create_message(body: MessagesRequest, request: Request) -> Response:
+        return await _respond(messages.create(body, request))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: MessagesInput) -> dict:
+        return (await messages.count_tokens(body)).model_dump()
 
     @app.get("/v1/cache/stats")
     async def cache_stats() -> dict:
@@ -183,35 +203,38 @@ def engine_health(engine: AsyncEngineCore) -> str:
 # -- errors -----------------------------------------------------------------------------------
 
 
-def _error_response(exc: OpenAIError) -> JSONResponse:
+def _error_response(exc: OpenAIError, request: Request | None = None) -> JSONResponse:
+    """The error in the shape of the API the request went to."""
+    if request is not None and is_messages_path(request.url.path):
+        return JSONResponse(error_body(exc.status, exc.message), status_code=exc.status)
     return JSONResponse(exc.to_dict(), status_code=exc.status)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-        return _error_response(exc)
+        return _error_response(exc, request)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(validation_to_openai(exc.errors()))
+        return _error_response(validation_to_openai(exc.errors()), request)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
-        response = _error_response(OpenAIError(exc.status_code, str(exc.detail), code=code))
+        response = _error_response(OpenAIError(exc.status_code, str(exc.detail), code=code), request)
         response.headers.update(exc.headers or {})
         return response
 
     @app.exception_handler(EngineDeadError)
     async def dead_engine(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return _error_response(engine_dead())
+        return _error_response(engine_dead(), request)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         # The details (paths, reprs) go to the log, never to the client.
         logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return _error_response(OpenAIError(500, "Internal server error; see the server log."))
+        return _error_response(OpenAIError(500, "Internal server error; see the server log."), request)
 
 
 def validation_to_openai(errors) -> OpenAIError:

@@ -382,6 +382,11 @@ def sse(event: BaseModel) -> str:
     return f"data: {event.model_dump_json()}\n\n"
 
 
+def named_sse(event: str, data: dict) -> str:
+    """A server-sent event with an ``event:`` line (the Anthropic and Responses streams)."""
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
 def sse_error(exc: OpenAIError) -> str:
     """An error after the stream started (the status is already 200): an error event."""
     return f"data: {json.dumps(exc.to_dict())}\n\n"

@@ -76,17 +76,8 @@ class ChatServing(OpenAIServing):
     ) -> ChatCompletionResponse | AsyncIterator[ChatCompletionChunk]:
         """Run one chat request: the response, or (``stream=True``) its chunks. Errors before
         the first output raise ``OpenAIError``; the chunk iterator raises it for later ones."""
-        self.check_model(req.model)
-        _check_supported(req)
-        plan = _tool_plan(req)
-        chat = self._split_images(req)
-        token_ids = await self.run_tokenizer(
-            self._apply_template, chat.messages, req.add_generation_prompt, plan.template_tools
-        )
-        prompt = await self._with_images(token_ids, chat.images) if chat.images else token_ids
-        if isinstance(prompt, PreparedPrompt):
-            token_ids = prompt.token_ids
-        self.check_prompt(token_ids, param="messages")
+        plan, prompt = await self.render(req)
+        token_ids = prompt.token_ids if isinstance(prompt, PreparedPrompt) else prompt
         parser = self._output_parser(plan, token_ids)
         top_k = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -101,6 +92,20 @@ class ChatServing(OpenAIServing):
         choices = [self._choice(c, parser, top_k) for c in final.outputs]
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=self.usage([final]))
 
+    async def render(self, req: ChatCompletionRequest) -> tuple[ToolPlan, list[int] | PreparedPrompt]:
+        """The request's tool plan and its prompt exactly as the engine gets it (template with
+        the tools, images loaded), checked against the context limit; nothing is generated."""
+        self.check_model(req.model)
+        _check_supported(req)
+        plan = _tool_plan(req)
+        chat = self._split_images(req)
+        token_ids = await self.run_tokenizer(
+            self._apply_template, chat.messages, req.add_generation_prompt, plan.template_tools
+        )
+        prompt = await self._with_images(token_ids, chat.images) if chat.images else token_ids
+        self.check_prompt(prompt.token_ids if isinstance(prompt, PreparedPrompt) else prompt, param="messages")
+        return plan, prompt
+
     def _choice(self, c: CompletionOutput, parser: ChatOutputParser, top_k: int | None) -> ChatChoice:
         result = parser.extract(c.text) if parser.parses_anything else ChatResult(c.text)
         calls = [
@@ -113,7 +118,8 @@ class ChatServing(OpenAIServing):
             tool_calls=calls or None,
         )
         finish = parser.finish_reason(c.finish_reason, len(calls))
-        return ChatChoice(index=c.index, message=message, finish_reason=finish, logprobs=self._logprobs(c, 0, top_k))
+        logprobs = self._logprobs(c, 0, top_k)
+        return ChatChoice(index=c.index, message=message, finish_reason=finish, stop_reason=c.stop_reason, logprobs=logprobs)
 
     def _output_parser(self, plan: ToolPlan, token_ids: list[int]) -> ChatOutputParser:
         template = getattr(self.tokenizer, "chat_template", None)
@@ -162,18 +168,23 @@ class ChatServing(OpenAIServing):
         created = int(time.time())
         choices = [_StreamedChoice(i, parser.stream()) for i in range(req.n)]
 
-        def chunk(choices, usage=None) -> ChatCompletionChunk:
+        continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
+
+        def chunk(choices, usage=None, output=None) -> ChatCompletionChunk:
+            if usage is None and continuous and output is not None:
+                usage = self.usage([output])
             return ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices, usage=usage)
 
         try:
-            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(req.n)])
+            roles = [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(req.n)]
+            yield chunk(roles, output=first[1])
             item, final = first, None
             while item is not None:
                 output = item[1]
                 for c in output.outputs:
                     state = choices[c.index]
                     for piece in state.advance(c, parser, self._logprobs(c, state.sent_tokens, top_k)):
-                        yield chunk([piece])
+                        yield chunk([piece], output=output)
                 final = output if output.finished else final
                 item = await anext(rest, None)
             if req.stream_options and req.stream_options.include_usage and final is not None:
@@ -219,6 +230,7 @@ class _StreamedChoice:
             pieces[0].logprobs = logprobs
         if finished:
             pieces[-1].finish_reason = parser.finish_reason(c.finish_reason, self.parser.num_calls)
+            pieces[-1].stop_reason = c.stop_reason
         return pieces
 
 

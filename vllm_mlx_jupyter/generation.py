@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from vllm_mlx.engine_core import PreparedPrompt
+    from vllm_mlx.input_processor import PreparedPrompt
 
 QUEUED, PREFILLING, GENERATING = "queued", "prefilling", "generating"
 DONE, ABORTED, ERROR = "done", "aborted", "error"

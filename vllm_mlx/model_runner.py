@@ -33,9 +33,9 @@ from vllm_mlx.canonical import canonical_bytes
 from vllm_mlx.kv_spec import BlockGroups, GroupLayout, KVLayout, group_layers, is_recurrent
 from vllm_mlx.mllm_cache import MLLMCacheManager
 from vllm_mlx.multimodal import ImageInput
+from vllm_mlx.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepRecord
 from vllm_mlx.request import Request, SamplingParams
 from vllm_mlx.sampling import SamplingRow, sample
-from vllm_mlx.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepRecord
 from vllm_mlx.state_pool import RecurrentLayerCache, StateLayout, StatePool, StateWrite, probe_state_layout
 from vllm_mlx.structured.bitmask import StepMasks
 

@@ -3,7 +3,8 @@
 Pure bookkeeping (no MLX). The scheduler talks to the KV cache through one front door,
 ``KVCacheManager`` (find computed blocks, allocate slots, complete a step, free), and never
 touches KV arrays.
-The model runner sees only a ``SchedulerOutput`` and answers with a ``ModelRunnerOutput``.
+The model runner sees only a ``SchedulerOutput`` and answers with a ``ModelRunnerOutput`` (both
+plain data in ``outputs.py``, re-exported here).
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ def test_a_fault_in_the_output_processing_fails_only_its_request(engine_factory)
     def broken(token_ids):
         raise RuntimeError(f"injected fault reading {SECRET}")
 
-    engine._completion_of["bad"].detokenizer.add_tokens = broken
+    engine.output_processor._completion_of["bad"].detokenizer.add_tokens = broken
     final = run_all(engine)
     assert_failed_alone(final, "bad", ids, expected)
     assert engine.kv_cache.stats().num_used_blocks == 0

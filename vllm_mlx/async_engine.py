@@ -28,9 +28,10 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from vllm_mlx.engine_core import EngineConfig, EngineCore, PreparedPrompt
+from vllm_mlx.engine_core import EngineConfig, EngineCore
 from vllm_mlx.errors import VllmMlxError
 from vllm_mlx.images import ImageSource
+from vllm_mlx.input_processor import PreparedPrompt
 from vllm_mlx.media_policy import MediaPolicy
 from vllm_mlx.mlx_threads import clear_streams_at_exit, clear_thread_streams, create_random_state_here
 from vllm_mlx.request import RequestOutput, SamplingParams

@@ -24,7 +24,6 @@ token the constraint cannot accept is reported in ``ModelRunnerOutput.errors``.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -34,9 +33,9 @@ from vllm_mlx.canonical import canonical_bytes
 from vllm_mlx.kv_spec import BlockGroups, GroupLayout, KVLayout, group_layers, is_recurrent
 from vllm_mlx.mllm_cache import MLLMCacheManager
 from vllm_mlx.multimodal import ImageInput
+from vllm_mlx.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepRecord
 from vllm_mlx.request import Request, SamplingParams
 from vllm_mlx.sampling import SamplingRow, sample
-from vllm_mlx.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from vllm_mlx.state_pool import RecurrentLayerCache, StateLayout, StatePool, StateWrite, probe_state_layout
 from vllm_mlx.structured.bitmask import StepMasks
 
@@ -46,16 +45,6 @@ from vllm_mlx.structured.bitmask import StepMasks
 # relatively faster, so a call weighs more there. Padding a row costs its padded tokens.
 CALL_COST_TOKENS = 32
 NULL_BLOCK = 0  # reserved: never allocated to a request (padding writes land there)
-
-
-@dataclass
-class StepRecord:
-    """What one step ran (observers and tests read these; cheap plain data)."""
-
-    step_id: int
-    request_ids: list[str]
-    num_new_tokens: list[int]
-    num_forward_calls: int
 
 
 def group_for_padding(scheduled: list[ScheduledRequest], pad: bool = True) -> list[list[ScheduledRequest]]:

@@ -37,8 +37,8 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
+from vllm_mlx.outputs import TokenLogprobs
 from vllm_mlx.request import SamplingParams
-from vllm_mlx.scheduler import TokenLogprobs
 
 GREEDY_EPS = 1e-5
 """Temperatures below this are greedy (vLLM's _SAMPLING_EPS); 0 is the documented value."""

@@ -3,20 +3,25 @@
 Pure bookkeeping (no MLX). The scheduler talks to the KV cache through one front door,
 ``KVCacheManager`` (find computed blocks, allocate slots, complete a step, free), and never
 touches KV arrays.
-The model runner sees only a ``SchedulerOutput`` and answers with a ``ModelRunnerOutput``.
+The model runner sees only a ``SchedulerOutput`` and answers with a ``ModelRunnerOutput`` (both
+plain data in ``outputs.py``, re-exported here).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from vllm_mlx.errors import internal_error_message
 from vllm_mlx.kv_cache_manager import KVCacheManager
+from vllm_mlx.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from vllm_mlx.paged_cache import PagedCacheManager
 from vllm_mlx.request import Request, RequestStatus
 from vllm_mlx.waiting_queue import WaitingQueue
+
+# Re-exported: these lived here, and the seed exports SchedulerOutput from this module.
+__all__ = ["ModelRunnerOutput", "ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput", "TokenLogprobs"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,77 +46,6 @@ class SchedulerConfig:
     """Reuse computed full blocks across requests with the same prefix."""
     max_model_len: int | None = None
     """Longest prompt + output a request may reach (the model's context); None = unlimited."""
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's work in a step: compute ``num_new_tokens`` tokens starting at
-    ``num_computed_tokens`` (i.e. token ids ``request.all_token_ids[start:start + n]``)."""
-
-    request: Request
-    num_computed_tokens: int
-    num_new_tokens: int
-    block_ids: list[int]
-    """The request's whole block table after this step's allocation."""
-    state_slot: int = 0
-    """The request's recurrent-state slot (models with recurrent layers; 0: the null slot)."""
-    state_read_slot: int | None = None
-    """Where this step reads the state from when not ``state_slot``: the checkpoint a prefix
-    hit resumes from, in the first step after admission."""
-    checkpoint_slot: int | None = None
-    """A state-checkpoint slot this step also writes its final state into (the step ends on a
-    block boundary; published for prefix hits once the step succeeded)."""
-    block_tables: list[list[int]] | None = None
-    """With several block groups, the table of each (``block_ids`` is the first); else None."""
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the end of the known tokens, so a token is sampled.
-        A prefill chunk that stops short of the prompt's end samples nothing."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    """What the model runner executes in one step."""
-
-    step_id: int
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)
-    """Requests preempted while building this step (their blocks are already freed)."""
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class TokenLogprobs:
-    """Log-probabilities for one generated token (from the raw model distribution)."""
-
-    token_id: int
-    logprob: float
-    top: dict[int, float]
-    """The top-N token ids and their logprobs (N = SamplingParams.logprobs; may be empty)."""
-
-
-@dataclass
-class ModelRunnerOutput:
-    """Sampled tokens of one step, keyed by request id (only requests whose step samples)."""
-
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    errors: dict[str, str] = field(default_factory=dict)
-    """Requests whose work failed in the runner (e.g. the vision encoder rejected an image):
-    they were left out of the forward and finish with FINISHED_ERROR; the batch goes on."""
 
 
 class Scheduler:

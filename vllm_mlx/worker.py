@@ -30,9 +30,9 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from vllm_mlx.engine_core import DEFAULT_KV_CACHE_MEMORY, available_memory, kv_bytes_per_token, kv_shape
+from vllm_mlx.kv_sizing import DEFAULT_KV_CACHE_MEMORY, available_memory, kv_bytes_per_token, kv_shape
+from vllm_mlx.outputs import ScheduledRequest, SchedulerOutput, TokenLogprobs
 from vllm_mlx.request import Request, SamplingParams
-from vllm_mlx.scheduler import ScheduledRequest, SchedulerOutput, TokenLogprobs
 
 logger = init_logger(__name__)
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from vllm_mlx_jupyter.reading import OutputReader, Reading
 
 if TYPE_CHECKING:
-    from vllm_mlx.engine_core import PreparedPrompt
+    from vllm_mlx.input_processor import PreparedPrompt
     from vllm_mlx.tool_parsers import ToolCall
 
 QUEUED, PREFILLING, GENERATING = "queued", "prefilling", "generating"

@@ -23,9 +23,9 @@ from functools import lru_cache
 from pydantic import BaseModel
 
 from vllm_mlx.async_engine import AsyncEngineCore, EngineDeadError, RequestStream
-from vllm_mlx.engine_core import PreparedPrompt
 from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
 from vllm_mlx.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
+from vllm_mlx.input_processor import PreparedPrompt
 from vllm_mlx.request import RequestOutput, SamplingParams
 from vllm_mlx.structured.grammar import CompiledGrammar, ConstraintError
 from vllm_mlx.structured.matcher import ERROR_PREFIX as CONSTRAINT_ERROR_PREFIX

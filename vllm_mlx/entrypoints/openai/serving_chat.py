@@ -20,8 +20,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from vllm_mlx.chat import ChatPrompt, split_chat_images, template_token_ids
-from vllm_mlx.engine_core import PreparedPrompt
-
 from vllm_mlx.entrypoints.openai.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -46,6 +44,7 @@ from vllm_mlx.entrypoints.openai.serving import (
     sse_error,
     top_entries,
 )
+from vllm_mlx.input_processor import PreparedPrompt
 from vllm_mlx.media_policy import MediaPolicy
 from vllm_mlx.request import CompletionOutput
 from vllm_mlx.tool_parsers.chat_output import (

@@ -134,6 +134,24 @@ def test_min_tokens_and_stop_token_ids(engine_factory):
     assert len(out.token_ids) >= 6 and stop_id not in out.token_ids[:6]
 
 
+def test_the_stopping_token_is_not_text_even_with_special_tokens_kept(engine_factory):
+    """EOS and stop token ids stay in ``token_ids`` but not in the text (as vLLM): a parser
+    that needs special tokens must not see ``<|im_end|>`` at the end of every answer."""
+    from vllm_mlx.structured import StructuredOutputsParams
+
+    engine = engine_factory()
+    rid = engine.add_request(PROMPTS[1], GREEDY)
+    tokens = run_all(engine)[rid].outputs[0].token_ids
+    keep = GREEDY.clone(skip_special_tokens=False)
+    rid = engine.add_request(PROMPTS[1], keep.clone(stop_token_ids=[tokens[1]]))
+    out = run_all(engine)[rid].outputs[0]
+    assert out.token_ids == tokens[:2] and out.text == engine.tokenizer.decode(tokens[:1])
+    only_yes = keep.clone(ignore_eos=False, structured_outputs=StructuredOutputsParams(choice=["yes"]))
+    rid = engine.add_request(PROMPTS[1], only_yes)  # after "yes" only EOS is allowed
+    out = run_all(engine)[rid].outputs[0]
+    assert out.token_ids[-1] in engine.eos_token_ids and out.text == "yes"
+
+
 def test_n_completions_share_the_prompt(engine_factory):
     engine = engine_factory()
     params = SamplingParams(max_tokens=8, temperature=1.0, n=3, seed=7, ignore_eos=True)

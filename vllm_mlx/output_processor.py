@@ -167,9 +167,16 @@ class OutputProcessor:
         return outputs
 
     def _absorb(self, completion: _Completion, logprobs: TokenLogprobs | None) -> None:
-        """Detokenize the completion's new tokens, apply stop strings, record logprobs."""
+        """Detokenize the completion's new tokens, apply stop strings, record logprobs.
+
+        The token that stopped the completion (EOS or one of ``stop_token_ids``) stays in
+        ``token_ids`` but is not text, as in vLLM: with ``skip_special_tokens=False`` (tool-call
+        formats whose markers are special tokens) it would otherwise end every answer."""
         request = completion.request
-        completion.detokenizer.add_tokens(request.output_token_ids[completion.num_detokenized :])
+        new_tokens = request.output_token_ids[completion.num_detokenized :]
+        if new_tokens and _stopped_by_token(request):
+            new_tokens = new_tokens[:-1]
+        completion.detokenizer.add_tokens(new_tokens)
         completion.num_detokenized = request.num_output_tokens
         if completion.detokenizer.stop_string is not None and not request.is_finished:
             self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, completion.detokenizer.stop_string)
@@ -220,3 +227,8 @@ class OutputProcessor:
             self._completion_of.pop(completion.request.request_id, None)
         self._groups.pop(group.request_id, None)
         return self._group_output(group)
+
+
+def _stopped_by_token(request: Request) -> bool:
+    """The request ended on its last token being EOS or a stop token id (not a stop string)."""
+    return request.status == RequestStatus.FINISHED_STOPPED and not isinstance(request.stop_reason, str)

@@ -50,6 +50,14 @@ def tools_model_dir(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def harmony_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny llama with a gpt-oss style (Harmony) chat template."""
+    from tool_models import HARMONY_TEMPLATE, with_template
+
+    return with_template(tiny_model_dir, tmp_path_factory.mktemp("harmony") / "model", HARMONY_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
 def thinking_model_dir(tiny_model_dir, tmp_path_factory):
     """The same, with a ``<think>`` block opened in every generation prompt."""
     from tool_models import HERMES_TEMPLATE, with_template

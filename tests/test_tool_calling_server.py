@@ -11,6 +11,7 @@ runs on real engine output; reasoning likewise with a ``<think>`` template.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -196,3 +197,32 @@ def test_reasoning_is_split_from_the_answer_whole_and_streamed(thinking_model_di
     finally:
         live.stop()
         engine.stop()
+
+
+def test_harmony_output_is_split_into_reasoning_content_and_calls(harmony_model_dir):
+    """A gpt-oss style template: the output is parsed as Harmony, whole and streamed (the stop
+    token the server now decodes is not content)."""
+    engine, live = serve(harmony_model_dir)
+    try:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+        analysis = "<|channel|>analysis<|message|>Oslo is cold.<|end|><|start|>assistant"
+        answer = {"structured_outputs": {"regex": re.escape(analysis + "<|channel|>final<|message|>It is cold.<|return|>")}}
+        message = ask(client, max_tokens=200, extra_body=answer).choices[0].message
+        assert (message.reasoning_content, message.content, message.tool_calls) == ("Oslo is cold.", "It is cold.", None)
+        assert streamed(client, max_tokens=200, extra_body=answer) == ("It is cold.", "Oslo is cold.", [], "stop")
+
+        call = ' to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{"city":"Oslo","days":2}<|call|>'
+        force = {"structured_outputs": {"regex": re.escape(analysis + call)}}
+        whole = ask(client, tools=TOOLS, max_tokens=200, extra_body=force).choices[0]
+        assert whole.finish_reason == "tool_calls" and whole.message.content is None
+        assert whole.message.reasoning_content == "Oslo is cold."
+        expected = [{"name": "get_weather", "arguments": json.dumps({"city": "Oslo", "days": 2})}]
+        assert as_dicts(whole.message.tool_calls) == expected
+        check_call(whole.message.tool_calls[0])
+        content, reasoning, calls, finish = streamed(client, tools=TOOLS, max_tokens=200, extra_body=force)
+        assert (content, reasoning, finish) == ("", "Oslo is cold.", "tool_calls")
+        assert [{"name": c["name"], "arguments": c["arguments"]} for c in calls] == expected
+    finally:
+        live.stop()
+        engine.stop()
+

@@ -3,7 +3,9 @@ tool-calling, Anthropic Messages and OpenAI Responses server tests.
 
 The template renders tools in the system turn (``<tools>``), calls as ``<tool_call>`` JSON and
 results as ``<tool_response>``; ``{% set thinking = true %}`` in front opens a ``<think>`` block.
-The fixtures ``tools_model_dir`` and ``thinking_model_dir`` (conftest.py) build the models.
+The fixtures ``tools_model_dir`` and ``thinking_model_dir`` (conftest.py) build the models;
+``harmony_model_dir`` has a gpt-oss style (Harmony) template instead, whose markers are plain text
+to this tokenizer (SmolLM2's).
 """
 
 from __future__ import annotations
@@ -43,6 +45,27 @@ Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% if thinking %}<think>
 {% endif %}{% endif %}"""
+
+HARMONY_TEMPLATE = """
+{%- if tools %}<|start|>developer<|message|># Tools
+
+namespace functions {
+{%- for tool in tools %}
+// {{ tool.function.description }}
+type {{ tool.function.name }} = (_: {{ tool.function.parameters | tojson }}) => any;
+{%- endfor %}
+} // namespace functions<|end|>
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' and message.tool_calls %}
+{%- for call in message.tool_calls %}<|start|>assistant to=functions.{{ call.function.name }}<|channel|>commentary json<|message|>{{ call.function.arguments }}<|call|>
+{%- endfor %}
+{%- elif message.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ message.content }}<|end|>
+{%- elif message.role == 'tool' %}<|start|>functions.tool to=assistant<|channel|>commentary<|message|>{{ message.content }}<|end|>
+{%- else %}<|start|>{{ message.role }}<|message|>{{ message.content }}<|end|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start|>assistant{% endif %}"""
 
 WEATHER = {
     "type": "function",

@@ -432,7 +432,7 @@ def _tool_choice(choice: str | None) -> str | dict | None:
 def _auto_problem(template: str, parser_name: str | None, model: str | None) -> str | None:
     """Why ``auto`` cannot work here (the model must see the tools, and its calls must be
     readable); None when it can."""
-    from vllm_mlx.tool_parsers import TOOL_PARSERS, tool_parser_name
+    from vllm_mlx.tool_parsers.registry import PARSER_NAMES, tool_parser_name
 
     if "tools" not in template:
         return (
@@ -442,7 +442,7 @@ def _auto_problem(template: str, parser_name: str | None, model: str | None) -> 
     if parser_name is None and tool_parser_name(template) is None:
         return (
             "the model's chat template shows no tool-call format known here: "
-            f"give --tool-call-parser NAME (one of {', '.join(sorted(TOOL_PARSERS))})"
+            f"give --tool-call-parser NAME (one of {', '.join(PARSER_NAMES)})"
         )
     return None
 

@@ -6,6 +6,7 @@
 - ``hermes.py`` (Hermes, Qwen2.5, Qwen3), ``qwen3_coder.py`` (XML), ``llama3.py`` (Llama 3.x
   JSON), ``mistral.py`` (``[TOOL_CALLS]``).
 - ``reasoning.py``: ``<think>...</think>``.
+- ``harmony.py``: gpt-oss's Harmony messages (reasoning, content and calls from one stream).
 - ``registry.py``: pick a parser by name or from a chat template.
 
 Pure Python, no MLX: the server's output processing uses it off the engine thread.
@@ -20,6 +21,7 @@ from vllm_mlx.tool_parsers.base import (
     ToolParser,
     reassemble,
 )
+from vllm_mlx.tool_parsers.harmony import HarmonyParser
 from vllm_mlx.tool_parsers.hermes import HermesToolParser
 from vllm_mlx.tool_parsers.llama3 import Llama3JsonToolParser
 from vllm_mlx.tool_parsers.mistral import MistralToolParser
@@ -29,6 +31,7 @@ from vllm_mlx.tool_parsers.registry import TOOL_PARSERS, select_reasoning_parser
 
 __all__ = [
     "TOOL_PARSERS",
+    "HarmonyParser",
     "HermesToolParser",
     "Llama3JsonToolParser",
     "MistralToolParser",

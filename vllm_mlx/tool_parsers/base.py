@@ -138,6 +138,8 @@ class ToolParser:
     # when ``start_closes_region`` (Mistral's ``[TOOL_CALLS]a[ARGS]{}[TOOL_CALLS]b[ARGS]{}``).
     end_marker: str | None = None
     start_closes_region: bool = False
+    # The markers are special tokens, dropped from text unless the request decodes them.
+    needs_special_tokens: bool = False
 
     def __init__(self, tools: Sequence[dict] | None = None, id_factory: IdFactory | None = None):
         self.schemas = tool_schemas(tools)
@@ -295,3 +297,36 @@ class ToolCallStream:
             out.append(StreamDelta(content=self.pending_ws + body))
             self.pending_ws, self.sent_content = "", True
         self.pending_ws += text[len(body) :]
+
+
+# -- one chat output: reasoning, content and calls (chat_output.py and harmony.py make these) --
+
+
+@dataclass(slots=True)
+class ChatDelta:
+    """One streamed piece: reasoning, content, or a piece of a tool call."""
+
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_call: ToolCallDelta | None = None
+
+
+@dataclass(slots=True)
+class ChatResult:
+    """A whole output, parsed; empty parts are None (``tool_calls`` an empty list)."""
+
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+def assemble(deltas: Sequence[ChatDelta]) -> ChatResult:
+    """Concatenate deltas, as a client reassembles a stream."""
+    content, reasoning, calls = "", "", {}
+    for delta in deltas:
+        content += delta.content or ""
+        reasoning += delta.reasoning_content or ""
+        if (piece := delta.tool_call) is not None:
+            call = calls.setdefault(piece.index, ToolCall(id=piece.id or "", name=piece.name or "", arguments=""))
+            call.arguments += piece.arguments
+    return ChatResult(content or None, reasoning or None, [calls[i] for i in sorted(calls)])

@@ -4,19 +4,21 @@ A request's ``ChatOutputParser`` is planned from its tools, its ``tool_choice`` 
 chat template (``plan_chat_output``), then parses every completion of that request: the text goes
 through the reasoning parser first (when the template has ``<think>``), and what is content goes
 through the tool-call parser of ``auto`` or the ``ForcedCallStream`` of ``required``/named calls.
+A Harmony model's output (gpt-oss) goes through one ``HarmonyStream`` instead, which yields all
+three; its forced calls stay constrained JSON from the first token (the forced stream).
 
 Streaming any chunking gives exactly the non-streamed result (``extract`` is the stream).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from vllm_mlx.structured.params import StructuredOutputsParams
-from vllm_mlx.tool_parsers.base import IdFactory, ToolCall, ToolCallDelta, ToolParser
+from vllm_mlx.tool_parsers.base import ChatDelta, ChatResult, IdFactory, ToolParser, assemble
+from vllm_mlx.tool_parsers.harmony import HarmonyParser, HarmonyStream
 from vllm_mlx.tool_parsers.reasoning import ReasoningParser
-from vllm_mlx.tool_parsers.registry import select_reasoning_parser, select_tool_parser
+from vllm_mlx.tool_parsers.registry import select_reasoning_parser, select_tool_parser, uses_harmony
 from vllm_mlx.tool_parsers.tool_choice import (
     ForcedCallStream,
     ToolChoice,
@@ -24,24 +26,6 @@ from vllm_mlx.tool_parsers.tool_choice import (
     forced_call_constraint,
     parse_tool_choice,
 )
-
-
-@dataclass(slots=True)
-class ChatDelta:
-    """One streamed piece: reasoning, content, or a piece of a tool call."""
-
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_call: ToolCallDelta | None = None
-
-
-@dataclass(slots=True)
-class ChatResult:
-    """A whole output, parsed; empty parts are None (``tool_calls`` an empty list)."""
-
-    content: str | None
-    reasoning_content: str | None = None
-    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -75,15 +59,24 @@ class ChatOutputParser:
         tool_parser: ToolParser | None = None,
         reasoning: ReasoningParser | None = None,
         id_factory: IdFactory | None = None,
+        harmony: HarmonyParser | None = None,
     ) -> None:
         self.plan, self.tool_parser, self.reasoning, self.id_factory = plan, tool_parser, reasoning, id_factory
+        self.harmony = harmony
+        """Set: every output is Harmony, parsed by its own stream (no reasoning or tool parser)."""
 
     @property
     def parses_anything(self) -> bool:
-        return self.reasoning is not None or self.tool_parser is not None or self.plan.choice.forced
+        parsers = (self.reasoning, self.tool_parser, self.harmony)
+        return self.plan.choice.forced or any(p is not None for p in parsers)
 
-    def stream(self) -> ChatOutputStream:
-        return ChatOutputStream(self)
+    @property
+    def needs_special_tokens(self) -> bool:
+        """The format's markers are special tokens: the output must be decoded with them."""
+        return any(getattr(p, "needs_special_tokens", False) for p in (self.tool_parser, self.harmony))
+
+    def stream(self) -> ChatOutputStream | HarmonyStream:
+        return self.harmony.stream() if self.harmony is not None else ChatOutputStream(self)
 
     def extract(self, text: str) -> ChatResult:
         return assemble(self.stream().feed_all(text))
@@ -111,11 +104,17 @@ def plan_chat_output(
     tokenizer has single-token think markers, see ``structured.reasoning_gate``). Otherwise a
     forced call's output is JSON from its first token, so it is not split for reasoning.
 
+    A Harmony template (or ``tool_parser_name`` harmony) gives a Harmony parser unless the call
+    is forced; only ``auto`` calls a function (with ``none`` or no tools a call is content).
+
     Raises:
         ValueError: ``auto`` with tools, but no tool-call format is known for the template and
-            no ``tool_parser_name`` was given.
+            no ``tool_parser_name`` was given; or an unknown ``tool_parser_name``.
     """
     tools = plan.template_tools
+    if not plan.choice.forced and uses_harmony(chat_template, tool_parser_name):
+        harmony = HarmonyParser(tools if plan.choice.mode == "auto" else [], id_factory)
+        return ChatOutputParser(plan, id_factory=id_factory, harmony=harmony)
     tool_parser = None
     if plan.choice.mode == "auto":
         tool_parser = select_tool_parser(chat_template, tool_parser_name, tools, id_factory)
@@ -176,15 +175,3 @@ class ChatOutputStream:
                 self.num_calls = max(self.num_calls, delta.tool_call.index + 1)
             out.append(ChatDelta(content=delta.content, tool_call=delta.tool_call))
         return out
-
-
-def assemble(deltas: Sequence[ChatDelta]) -> ChatResult:
-    """Concatenate deltas, as a client reassembles a stream."""
-    content, reasoning, calls = "", "", {}
-    for delta in deltas:
-        content += delta.content or ""
-        reasoning += delta.reasoning_content or ""
-        if (piece := delta.tool_call) is not None:
-            call = calls.setdefault(piece.index, ToolCall(id=piece.id or "", name=piece.name or "", arguments=""))
-            call.arguments += piece.arguments
-    return ChatResult(content or None, reasoning or None, [calls[i] for i in sorted(calls)])

@@ -32,6 +32,7 @@ class MistralToolParser(ToolParser):
     start_markers = ("[TOOL_CALLS]",)
     end_marker = None
     start_closes_region = True
+    needs_special_tokens = True  # [TOOL_CALLS] is a control token in v3+ tokenizers
 
     def __init__(self, tools: Sequence[dict] | None = None, id_factory: IdFactory | None = None):
         super().__init__(tools, id_factory or mistral_call_id)

@@ -1,4 +1,7 @@
-"""Which tool-call parser a model needs: by name (``--tool-call-parser``) or from its template."""
+"""Which tool-call parser a model needs: by name (``--tool-call-parser``) or from its template.
+
+Harmony (gpt-oss) is no tool parser: one stream splits reasoning, content and calls
+(``harmony.py``), so it is chosen apart (``uses_harmony``) but named the same way."""
 
 from __future__ import annotations
 
@@ -14,11 +17,17 @@ from vllm_mlx.tool_parsers.reasoning import THINK_START, ReasoningParser, prompt
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     cls.name: cls for cls in (HermesToolParser, Qwen3CoderToolParser, Llama3JsonToolParser, MistralToolParser)
 }
-ALIASES = {"qwen": "hermes", "qwen2_5": "hermes", "qwen3": "hermes", "llama3": "llama3_json", "llama": "llama3_json"}
+HARMONY = "harmony"
+ALIASES = {
+    "qwen": "hermes", "qwen2_5": "hermes", "qwen3": "hermes", "llama3": "llama3_json", "llama": "llama3_json",
+    "openai": HARMONY, "gpt_oss": HARMONY,
+}  # fmt: skip
+PARSER_NAMES = sorted([*TOOL_PARSERS, HARMONY])
 
 # (marker in the chat template, parser name), first match wins: Qwen3-Coder's template also
 # mentions <tool_call>, so its <function= comes before Hermes.
 TEMPLATE_MARKERS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("<|channel|>", "<|message|>"), HARMONY),
     (("<function=", "<parameter="), "qwen3_coder"),
     (("[TOOL_CALLS]",), "mistral"),
     (("<tool_call>",), "hermes"),
@@ -41,18 +50,32 @@ def select_tool_parser(
     tools: Sequence[dict] | None = None,
     id_factory: IdFactory | None = None,
 ) -> ToolParser | None:
-    """A parser by explicit ``name`` if given, else from the template's markers; None if unknown.
+    """A parser by explicit ``name`` if given, else from the template's markers; None if unknown,
+    or if the output is Harmony (``uses_harmony``: no tool parser reads it).
 
     Raises:
         ValueError: ``name`` is given and is no parser's name (the message lists them).
     """
-    if name is not None:
-        key = ALIASES.get(name, name)
-        if key not in TOOL_PARSERS:
-            raise ValueError(f"unknown tool-call parser {name!r}; choose one of {sorted(TOOL_PARSERS)}")
-    else:
-        key = tool_parser_name(chat_template)
-    return None if key is None else TOOL_PARSERS[key](tools, id_factory)
+    key = _parser_key(chat_template, name)
+    return None if key is None or key == HARMONY else TOOL_PARSERS[key](tools, id_factory)
+
+
+def uses_harmony(chat_template: str | None, name: str | None = None) -> bool:
+    """True if the output is Harmony: by ``name`` if given, else by the template's markers.
+
+    Raises:
+        ValueError: ``name`` is given and is no parser's name.
+    """
+    return _parser_key(chat_template, name) == HARMONY
+
+
+def _parser_key(chat_template: str | None, name: str | None) -> str | None:
+    if name is None:
+        return tool_parser_name(chat_template)
+    key = ALIASES.get(name, name)
+    if key not in PARSER_NAMES:
+        raise ValueError(f"unknown tool-call parser {name!r}; choose one of {PARSER_NAMES}")
+    return key
 
 
 def select_reasoning_parser(chat_template: str | None, prompt: str | None = None) -> ReasoningParser | None:

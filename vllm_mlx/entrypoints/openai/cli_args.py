@@ -8,7 +8,7 @@ import os
 
 from vllm_mlx.entrypoints.openai import DEFAULT_MAX_BODY_BYTES
 from vllm_mlx.media_policy import SERVER_MAX_IMAGES, SERVER_MAX_PIXELS, MediaPolicy, parse_limit_mm_per_prompt
-from vllm_mlx.tool_parsers.registry import ALIASES, TOOL_PARSERS
+from vllm_mlx.tool_parsers.registry import ALIASES, PARSER_NAMES
 from vllm_mlx.validation import RequestLimits
 
 
@@ -41,7 +41,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser, parse_bytes) -> None:
     server.add_argument(
         "--tool-call-parser",
         default=None,
-        choices=sorted([*TOOL_PARSERS, *ALIASES]),
+        choices=sorted([*PARSER_NAMES, *ALIASES]),
         help="the model's tool-call format for tool_choice 'auto' (default: recognised from the chat template)",
     )
     _add_limit_arguments(parser.add_argument_group("request limits (raise them for trusted clients)"))

@@ -5,8 +5,8 @@ One engine request per HTTP request; ``n`` choices come back in one ``RequestOut
 (``tool_parsers.chat_output``): ``<think>`` reasoning into ``reasoning_content``, tool calls into
 ``tool_calls``; a forced ``tool_choice`` is a constraint on the output. A format whose markers
 are special tokens (Harmony, Mistral's ``[TOOL_CALLS]``) needs them decoded: such requests decode
-special tokens unless the client set ``skip_special_tokens``, and the stop token that ended the
-output is then not part of its text. Streaming sends, per
+special tokens unless the client set ``skip_special_tokens`` (the stop token that ended an output
+is never part of its text: the engine leaves it out). Streaming sends, per
 choice, a first chunk with the role, then the parsed deltas of each new piece of text (content,
 reasoning or a tool call's name and arguments), the finish reason once, an optional usage chunk
 (``stream_options.include_usage``) and ``data: [DONE]``.
@@ -87,16 +87,14 @@ class ChatServing(OpenAIServing):
         params = self.sampling_params(req, max_tokens, len(token_ids), top_k, plan.constraint)
         if parser.needs_special_tokens and "skip_special_tokens" not in req.model_fields_set:
             params = params.clone(skip_special_tokens=False)
-        decodes_markers = parser.needs_special_tokens and not params.skip_special_tokens
-        drop = self._stop_text if decodes_markers else _no_stop_text
         constraint = await self.compile_constraint(params, req)
         request_id = new_id("chatcmpl")
         streams = self.submit([prompt], [params], request_id, req.cache_salt, constraint)
         if req.stream:
             first, rest = await self.first_output(streams, raw_request)
-            return self._chunks(req, request_id, top_k, parser, drop, first, rest)
+            return self._chunks(req, request_id, top_k, parser, first, rest)
         [final] = await self.collect(streams, raw_request)
-        choices = [self._choice(c, parser, top_k, drop(c)) for c in final.outputs]
+        choices = [self._choice(c, parser, top_k) for c in final.outputs]
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=self.usage([final]))
 
     async def render(self, req: ChatCompletionRequest) -> tuple[ToolPlan, list[int] | PreparedPrompt]:
@@ -113,11 +111,8 @@ class ChatServing(OpenAIServing):
         self.check_prompt(prompt.token_ids if isinstance(prompt, PreparedPrompt) else prompt, param="messages")
         return plan, prompt
 
-    def _choice(
-        self, c: CompletionOutput, parser: ChatOutputParser, top_k: int | None, stop_text: str
-    ) -> ChatChoice:
-        text = c.text[: len(c.text) - len(stop_text)]
-        result = parser.extract(text) if parser.parses_anything else ChatResult(text)
+    def _choice(self, c: CompletionOutput, parser: ChatOutputParser, top_k: int | None) -> ChatChoice:
+        result = parser.extract(c.text) if parser.parses_anything else ChatResult(c.text)
         calls = [
             ToolCallInfo(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
             for call in result.tool_calls
@@ -141,14 +136,6 @@ class ChatServing(OpenAIServing):
             )
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param="tool_choice") from None
-
-    def _stop_text(self, c: CompletionOutput) -> str:
-        """The text of the stop token (EOS or a ``stop_token_ids`` id) that ended ``c``, which
-        ends ``c.text`` when special tokens are decoded; "" if none did."""
-        if c.finish_reason != "stop" or isinstance(c.stop_reason, str) or not c.token_ids:
-            return ""
-        text = self.tokenizer.decode([c.token_ids[-1]], skip_special_tokens=False)
-        return text if c.text.endswith(text) else ""
 
     def _split_images(self, req: ChatCompletionRequest) -> ChatPrompt:
         """The messages for the template and the images of their ``image_url`` parts."""
@@ -182,7 +169,7 @@ class ChatServing(OpenAIServing):
         except Exception as exc:  # a template that rejects the conversation (e.g. role order)
             raise OpenAIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
 
-    async def _chunks(self, req, request_id, top_k, parser, drop, first, rest) -> AsyncIterator[ChatCompletionChunk]:
+    async def _chunks(self, req, request_id, top_k, parser, first, rest) -> AsyncIterator[ChatCompletionChunk]:
         created = int(time.time())
         choices = [_StreamedChoice(i, parser.stream()) for i in range(req.n)]
 
@@ -202,7 +189,7 @@ class ChatServing(OpenAIServing):
                 for c in output.outputs:
                     state = choices[c.index]
                     logprobs = self._logprobs(c, state.sent_tokens, top_k)
-                    for piece in state.advance(c, parser, logprobs, drop(c) if c.finish_reason else ""):
+                    for piece in state.advance(c, parser, logprobs):
                         yield chunk([piece], output=output)
                 final = output if output.finished else final
                 item = await anext(rest, None)
@@ -232,12 +219,10 @@ class _StreamedChoice:
     sent_tokens: int = 0
     done: bool = False
 
-    def advance(
-        self, c: CompletionOutput, parser: ChatOutputParser, logprobs: ChatLogprobs | None, stop_text: str = ""
-    ) -> list[ChatChunkChoice]:
-        """The chunks for ``c``'s new text (less ``stop_text`` at its end): one per parsed delta,
-        the logprobs on the first, the finish reason on the last."""
-        text = c.text[self.sent_chars : max(self.sent_chars, len(c.text) - len(stop_text))]
+    def advance(self, c: CompletionOutput, parser: ChatOutputParser, logprobs: ChatLogprobs | None) -> list[ChatChunkChoice]:
+        """The chunks for ``c``'s new text: one per parsed delta, the logprobs on the first, the
+        finish reason on the last."""
+        text = c.text[self.sent_chars :]
         self.sent_chars, self.sent_tokens = len(c.text), len(c.token_ids)
         deltas = self.parser.feed(text) if text else []
         finished = c.finish_reason is not None and not self.done
@@ -253,10 +238,6 @@ class _StreamedChoice:
             pieces[-1].finish_reason = parser.finish_reason(c.finish_reason, self.parser.num_calls)
             pieces[-1].stop_reason = c.stop_reason
         return pieces
-
-
-def _no_stop_text(c: CompletionOutput) -> str:
-    return ""
 
 
 def _delta_message(delta: ChatDelta) -> DeltaMessage:

@@ -42,7 +42,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser, parse_bytes) -> None:
         "--tool-call-parser",
         default=None,
         choices=sorted([*PARSER_NAMES, *ALIASES]),
-        help="the model's tool-call format for tool_choice 'auto' (default: recognised from the chat template)",
+        help="the model's output format for tool calls (and gpt-oss's Harmony channels); default: recognised from the chat template",
     )
     _add_limit_arguments(parser.add_argument_group("request limits (raise them for trusted clients)"))
     # Engine flags shared with other commands come from cli.add_model_arguments; this one is the

@@ -416,7 +416,7 @@ FREE_CHATS = ["Tell me a joke.", "What is 2 + 2?"]
 
 @pytest.fixture(scope="module")
 def llm():
-    engine = LLM(max_num_seqs=8)
+    engine = LLM(max_num_seqs=16)
     yield engine
     engine.shutdown()
 
@@ -437,6 +437,29 @@ def test_json_schemas_in_a_mixed_batch_validate_and_free_rows_are_unchanged(llm)
         assert out.finish_reason == "stop", (out.text, out.error)
         jsonschema.validate(json.loads(out.text), schema)
     assert [o.token_ids for o in outs[len(SCHEMAS) :]] == expected
+
+
+@pytest.mark.e2e
+@settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
+@given(schemas=st.lists(_SCHEMAS, min_size=12, max_size=12))
+def test_sixteen_concurrent_rows_fuzzed_schemas_and_free_rows_on_the_default_model(llm, schemas):
+    """12 fuzzed schemas and 4 free rows in one batch: every finished constrained row validates
+    under its own schema, and the free rows are token for token what they are alone."""
+    free_prompts = [chat_prompt(llm, q) for q in (*FREE_CHATS, "Name a planet.", "Say hello.")]
+    free_params = SamplingParams(max_tokens=12, temperature=0)
+    expected = [o.token_ids for o in llm.generate(free_prompts, free_params)]
+    questions = [f"Describe item {i} as JSON." for i in range(len(schemas))]
+    params = [
+        SamplingParams(max_tokens=40, temperature=0, structured_outputs=StructuredOutputsParams(json=s, disable_any_whitespace=True))
+        for s in schemas
+    ]
+    outs = llm.generate([chat_prompt(llm, q) for q in questions] + free_prompts, params + [free_params] * 4)
+    for out, schema in zip(outs, schemas):
+        assert out.finish_reason in ("stop", "length"), out.error
+        if out.finish_reason == "stop":
+            jsonschema.validate(json.loads(out.text), schema)
+    assert sum(o.finish_reason == "stop" for o in outs[: len(schemas)]) >= 6
+    assert [o.token_ids for o in outs[len(schemas) :]] == expected
 
 
 @pytest.mark.e2e

@@ -13,7 +13,7 @@ pytest.importorskip("fastapi")
 anthropic = pytest.importorskip("anthropic")
 httpx = pytest.importorskip("httpx")
 import jsonschema  # noqa: E402
-from tool_models import MODEL, SCHEMAS, TOOLS, live_app, serve  # noqa: E402
+from tool_models import MODEL, SCHEMAS, TOOLS, live_app, serving  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 ANTHROPIC_TOOLS = [
@@ -25,10 +25,8 @@ QUESTION = [{"role": "user", "content": "What is the weather in Oslo?"}]
 
 @pytest.fixture(scope="module")
 def engine_and_live(tools_model_dir):
-    engine, live = serve(tools_model_dir)
-    yield engine, live
-    live.stop()
-    engine.stop()
+    with serving(tools_model_dir) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +139,7 @@ def test_the_stream_reassembles_to_the_whole_message(client, kwargs):
 
 
 def test_reasoning_becomes_thinking_blocks_whole_and_streamed(thinking_model_dir):
-    engine, live = serve(thinking_model_dir)
-    try:
+    with serving(thinking_model_dir) as (_, live):
         client = anthropic.Anthropic(base_url=live.url, api_key="unused", max_retries=0, timeout=120)
         force = forced("Oslo is cold\\.\n</think>\n\nIt is cold\\.")
         whole = create(client, extra_body=force)
@@ -152,9 +149,6 @@ def test_reasoning_becomes_thinking_blocks_whole_and_streamed(thinking_model_dir
         ]
         with client.messages.stream(**request(extra_body=force)) as stream:
             assert [b.model_dump() for b in stream.get_final_message().content] == [b.model_dump() for b in whole.content]
-    finally:
-        live.stop()
-        engine.stop()
 
 
 def test_count_tokens_equals_the_input_tokens_of_the_same_request(client):

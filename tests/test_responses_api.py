@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 import jsonschema  # noqa: E402
-from tool_models import MODEL, SCHEMAS, TOOLS, serve  # noqa: E402
+from tool_models import MODEL, SCHEMAS, TOOLS, openai_client, serving  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 FUNCTIONS = [{"type": "function", **t["function"]} for t in TOOLS]
@@ -22,10 +22,8 @@ QUESTION = "What is the weather in Oslo?"
 
 @pytest.fixture(scope="module")
 def client(tools_model_dir):
-    engine, live = serve(tools_model_dir)
-    yield openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    live.stop()
-    engine.stop()
+    with serving(tools_model_dir) as (_, live):
+        yield openai_client(live)
 
 
 def create(client, **kwargs):
@@ -131,9 +129,8 @@ def test_previous_response_id_is_refused_with_a_reason(client):
 
 
 def test_reasoning_is_a_reasoning_item(thinking_model_dir):
-    engine, live = serve(thinking_model_dir)
-    try:
-        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    with serving(thinking_model_dir) as (_, live):
+        client = openai_client(live)
         force = {"structured_outputs": {"regex": "Oslo is cold\\.\n</think>\n\nIt is cold\\."}}
         response = client.responses.create(model=MODEL, input=QUESTION, extra_body=force)
         reasoning, message = response.output
@@ -141,6 +138,3 @@ def test_reasoning_is_a_reasoning_item(thinking_model_dir):
         assert response.output_text == "It is cold." and message.type == "message"
         with client.responses.stream(model=MODEL, input=QUESTION, extra_body=force) as stream:
             assert without_ids(stream.get_final_response()) == without_ids(response)
-    finally:
-        live.stop()
-        engine.stop()

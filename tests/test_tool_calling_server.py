@@ -19,7 +19,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 import jsonschema  # noqa: E402
 
-from tool_models import HERMES_CALL, MODEL, SCHEMAS, TOOLS, WEATHER, serve  # noqa: E402
+from tool_models import HERMES_CALL, MODEL, SCHEMAS, TOOLS, WEATHER, openai_client, serving  # noqa: E402
 
 from vllm_mlx.chat import template_token_ids  # noqa: E402
 
@@ -28,10 +28,8 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def client(tools_model_dir):
-    engine, live = serve(tools_model_dir)
-    yield openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    live.stop()
-    engine.stop()
+    with serving(tools_model_dir) as (_, live):
+        yield openai_client(live)
 
 
 def ask(client, content: str = "What is the weather in Oslo?", **kwargs):
@@ -173,38 +171,29 @@ def test_bad_tool_requests_are_400s_that_say_why(client, kwargs, param, message)
 
 
 def test_auto_on_a_template_without_a_call_format_says_how_to_fix_it(tiny_model_dir):
-    engine, live = serve(tiny_model_dir)  # SmolLM2's own template: no tools, no markup
-    try:
-        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+    with serving(tiny_model_dir) as (_, live):  # SmolLM2's own template: no tools, no markup
+        client = openai_client(live)
         with pytest.raises(openai.BadRequestError, match="--tool-call-parser"):
             ask(client, tools=TOOLS)
         [call] = ask(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}).choices[0].message.tool_calls
         check_call(call)  # forced calls work on any model
-    finally:
-        live.stop()
-        engine.stop()
 
 
 def test_reasoning_is_split_from_the_answer_whole_and_streamed(thinking_model_dir):
-    engine, live = serve(thinking_model_dir)
-    try:
-        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+    with serving(thinking_model_dir) as (_, live):
+        client = openai_client(live)
         force = {"structured_outputs": {"regex": "Oslo is cold\\.\n</think>\n\nIt is cold\\."}}
         message = ask(client, extra_body=force).choices[0].message
         assert message.reasoning_content == "Oslo is cold.\n" and message.content == "It is cold."
         content, reasoning, calls, finish = streamed(client, extra_body=force)
         assert (content, reasoning, calls, finish) == ("It is cold.", "Oslo is cold.\n", [], "stop")
-    finally:
-        live.stop()
-        engine.stop()
 
 
 def test_harmony_output_is_split_into_reasoning_content_and_calls(harmony_model_dir):
     """A gpt-oss style template: the output is parsed as Harmony, whole and streamed (the stop
     token the server now decodes is not content)."""
-    engine, live = serve(harmony_model_dir)
-    try:
-        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+    with serving(harmony_model_dir) as (_, live):
+        client = openai_client(live)
         analysis = "<|channel|>analysis<|message|>Oslo is cold.<|end|><|start|>assistant"
         answer = {"structured_outputs": {"regex": re.escape(analysis + "<|channel|>final<|message|>It is cold.<|return|>")}}
         message = ask(client, max_tokens=200, extra_body=answer).choices[0].message
@@ -222,7 +211,4 @@ def test_harmony_output_is_split_into_reasoning_content_and_calls(harmony_model_
         content, reasoning, calls, finish = streamed(client, tools=TOOLS, max_tokens=200, extra_body=force)
         assert (content, reasoning, finish) == ("", "Oslo is cold.", "tool_calls")
         assert [{"name": c["name"], "arguments": c["arguments"]} for c in calls] == expected
-    finally:
-        live.stop()
-        engine.stop()
 

@@ -10,6 +10,8 @@ to this tokenizer (SmolLM2's).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import json
 import shutil
 
@@ -110,12 +112,26 @@ def with_template(src, dst, template: str):
     return dst
 
 
-def serve(model_dir, **app_options):
-    """A started engine on ``model_dir`` and a live server for it (``live_app``)."""
+@contextmanager
+def serving(model_dir, **app_options):
+    """A started engine on ``model_dir`` and a live server for it (``live_app``), as
+    ``(engine, live)``; both stopped on leaving."""
     from vllm_mlx.async_engine import AsyncEngineCore
 
     engine = AsyncEngineCore(model=str(model_dir), max_num_seqs=8).start()
-    return engine, live_app(engine, **app_options)
+    live = live_app(engine, **app_options)
+    try:
+        yield engine, live
+    finally:
+        live.stop()
+        engine.stop()
+
+
+def openai_client(live: LiveServer):
+    """The official client for ``live``'s OpenAI routes."""
+    import openai
+
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def live_app(engine, **app_options) -> LiveServer:

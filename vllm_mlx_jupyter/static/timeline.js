@@ -54,7 +54,7 @@ function column(step, slowest) {
     for (const [kind, tokens] of [["prefill", q.prefill], ["decode", q.decode]]) {
       if (!tokens) continue;
       const seg = h("div", `vmt-seg vmt-${kind}`);
-      seg.style.height = `${Math.max(1, (tokens / budget) * BAR_PX)}px`;
+      seg.style.height = `${Math.max(2, (tokens / budget) * BAR_PX)}px`; // a decode token stays visible
       seg.style.backgroundColor = colorOf(q.color);
       bar.append(seg);
     }

@@ -1,4 +1,5 @@
-"""A real browser: JupyterLab + headless Chromium (Playwright) run the quickstart notebook.
+"""A real browser: JupyterLab + headless Chromium (Playwright) run the quickstart notebook
+(plus a hostile-text cell, a `--logprobs` token view and a long generation).
 
 The recipe follows DESIGN.md §8: Lab on 127.0.0.1 with a token, its own config/settings dirs
 (no news, no update checks, read-only extension manager, no cell windowing), the app exposed
@@ -36,6 +37,8 @@ from IPython.display import display
 from vllm_mlx_jupyter.render import body_bundle
 answer = '**Hi** <img src=x onerror="document.body.dataset.xss=1"> <script>document.body.dataset.xss=2</script>'
 display(body_bundle(SimpleNamespace(content=answer, reasoning=None, tool_calls=[], format="markdown")), raw=True)"""
+TOKENS_CELL = "%%generate -n tokens --logprobs 3 --max-tokens 8 --temperature 0\nName a colour."
+LAST_STEP = "() => Number(document.querySelector('.vmt-columns')?.lastChild?.dataset.step || 0)"
 SETTINGS = {
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"checkForUpdates": False, "fetchNews": "false"},
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
@@ -72,7 +75,7 @@ def _notebook_with_long_cell(dest: Path) -> None:
     import nbformat
 
     nb = nbformat.read(ROOT / "notebooks" / "quickstart.ipynb", as_version=4)
-    for name, source in (("hostile", HOSTILE_CELL), ("long", LONG_CELL)):
+    for name, source in (("hostile", HOSTILE_CELL), ("tokens", TOKENS_CELL), ("long", LONG_CELL)):
         cell = nbformat.v4.new_code_cell(source)
         cell["id"] = f"browser-test-{name}"
         nb.cells.append(cell)
@@ -199,6 +202,23 @@ def test_quickstart_runs_in_jupyterlab(lab, page):
         row.click()
         page.wait_for_function(HIGHLIGHT_MATCHES_ROW, timeout=10_000)
         inspector.screenshot(path=str(artifacts_dir() / "inspector.png"))
+
+        # The timeline adds columns while the long generation runs; hovering one shows the step.
+        timeline = page.locator(".vmt").first
+        page.wait_for_function(f"() => ({LAST_STEP})() > 0")
+        seen = page.evaluate(LAST_STEP)
+        page.wait_for_function(f"() => ({LAST_STEP})() > {seen}", timeout=20_000)
+        timeline.locator(".vmt-col").last.hover()
+        timeline.locator(".vmt-tip").wait_for(state="visible")
+        assert "Step" in timeline.locator(".vmt-tip").inner_text() and "long" in timeline.locator(".vmt-tip").inner_text()
+        timeline.screenshot(path=str(artifacts_dir() / "timeline.png"))
+
+        # The token view: each token a span; hovering one shows its top alternatives.
+        token = page.locator(".vllm-mlx-tokens .vllm-mlx-tok").first
+        token.hover()
+        alternatives = token.locator(".vllm-mlx-alts")
+        alternatives.wait_for(state="visible")
+        assert "%" in alternatives.inner_text() and "logprob" in alternatives.inner_text()
 
         # The stop button aborts the generation.
         page.locator("button.vllm-mlx-stop").last.click()

@@ -73,6 +73,9 @@ def test_quickstart(tiny, tmp_path):
     inspector = [o for o in outputs(nb) if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
                  and o["data"]["text/plain"].startswith("KV cache")]  # fmt: skip
     assert inspector and "<span title=" in inspector[0]["data"]["text/html"]
+    timeline = [o for o in outputs(nb) if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+                and o["data"]["text/plain"].startswith("Scheduler timeline")]  # fmt: skip
+    assert timeline and "vllm-mlx-timeline-static" in timeline[0]["data"]["text/html"]
 
 
 def test_prefix_caching(tiny, tmp_path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from vllm_mlx.media_policy import MediaPolicy
 from vllm_mlx.mllm_cache import MLLMCacheManager, MLLMCacheStats
 from vllm_mlx.model_registry import get_registry
 from vllm_mlx.output_processor import OutputProcessor
-from vllm_mlx.outputs import ModelRunnerOutput, SchedulerOutput
+from vllm_mlx.outputs import ModelRunnerOutput, SchedulerOutput, StepRecord
 from vllm_mlx.paged_cache import PagedCacheManager
 from vllm_mlx.request import Request, RequestOutput, RequestStatus, SamplingParams
 from vllm_mlx.scheduler import Scheduler, SchedulerConfig
@@ -225,7 +226,8 @@ class EngineCore:
             self._mllm_snapshot,
             self.kv_layout.to_dicts(num_blocks, max(states.num_running_slots - 1, 0), states.num_checkpoints),
         )
-        self.step_records: deque = deque(maxlen=4096)
+        self.step_records: deque[StepRecord] = deque(maxlen=4096)
+        """The last steps run (plain data; the notebook timeline reads them)."""
         self._deferred: dict[str, _Siblings] = {}  # by the caller's request id
         self._ids = itertools.count()
 
@@ -383,16 +385,22 @@ class EngineCore:
             One ``RequestOutput`` per request that advanced (or was refused or aborted) since
             the last step; a finished request's last output has ``finished=True``.
         """
+        start = time.perf_counter()
         outputs = self.output_processor.take_pending()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return outputs
         runner_output = self._execute(scheduler_output)
-        self.step_records.append(self.runner.last_step)
         advanced = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs += self.output_processor.process(advanced, runner_output)
         self._release_deferred()
+        self._record_step(scheduler_output, time.perf_counter() - start)
         return outputs
+
+    def _record_step(self, scheduler_output: SchedulerOutput, wall_time: float) -> None:
+        ran = self.runner.last_step  # stale when the step failed before the runner recorded it
+        calls = ran.num_forward_calls if ran is not None and ran.step_id == scheduler_output.step_id else 0
+        self.step_records.append(StepRecord.of(scheduler_output, calls, wall_time))
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step. When it fails, each request is run again alone: one that fails alone

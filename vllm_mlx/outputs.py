@@ -47,6 +47,17 @@ class ScheduledRequest:
 
 
 @dataclass
+class Admission:
+    """A request the scheduler took from the waiting queue in a step."""
+
+    request_id: str
+    num_cached_tokens: int
+    """Tokens served from the prefix cache at admission (whole blocks; 0: no hit)."""
+    resumed: bool
+    """True when it had been preempted before: this admission recomputes it."""
+
+
+@dataclass
 class SchedulerOutput:
     """What the model runner executes in one step."""
 
@@ -54,6 +65,10 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     """Requests preempted while building this step (their blocks are already freed)."""
+    admitted: list[Admission] = field(default_factory=list)
+    """Requests taken from the waiting queue in this step, in admission order."""
+    token_budget: int = 0
+    """The step's token budget (``max_num_batched_tokens``); 0 when unknown."""
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -86,10 +101,77 @@ class ModelRunnerOutput:
 
 
 @dataclass
+class StepRequestRecord:
+    """One request's share of a step.
+
+    Its ``num_new_tokens`` are either one decode token (the single newest token of a request
+    whose earlier tokens are all computed) or prefill: a chunk of the prompt or, after a
+    preemption, of the prompt and output so far being recomputed. So across the steps of a
+    request that was never preempted, prefill tokens sum to its prompt length minus its cached
+    tokens."""
+
+    request_id: str
+    num_computed_tokens: int
+    """Tokens already computed before this step (where its chunk starts)."""
+    num_new_tokens: int
+    num_prompt_tokens: int
+    is_decode: bool
+
+    @classmethod
+    def of(cls, scheduled: ScheduledRequest) -> StepRequestRecord:
+        start, n = scheduled.num_computed_tokens, scheduled.num_new_tokens
+        num_prompt = scheduled.request.num_prompt_tokens
+        return cls(scheduled.request_id, start, n, num_prompt, is_decode=n == 1 and start >= num_prompt)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return 0 if self.is_decode else self.num_new_tokens
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_new_tokens if self.is_decode else 0
+
+
+@dataclass
 class StepRecord:
-    """What one step ran (observers and tests read these; cheap plain data)."""
+    """What one step ran (observers, tests and the notebook timeline read these; plain data,
+    built from the ``SchedulerOutput`` once per step whether anyone reads them or not)."""
 
     step_id: int
     request_ids: list[str]
     num_new_tokens: list[int]
     num_forward_calls: int
+    requests: list[StepRequestRecord] = field(default_factory=list)
+    """Per scheduled request, in batch order: its prefill or decode tokens."""
+    preempted: list[str] = field(default_factory=list)
+    """Requests preempted while this step was scheduled (they wait to be recomputed)."""
+    admitted: list[Admission] = field(default_factory=list)
+    """Requests admitted in this step: prefix-cache hits and resumes after a preemption."""
+    token_budget: int = 0
+    """``max_num_batched_tokens``: the most tokens the step could have taken."""
+    wall_time: float = 0.0
+    """Seconds the engine spent on the step (schedule, forward pass, update, outputs)."""
+
+    @classmethod
+    def of(cls, output: SchedulerOutput, num_forward_calls: int, wall_time: float = 0.0) -> StepRecord:
+        scheduled = output.scheduled
+        return cls(
+            output.step_id, [s.request_id for s in scheduled], [s.num_new_tokens for s in scheduled],
+            num_forward_calls, [StepRequestRecord.of(s) for s in scheduled], list(output.preempted_ids),
+            list(output.admitted), output.token_budget, wall_time,
+        )  # fmt: skip
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """The token budget used."""
+        return sum(self.num_new_tokens)
+
+    @property
+    def resumed(self) -> list[str]:
+        """Requests re-admitted in this step after an earlier preemption."""
+        return [a.request_id for a in self.admitted if a.resumed]
+
+    @property
+    def prefix_hits(self) -> dict[str, int]:
+        """Cached tokens of the requests admitted in this step with a prefix-cache hit."""
+        return {a.request_id: a.num_cached_tokens for a in self.admitted if a.num_cached_tokens}

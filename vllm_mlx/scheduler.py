@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from vllm_mlx.errors import internal_error_message
 from vllm_mlx.kv_cache_manager import KVCacheManager
-from vllm_mlx.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from vllm_mlx.outputs import Admission, ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from vllm_mlx.paged_cache import PagedCacheManager
 from vllm_mlx.request import Request, RequestStatus
 from vllm_mlx.waiting_queue import WaitingQueue
@@ -162,7 +162,7 @@ class Scheduler:
         ``max_num_seqs`` allow and blocks can be allocated.
         """
         self.step_id += 1
-        output = SchedulerOutput(step_id=self.step_id)
+        output = SchedulerOutput(step_id=self.step_id, token_budget=self.config.max_num_batched_tokens)
         self._preempt_for_fairness(output)
         num_fair_preemptions = len(output.preempted_ids)
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
@@ -221,6 +221,7 @@ class Scheduler:
                 break
             self.waiting.pop(request)
             load[request.fairness_key] += 1
+            output.admitted.append(Admission(request.request_id, num_hit, resumed=request.num_preemptions > 0))
             self._admit(request, num_hit)
             output.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new

@@ -29,6 +29,7 @@ from vllm_mlx_jupyter.reading import OutputReader, Reading
 if TYPE_CHECKING:
     from vllm_mlx.input_processor import PreparedPrompt
     from vllm_mlx.tool_parsers import ToolCall
+    from vllm_mlx_jupyter.token_view import TokenInfo, TokenLog
 
 QUEUED, PREFILLING, GENERATING = "queued", "prefilling", "generating"
 DONE, ABORTED, ERROR = "done", "aborted", "error"
@@ -82,6 +83,8 @@ class Generation:
         self.chat = chat
         """The ``ChatSession`` this generation is a turn of, or None."""
         self.reading = Reading("")
+        self.token_log: TokenLog | None = None
+        """With ``--logprobs K``: builds ``.tokens`` (the magic attaches it)."""
         self._reader = reader or OutputReader()
         self._engine = engine
         self._build_prompt = build_prompt
@@ -131,6 +134,13 @@ class Generation:
     @property
     def parse_error(self) -> str | None:
         return self.reading.parse_error
+
+    @property
+    def tokens(self) -> list[TokenInfo]:
+        """With ``--logprobs K``: one ``TokenInfo`` (text, logprob, top K alternatives) per
+        generated token so far; [] without."""
+        log = self.token_log
+        return log.update(self.output) if log is not None else []
 
     @property
     def finish_reason(self) -> str | None:

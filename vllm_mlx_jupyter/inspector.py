@@ -151,10 +151,16 @@ def _request_rows(live: dict, rows: Iterable[dict], colors: dict[str, int]) -> t
             "cached_tokens": view["num_cached_tokens"] if view else row.get("cached_tokens", 0),
             "output_tokens": view["num_output_tokens"] if view else row.get("output_tokens", 0),
             "num_blocks": len(block_ids), "offset": len(tables),
-            "color": colors.setdefault(rid, len(colors)) % len(PALETTE),
+            "color": color_slot(colors, rid),
         })  # fmt: skip
         tables.extend(block_ids)
     return requests, tables
+
+
+def color_slot(colors: dict[str, int], request_id: str) -> int:
+    """The request's palette slot: the next one on first sight, then always the same (the
+    timeline shares this assignment, so a request has one colour in both widgets)."""
+    return colors.setdefault(request_id, len(colors)) % len(PALETTE)
 
 
 def _stats(stats: dict) -> dict:
@@ -180,7 +186,8 @@ class CacheInspector(anywidget.AnyWidget):
     ``CacheInspector(engine)`` works with anything that has ``cache_snapshot()`` (and
     ``reset_prefix_cache()`` for the button); ``rows()`` may name requests (see
     ``encode_snapshot``). Pushes come every ``interval`` seconds while requests run (1 s when
-    idle), never more often than 20x a snapshot's cost. ``close()`` stops the thread.
+    idle), never more often than 20x a snapshot's cost. ``colors`` (request id -> palette slot,
+    see ``color_slot``) may be shared with a ``SchedulerTimeline``. ``close()`` stops the thread.
     """
 
     _esm = STATIC / "inspector.js"
@@ -203,13 +210,19 @@ class CacheInspector(anywidget.AnyWidget):
     engine_state = traitlets.Unicode("no engine").tag(sync=True)
 
     def __init__(
-        self, source, *, rows: Callable[[], list[dict]] | None = None, interval: float = 0.3, **kwargs
+        self,
+        source,
+        *,
+        rows: Callable[[], list[dict]] | None = None,
+        interval: float = 0.3,
+        colors: dict[str, int] | None = None,
+        **kwargs,
     ) -> None:
         super().__init__(**kwargs)
         self._source = source
         self._rows = rows
         self._interval = interval
-        self._colors: dict[str, int] = {}
+        self._colors = {} if colors is None else colors  # shared with the session's timeline
         self._push_lock = threading.Lock()
         self._closed = threading.Event()
         self.on_msg(self._on_message)

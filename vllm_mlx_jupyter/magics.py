@@ -22,6 +22,7 @@ from traitlets import Bool, Dict, Enum, Float, Int, Unicode, default, validate
 from vllm_mlx_jupyter.constraints import compile_check, response_format, variable
 from vllm_mlx_jupyter.prompt import interpolate
 from vllm_mlx_jupyter.session import Session, SessionError
+from vllm_mlx_jupyter.token_view import TOKENS, TokenLog
 
 MODEL_ENV = "VLLM_MLX_JUPYTER_MODEL"
 FORMATS = ("markdown", "text", "code")
@@ -33,6 +34,7 @@ USAGE = """\
                                      options are EngineConfig fields, e.g. --num-kv-blocks 256
   status                             model, running/waiting requests, KV usage, hit rates
   inspect                            show the KV-cache inspector widget
+  timeline                           show the scheduler timeline widget (one column per engine step)
   wait [NAME ...]                    block until these (default: all) generations are done
   abort NAME ...|all                 abort generations
   reset-cache                        forget the prefix cache (blocks in use keep theirs)
@@ -101,6 +103,8 @@ class GenerateMagics(Magics):
               help="constrain to one of these (repeatable, or one variable holding a list)")  # fmt: skip
     @argument("--grammar", metavar="VAR_OR_TEXT", help="constrain to a Lark/GBNF grammar")
     @argument("--compact-json", action="store_true", help="with --schema/--json: no whitespace between tokens")
+    @argument("--logprobs", type=int, metavar="K",
+              help="token view: each token shaded by its probability, its top K alternatives on hover (.tokens)")  # fmt: skip
     @argument("--tools", metavar="VAR", help="tools: a list of OpenAI tool dicts or Python functions (.tool_calls)")
     @argument("--tool-call-parser", metavar="NAME", help="tool-call format (default: from the chat template)")
     @argument("--tool-choice", metavar="auto|none|required|NAME",
@@ -138,12 +142,15 @@ class GenerateMagics(Magics):
         try:
             gen = self.session.generate(
                 prompt, params, name=args.name, chat=args.chat, system=system, raw=args.raw,
-                format=args.format or self.format, interval=self.update_interval, images=images,
+                format=TOKENS if args.logprobs is not None else args.format or self.format,
+                interval=self.update_interval, images=images,
                 response_format=fmt, tools=tools, tool_parser=args.tool_call_parser or self.tool_call_parser,
                 tool_choice=args.tool_choice,
             )  # fmt: skip
         except SessionError as exc:
             raise UsageError(str(exc)) from None
+        if args.logprobs is not None:
+            gen.token_log = TokenLog(self.session.token_text, args.logprobs)
         if args.out:
             self.shell.user_ns[args.out] = gen
         from vllm_mlx_jupyter.render import LiveView
@@ -166,7 +173,7 @@ class GenerateMagics(Magics):
                 temperature=pick(args.temperature, self.temperature),
                 top_p=pick(args.top_p, self.top_p), top_k=pick(args.top_k, self.top_k),
                 seed=pick(args.seed, self.seed), stop=stop,
-                structured_outputs=fmt.params if fmt is not None else None,
+                structured_outputs=fmt.params if fmt is not None else None, logprobs=args.logprobs,
             )  # fmt: skip
         except ValueError as exc:
             raise UsageError(f"%%generate: {exc}") from None
@@ -217,7 +224,7 @@ class GenerateMagics(Magics):
     @no_var_expand
     @line_magic
     def vllm_mlx(self, line: str):
-        """Manage the engine: load, status, inspect, wait, abort, reset-cache, history, reset, shutdown."""
+        """Manage the engine: load, status, inspect, timeline, wait, abort, reset-cache, history, reset, shutdown."""
         try:
             argv = split_line(line)
         except ValueError as exc:
@@ -244,6 +251,9 @@ class GenerateMagics(Magics):
 
     def _cmd_inspect(self, argv: list[str]) -> None:
         display(self.session.inspector())
+
+    def _cmd_timeline(self, argv: list[str]):
+        return self.session.timeline()
 
     def _cmd_wait(self, argv: list[str]) -> None:
         self.session.wait(argv)

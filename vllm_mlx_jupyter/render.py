@@ -13,6 +13,7 @@ import re
 import time
 
 from vllm_mlx_jupyter.generation import ABORTED, DONE, ERROR, GENERATING, PREFILLING, QUEUED
+from vllm_mlx_jupyter.token_view import TOKENS, tokens_bundle
 
 _COLORS = {
     QUEUED: "#9e9e9e",
@@ -87,9 +88,13 @@ def body_bundle(gen) -> dict:
     escapes raw HTML and leaves ``javascript:`` links as text, and sent as ``text/html``; no
     ``text/markdown`` is ever sent. ``<img onerror=...>`` in an answer shows as text.
 
+    ``--logprobs`` generations show the token view instead (``token_view.py``).
+
     Reasoning comes first, folded; tool calls follow the text as ``name(arguments)``, never as
     the model's call markup.
     """
+    if gen.format == TOKENS:
+        return tokens_bundle(gen)
     text, calls = gen.content, [f"{call.name}({call.arguments})" for call in gen.tool_calls]
     thinking = f"thinking: {gen.reasoning}" if gen.reasoning else None
     plain = "\n".join(filter(None, [thinking, text, *(f"tool call: {call}" for call in calls)]))

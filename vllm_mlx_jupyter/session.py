@@ -49,6 +49,8 @@ class Session:
         self._closing = threading.Event()
         self._monitor: threading.Thread | None = None
         self._inspector = None
+        self._timeline = None
+        self._colors: dict[str, int] = {}  # request id -> palette slot, shared by both widgets
 
     # -- the engine -------------------------------------------------------------------------
 
@@ -148,13 +150,14 @@ class Session:
             gen.wait(timeout)
 
     def close(self) -> None:
-        """Shut down and end the monitor and the inspector (``%unload_ext``)."""
+        """Shut down and end the monitor and the widgets (``%unload_ext``)."""
         self.shutdown()
         self._closing.set()
         self._wakeup.set()
-        if self._inspector is not None:
-            self._inspector.close()
-            self._inspector = None
+        for widget in (self._inspector, self._timeline):
+            if widget is not None:
+                widget.close()
+        self._inspector = self._timeline = None
 
     # -- generations ------------------------------------------------------------------------
 
@@ -328,8 +331,9 @@ class Session:
                 gen.wait(5.0)
             raise
         self._republish_finished()
-        if self._inspector is not None:
-            self._inspector.refresh()
+        for widget in (self._inspector, self._timeline):  # headless runs: the final picture
+            if widget is not None:
+                widget.refresh()
         return gens
 
     def _republish_finished(self) -> None:
@@ -383,8 +387,21 @@ class Session:
         if self._inspector is None:
             from vllm_mlx_jupyter.inspector import CacheInspector
 
-            self._inspector = CacheInspector(self, rows=self.request_rows)
+            self._inspector = CacheInspector(self, rows=self.request_rows, colors=self._colors)
         return self._inspector
+
+    def timeline(self):
+        """The session's scheduler timeline widget (one per session, like the inspector)."""
+        if self._timeline is None:
+            from vllm_mlx_jupyter.timeline import SchedulerTimeline
+
+            self._timeline = SchedulerTimeline(self, colors=self._colors)
+        return self._timeline
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, for ``--logprobs`` (any thread: the template tokenizer is locked)."""
+        with self._tokenizer_lock:
+            return self._tokenizer.decode([token_id])
 
     # -- the monitor ------------------------------------------------------------------------
 

@@ -209,9 +209,15 @@ def test_a_function_becomes_an_openai_tool():
                 "type": "object",
                 "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
                 "required": ["city"],
+                "additionalProperties": False,
             },
         },
     }
+
+    def anything(x: int, **rest) -> None:
+        """Takes more than it names."""
+
+    assert "additionalProperties" not in function_tool(anything)["function"]["parameters"]
 
 
 def test_tools_are_rendered_and_calls_are_parsed_without_chat(ip, decode):

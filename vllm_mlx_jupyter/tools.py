@@ -4,7 +4,8 @@ template renders, and the functions a finished call can run (``Generation.run_to
 A function's tool is built from its signature and docstring: the name, the docstring's first
 paragraph as the description, one property per parameter (JSON type from the annotation:
 ``str``, ``int``, ``float``, ``bool``, ``list``/``list[X]``, ``dict``, ``Literal[...]``; anything
-else is left untyped), required unless it has a default.
+else is left untyped), required unless it has a default; no other property unless it takes
+``**kwargs``.
 """
 
 from __future__ import annotations
@@ -45,15 +46,19 @@ def tool_set(value: object) -> ToolSet:
 def function_tool(function: Callable) -> dict:
     """An OpenAI function tool describing ``function``."""
     hints = typing.get_type_hints(function)
-    properties, required = {}, []
+    properties, required, takes_any = {}, [], False
     for name, param in inspect.signature(function).parameters.items():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            takes_any = takes_any or param.kind == param.VAR_KEYWORD
             continue
         properties[name] = _json_schema(hints.get(name))
         if param.default is param.empty:
             required.append(name)
     doc = inspect.getdoc(function) or ""
-    spec = {"name": function.__name__, "parameters": {"type": "object", "properties": properties, "required": required}}
+    parameters = {"type": "object", "properties": properties, "required": required}
+    if not takes_any:  # a forced call must not invent an argument the function cannot take
+        parameters["additionalProperties"] = False
+    spec = {"name": function.__name__, "parameters": parameters}
     if doc:
         spec["description"] = doc.split("\n\n")[0].replace("\n", " ")
     return {"type": "function", "function": spec}

@@ -194,3 +194,24 @@ def test_python_function_and_refusals(ip):
         cell(ip, "--over seeded --resume", "{item}")
     with pytest.raises(TypeError, match="unexpected option"):
         generate_over(["a"], "{item}", chat="c1")
+
+
+def test_image_column_gives_each_row_its_image_and_a_bad_path_fails_alone(ip, tiny_qwen2_vl_dir, tmp_path):
+    """Last in the module: it swaps the engine for a tiny Qwen2-VL."""
+    from PIL import Image
+
+    from vllm_mlx_jupyter import get_session
+
+    paths = []
+    for color in ("red", "blue"):
+        paths.append(str(tmp_path / f"{color}.png"))
+        Image.new("RGB", (64, 64), color).save(paths[-1])
+    ip.user_ns["pictures"] = [{"picture": paths[0], "q": "this"}, {"picture": str(tmp_path / "missing.png"), "q": "that"},
+                              {"picture": paths[1], "q": "this"}]  # fmt: skip
+    with capture_output():
+        ip.run_line_magic("vllm_mlx", f"load {tiny_qwen2_vl_dir} --num-kv-blocks 256")
+    handle = finished(cell(ip, "--over pictures --image picture --max-tokens 4", "What colour is {q}?"))
+    assert set(handle.errors) == {1} and handle.results[0] is not None and handle.results[2] is not None
+    entries = get_session(ip).engine.cache_snapshot()["mllm"]["entries"]
+    assert len(entries) == 2  # two rows, two different images: each row had its own
+

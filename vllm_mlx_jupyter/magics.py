@@ -120,7 +120,8 @@ class GenerateMagics(Magics):
         ``.text``, ``.done``, ``.result(timeout)``, ``.cancel()``, ``.output`` and is awaitable;
         ``.parsed`` (``--schema``, ``--json``), ``.tool_calls`` and ``.add_tool_result()``
         (``--tools``). After tool results, the line form ``%generate --chat SESSION`` (no
-        prompt) lets the model answer them.
+        prompt) lets the model answer them. With ``--over VAR`` the body is a template run over
+        every row of ``VAR`` (a list or a DataFrame), and the handle is an ``OverGeneration``.
         """
         args = _parse(self.generate, line)
         if args.over is not None:

@@ -91,17 +91,19 @@ def test_results_keep_input_order_and_equal_solo_runs(ip):
 def test_dataframe_rows_columns_and_parsed(ip):
     frame = pd.DataFrame({"name": ["Ada", "Bo", "Cy"], "city": ["Paris", "Oslo", "Lima"]})
     ip.user_ns["people"], ip.user_ns["verdict"] = frame, SCHEMA
-    handle = finished(cell(ip, "--over people --schema verdict --compact-json --max-tokens 24", "Does {name} live in {city}?"))
+    line = "--over people --schema verdict --compact-json --max-tokens 24"
+    handle = finished(cell(ip, line, "Does {name} live in {city}?"))
     table = handle.results
     assert list(frame.columns) == ["name", "city"]  # the input is left alone
     assert list(table.columns) == ["name", "city", "output", "finish_reason", "prompt_tokens", "output_tokens",
                                    "parsed", "parse_error"]  # fmt: skip
     assert list(table["name"]) == ["Ada", "Bo", "Cy"]
-    for _, row in table.iterrows():
-        assert row.parsed == handle.parsed[_] and isinstance(row.parsed["ok"], bool), row.output
+    for i, row in table.iterrows():
+        assert row.parsed == handle.parsed[i] and isinstance(row.parsed["ok"], bool), row.output
         assert row.output_tokens > 0 and row.prompt_tokens > 0 and row.finish_reason == "stop"
-    # Rows render with their own values: the prompts differ in the name.
-    assert len(set(table["prompt_tokens"])) >= 1 and handle.errors == {}
+    assert handle.errors == {} and table.parse_error.isna().all()
+    solo = finished(cell(ip, "--schema verdict --compact-json --max-tokens 24 --wait", "Does Bo live in Oslo?"))
+    assert table.output[1] == solo.text  # row 1 was rendered from its own columns
 
 
 def test_a_failing_row_is_reported_and_the_others_finish(ip):
@@ -190,6 +192,8 @@ def test_python_function_and_refusals(ip):
         cell(ip, "--over not_rows", "{item}")
     with pytest.raises(UsageError, match="no variable"):
         cell(ip, "--over missing_var", "{item}")
+    with pytest.raises(UsageError, match="max_in_flight must be at least 1"):
+        cell(ip, "--over seeded --max-in-flight 0", "{item}")
     with pytest.raises(UsageError, match="--resume"):
         cell(ip, "--over seeded --resume", "{item}")
     with pytest.raises(TypeError, match="unexpected option"):
@@ -206,7 +210,8 @@ def test_image_column_gives_each_row_its_image_and_a_bad_path_fails_alone(ip, ti
     for color in ("red", "blue"):
         paths.append(str(tmp_path / f"{color}.png"))
         Image.new("RGB", (64, 64), color).save(paths[-1])
-    ip.user_ns["pictures"] = [{"picture": paths[0], "q": "this"}, {"picture": str(tmp_path / "missing.png"), "q": "that"},
+    missing = str(tmp_path / "missing.png")
+    ip.user_ns["pictures"] = [{"picture": paths[0], "q": "this"}, {"picture": missing, "q": "that"},
                               {"picture": paths[1], "q": "this"}]  # fmt: skip
     with capture_output():
         ip.run_line_magic("vllm_mlx", f"load {tiny_qwen2_vl_dir} --num-kv-blocks 256")

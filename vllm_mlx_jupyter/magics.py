@@ -26,6 +26,7 @@ from vllm_mlx_jupyter.session import Session, SessionError
 
 MODEL_ENV = "VLLM_MLX_JUPYTER_MODEL"
 FORMATS = ("markdown", "text", "code")
+_NOT_PYTHON_OPTIONS = frozenset({"over", "out", "resume", "chat", "tools", "tool_call_parser", "tool_choice"})
 
 USAGE = """\
 %vllm_mlx COMMAND [ARGS]
@@ -165,8 +166,8 @@ class GenerateMagics(Magics):
         """``%%generate --over VAR``: the cell body is every row's template."""
         for flag, value in (("--chat", args.chat), ("--tools", args.tools)):
             if value is not None:
-                raise UsageError(f"%%generate: {flag} cannot go with --over: each row is a one-turn request of its own, "
-                                 "not a turn of a conversation")  # fmt: skip
+                raise UsageError(f"%%generate: {flag} cannot go with --over: each row is a one-turn request "
+                                 "of its own, not a turn of a conversation")  # fmt: skip
         if args.resume and not (args.out or args.name):
             raise UsageError("%%generate --resume: give -o OUT (or --name NAME), the earlier run to resume")
         items = variable("--over", args.over, self.shell.user_ns)
@@ -195,7 +196,7 @@ class GenerateMagics(Magics):
             resume=previous if isinstance(previous, OverGeneration) else None, interval=self.update_interval,
         )  # fmt: skip
         try:
-            handle = start_over(self.session, request, lambda image: self._image(image) if isinstance(image, str) else image)
+            handle = start_over(self.session, request, self._image_value)
         except SessionError as exc:
             raise UsageError(str(exc)) from None
         if args.out:
@@ -205,13 +206,17 @@ class GenerateMagics(Magics):
             handle.wait()
         return handle
 
+    def _image_value(self, image):
+        """An ``--image`` of every row: a name as ``--image NAME`` reads it, or a value as is."""
+        return self._image(image) if isinstance(image, str) else image
+
     def over_call(self, items, template: str, options: dict, resume=None):
         """``generate_over(items, template, **options)``: options are the flags' names with
         Python values (``max_tokens=16``, ``choice=[...]``, ``schema=Model``, ``image="path"``)."""
         args = self.generate.parser.parse_args([])
         values = {}
         for key, value in options.items():
-            if key in ("over", "out", "chat", "tools", "tool_call_parser", "tool_choice", "resume") or not hasattr(args, key):
+            if key in _NOT_PYTHON_OPTIONS or not hasattr(args, key):
                 raise TypeError(f"generate_over() got an unexpected option {key!r}")
             if key == "schema":
                 values["schema"], value = value, "schema"

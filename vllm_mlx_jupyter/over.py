@@ -85,8 +85,9 @@ class OverGeneration:
 
     ``.results`` are the texts in input order (None for rows not done), or for a DataFrame a copy
     with ``output``, ``finish_reason``, ``prompt_tokens`` and ``output_tokens`` columns (and
-    ``parsed`` and ``parse_error`` with ``--schema``/``--json``). ``.errors`` maps a row index to its error message,
-    ``.progress`` is a ``Progress``, ``.parsed`` the parsed objects in input order.
+    ``parsed`` and ``parse_error`` with ``--schema``/``--json``). ``.errors`` maps a row index
+    to its error message, ``.progress`` is a ``Progress``, ``.parsed`` the parsed objects in
+    input order.
     ``.cancel()`` stops it (rows done stay done), ``.wait(timeout)`` blocks, ``await`` works,
     and ``.result(timeout)`` returns ``.results`` once done.
     """
@@ -112,7 +113,7 @@ class OverGeneration:
         self.max_in_flight = max_in_flight
         self.state = GENERATING
         self.error: BaseException | None = None
-        self.errors: dict[int, str] = {}
+        self._errors: dict[int, str] = {}
         self.in_flight_peak = 0
         """The most rows submitted and unfinished at once (never above ``max_in_flight``)."""
         # What the session's monitor and inspector read of a generation: not one request.
@@ -153,8 +154,14 @@ class OverGeneration:
     def progress(self) -> Progress:
         with self._lock:
             end = self._ended or time.monotonic()
-            return Progress(self.total, len(self._results), len(self.errors), len(self._in_flight),
+            return Progress(self.total, len(self._results), len(self._errors), len(self._in_flight),
                             self._tokens, end - self._started, self._kept)  # fmt: skip
+
+    @property
+    def errors(self) -> dict[int, str]:
+        """Row index -> why that row failed (a copy: the run may still add to it)."""
+        with self._lock:
+            return dict(self._errors)
 
     @property
     def row_results(self) -> list[RowResult | None]:
@@ -292,14 +299,14 @@ class OverGeneration:
 
     def _fail(self, index: int, exc: BaseException) -> None:
         with self._lock:
-            self.errors[index] = str(exc) or type(exc).__name__
+            self._errors[index] = str(exc) or type(exc).__name__
 
     def _end(self) -> None:
         with self._lock:
             self._ended = time.monotonic()
             if self.error is not None:
                 self.state = ERROR
-            elif self._cancelled.is_set() and len(self._results) + len(self.errors) < self.total:
+            elif self._cancelled.is_set() and len(self._results) + len(self._errors) < self.total:
                 self.state = ABORTED
             else:
                 self.state = DONE

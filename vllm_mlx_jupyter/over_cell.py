@@ -62,7 +62,9 @@ def start_over(session: Session, request: OverRequest, resolve_image: Callable[[
         raise SessionError(str(exc)) from None
     kept = _kept(request.resume, source)
     name = session.claim_name(request.name or (request.resume.name if request.resume is not None else None))
-    bound = request.max_in_flight or IN_FLIGHT_PER_SEQ * engine.call(lambda core: core.config.max_num_seqs)
+    bound = request.max_in_flight
+    if bound is None:
+        bound = IN_FLIGHT_PER_SEQ * engine.call(lambda core: core.config.max_num_seqs)
     columns = source.names()
     images = [Column(i) if isinstance(i, str) and i in columns else resolve_image(i) for i in request.images]
     fmt = request.response_format

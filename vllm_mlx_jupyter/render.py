@@ -3,6 +3,8 @@
 Status and text are display outputs bound by ``display_id`` (updated from the consumer thread,
 they land in the cell that started the generation, and they are saved with the notebook); the
 stop button is an ipywidgets ``Button`` whose click aborts the request. Nothing here prints.
+An ``--over`` run (``OverGeneration``) gets the same area: a progress line and bar, the stop
+button, and its last finished rows instead of the text.
 """
 
 from __future__ import annotations
@@ -152,8 +154,9 @@ def over_body_bundle(gen: OverGeneration) -> dict:
     lines += [f"#{index} error: {_one_line(message)}" for index, message in errors[:SHOWN_ERRORS]]
     if len(errors) > SHOWN_ERRORS:
         lines.append(f"… {len(errors) - SHOWN_ERRORS} more errors in .errors")
-    markup = "".join(f"<div>{html.escape(line)}</div>" for line in lines)
-    return {"text/plain": "\n".join(lines), "text/html": f'<div class="vllm-mlx-rows" style="font:12px monospace">{markup}</div>'}
+    rows = "".join(f"<div>{html.escape(line)}</div>" for line in lines)
+    markup = f'<div class="vllm-mlx-rows" style="font:12px monospace">{rows}</div>'
+    return {"text/plain": "\n".join(lines), "text/html": markup}
 
 
 def _one_line(text: str) -> str:

@@ -32,7 +32,8 @@ class RowSource:
         self.frame = _is_frame(items)
         if not self.frame:
             if isinstance(items, str | bytes) or not isinstance(items, Sequence):
-                raise TypeError(f"--over needs a list (of strings or dicts) or a pandas DataFrame, not {type(items).__name__}")
+                kind = type(items).__name__
+                raise TypeError(f"--over needs a list (of strings or dicts) or a pandas DataFrame, not {kind}")
             bad = next((x for x in items if not isinstance(x, str | Mapping)), None)  # fmt: skip
             if bad is not None:
                 raise TypeError(f"--over: every item must be a string or a dict, not {type(bad).__name__}")

@@ -19,8 +19,12 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 STATUS = re.compile(r"^(?P<name>\S+) · (?P<state>[a-z]+)")
 
 
-def execute(name: str, tmp_path: Path) -> nbformat.NotebookNode:
+def execute(name: str, tmp_path: Path, parameters: str | None = None) -> nbformat.NotebookNode:
+    """Run a notebook; ``parameters`` replaces the source of its cell tagged ``parameters``."""
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    if parameters is not None:
+        (cell,) = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+        cell.source = parameters
     client = nbclient.NotebookClient(
         nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
     )
@@ -97,6 +101,15 @@ def test_chat(tiny, tmp_path):
     printed = "".join(o.get("text", "") for o in outputs(nb) if o["output_type"] == "stream")
     assert "[system] You are a concise travel guide." in printed and "[user] What should I eat there?" in printed
     assert re.search(r"turn 2: [1-9]\d* of \d+ prompt tokens from the cache", printed)
+
+
+def test_dataset(tiny, tmp_path):
+    nb = execute("dataset.ipynb", tmp_path, parameters="ROWS = 24")
+    assert_clean(nb)
+    (status, _), = generations(nb).values()
+    assert " · done · 24/24 rows" in status, status
+    printed = "".join(o.get("text", "") for o in outputs(nb) if o["output_type"] == "stream")
+    assert re.search(r"24 rows, 0 errors, accuracy \d+%", printed), printed
 
 
 @pytest.mark.e2e

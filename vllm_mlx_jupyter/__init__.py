@@ -7,7 +7,7 @@ stops the engine (running generations end as aborted) and removes the magics.
 
 from __future__ import annotations
 
-__all__ = ["get_session", "load_ipython_extension", "unload_ipython_extension"]
+__all__ = ["generate_over", "get_session", "load_ipython_extension", "unload_ipython_extension"]
 
 _MAGICS: dict[int, object] = {}  # id(shell) -> GenerateMagics
 
@@ -25,6 +25,24 @@ def load_ipython_extension(ipython) -> None:
 def get_session(ipython=None):
     """The kernel-resident ``Session`` (its ``engine``, ``generations``, ``chats``) of a shell
     where the extension is loaded; the current shell by default."""
+    return _magics(ipython).session
+
+
+def generate_over(items, template: str, *, resume=None, ipython=None, **options):
+    """``%%generate --over`` from Python: run ``template`` over each row of ``items`` (a list
+    of strings or dicts, or a DataFrame) and return the ``OverGeneration`` at once.
+
+    ``options`` are the cell's flags by name, with Python values: ``max_tokens=16``,
+    ``temperature=0``, ``seed=0`` (row ``i`` samples with ``seed + i``), ``system=...``,
+    ``raw=True``, ``image="column"``, ``choice=["yes", "no"]``, ``schema=Model``, ``regex=...``,
+    ``max_in_flight=64``, ``name=...``, ``wait=True``. ``resume``: an earlier, finished or
+    cancelled handle over the same rows, whose finished rows are kept.
+    """
+    return _magics(ipython).over_call(items, template, options, resume=resume)
+
+
+def _magics(ipython):
+    """The magics of ``ipython`` (default: the current shell), where the extension is loaded."""
     if ipython is None:
         from IPython import get_ipython
 
@@ -32,7 +50,7 @@ def get_session(ipython=None):
     magics = _MAGICS.get(id(ipython))
     if magics is None:
         raise RuntimeError("vllm_mlx_jupyter is not loaded in this shell: %load_ext vllm_mlx_jupyter")
-    return magics.session
+    return magics
 
 
 def unload_ipython_extension(ipython) -> None:

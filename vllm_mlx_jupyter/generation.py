@@ -253,16 +253,7 @@ class Generation:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until done (False on timeout). An interrupt aborts the request and re-raises."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while not self._done.wait(0.05):
-                if deadline is not None and time.monotonic() >= deadline:
-                    return False
-        except KeyboardInterrupt:
-            self.cancel()
-            self._done.wait(5.0)
-            raise
-        return True
+        return wait_or_cancel(self._done, timeout, self.cancel)
 
     def result(self, timeout: float | None = None) -> str:
         """The final text; blocks until done (``TimeoutError`` after ``timeout`` seconds)."""
@@ -271,25 +262,7 @@ class Generation:
         return self._future.result()
 
     def __await__(self):
-        return self._wait_async().__await__()
-
-    async def _wait_async(self) -> str:
-        loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
-
-        def wake(_future) -> None:
-            try:
-                loop.call_soon_threadsafe(lambda: waiter.done() or waiter.set_result(None))
-            except RuntimeError:  # the loop closed before the generation ended
-                pass
-
-        self._future.add_done_callback(wake)
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            self.cancel()
-            raise
-        return self._future.result()
+        return await_or_cancel(self._future, self.cancel).__await__()
 
     def add_tool_result(self, call: ToolCall | str, content: object) -> None:
         """Answer one of this turn's tool calls (a ``ToolCall`` or its id) in its chat session;
@@ -351,3 +324,39 @@ def _as_generation_error(error: BaseException | None) -> BaseException:
     wrapped = GenerationError(f"generation failed: {error}")
     wrapped.__cause__ = error
     return wrapped
+
+
+def wait_or_cancel(done: threading.Event, timeout: float | None, cancel: Callable[[], object]) -> bool:
+    """Block until ``done`` (False after ``timeout`` seconds). An interrupt calls ``cancel``,
+    waits a little for the end, and re-raises: a blocked cell stops what it waits for."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while not done.wait(0.05):
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+    except KeyboardInterrupt:
+        cancel()
+        done.wait(5.0)
+        raise
+    return True
+
+
+async def await_or_cancel(future: Future, cancel: Callable[[], object]):
+    """``future``'s result without blocking the event loop; cancelling the awaiting task calls
+    ``cancel``."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def wake(_future) -> None:
+        try:
+            loop.call_soon_threadsafe(lambda: waiter.done() or waiter.set_result(None))
+        except RuntimeError:  # the loop closed before the work ended
+            pass
+
+    future.add_done_callback(wake)
+    try:
+        await waiter
+    except asyncio.CancelledError:
+        cancel()
+        raise
+    return future.result()

@@ -8,6 +8,7 @@ kernel). Defaults are traitlets: ``%config GenerateMagics.max_tokens = 64``.
 from __future__ import annotations
 
 import codecs
+import collections
 import html
 import os
 import shlex
@@ -26,6 +27,7 @@ from vllm_mlx_jupyter.token_view import TOKENS, TokenLog
 
 MODEL_ENV = "VLLM_MLX_JUPYTER_MODEL"
 FORMATS = ("markdown", "text", "code")
+_NOT_PYTHON_OPTIONS = frozenset({"over", "out", "resume", "chat", "tools", "tool_call_parser", "tool_choice"})
 
 USAGE = """\
 %vllm_mlx COMMAND [ARGS]
@@ -109,6 +111,10 @@ class GenerateMagics(Magics):
     @argument("--tool-call-parser", metavar="NAME", help="tool-call format (default: from the chat template)")
     @argument("--tool-choice", metavar="auto|none|required|NAME",
               help="auto (default); required or a function NAME: a call is enforced, on any model")  # fmt: skip
+    @argument("--over", metavar="VAR", help="run the cell as a template over each row of VAR (a list or a DataFrame)")
+    @argument("--max-in-flight", type=int, metavar="N",
+              help="with --over: at most N rows in the engine at once (default: 2x its max_num_seqs)")  # fmt: skip
+    @argument("--resume", action="store_true", help="with --over: keep the rows the earlier run (-o OUT) finished")
     @line_cell_magic
     def generate(self, line: str, cell: str | None = None):
         """Generate from the cell body (the prompt); returns a ``Generation`` handle at once.
@@ -119,9 +125,12 @@ class GenerateMagics(Magics):
         ``.text``, ``.done``, ``.result(timeout)``, ``.cancel()``, ``.output`` and is awaitable;
         ``.parsed`` (``--schema``, ``--json``), ``.tool_calls`` and ``.add_tool_result()``
         (``--tools``). After tool results, the line form ``%generate --chat SESSION`` (no
-        prompt) lets the model answer them.
+        prompt) lets the model answer them. With ``--over VAR`` the body is a template run over
+        every row of ``VAR`` (a list or a DataFrame), and the handle is an ``OverGeneration``.
         """
         args = _parse(self.generate, line)
+        if args.over is not None:
+            return self._generate_over(args, cell or "")
         images = [self._image(name) for name in args.image or []]
         cell = cell or ""
         prompt = cell.strip("\n") if args.raw else cell.strip()
@@ -159,6 +168,69 @@ class GenerateMagics(Magics):
         if args.wait:
             gen.wait()
         return gen
+
+    def _generate_over(self, args, cell: str):
+        """``%%generate --over VAR``: the cell body is every row's template."""
+        for flag, value in (("--chat", args.chat), ("--tools", args.tools)):
+            if value is not None:
+                raise UsageError(f"%%generate: {flag} cannot go with --over: each row is a one-turn request "
+                                 "of its own, not a turn of a conversation")  # fmt: skip
+        if args.resume and not (args.out or args.name):
+            raise UsageError("%%generate --resume: give -o OUT (or --name NAME), the earlier run to resume")
+        items = variable("--over", args.over, self.shell.user_ns)
+        previous = self.shell.user_ns.get(args.out) if args.out else self.session.generations.get(args.name)
+        return self.run_over(items, cell, args, previous=previous if args.resume else None)
+
+    def run_over(self, items, template: str, args, *, previous=None, values: dict | None = None):
+        """Start an ``--over`` run of ``template`` over ``items`` with the cell flags ``args``;
+        ``values`` are constraint objects by name (``generate_over``'s ``schema=...``)."""
+        from vllm_mlx_jupyter.over import OverGeneration
+        from vllm_mlx_jupyter.over_cell import OverRequest, start_over
+        from vllm_mlx_jupyter.render import LiveView
+
+        template = template.strip("\n") if args.raw else template.strip()
+        if not template:
+            raise UsageError("%%generate --over: the cell is empty; write the template in it, e.g. Classify: {item}")
+        fmt = response_format(args, collections.ChainMap(values or {}, self.shell.user_ns))
+        params = self._sampling_params(args, fmt)
+        self._ensure_loaded()
+        if fmt is not None:
+            compile_check(self.session.engine, fmt)
+        request = OverRequest(
+            items, template, params, name=args.name, system=args.system if args.system is not None else self.system,
+            raw=args.raw, images=list(args.image or []), response_format=fmt, interpolate=not args.raw_braces,
+            namespace=self.shell.user_ns, max_in_flight=args.max_in_flight,
+            resume=previous if isinstance(previous, OverGeneration) else None, interval=self.update_interval,
+        )  # fmt: skip
+        try:
+            handle = start_over(self.session, request, self._image_value)
+        except SessionError as exc:
+            raise UsageError(str(exc)) from None
+        if args.out:
+            self.shell.user_ns[args.out] = handle
+        LiveView.show(handle)
+        if args.wait:
+            handle.wait()
+        return handle
+
+    def _image_value(self, image):
+        """An ``--image`` of every row: a name as ``--image NAME`` reads it, or a value as is."""
+        return self._image(image) if isinstance(image, str) else image
+
+    def over_call(self, items, template: str, options: dict, resume=None):
+        """``generate_over(items, template, **options)``: options are the flags' names with
+        Python values (``max_tokens=16``, ``choice=[...]``, ``schema=Model``, ``image="path"``)."""
+        args = self.generate.parser.parse_args([])
+        values = {}
+        for key, value in options.items():
+            if key in _NOT_PYTHON_OPTIONS or not hasattr(args, key):
+                raise TypeError(f"generate_over() got an unexpected option {key!r}")
+            if key == "schema":
+                values["schema"], value = value, "schema"
+            elif key in ("stop", "image", "choice") and (isinstance(value, str) or not isinstance(value, list | tuple)):
+                value = [value]
+            setattr(args, key, list(value) if isinstance(value, tuple) else value)
+        return self.run_over(items, template, args, previous=resume, values=values)
 
     def _sampling_params(self, args, fmt):
         from vllm_mlx.request import SamplingParams

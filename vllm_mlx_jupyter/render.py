@@ -3,6 +3,8 @@
 Status and text are display outputs bound by ``display_id`` (updated from the consumer thread,
 they land in the cell that started the generation, and they are saved with the notebook); the
 stop button is an ipywidgets ``Button`` whose click aborts the request. Nothing here prints.
+An ``--over`` run (``OverGeneration``) gets the same area: a progress line and bar, the stop
+button, and its last finished rows instead of the text.
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ import re
 import time
 
 from vllm_mlx_jupyter.generation import ABORTED, DONE, ERROR, GENERATING, PREFILLING, QUEUED
+from vllm_mlx_jupyter.over import OverGeneration
 from vllm_mlx_jupyter.token_view import TOKENS, tokens_bundle
 
+RECENT_CHARS = 160
+SHOWN_ERRORS = 3
 _COLORS = {
     QUEUED: "#9e9e9e",
     PREFILLING: "#ef6c00",
@@ -69,7 +74,7 @@ def _tokens_per_second(out, n: int) -> float | None:
 
 
 def status_bundle(gen) -> dict:
-    parts = status_parts(gen)
+    parts = over_status_parts(gen) if isinstance(gen, OverGeneration) else status_parts(gen)
     color = _COLORS.get(gen.state, "#9e9e9e")
     text = " · ".join(html.escape(p) for p in parts)
     markup = (
@@ -77,7 +82,38 @@ def status_bundle(gen) -> dict:
         f'style="font:12px/1.6 var(--jp-code-font-family, monospace);color:#666">'
         f'<span style="color:{color}">●</span> {text}</div>'
     )
-    return {"text/plain": " · ".join(parts), "text/html": markup}
+    return {"text/plain": " · ".join(parts), "text/html": markup + _progress_bar(gen)}
+
+
+def over_status_parts(gen: OverGeneration) -> list[str]:
+    """An ``--over`` run's status: rows done of total, errors, in flight, tokens, tok/s, ETA."""
+    p = gen.progress
+    state = f"error: {gen.error}" if gen.state == ERROR else gen.state
+    parts = [gen.name, state, f"{p.done}/{p.total} rows"]
+    if p.failed:
+        parts.append(f"{p.failed} error{'s' if p.failed != 1 else ''}")
+    if not gen.done:
+        parts.append(f"{p.in_flight} in flight")
+    parts.append(f"{p.tokens} tokens")
+    if p.tokens_per_second is not None:
+        parts.append(f"{p.tokens_per_second:.1f} tok/s")
+    parts.append(f"{p.elapsed:.1f} s")
+    if not gen.done and p.eta is not None:
+        parts.append(f"ETA {p.eta:.0f} s")
+    return parts
+
+
+def _progress_bar(gen) -> str:
+    if not isinstance(gen, OverGeneration):
+        return ""
+    p = gen.progress
+    done = 100 * p.done / p.total if p.total else 100
+    failed = 100 * p.failed / p.total if p.total else 0
+    return (
+        '<div class="vllm-mlx-progress" style="display:flex;height:6px;background:#eee;max-width:480px">'
+        f'<div style="width:{done:.2f}%;background:#43a047"></div>'
+        f'<div style="width:{failed:.2f}%;background:#e53935"></div></div>'
+    )
 
 
 def body_bundle(gen) -> dict:
@@ -93,6 +129,8 @@ def body_bundle(gen) -> dict:
     Reasoning comes first, folded; tool calls follow the text as ``name(arguments)``, never as
     the model's call markup.
     """
+    if isinstance(gen, OverGeneration):
+        return over_body_bundle(gen)
     if gen.format == TOKENS:
         return tokens_bundle(gen)
     text, calls = gen.content, [f"{call.name}({call.arguments})" for call in gen.tool_calls]
@@ -111,6 +149,24 @@ def body_bundle(gen) -> dict:
         for call in calls
     )
     return {"text/html": f'<div class="vllm-mlx-text">{markup}</div>', "text/plain": plain}
+
+
+def over_body_bundle(gen: OverGeneration) -> dict:
+    """The last rows to finish, one line each (cut to ``RECENT_CHARS``), and the first errors.
+    Model text goes out escaped: never as HTML or Markdown."""
+    lines = [f"#{index}: {_one_line(text)}" for index, text in gen.recent()]
+    errors = sorted(gen.errors.items())
+    lines += [f"#{index} error: {_one_line(message)}" for index, message in errors[:SHOWN_ERRORS]]
+    if len(errors) > SHOWN_ERRORS:
+        lines.append(f"… {len(errors) - SHOWN_ERRORS} more errors in .errors")
+    rows = "".join(f"<div>{html.escape(line)}</div>" for line in lines)
+    markup = f'<div class="vllm-mlx-rows" style="font:12px monospace">{rows}</div>'
+    return {"text/plain": "\n".join(lines), "text/html": markup}
+
+
+def _one_line(text: str) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= RECENT_CHARS else flat[: RECENT_CHARS - 1] + "…"
 
 
 @functools.cache

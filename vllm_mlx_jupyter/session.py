@@ -193,10 +193,8 @@ class Session:
             raise SessionError(f"{flag} needs the chat template; it cannot be combined with --raw")
         session = self.chats.setdefault(chat, ChatSession(chat)) if chat is not None else None
         self.check_prompt(prompt, chat)
-        name = name or self._next_name(session)
-        previous = self.generations.get(name)
-        if previous is not None and not previous.done:
-            raise SessionError(f"generation {name!r} is still running: abort it or choose another --name")
+        name = name if session is None else (name or self._next_name(session))
+        name = self.claim_name(name)
         tools, parser_for = self._turn_tools(session, tools, tool_parser, tool_choice)
         parser = parser_for()  # refuse now what the cell cannot use; the real one needs the prompt
         params = _with_forced_call(params, parser)
@@ -210,12 +208,9 @@ class Session:
         gen = Generation(name, engine, params, build, after=after, on_finish=on_finish,
                          format=format, interval=interval, reader=reader, chat=session)  # fmt: skip
         gen.start()
-        with self._lock:
-            self.generations.pop(name, None)
-            self.generations[name] = gen
+        self.register(gen)
         if session is not None:
             session.pending = gen
-        self._ensure_monitor()
         return gen
 
     def _turn_tools(self, session: ChatSession | None, tools: ToolSet | None, name: str | None, choice: str | None):
@@ -245,6 +240,28 @@ class Session:
             return token_ids[-64:]
         with self._tokenizer_lock:
             return self._tokenizer.decode(token_ids[-16:])
+
+    def prompt_for(self, prompt: str, *, system: str | None = None, raw: bool = False, images: Iterable = ()):
+        """The engine prompt of a one-turn request (no chat, no tools), built now: text, token
+        ids, or a ``PreparedPrompt`` with its images (``SessionError`` for a bad image)."""
+        build, _, _ = self._prompt_plan(prompt, None, system, raw, list(images), None)
+        return build()
+
+    def claim_name(self, name: str | None) -> str:
+        """``name``, or the next free ``gen-N``; ``SessionError`` while one of that name runs."""
+        name = name or self._next_name(None)
+        previous = self.generations.get(name)
+        if previous is not None and not previous.done:
+            raise SessionError(f"generation {name!r} is still running: abort it or choose another --name")
+        return name
+
+    def register(self, handle) -> None:
+        """Track a handle started elsewhere (an ``--over`` run) as a generation: ``%vllm_mlx
+        wait``, ``abort`` and ``shutdown`` reach it, and the monitor refreshes its view."""
+        with self._lock:
+            self.generations.pop(handle.name, None)
+            self.generations[handle.name] = handle
+        self._ensure_monitor()
 
     def check_prompt(self, prompt: str, chat: str | None) -> None:
         """Refuse an empty prompt, unless it is a chat turn that answers tool results."""

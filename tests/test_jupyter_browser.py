@@ -1,13 +1,18 @@
-"""A real browser: JupyterLab + headless Chromium (Playwright) run the quickstart notebook
-(plus a hostile-text cell, a `--logprobs` token view and a long generation).
+"""A real browser: JupyterLab 4 and Notebook 7, each driven by headless Chromium (Playwright),
+run the quickstart notebook (plus a hostile-text cell, a `--logprobs` token view and a long
+generation) and a `%%generate --over` cell whose progress advances until its stop button is
+clicked. Every test runs once per frontend (the ``server`` fixture's parameter).
 
-The recipe follows DESIGN.md §8: Lab on 127.0.0.1 with a token, its own config/settings dirs
-(no news, no update checks, read-only extension manager, no cell windowing), the app exposed
-as ``window.jupyterapp``; Debian's Chromium binary through ``launch_persistent_context``; "run
-all" without awaiting its promise; assertions on the DOM; the kernel shut down in ``finally``.
+The recipe follows DESIGN.md §8: the server on 127.0.0.1 with a token, its own config/settings
+dirs (no news, no update checks, read-only extension manager, no cell windowing), the app exposed
+as ``window.jupyterapp`` (Notebook 7 has it too, with the same shell, notebook panel and
+``notebook:run-all-cells`` command); Debian's Chromium binary through
+``launch_persistent_context``; "run all" without awaiting its promise; assertions on the DOM;
+the kernel shut down in ``finally``.
 
 Skipped (with the reason) when Playwright or Chromium is missing or Chromium cannot start.
-The inspector screenshot is saved to ``$VLLM_MLX_TEST_ARTIFACTS`` (default: a temp dir).
+The inspector and timeline screenshots (one per frontend) are saved to
+``$VLLM_MLX_TEST_ARTIFACTS`` (default: a temp dir).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -38,6 +44,16 @@ from vllm_mlx_jupyter.render import body_bundle
 answer = '**Hi** <img src=x onerror="document.body.dataset.xss=1"> <script>document.body.dataset.xss=2</script>'
 display(body_bundle(SimpleNamespace(content=answer, reasoning=None, tool_calls=[], format="markdown")), raw=True)"""
 TOKENS_CELL = "%%generate -n tokens --logprobs 3 --max-tokens 8 --temperature 0\nName a colour."
+# 30 rows, two in the engine at a time and 48 tokens each: the rows finish a pair at a time,
+# over many seconds on a CPU, so the test sees the count rise and can stop the run half-way.
+OVER_ROWS = 30
+OVER_CELLS = [
+    "%load_ext vllm_mlx_jupyter",
+    f"%vllm_mlx load --num-kv-blocks {NUM_KV_BLOCKS}",
+    f"animals = [f'animal number {{i}}' for i in range({OVER_ROWS})]",
+    "%%generate --over animals -n rows -o rows --max-in-flight 2 --min-tokens 48 --max-tokens 48\n"
+    "Write one sentence about an {item}.",
+]
 LAST_STEP = "() => Number(document.querySelector('.vmt-columns')?.lastChild?.dataset.step || 0)"
 SETTINGS = {
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"checkForUpdates": False, "fetchNews": "false"},
@@ -57,21 +73,59 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class Frontend:
+    """A Jupyter frontend: how its server starts and where it shows a notebook."""
+
+    name: str
+    app: str
+    """``window.jupyterapp.name``: the page is this frontend's, not another's."""
+    module: str
+    """``python -m MODULE`` starts its server."""
+    options: tuple[str, ...]
+    page: str
+    """A notebook's page, ``{}`` for its path from the server's root."""
+
+
+FRONTENDS = [
+    Frontend("jupyterlab", "JupyterLab", "jupyterlab",
+             ("--LabApp.expose_app_in_browser=True", "--LabApp.extension_manager=readonly"), "/lab/tree/{}?reset"),
+    Frontend("notebook7", "Jupyter Notebook", "notebook",
+             ("--JupyterNotebookApp.expose_app_in_browser=True",), "/notebooks/{}"),
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Server:
+    url: str
+    token: str
+    frontend: Frontend
+
+    def run_all(self, page, notebook: str) -> None:
+        """Open ``notebook``, wait for its kernel, run all its cells (without awaiting them)."""
+        path = self.frontend.page.format(notebook)
+        page.goto(f"{self.url}{path}{'&' if '?' in path else '?'}token={self.token}")
+        page.wait_for_function(KERNEL_IDLE, timeout=90_000)
+        assert page.evaluate("() => window.jupyterapp.name") == self.frontend.app
+        page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+
+
 def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 90.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"JupyterLab exited with status {proc.returncode}")
+            raise RuntimeError(f"the Jupyter server exited with status {proc.returncode}")
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
                     return
         except OSError:
             time.sleep(0.3)
-    raise TimeoutError(f"JupyterLab did not answer {url} within {timeout} s")
+    raise TimeoutError(f"the Jupyter server did not answer {url} within {timeout} s")
 
 
-def _notebook_with_long_cell(dest: Path) -> None:
+def _write_notebooks(dest: Path) -> None:
+    """quickstart.ipynb with the test's cells appended, and over.ipynb."""
     import nbformat
 
     nb = nbformat.read(ROOT / "notebooks" / "quickstart.ipynb", as_version=4)
@@ -80,17 +134,24 @@ def _notebook_with_long_cell(dest: Path) -> None:
         cell["id"] = f"browser-test-{name}"
         nb.cells.append(cell)
     nbformat.write(nb, dest / "quickstart.ipynb")
+    over = nbformat.v4.new_notebook(metadata=nb.metadata)
+    over.cells = [nbformat.v4.new_code_cell(source) for source in OVER_CELLS]
+    for i, cell in enumerate(over.cells):
+        cell["id"] = f"browser-test-over-{i}"
+    nbformat.write(over, dest / "over.ipynb")
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory, default_model_dir):
-    """A JupyterLab server on 127.0.0.1 serving a copy of quickstart.ipynb (the default model:
-    slow enough on a CPU that the long generation is still running when the test clicks)."""
-    pytest.importorskip("jupyterlab")
-    base = tmp_path_factory.mktemp("lab")
+@pytest.fixture(scope="module", params=FRONTENDS, ids=lambda f: f.name)
+def server(request, tmp_path_factory, default_model_dir):
+    """A Jupyter server of one frontend on 127.0.0.1 serving the test notebooks (the default
+    model: slow enough on a CPU that the long generation is still running when the test clicks).
+    The kernels it starts inherit this process's environment (``PYTHONPATH`` included)."""
+    frontend: Frontend = request.param
+    pytest.importorskip(frontend.module)
+    base = tmp_path_factory.mktemp(frontend.name)
     root = base / "root"
     root.mkdir()
-    _notebook_with_long_cell(root)
+    _write_notebooks(root)
     for name, value in SETTINGS.items():
         path = base / "settings" / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -104,15 +165,15 @@ def lab(tmp_path_factory, default_model_dir):
         "JUPYTERLAB_WORKSPACES_DIR": str(base / "workspaces"),
     }
     env.pop("VLLM_MLX_JUPYTER_MODEL", None)
-    command = [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip=127.0.0.1",
+    command = [sys.executable, "-m", frontend.module, "--no-browser", "--allow-root", "--ip=127.0.0.1",
                f"--port={port}", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-               "--LabApp.expose_app_in_browser=True", "--LabApp.extension_manager=readonly"]  # fmt: skip
+               *frontend.options]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    with open(base / "lab.log", "wb") as log:
+    with open(base / "server.log", "wb") as log:
         proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             _wait_http(f"{url}/api/status?token={token}", proc)
-            yield {"url": url, "token": token, "root": root}
+            yield Server(url, token, frontend)
         finally:
             proc.terminate()
             try:
@@ -159,12 +220,10 @@ HIGHLIGHT_MATCHES_ROW = """() => {
 }"""
 
 
-def test_quickstart_runs_in_jupyterlab(lab, page):
+def test_quickstart(server, page):
     page.set_default_timeout(60_000)
-    page.goto(f"{lab['url']}/lab/tree/quickstart.ipynb?reset&token={lab['token']}")
     try:
-        page.wait_for_function(KERNEL_IDLE, timeout=90_000)
-        page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+        server.run_all(page, "quickstart.ipynb")
         page.wait_for_function(ALL_EXECUTED, timeout=120_000)
 
         # The three concurrent cells streamed to the end; nothing failed.
@@ -201,7 +260,7 @@ def test_quickstart_runs_in_jupyterlab(lab, page):
         }""")
         row.click()
         page.wait_for_function(HIGHLIGHT_MATCHES_ROW, timeout=10_000)
-        inspector.screenshot(path=str(artifacts_dir() / "inspector.png"))
+        inspector.screenshot(path=str(artifacts_dir() / f"inspector-{server.frontend.name}.png"))
 
         # The timeline adds columns while the long generation runs; hovering one shows the step.
         timeline = page.locator(".vmt").first
@@ -211,7 +270,7 @@ def test_quickstart_runs_in_jupyterlab(lab, page):
         timeline.locator(".vmt-col").last.hover()
         timeline.locator(".vmt-tip").wait_for(state="visible")
         assert "Step" in timeline.locator(".vmt-tip").inner_text() and "long" in timeline.locator(".vmt-tip").inner_text()
-        timeline.screenshot(path=str(artifacts_dir() / "timeline.png"))
+        timeline.screenshot(path=str(artifacts_dir() / f"timeline-{server.frontend.name}.png"))
 
         # The token view: each token a span; hovering one shows its top alternatives.
         token = page.locator(".vllm-mlx-tokens .vllm-mlx-tok").first
@@ -236,5 +295,49 @@ def test_quickstart_runs_in_jupyterlab(lab, page):
         page.wait_for_function("() => document.querySelectorAll('.vmi-block.vmi-cached').length > 0")
         inspector.locator("button.vmi-reset").click()
         page.wait_for_function("() => document.querySelectorAll('.vmi-block.vmi-cached').length === 0")
+    finally:
+        page.evaluate("() => window.jupyterapp?.shell?.currentWidget?.sessionContext?.shutdown()")
+
+
+# The --over run's state, rows done (from its status line) and the green bar's width (%).
+OVER_STATUS = f"""() => {{
+  const rows = / (\\d+)\\/{OVER_ROWS} rows/;
+  const status = [...document.querySelectorAll('.vllm-mlx-status')].find((s) => rows.test(s.textContent));
+  const bar = document.querySelector('.vllm-mlx-progress')?.firstElementChild;
+  if (!status) return null;
+  return {{state: status.dataset.state, done: Number(status.textContent.match(rows)[1]),
+           bar: parseFloat(bar?.style.width || '0')}};
+}}"""
+# Runs Python in the notebook's kernel (beside the cells, not in one) and returns what it printed.
+KERNEL_PRINT = """async (code) => {
+  const kernel = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+  const future = kernel.requestExecute({code, store_history: false});
+  let text = '';
+  future.onIOPub = (msg) => { if (msg.header.msg_type === 'stream') text += msg.content.text; };
+  await future.done;
+  return text;
+}"""
+
+
+def test_over_progress_and_stop(server, page):
+    """``%%generate --over``: the progress line and bar advance as rows finish; Stop cancels the
+    run half-way (the handle ends aborted with rows left, the line says so, the button goes)."""
+    page.set_default_timeout(60_000)
+    try:
+        server.run_all(page, "over.ipynb")
+        page.wait_for_function(f"() => ({OVER_STATUS})()?.done > 0", timeout=120_000)
+        seen = page.evaluate(OVER_STATUS)
+        page.wait_for_function(f"() => ({OVER_STATUS})().done > {seen['done']}", timeout=30_000)
+        advanced = page.evaluate(OVER_STATUS)
+        assert advanced["state"] == "generating" and 0 < seen["bar"] < advanced["bar"] < 100, (seen, advanced)
+
+        page.locator("button.vllm-mlx-stop").click()
+        page.wait_for_function(f"() => ({OVER_STATUS})().state === 'aborted'", timeout=20_000)
+        stopped = page.evaluate(OVER_STATUS)
+        assert advanced["done"] <= stopped["done"] < OVER_ROWS and stopped["bar"] < 100, stopped
+        page.locator("button.vllm-mlx-stop").wait_for(state="hidden")
+
+        handle = page.evaluate(KERNEL_PRINT, "rows.wait(10); print(rows.state, rows.progress.done, rows.total)")
+        assert handle.split() == ["aborted", str(stopped["done"]), str(OVER_ROWS)], handle
     finally:
         page.evaluate("() => window.jupyterapp?.shell?.currentWidget?.sessionContext?.shutdown()")

@@ -17,11 +17,7 @@ LINUX = sys.platform.startswith("linux")
 
 
 def _openblas_installed() -> bool:
-    if any(os.path.exists(p) for p in cpu_backend._CANDIDATES):
-        return True
-    import ctypes.util
-
-    return ctypes.util.find_library("openblas") is not None
+    return bool(cpu_backend._find("openblas"))
 
 
 PROBE = """
@@ -34,6 +30,7 @@ mx.eval(a @ a)
 maps = [line.split()[-1] for line in open("/proc/self/maps") if "libopenblas" in line]
 print(json.dumps({
     "fast_blas": cpu_backend.FAST_BLAS_PATH,
+    "fast_blas_provider": cpu_backend.FAST_BLAS_PROVIDER,
     "provider": cpu_backend.blas_provider(),
     "openblas_mapped": sorted(set(maps)),
     "backend": cpu_backend.describe_backend(),
@@ -41,16 +38,25 @@ print(json.dumps({
 """
 
 
-def _probe(fast_blas: str | None) -> dict:
+def _run(code: str, fast_blas: str | None, *args: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (the BLAS is chosen when vllm_mlx is imported)."""
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_MLX_FAST_BLAS", "LD_PRELOAD")}
+    env = {k: v for k, v in env.items() if not k.startswith(("MKL_", "OPENBLAS_"))}
     if fast_blas is not None:
         env["VLLM_MLX_FAST_BLAS"] = fast_blas
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
-    result = subprocess.run(
-        [sys.executable, "-c", PROBE],
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=True,
     )  # fmt: skip
-    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _probe(fast_blas: str | None) -> dict:
+    return json.loads(_run(PROBE, fast_blas).stdout.strip().splitlines()[-1])
+
+
+def _mkl_installed() -> bool:
+    return bool(cpu_backend._find("mkl"))
 
 
 # --- choose_weight_format ---------------------------------------------------------------------
@@ -123,12 +129,85 @@ def test_switch_off_keeps_the_bundled_blas():
     reason="no optimised BLAS installed (Debian/Ubuntu: apt-get install libopenblas0-pthread)",
 )
 def test_importing_the_package_preloads_openblas_for_mlx():
-    info = _probe(None)
+    info = _probe("openblas")  # MKL, when installed, comes first by default
     assert info["fast_blas"]
+    assert info["fast_blas_provider"] == "openblas"
     assert info["openblas_mapped"], "libopenblas is not mapped in the process"
     # The library MLX's cblas_sgemm binds to is the preloaded one, not the bundled reference BLAS.
     assert info["provider"] and "libopenblas" in Path(info["provider"]).name
     assert info["backend"]["blas"] == info["provider"]
+
+
+@pytest.mark.skipif(not (LINUX and _mkl_installed()), reason="PyPI's mkl (the fast-cpu extra) is not installed")
+def test_mkl_is_the_default_and_the_provider_switch_works():
+    info = _probe(None)
+    assert info["fast_blas_provider"] == "mkl"
+    assert "libmkl_rt" in Path(info["provider"]).name  # MLX's cblas_sgemm binds to MKL
+    assert info["backend"]["blas_provider"] == "mkl"
+    assert info["backend"]["mkl_threading"] == cpu_backend.MKL_DEFAULT_LAYER
+    assert _probe("MKL")["fast_blas_provider"] == "mkl"
+    if _openblas_installed():
+        assert _probe("openblas")["fast_blas_provider"] == "openblas"
+
+
+# The oracle across BLAS libraries: fixed matmuls and a tiny model's greedy tokens.
+ORACLE = """
+import json, sys
+import numpy as np
+from vllm_mlx import LLM, SamplingParams, cpu_backend
+import mlx.core as mx
+rng = np.random.default_rng(0)
+out = {"provider": cpu_backend.FAST_BLAS_PROVIDER, "products": {}}
+for m, k, n in [(1, 576, 1536), (8, 1536, 576), (33, 576, 300)]:
+    a, b = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((n, k), dtype=np.float32)
+    out["products"][f"{m}x{k}x{n}"] = np.array(mx.array(a) @ mx.array(b).T).tolist()
+llm = LLM(sys.argv[1], enable_prefix_caching=False)
+params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+out["tokens"] = [o.outputs[0].token_ids for o in llm.generate([[5, 17, 99, 300], [1000, 42]], params)]
+llm.shutdown()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not (LINUX and _mkl_installed()), reason="PyPI's mkl (the fast-cpu extra) is not installed")
+def test_mkl_matches_the_reference_blas(tiny_model_dir):
+    import numpy as np
+
+    mkl, ref = (json.loads(_run(ORACLE, blas, str(tiny_model_dir)).stdout.splitlines()[-1]) for blas in ("mkl", "0"))
+    assert (mkl["provider"], ref["provider"]) == ("mkl", None)
+    for shape, expected in ref["products"].items():
+        np.testing.assert_allclose(mkl["products"][shape], expected, rtol=1e-4, atol=1e-3)
+    assert mkl["tokens"] == ref["tokens"]
+
+
+def test_reference_blas_warning_is_printed_once(monkeypatch, capsys):
+    reference = {"device": "cpu", "mlx_version": "x", "fast_blas": None, "blas": "bundled", "blas_provider": "reference"}
+    monkeypatch.setattr(cpu_backend, "describe_backend", lambda: reference)
+    monkeypatch.setattr(cpu_backend, "_WARNED", False)
+    monkeypatch.delenv("VLLM_MLX_FAST_BLAS", raising=False)
+    assert "reference BLAS" in cpu_backend.backend_summary("float32")
+    assert cpu_backend.warn_reference_blas() is LINUX
+    assert cpu_backend.warn_reference_blas() is False
+    lines = [line for line in capsys.readouterr().err.splitlines() if "reference BLAS" in line]
+    assert len(lines) == (1 if LINUX else 0)
+    if LINUX:
+        fix = "pip install mkl" if os.uname().machine == "x86_64" else "apt-get install libopenblas0-pthread"
+        assert lines[0].endswith(fix)
+    monkeypatch.setattr(cpu_backend, "describe_backend", lambda: {**reference, "blas_provider": "mkl"})
+    assert cpu_backend.reference_blas_warning() is None
+
+
+@pytest.mark.skipif(not LINUX, reason="the BLAS preload is Linux-only")
+def test_generate_says_which_blas_runs(tiny_model_dir):
+    code = "import sys; from vllm_mlx.entrypoints.cli import main; sys.exit(main(sys.argv[1:]))"
+    args = ("generate", "--model", str(tiny_model_dir), "--max-tokens", "2", "hi")
+    err = _run(code, "0", *args).stderr
+    assert "BLAS: MLX's reference BLAS (slow)" in err
+    assert err.count("warning: MLX's CPU matmuls run on its reference BLAS") == 1
+    assert "unset VLLM_MLX_FAST_BLAS" in err
+    if _mkl_installed():
+        err = _run(code, "mkl", *args).stderr
+        assert "BLAS: MKL (sequential)" in err and "reference BLAS" not in err
 
 
 def test_fast_blas_matmul_is_correct():

@@ -33,3 +33,28 @@ def test_console_script_points_at_the_cli():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["scripts"]["vllm-mlx"] == "vllm_mlx.entrypoints.cli:main"
     assert callable(cli.main)
+
+
+def _extras_of(extra: str, table: dict) -> set[str]:
+    """``extra`` and every extra it pulls in through ``vllm-mlx[...]`` requirements."""
+    found, todo = set(), [extra]
+    while todo:
+        name = todo.pop()
+        found.add(name)
+        for req in table[name]:
+            if match := re.match(r"vllm-mlx\[([\w,-]+)\]", req):
+                todo += [e for e in match.group(1).split(",") if e not in found]
+    return found
+
+
+def test_quick_start_and_ci_bring_the_fast_blas():
+    """The README's first command (and CI's `.[dev]`) installs the fast-cpu extra: MKL from
+    PyPI on x86_64 Linux only, so macOS and aarch64 installs are unchanged."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for command in readme_commands():
+        extra = re.search(r'"\.\[([\w-]+)\]"', command).group(1)
+        assert "fast-cpu" in _extras_of(extra, extras), command
+    (mkl,) = extras["fast-cpu"]
+    assert mkl.startswith("mkl") and "platform_system == 'Linux'" in mkl and "platform_machine == 'x86_64'" in mkl

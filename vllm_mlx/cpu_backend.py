@@ -7,7 +7,9 @@ unoptimised quantized-matmul kernel. Two facts follow (numbers in ``bench/cpu_fo
   Loading an optimised BLAS with ``RTLD_GLOBAL`` *before* ``mlx.core`` is first imported makes MLX's
   float32 matmuls run on it (a 1536x576 @ 576x64 matmul: ~14 ms -> ~0.6 ms on 2 cores).
   ``preload_fast_blas()`` does this; ``vllm_mlx/__init__.py`` calls it before any of our code can
-  import mlx. Debian/Ubuntu ship the library as ``libopenblas0-pthread``.
+  import mlx. It tries Intel's MKL first (PyPI's ``mkl`` wheel, our ``fast-cpu`` extra on x86_64
+  Linux, or a system copy), then OpenBLAS (Debian/Ubuntu: ``libopenblas0-pthread``): MKL measured
+  faster at decode shapes and as fast at prefill (``bench/blas.py``).
 * MLX's quantized-matmul kernel on the CPU is slower than float32 matmul even on the bundled
   reference BLAS (float32 decodes 1.2-1.4x and prefills 1.3x faster, on the default model and on
   a 330M-parameter one), and it gains nothing from batching (~11 tok/s at batch 1, 8 or 32). With
@@ -16,10 +18,13 @@ unoptimised quantized-matmul kernel. Two facts follow (numbers in ``bench/cpu_fo
   "auto" means float32 weights, at ~4-6x the memory of Q4 weights. On Metal (and CUDA) quantized
   weights stay: their kernels are the fast path there.
 
-Switches: ``VLLM_MLX_FAST_BLAS=0`` turns the preload off; ``VLLM_MLX_FAST_BLAS=/path/to/lib.so``
-tries that library first. An explicit weight format ("quantized" or "float32") overrides "auto".
-OpenBLAS uses one thread per core unless ``OPENBLAS_NUM_THREADS`` says otherwise; on 2 cores two
-threads decoded as fast as or faster than one (MLX's CPU stream is a single thread), so it is left.
+Switches: ``VLLM_MLX_FAST_BLAS=0`` turns the preload off; ``=mkl`` or ``=openblas`` tries that
+provider first; ``=/path/to/lib.so`` tries that library first. An explicit weight format
+("quantized" or "float32") overrides "auto". Threads: MKL runs its sequential layer unless
+``MKL_THREADING_LAYER`` says otherwise (see ``_MKL_LAYERS``); OpenBLAS uses one thread per core
+unless ``OPENBLAS_NUM_THREADS`` says otherwise (on 2 cores two threads decoded as fast as or
+faster than one, so it is left). When no optimised BLAS serves MLX, ``warn_reference_blas()`` prints
+the command that fixes it, once per process.
 
 This module must stay cheap to import: no mlx, numpy or torch at module level.
 """
@@ -32,24 +37,36 @@ import sys
 
 __all__ = [
     "FAST_BLAS_ENV",
+    "BLAS_PROVIDERS",
     "FAST_BLAS_PATH",
+    "FAST_BLAS_PROVIDER",
     "WEIGHT_FORMATS",
+    "backend_summary",
     "blas_provider",
     "choose_weight_format",
     "describe_backend",
     "preload_fast_blas",
     "prepare_model_weights",
+    "reference_blas_warning",
+    "warn_reference_blas",
 ]
 
 FAST_BLAS_ENV = "VLLM_MLX_FAST_BLAS"
 WEIGHT_FORMATS = ("auto", "quantized", "float32")
+# Providers in the order preload_fast_blas() tries them, fastest first as measured by
+# bench/blas.py (docs/benchmarks.md): on the 2-core x86_64 test machine MKL ran most of MLX's
+# decode-shape matmuls 1.5-3.5x faster than OpenBLAS and prefill shapes as fast, so it goes first
+# even when OpenBLAS is installed.
+BLAS_PROVIDERS = ("mkl", "openblas")
 
-# The optimised BLAS that preload_fast_blas() made global (path or soname), or None.
+# The optimised BLAS that preload_fast_blas() made global (path or soname) and its provider.
 FAST_BLAS_PATH: str | None = None
+FAST_BLAS_PROVIDER: str | None = None
 _PRELOAD_DONE = False
+_WARNED = False
 
 # Debian/Ubuntu multiarch layout first (pthread build, then OpenMP build), then other distros.
-_CANDIDATES = (
+_OPENBLAS_PATHS = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
     "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
     "/usr/lib/x86_64-linux-gnu/openblas-openmp/libopenblas.so.0",
@@ -60,29 +77,79 @@ _CANDIDATES = (
     "/usr/lib64/libopenblas.so.0",
     "/usr/lib/libopenblas.so.0",
 )
+# MKL's single dynamic library: PyPI's `mkl` wheel puts it in <prefix>/lib (a virtual
+# environment's, or the user base's for `pip install --user`); Debian's libmkl-rt and oneAPI.
+_MKL_RT = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
+_MKL_SYSTEM_DIRS = ("/usr/lib/x86_64-linux-gnu", "/opt/intel/oneapi/mkl/latest/lib")
+# MKL's threading layer. Sequential: on 2 cores two OpenMP threads were no faster at M=1 and
+# slower at M=8 and 32 (bench/blas.py), and it keeps Intel's OpenMP runtime (and its spinning
+# threads) out of a process that may hold GNU's (torch). MKL_THREADING_LAYER overrides it.
+_MKL_LAYERS = {"intel": 0, "sequential": 1, "gnu": 3, "tbb": 4}
+MKL_DEFAULT_LAYER = "sequential"
 
 
-def _candidates() -> list[str]:
-    setting = os.environ.get(FAST_BLAS_ENV, "").strip()
-    found = [setting] if os.sep in setting else []  # an explicit library path goes first
-    found += [path for path in _CANDIDATES if os.path.exists(path)]
+def _mkl_paths() -> list[str]:
+    import site  # already imported by the interpreter's start-up: cheap
+
+    dirs = [os.path.join(sys.prefix, "lib"), os.path.join(site.getuserbase(), "lib")]
+    dirs += _MKL_SYSTEM_DIRS
+    return [os.path.join(d, name) for d in dirs for name in _MKL_RT]
+
+
+def _find(provider: str) -> list[str]:
+    """The existing library files of ``provider``; the loader's search only as a last resort."""
+    paths = _OPENBLAS_PATHS if provider == "openblas" else _mkl_paths()
+    found = [path for path in paths if os.path.exists(path)]
     if not found:
         import ctypes.util  # runs ldconfig: only when no known path exists
 
-        name = ctypes.util.find_library("openblas")
-        if name:
-            found.append(name)
+        name = ctypes.util.find_library("openblas" if provider == "openblas" else "mkl_rt")
+        found = [name] if name else []
     return found
+
+
+def _provider_of(path: str) -> str:
+    name = os.path.basename(path)
+    return "mkl" if "mkl" in name else "openblas" if "openblas" in name else "other"
+
+
+def _candidates() -> list[tuple[str, str]]:
+    """(provider, path) pairs in the order to try: ``VLLM_MLX_FAST_BLAS`` names the first."""
+    setting = os.environ.get(FAST_BLAS_ENV, "").strip()
+    order = list(BLAS_PROVIDERS)
+    if setting.lower() in BLAS_PROVIDERS:  # a provider by name goes first
+        order.remove(setting.lower())
+        order.insert(0, setting.lower())
+    found = [(_provider_of(setting), setting)] if os.sep in setting else []
+    return found + [(provider, path) for provider in order for path in _find(provider)]
+
+
+def _configure_mkl(lib: ctypes.CDLL) -> None:
+    """Pick MKL's threading layer before its first call, unless the user's environment did."""
+    if "MKL_THREADING_LAYER" not in os.environ:
+        lib.MKL_Set_Threading_Layer(_MKL_LAYERS[MKL_DEFAULT_LAYER])
+
+
+def _load(provider: str, path: str) -> bool:
+    try:
+        lib = ctypes.CDLL(path, mode=os.RTLD_GLOBAL)
+        if provider == "mkl":
+            _configure_mkl(lib)  # libmkl_rt loads its other libraries from its own directory
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 def preload_fast_blas() -> str | None:
     """Make an optimised BLAS serve MLX's CPU matmuls; return its path, or None.
 
     Linux only, and only before ``mlx.core`` is imported (MLX binds its BLAS symbols when it is
-    loaded). ``VLLM_MLX_FAST_BLAS=0`` turns it off. Cheap (no mlx/numpy import) and never raises.
-    Idempotent: the result is remembered in ``FAST_BLAS_PATH``.
+    loaded). Tries ``BLAS_PROVIDERS`` in order; ``VLLM_MLX_FAST_BLAS`` changes that: ``0`` turns
+    it off, ``mkl`` or ``openblas`` tries that provider first, a path tries that library first.
+    Cheap (no mlx/numpy import) and never raises. Idempotent: the result is remembered in
+    ``FAST_BLAS_PATH`` and ``FAST_BLAS_PROVIDER``.
     """
-    global FAST_BLAS_PATH, _PRELOAD_DONE
+    global FAST_BLAS_PATH, FAST_BLAS_PROVIDER, _PRELOAD_DONE
     if _PRELOAD_DONE:
         return FAST_BLAS_PATH
     try:
@@ -93,13 +160,10 @@ def preload_fast_blas() -> str | None:
         if "mlx.core" in sys.modules:
             return None  # too late: MLX has bound its BLAS already
         _PRELOAD_DONE = True
-        for path in _candidates():
-            try:
-                ctypes.CDLL(path, mode=os.RTLD_GLOBAL)
-            except OSError:
-                continue
-            FAST_BLAS_PATH = path
-            return path
+        for provider, path in _candidates():
+            if _load(provider, path):
+                FAST_BLAS_PATH, FAST_BLAS_PROVIDER = path, provider
+                return path
     except Exception:  # never break `import vllm_mlx` over an optimisation
         return None
     return None
@@ -237,6 +301,13 @@ def prepare_model_weights(model, weight_format: str) -> str:
     return "float32"
 
 
+def _blas_name(path: str | None) -> str:
+    """'mkl', 'openblas', 'other' or 'reference': who serves MLX's cblas_sgemm (``path``)."""
+    if path is None:
+        return "reference"
+    return FAST_BLAS_PROVIDER if path == FAST_BLAS_PATH and FAST_BLAS_PROVIDER else _provider_of(path)
+
+
 def describe_backend() -> dict:
     """Where MLX runs and with what: for stats and benchmark output. Imports mlx."""
     import mlx.core as mx
@@ -248,5 +319,56 @@ def describe_backend() -> dict:
         "fast_blas": FAST_BLAS_PATH,
     }
     if device == "cpu":
-        info["blas"] = blas_provider() or "bundled"
+        path = blas_provider()
+        info["blas"] = path or "bundled"
+        info["blas_provider"] = _blas_name(path)
+        if info["blas_provider"] == "mkl":
+            info["mkl_threading"] = os.environ.get("MKL_THREADING_LAYER", MKL_DEFAULT_LAYER).lower()
     return info
+
+
+def backend_summary(weight_format: str | None = None) -> str:
+    """One line for start-up output: the device, the BLAS serving MLX's CPU matmuls, the weights."""
+    info = describe_backend()
+    parts = [f"MLX {info['mlx_version']} on {info['device']}"]
+    if info["device"] == "cpu":
+        names = {
+            "reference": "MLX's reference BLAS (slow)",
+            "mkl": f"MKL ({info.get('mkl_threading')})",
+            "openblas": "OpenBLAS",
+        }
+        parts.append(f"BLAS: {names.get(info['blas_provider'], os.path.basename(info['blas']))}")
+    if weight_format:
+        parts.append(f"{weight_format} weights")
+    return ", ".join(parts)
+
+
+def reference_blas_warning() -> str | None:
+    """The warning, with the one command that fixes it, when MLX's CPU matmuls run on its
+    reference BLAS (Linux CPU backend only); None otherwise. Imports mlx."""
+    info = describe_backend()
+    if not sys.platform.startswith("linux") or info.get("blas_provider") != "reference":
+        return None
+    if os.environ.get(FAST_BLAS_ENV, "").strip() == "0":
+        cause, fix = f"{FAST_BLAS_ENV}=0 turned the optimised BLAS off", f"unset {FAST_BLAS_ENV}"
+    elif os.uname().machine == "x86_64":
+        cause, fix = "no optimised BLAS found", "pip install mkl"
+    else:  # PyPI's mkl is x86_64-only
+        cause, fix = "no optimised BLAS found", "sudo apt-get install libopenblas0-pthread"
+    return (
+        f"warning: MLX's CPU matmuls run on its reference BLAS ({cause}): ~10-30x slower "
+        f"prefill and ~2-4x slower decoding. Fix: {fix}"
+    )
+
+
+def warn_reference_blas() -> bool:
+    """Print ``reference_blas_warning()`` to stderr, once per process; True if it printed."""
+    global _WARNED
+    if _WARNED:
+        return False
+    message = reference_blas_warning()
+    if message is None:
+        return False
+    _WARNED = True
+    print(f"vllm-mlx: {message}", file=sys.stderr, flush=True)
+    return True

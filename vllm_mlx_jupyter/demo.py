@@ -17,6 +17,7 @@ SUMMARY_MARKER = "VLLM_MLX_DEMO_SUMMARY "
 
 SUMMARY_CELL = f"""
 import json
+from vllm_mlx.cpu_backend import reference_blas_warning
 from vllm_mlx_jupyter import get_session
 _session = get_session()
 _records = _session.engine.call(lambda engine: list(engine.step_records))
@@ -31,6 +32,8 @@ print({SUMMARY_MARKER!r} + json.dumps({{
     "seconds": (max(e for _, e in _spans) - min(a for a, _ in _spans)) if _spans else 0.0,
     "prefix_hit_tokens": _stats["prefix_cache"]["hit_tokens"],
     "ttft": {{g.name: g.output.ttft for g in _session.generations.values() if g.output is not None}},
+    "backend": _session.status().get("backend"),
+    "blas_warning": reference_blas_warning(),
 }}))
 """
 
@@ -63,6 +66,7 @@ def format_summary(summary: dict) -> str:
         f"({summary['steps']} engine steps)",
         f"{summary['generated_tokens']} tokens generated in {summary['seconds']:.1f}s ({tok_s:.1f} tok/s aggregate)",
         f"time to first token: {ttft}",
+        f"backend: {summary.get('backend')}",
         f"prompt tokens served from the prefix cache: {summary['prefix_hit_tokens']}",
         f"executed notebook: {summary['executed_notebook']} (open it, or run: jupyter lab notebooks/quickstart.ipynb)",
     ])  # fmt: skip

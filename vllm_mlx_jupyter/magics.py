@@ -20,6 +20,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 from traitlets import Bool, Dict, Enum, Float, Int, Unicode, default, validate
 
+from vllm_mlx.cpu_backend import warn_reference_blas
 from vllm_mlx_jupyter.constraints import compile_check, response_format, variable
 from vllm_mlx_jupyter.prompt import interpolate
 from vllm_mlx_jupyter.session import Session, SessionError
@@ -320,6 +321,8 @@ class GenerateMagics(Magics):
 
     def _cmd_status(self, argv: list[str]) -> None:
         display(_status_bundle(self.session.status()), raw=True)
+        if self.session.loaded:
+            warn_reference_blas()  # once per kernel: the backend row says which BLAS runs
 
     def _cmd_inspect(self, argv: list[str]) -> None:
         display(self.session.inspector())
@@ -415,6 +418,7 @@ def _status_bundle(status: dict) -> dict:
     )
     rows = [
         ("model", status["model"]),
+        ("backend", status.get("backend", "")),
         ("requests", f"{status.get('running', 0)} running, {status.get('waiting', 0)} waiting"),
         ("KV usage", kv),
         ("prefix cache", hits),

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 
 from vllm_mlx_jupyter.generation import PREFILLING, QUEUED, Generation
 from vllm_mlx.chat import split_chat_images, template_token_ids
+from vllm_mlx.cpu_backend import backend_summary
 from vllm_mlx_jupyter.prompt import ChatSession, user_content
 from vllm_mlx.structured.response_format import ResponseFormat
 from vllm_mlx_jupyter.reading import OutputReader
@@ -380,7 +381,8 @@ class Session:
         if not self.loaded:
             return {"model": None, "loaded": False, "generations": len(self.generations)}
         stats = self.engine.cache_snapshot(include_blocks=False)["stats"]
-        return {"model": self.model, "loaded": True, "options": dict(self.options),
+        backend = backend_summary(self.engine.call(lambda engine: engine.weight_format))
+        return {"model": self.model, "loaded": True, "options": dict(self.options), "backend": backend,
                 "active": [g.name for g in self.active()], **stats}  # fmt: skip
 
     def request_rows(self) -> list[dict]:

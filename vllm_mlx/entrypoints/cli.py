@@ -134,6 +134,7 @@ def run_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k, seed=args.seed,
     )  # fmt: skip
     llm = LLM(args.model, **engine_options(args))
+    _say_backend(llm.engine.weight_format)
     use_template = args.chat and llm.has_chat_template
     prompts = [_cli_prompt(llm, text, args.image, use_template) for text in args.prompts]
     errors = []
@@ -152,6 +153,15 @@ def run_generate(args: argparse.Namespace) -> int:
     for error in filter(None, errors):  # e.g. an unreadable image: that prompt alone failed
         print(f"vllm-mlx: error: {error}", file=sys.stderr)
     return 1 if any(errors) else 0
+
+
+def _say_backend(weight_format: str | None) -> None:
+    """One line on stderr (stdout keeps the answers): device, BLAS and weights; and once, the
+    fix when MLX runs on its reference BLAS."""
+    from vllm_mlx.cpu_backend import backend_summary, warn_reference_blas
+
+    print(f"vllm-mlx: {backend_summary(weight_format)}", file=sys.stderr, flush=True)
+    warn_reference_blas()
 
 
 def _cli_prompt(llm, text: str, images: list[str], use_template: bool) -> dict:
@@ -198,6 +208,8 @@ def run_demo(args: argparse.Namespace) -> int:
             raise
         raise VllmMlxError(f"a cell of {notebook} failed: {str(exc).strip().splitlines()[-1]}") from exc
     print(format_summary(summary))
+    if summary.get("blas_warning"):  # the kernel's own finding: it ran the engine
+        print(f"vllm-mlx: {summary['blas_warning']}", file=sys.stderr)
     return 0
 
 

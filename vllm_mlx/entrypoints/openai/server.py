@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_mlx import __version__
 from vllm_mlx.async_engine import AsyncEngineCore, EngineDeadError
+from vllm_mlx.cpu_backend import backend_summary, warn_reference_blas
 from vllm_mlx.engine_core import EngineConfig
 from vllm_mlx.entrypoints.anthropic.protocol import MessagesInput, MessagesRequest, error_body, is_messages_path
 from vllm_mlx.entrypoints.anthropic.serving import AnthropicServing
@@ -288,7 +289,9 @@ def run_server(args: argparse.Namespace, engine_options: dict) -> int:
             media_policy=media_policy,
             options=options,
         )
-        print(f"vllm-mlx: serving {name!r} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+        backend = backend_summary(engine.call(lambda e: e.weight_format))
+        print(f"vllm-mlx: serving {name!r} on http://{args.host}:{args.port} ({backend})", file=sys.stderr, flush=True)
+        warn_reference_blas()
         if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
             print("vllm-mlx: warning: listening beyond loopback without --api-key", file=sys.stderr, flush=True)
         config = uvicorn.Config(

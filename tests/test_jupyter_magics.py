@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 from IPython.core.error import UsageError
@@ -204,8 +205,19 @@ def test_wait_flag_blocks_until_done(ip):
 
 
 def test_interrupt_during_wait_aborts_and_raises(ip):
-    timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
+    ip.user_ns.pop("interrupted", None)
+
+    def interrupt_once_streaming() -> None:
+        # Not a fixed delay: on a loaded machine the cell may not be waiting yet after 0.5 s.
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline:
+            gen = ip.user_ns.get("interrupted")
+            if gen is not None and gen.output is not None and gen.output.token_ids:
+                break
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_once_streaming, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
         generate(ip, f"-n interrupted -o interrupted --wait {LONG}")
     gen = ip.user_ns["interrupted"]

@@ -163,12 +163,7 @@ class GenerateMagics(Magics):
             gen.token_log = TokenLog(self.session.token_text, args.logprobs)
         if args.out:
             self.shell.user_ns[args.out] = gen
-        from vllm_mlx_jupyter.render import LiveView
-
-        LiveView.show(gen)
-        if args.wait:
-            gen.wait()
-        return gen
+        return _show(gen, args.wait)
 
     def _generate_over(self, args, cell: str):
         """``%%generate --over VAR``: the cell body is every row's template."""
@@ -187,7 +182,6 @@ class GenerateMagics(Magics):
         ``values`` are constraint objects by name (``generate_over``'s ``schema=...``)."""
         from vllm_mlx_jupyter.over import OverGeneration
         from vllm_mlx_jupyter.over_cell import OverRequest, start_over
-        from vllm_mlx_jupyter.render import LiveView
 
         template = template.strip("\n") if args.raw else template.strip()
         if not template:
@@ -209,10 +203,7 @@ class GenerateMagics(Magics):
             raise UsageError(str(exc)) from None
         if args.out:
             self.shell.user_ns[args.out] = handle
-        LiveView.show(handle)
-        if args.wait:
-            handle.wait()
-        return handle
+        return _show(handle, args.wait)
 
     def _image_value(self, image):
         """An ``--image`` of every row: a name as ``--image NAME`` reads it, or a value as is."""
@@ -363,6 +354,23 @@ class GenerateMagics(Magics):
         except KeyError:
             known = ", ".join(self.session.chats) or "none yet"
             raise UsageError(f"no chat session {argv[0]!r} (known: {known})") from None
+
+
+def _show(handle, wait: bool):
+    """Show ``handle``'s live view; with ``wait``, block until it is done. With ``wait``, an
+    interrupt anywhere here (even while the view is still being drawn) cancels what the cell
+    started before it is re-raised: the cell never leaves a generation running behind it."""
+    from vllm_mlx_jupyter.render import LiveView
+
+    try:
+        LiveView.show(handle)
+        if wait:
+            handle.wait()
+    except KeyboardInterrupt:
+        if wait:
+            handle.cancel()
+        raise
+    return handle
 
 
 def split_line(line: str) -> list[str]:

@@ -38,11 +38,58 @@ _ORDER = {QUEUED: 0, PREFILLING: 1, GENERATING: 2, DONE: 3, ABORTED: 3, ERROR: 3
 MIN_INTERVAL = 0.1  # at most 10 renders per second
 
 
+class LiveViews:
+    """The live views of a handle (a generation, an ``--over`` run): registered, re-sent, and
+    rendered throttled, never after the final render. The handle sets ``_lock`` and
+    ``_interval``, calls ``_init_views()``, and sets ``_dirty`` when what a view shows changed."""
+
+    def _init_views(self) -> None:
+        self._views: list = []
+        self._dirty = False
+        self._last_render = 0.0
+        self._final_rendered = False
+
+    def add_view(self, view) -> None:
+        """Register a live view; it is rendered now and on every later (throttled) change."""
+        with self._lock:
+            self._views.append(view)
+            view.update(self, final=self._final_rendered)
+
+    def republish(self) -> None:
+        """Send every view's current state again (``%vllm_mlx wait`` does this for finished
+        handles: a headless runner such as nbclient drops updates sent between cells)."""
+        with self._lock:
+            for view in self._views:
+                view.update(self, final=self._final_rendered, force=True)
+
+    def has_view_in(self, execution_count: int) -> bool:
+        return any(v.execution_count == execution_count for v in self._views)
+
+    def _render(self, final: bool = False) -> None:
+        """Push the state to every view (call with ``_lock`` held)."""
+        if self._final_rendered:
+            return
+        now = time.monotonic()
+        if not final and (not self._dirty or now - self._last_render < self._interval):
+            return
+        self._last_render, self._dirty = now, False
+        self._final_rendered = final
+        for view in self._views:
+            view.update(self, final=final)
+
+    def _ipython_display_(self) -> None:
+        """Displaying a handle shows a live view (once per cell: the magic already showed one)."""
+        from vllm_mlx_jupyter.render import LiveView, current_execution_count
+
+        if not self.has_view_in(current_execution_count()):
+            LiveView.show(self)
+
+
 class GenerationError(RuntimeError):
     """The request failed (the engine refused it, or the engine stopped)."""
 
 
-class Generation:
+class Generation(LiveViews):
     """A running (or finished) ``%%generate`` request.
 
     ``.text`` is the text so far, ``.done`` tells whether it finished, ``.output`` is the latest
@@ -92,12 +139,9 @@ class Generation:
         self._on_finish = on_finish
         self._interval = max(float(interval), MIN_INTERVAL)
         self._lock = threading.RLock()
-        self._views: list = []
+        self._init_views()
         self._stream = None
         self._cancelled = False
-        self._dirty = False
-        self._last_render = 0.0
-        self._final_rendered = False
         self._done = threading.Event()
         self._future: Future = Future()
         self.republished = False
@@ -279,43 +323,6 @@ class Generation:
         if self.chat is None:
             raise GenerationError(f"generation {self.name!r} is not a chat turn: use --chat SESSION for tool results")
         return self.chat
-
-    # -- views ----------------------------------------------------------------------------
-
-    def add_view(self, view) -> None:
-        """Register a live view; it is rendered now and on every later (throttled) change."""
-        with self._lock:
-            self._views.append(view)
-            view.update(self, final=self._final_rendered)
-
-    def republish(self) -> None:
-        """Send every view's current state again (``%vllm_mlx wait`` does this for finished
-        generations: a headless runner such as nbclient drops updates sent between cells)."""
-        with self._lock:
-            for view in self._views:
-                view.update(self, final=self._final_rendered, force=True)
-
-    def has_view_in(self, execution_count: int) -> bool:
-        return any(v.execution_count == execution_count for v in self._views)
-
-    def _render(self, final: bool = False) -> None:
-        """Push the state to every view: throttled, and never after the final render."""
-        if self._final_rendered:
-            return
-        now = time.monotonic()
-        if not final and (not self._dirty or now - self._last_render < self._interval):
-            return
-        self._last_render, self._dirty = now, False
-        self._final_rendered = final
-        for view in self._views:
-            view.update(self, final=final)
-
-    def _ipython_display_(self) -> None:
-        """Displaying a handle shows a live view (once per cell: the magic already showed one)."""
-        from vllm_mlx_jupyter.render import LiveView, current_execution_count
-
-        if not self.has_view_in(current_execution_count()):
-            LiveView.show(self)
 
 
 def _as_generation_error(error: BaseException | None) -> BaseException:

@@ -180,7 +180,29 @@ def decode_state(state: dict) -> dict:
     return out
 
 
-class CacheInspector(anywidget.AnyWidget):
+class WidgetFallbacks:
+    """For the engine's live widgets (mixed in before ``anywidget.AnyWidget``): a text summary
+    and a static HTML picture beside the widget, for frontends that cannot show widgets; and
+    ``close`` stops the widget's polling thread (``_closed``). The widget defines ``summary``
+    and ``_repr_html_``."""
+
+    def close(self) -> None:
+        self._closed.set()
+        super().close()
+
+    def _repr_mimebundle_(self, **kwargs):
+        bundle = super()._repr_mimebundle_(**kwargs)  # anywidget: (data, metadata)
+        data = bundle[0] if isinstance(bundle, tuple) else bundle
+        if isinstance(data, dict):
+            data["text/plain"] = self.summary()
+            data["text/html"] = self._repr_html_()
+        return bundle
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+
+class CacheInspector(WidgetFallbacks, anywidget.AnyWidget):
     """A grid of KV blocks by state, a request table and cache stats, updated live.
 
     ``CacheInspector(engine)`` works with anything that has ``cache_snapshot()`` (and
@@ -265,23 +287,6 @@ class CacheInspector(anywidget.AnyWidget):
             except Exception as exc:  # noqa: BLE001 - shown in the widget, not raised into a cell
                 self.engine_state = f"reset failed: {exc}"
         self.refresh()
-
-    def close(self) -> None:
-        self._closed.set()
-        super().close()
-
-    # -- frontends without widgets ----------------------------------------------------------
-
-    def _repr_mimebundle_(self, **kwargs):
-        bundle = super()._repr_mimebundle_(**kwargs)  # anywidget: (data, metadata)
-        data = bundle[0] if isinstance(bundle, tuple) else bundle
-        if isinstance(data, dict):
-            data["text/plain"] = self.summary()
-            data["text/html"] = self._repr_html_()
-        return bundle
-
-    def __repr__(self) -> str:
-        return self.summary()
 
     def summary(self) -> str:
         s = self.stats

@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from vllm_mlx_jupyter.generation import (
-    ABORTED, DONE, ERROR, GENERATING, MIN_INTERVAL, GenerationError, await_or_cancel, wait_or_cancel,
+    ABORTED, DONE, ERROR, GENERATING, MIN_INTERVAL, GenerationError, LiveViews, await_or_cancel, wait_or_cancel,
 )  # fmt: skip
 from vllm_mlx_jupyter.reading import OutputReader
 from vllm_mlx_jupyter.rows import Row, RowSource
@@ -80,7 +80,7 @@ class Progress:
         return self.remaining * self.elapsed / ended
 
 
-class OverGeneration:
+class OverGeneration(LiveViews):
     """The handle of ``%%generate --over VAR`` (and of ``generate_over``).
 
     ``.results`` are the texts in input order (None for rows not done), or for a DataFrame a copy
@@ -133,9 +133,7 @@ class OverGeneration:
         self._ended: float | None = None
         self._interval = max(float(interval), MIN_INTERVAL)
         self._lock = threading.RLock()
-        self._views: list = []
-        self._last_render = 0.0
-        self._final_rendered = False
+        self._init_views()
         self._cancelled = threading.Event()
         self._done = threading.Event()
         self._future: Future = Future()
@@ -281,6 +279,7 @@ class OverGeneration:
         finally:
             with self._lock:
                 self._in_flight.discard(index)
+                self._dirty = True
                 self._render()
             release()
 
@@ -356,41 +355,11 @@ class OverGeneration:
 
     # -- views ----------------------------------------------------------------------------
 
-    def add_view(self, view) -> None:
-        """Register a live view; it is rendered now and on every later (throttled) change."""
-        with self._lock:
-            self._views.append(view)
-            view.update(self, final=self._final_rendered)
-
     def tick(self) -> None:
         """Monitor hook: refresh the view (elapsed time and ETA move between row ends)."""
         with self._lock:
+            self._dirty = True
             self._render()
 
     def observe(self, view: dict | None) -> None:
         """Monitor hook of single requests: rows are not watched one by one."""
-
-    def republish(self) -> None:
-        with self._lock:
-            for view in self._views:
-                view.update(self, final=self._final_rendered, force=True)
-
-    def has_view_in(self, execution_count: int) -> bool:
-        return any(v.execution_count == execution_count for v in self._views)
-
-    def _render(self, final: bool = False) -> None:
-        """Throttled, and never after the final render (call with ``_lock`` held)."""
-        if self._final_rendered:
-            return
-        now = time.monotonic()
-        if not final and now - self._last_render < self._interval:
-            return
-        self._last_render, self._final_rendered = now, final
-        for view in self._views:
-            view.update(self, final=final)
-
-    def _ipython_display_(self) -> None:
-        from vllm_mlx_jupyter.render import LiveView, current_execution_count
-
-        if not self.has_view_in(current_execution_count()):
-            LiveView.show(self)

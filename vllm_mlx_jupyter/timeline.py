@@ -29,7 +29,7 @@ import anywidget
 import traitlets
 
 from vllm_mlx.outputs import StepRecord
-from vllm_mlx_jupyter.inspector import PALETTE, STATIC, color_slot
+from vllm_mlx_jupyter.inspector import PALETTE, STATIC, WidgetFallbacks, color_slot
 
 MAX_RECORDS = 256  # per push: a burst of steps between two polls is cut to the newest
 MAX_COLUMNS = 400
@@ -80,7 +80,7 @@ def read_records(source, after: int, limit: int = MAX_RECORDS) -> tuple[object, 
     return engine, []
 
 
-class SchedulerTimeline(anywidget.AnyWidget):
+class SchedulerTimeline(WidgetFallbacks, anywidget.AnyWidget):
     """One column per engine step: the batch's requests (stacked prefill and decode tokens,
     coloured per request), preemptions, resumes, prefix hits, step time and token budget.
 
@@ -148,23 +148,6 @@ class SchedulerTimeline(anywidget.AnyWidget):
             start = time.monotonic()
             busy = self.refresh() > 0
             period = max(self._interval if busy else 1.0, 20 * (time.monotonic() - start))
-
-    def close(self) -> None:
-        self._closed.set()
-        super().close()
-
-    # -- frontends without widgets ----------------------------------------------------------
-
-    def _repr_mimebundle_(self, **kwargs):
-        bundle = super()._repr_mimebundle_(**kwargs)  # anywidget: (data, metadata)
-        data = bundle[0] if isinstance(bundle, tuple) else bundle
-        if isinstance(data, dict):
-            data["text/plain"] = self.summary()
-            data["text/html"] = self._repr_html_()
-        return bundle
-
-    def __repr__(self) -> str:
-        return self.summary()
 
     def summary(self) -> str:
         steps = self._history

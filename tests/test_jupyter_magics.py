@@ -217,9 +217,15 @@ def test_interrupt_during_wait_aborts_and_raises(ip):
             time.sleep(0.02)
         os.kill(os.getpid(), signal.SIGINT)
 
-    threading.Thread(target=interrupt_once_streaming, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        generate(ip, f"-n interrupted -o interrupted --wait {LONG}")
+    # A kernel turns SIGINT into KeyboardInterrupt; make sure no earlier test left another handler.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=interrupt_once_streaming, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            generate(ip, f"-n interrupted -o interrupted --wait {LONG}")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert previous is signal.default_int_handler, f"an earlier test left SIGINT handled by {previous!r}"
     gen = ip.user_ns["interrupted"]
     assert gen.wait(TIMEOUT) and gen.state == ABORTED and gen.output.finish_reason == "abort"
     assert 0 < len(gen.output.token_ids) < 1500

@@ -225,7 +225,6 @@ def test_interrupt_during_wait_aborts_and_raises(ip):
             generate(ip, f"-n interrupted -o interrupted --wait {LONG}")
     finally:
         signal.signal(signal.SIGINT, previous)
-    assert previous is signal.default_int_handler, f"an earlier test left SIGINT handled by {previous!r}"
     gen = ip.user_ns["interrupted"]
     assert gen.wait(TIMEOUT) and gen.state == ABORTED and gen.output.finish_reason == "abort"
     assert 0 < len(gen.output.token_ids) < 1500

@@ -17,13 +17,13 @@ from typing import Literal
 import jsonschema
 import pytest
 from IPython.core.error import UsageError
-from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 from tokenizers import Tokenizer
 
 from vllm_mlx_jupyter.generation import DONE, GenerationError
 from vllm_mlx_jupyter.render import body_bundle, status_parts
 from vllm_mlx_jupyter.tools import function_tool
+from notebook_shell import loaded_shell
 
 TIMEOUT = 120.0
 HERMES_TEMPLATE = """\
@@ -90,15 +90,8 @@ def tools_model_dir(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ip(tools_model_dir):
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "vllm_mlx_jupyter")
-    shell.run_line_magic("config", f"GenerateMagics.model = {str(tools_model_dir)!r}")
-    shell.run_line_magic("config", "GenerateMagics.engine_options = {'num_kv_blocks': 256}")
-    shell.run_line_magic("config", "GenerateMagics.temperature = 0.0")
-    with capture_output():
-        shell.run_line_magic("vllm_mlx", "load")
-    yield shell
-    shell.run_line_magic("unload_ext", "vllm_mlx_jupyter")
+    with loaded_shell(tools_model_dir, {"num_kv_blocks": 256}, temperature=0.0) as shell:
+        yield shell
 
 
 @pytest.fixture(scope="module")

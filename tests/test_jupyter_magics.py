@@ -21,6 +21,7 @@ from IPython.utils.capture import capture_output
 
 from vllm_mlx_jupyter.generation import ABORTED, DONE
 from vllm_mlx_jupyter.prompt import interpolate
+from notebook_shell import loaded_shell
 
 TIMEOUT = 60.0
 NUM_KV_BLOCKS = 256
@@ -29,15 +30,8 @@ LONG = "--min-tokens 1500 --max-tokens 1500 --temperature 0"  # seconds on the t
 
 @pytest.fixture(scope="module")
 def ip(tiny_model_dir):
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "vllm_mlx_jupyter")
-    shell.run_line_magic("config", f"GenerateMagics.model = {str(tiny_model_dir)!r}")
-    shell.run_line_magic("config", f"GenerateMagics.engine_options = {{'num_kv_blocks': {NUM_KV_BLOCKS}}}")
-    shell.run_line_magic("config", "GenerateMagics.max_tokens = 16")
-    with capture_output():
-        shell.run_line_magic("vllm_mlx", "load")
-    yield shell
-    shell.run_line_magic("unload_ext", "vllm_mlx_jupyter")
+    with loaded_shell(tiny_model_dir, {"num_kv_blocks": NUM_KV_BLOCKS}, max_tokens=16) as shell:
+        yield shell
 
 
 @pytest.fixture

@@ -12,12 +12,12 @@ import time
 import pandas as pd
 import pytest
 from IPython.core.error import UsageError
-from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
 from vllm_mlx_jupyter import generate_over
 from vllm_mlx_jupyter.generation import ABORTED, DONE
 from vllm_mlx_jupyter.render import status_bundle
+from notebook_shell import loaded_shell
 
 TIMEOUT = 120.0
 SCHEMA = {
@@ -30,16 +30,8 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def ip(tiny_model_dir):
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "vllm_mlx_jupyter")
-    shell.run_line_magic("config", f"GenerateMagics.model = {str(tiny_model_dir)!r}")
-    shell.run_line_magic("config", "GenerateMagics.engine_options = {'num_kv_blocks': 256, 'max_num_seqs': 8}")
-    shell.run_line_magic("config", "GenerateMagics.max_tokens = 8")
-    shell.run_line_magic("config", "GenerateMagics.temperature = 0.0")
-    with capture_output():
-        shell.run_line_magic("vllm_mlx", "load")
-    yield shell
-    shell.run_line_magic("unload_ext", "vllm_mlx_jupyter")
+    with loaded_shell(tiny_model_dir, {"num_kv_blocks": 256, "max_num_seqs": 8}, max_tokens=8, temperature=0.0) as shell:
+        yield shell
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from vllm_mlx_jupyter.inspector import CacheInspector
 from vllm_mlx_jupyter.render import LiveView
 from vllm_mlx_jupyter.timeline import SchedulerTimeline, encode_record, recent_records, static_html
 from vllm_mlx_jupyter.token_view import TOKENS, TokenLog, token_html
+from notebook_shell import loaded_shell
 
 TIMEOUT = 60.0
 
@@ -186,14 +187,8 @@ def test_token_info_top_k():
 
 @pytest.fixture(scope="module")
 def ip(tiny_model_dir):
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "vllm_mlx_jupyter")
-    shell.run_line_magic("config", f"GenerateMagics.model = {str(tiny_model_dir)!r}")
-    shell.run_line_magic("config", "GenerateMagics.engine_options = {'num_kv_blocks': 64}")
-    with capture_output():
-        shell.run_line_magic("vllm_mlx", "load")
-    yield shell
-    shell.run_line_magic("unload_ext", "vllm_mlx_jupyter")
+    with loaded_shell(tiny_model_dir, {"num_kv_blocks": 64}) as shell:
+        yield shell
 
 
 def test_timeline_magic_returns_the_widget_and_sees_generations(ip):

@@ -189,6 +189,24 @@ class KeyView:
 
 
 @dataclass
+class KeyRanges:
+    """Which gathered keys each query index can see at all, over every row of a call: query
+    ``i`` of any row sees only keys ``first[i] <= j < stop[i]``. Attention kernels may skip the
+    rest (the causal triangle of a prefill chunk, keys out of a sliding window)."""
+
+    first: np.ndarray  # (T,)
+    stop: np.ndarray  # (T,)
+
+    @classmethod
+    def of(cls, visible: np.ndarray) -> KeyRanges:
+        """From a ``(B, T, L)`` visibility array (every query sees at least one key)."""
+        width = visible.shape[-1]
+        first = visible.argmax(axis=-1).min(axis=0)
+        stop = width - visible[..., ::-1].argmax(axis=-1).min(axis=0)
+        return cls(first.astype(np.int64), stop.astype(np.int64))
+
+
+@dataclass
 class GroupSlots:
     """One block group's slots in a forward call: where each row's positions live."""
 
@@ -201,7 +219,8 @@ class BatchLayout:
     """Index arrays shared by every layer during one forward call.
 
     Key views and masks are built on first use and kept for the call: one per block group and
-    distinct window (masks depend on positions only: one per window).
+    distinct window (masks depend on positions only: one per window). Each mask comes with its
+    ``KeyRanges``, for kernels that skip keys no query sees (``key_ranges``).
     """
 
     num_computed: np.ndarray  # (B,) tokens already in the cache per row
@@ -246,8 +265,18 @@ class BatchLayout:
     def mask(self, keys_window: int | None, window: int | None) -> mx.array:
         """``(B, 1, T, L)`` visibility over the keys a layer with ``keys_window`` reads: causal,
         not padding, and within the last ``window`` positions (None: no limit)."""
-        mask = self._masks.get((keys_window, window))
-        if mask is None:
+        return self._mask_and_ranges(keys_window, window)[0]
+
+    def key_ranges(self, mask: mx.array) -> KeyRanges | None:
+        """The key ranges of a mask this layout built (None for any other array)."""
+        for built, ranges in self._masks.values():
+            if built is mask:
+                return ranges
+        return None
+
+    def _mask_and_ranges(self, keys_window: int | None, window: int | None) -> tuple[mx.array, KeyRanges]:
+        built = self._masks.get((keys_window, window))
+        if built is None:
             start = self.key_start(keys_window)
             width = int((self.context_len - start).max())
             query_pos = self.num_computed[:, None] + np.arange(self.num_new, dtype=np.int32)  # (B, T)
@@ -257,8 +286,8 @@ class BatchLayout:
             if window is not None:
                 visible &= k > q - window
             visible[:, :, 0] |= ~visible.any(axis=-1)  # padded queries: no empty softmax row
-            mask = self._masks[(keys_window, window)] = mx.array(visible[:, None, :, :])
-        return mask
+            built = self._masks[(keys_window, window)] = (mx.array(visible[:, None, :, :]), KeyRanges.of(visible))
+        return built
 
 
 def _group_slots(rows: list[RowSpec], block_size: int, group: int, num_new: int) -> GroupSlots:

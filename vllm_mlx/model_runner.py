@@ -24,12 +24,14 @@ token the constraint cannot accept is reported in ``ModelRunnerOutput.errors``.
 from __future__ import annotations
 
 import hashlib
+from contextlib import nullcontext
 
 import mlx.core as mx
 import numpy as np
 
-from vllm_mlx.attention import KVPool, MLXAttentionBackend, RowSpec, layer_specs
+from vllm_mlx.attention import KVPool, MLXAttentionBackend, PagedLayerCache, RowSpec, layer_specs
 from vllm_mlx.canonical import canonical_bytes
+from vllm_mlx.cpu_kernels import CPUKernels
 from vllm_mlx.kv_spec import BlockGroups, GroupLayout, KVLayout, group_layers, is_recurrent
 from vllm_mlx.mllm_cache import MLLMCacheManager
 from vllm_mlx.multimodal import ImageInput
@@ -136,6 +138,7 @@ class MLXModelRunner:
         self.vision = model if isinstance(model, VisionLanguageModel) else None
         # split_head=False skips the split's probe forward (a throwaway runner needs no speed).
         self.split = SplitModel.probe(model) if split_head and not self.vision else None
+        self.kernels = CPUKernels.for_model(model)  # None: stock kernels (not the CPU backend, ...)
         self.mllm_cache = mllm_cache
         self.specs = layer_specs(model, getattr(model, "model_type", None))
         self.num_layers = len(self.specs)  # one cache per spec (make_cache may differ from layers)
@@ -224,12 +227,13 @@ class MLXModelRunner:
         caches = self.attention.make_caches(rows)
         wanted = [i for i, s in enumerate(group) if s.samples]
         where = (mx.array(wanted), mx.array([len(rows[i].tokens) - 1 for i in wanted]))
-        if self.vision is not None:
-            out = self._vision_hidden_states(group, inputs, caches)
-        elif self.split is not None:
-            out = self.split.backbone(inputs, cache=caches)
-        else:
-            out = self.model(inputs, cache=caches)
+        with self.kernels.active(_key_ranges(caches)) if self.kernels is not None else nullcontext():
+            if self.vision is not None:
+                out = self._vision_hidden_states(group, inputs, caches)
+            elif self.split is not None:
+                out = self.split.backbone(inputs, cache=caches)
+            else:
+                out = self.model(inputs, cache=caches)
         picked = out[where] if wanted else None
         new_states = [w for c in caches if isinstance(c, RecurrentLayerCache) for w in c.writes()]
         # Evaluate now: the pool's next scatter can then update its buffers in place.
@@ -383,6 +387,12 @@ def mllm_cache_key(image_hash: str, cache_salt: str | None) -> str:
     if cache_salt is None:
         return image_hash
     return hashlib.sha256(canonical_bytes(("mllm", image_hash, cache_salt))).hexdigest()
+
+
+def _key_ranges(caches):
+    """The lookup of the forward's masks' key ranges (the caches share one batch layout)."""
+    layout = next((c.layout for c in caches if isinstance(c, PagedLayerCache)), None)
+    return layout.key_ranges if layout is not None else None
 
 
 def row_spec(item: ScheduledRequest) -> RowSpec:

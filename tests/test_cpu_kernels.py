@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models import activations, base, llama
@@ -19,7 +20,7 @@ from tiny_model import TINY_GEMMA3, build_tiny_llama
 
 from vllm_mlx import SamplingParams, cpu_kernels
 from vllm_mlx.attention import BatchLayout, RowSpec
-from vllm_mlx.cpu_kernels import CPUKernels, attention, query_blocks
+from vllm_mlx.cpu_kernels import CPUKernels, SharedRoPE, attention, query_blocks
 from vllm_mlx.engine_core import EngineCore
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the kernels serve the CPU backend")
@@ -108,19 +109,37 @@ def test_query_blocks_cover_every_visible_key():
         assert b.start + 1 == b.stop or (b.stop - b.start) * 6 * (b.key_stop - b.key_start) <= cpu_kernels.SCORE_BLOCK_ELEMENTS
 
 
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("dims, width, base, scale", [(16, 16, 10000.0, 1.0), (8, 16, 500000.0, 0.25)])
+def test_shared_rope_is_bit_identical_to_mlx(traditional, dims, width, base, scale):
+    stock = nn.RoPE(dims, traditional=traditional, base=base, scale=scale)
+    ours = SharedRoPE(stock)
+    x = mx.random.normal((3, 4, 7, width))
+    for offset in (0, 41, mx.array([5, 900, 17])):
+        assert mx.array_equal(ours(x, offset=offset), stock(x, offset=offset)).item()
+    offsets = mx.array([1, 2, 3])
+    first = ours(x, offset=offsets)
+    assert mx.array_equal(ours(x * 2, offset=offsets), stock(x * 2, offset=offsets)).item()  # reused angles
+    assert mx.array_equal(first, stock(x, offset=offsets)).item()
+
+
 def test_active_swaps_the_model_modules_and_restores_them(tiny_model_dir):
     import mlx_lm
 
     model, _ = mlx_lm.load(str(tiny_model_dir))
     kernels = CPUKernels.for_model(model)
     assert kernels is not None and llama in kernels.modules
+    stock_ropes = [layer.self_attn.rope for layer in model.layers]
+    assert len(kernels.ropes) == len(stock_ropes) and len({id(ours) for *_, ours in kernels.ropes}) == 1
     with pytest.raises(RuntimeError):
         with kernels.active():
             assert llama.swiglu is cpu_kernels.swiglu
             assert llama.scaled_dot_product_attention is not base.scaled_dot_product_attention
+            assert all(isinstance(layer.self_attn.rope, SharedRoPE) for layer in model.layers)
             raise RuntimeError("a failed forward")
     assert llama.swiglu is activations.swiglu
     assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
+    assert all(layer.self_attn.rope is stock for layer, stock in zip(model.layers, stock_ropes))
 
 
 def test_turned_off_by_the_environment(tiny_model_dir, monkeypatch):

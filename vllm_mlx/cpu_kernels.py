@@ -1,4 +1,4 @@
-"""Faster exp-based kernels for MLX's CPU backend, used by our engine's forward calls.
+"""Faster kernels for MLX's CPU backend (exp-based ops, rotary angles), in our engine's forwards.
 
 MLX's CPU backend evaluates ``exp``, ``sigmoid`` and ``tanh`` one element at a time: ~60-85 M
 elements/s on a 2-core x86_64 VM, 25x slower than a multiply. In a 512-token prefill chunk of the
@@ -22,6 +22,9 @@ engine thread, then puts the originals back, so ``mlx_lm.generate`` in the same 
 stock (the oracle tests compare against it). Another thread running the same architecture's
 module *during* our forward would get our kernels too: the same math to ~1e-6.
 
+Rotary embeddings (``nn.RoPE``) compute their sines and cosines on every call on the CPU; while
+``active()``, the layers share a ``SharedRoPE`` that computes them once per forward call.
+
 Only on the CPU backend (Metal and CUDA have fast transcendental kernels), and only where ours
 measured faster: attention over at least ``MIN_QUERIES`` query rows (decode keeps the stock
 kernel), no attention sinks, masks that are boolean or additive arrays.
@@ -39,6 +42,8 @@ from types import ModuleType
 from typing import Callable
 
 import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
 
 LOG2E = 1.4426950408889634
 # Taylor coefficients of 2**f = exp(f ln 2): (ln 2)**k / k!, k = 0..6; on |f| <= 0.5 the
@@ -181,6 +186,60 @@ def attention(
     return out.astype(dtype)
 
 
+class SharedRoPE(nn.Module):
+    """``nn.RoPE`` with its sines and cosines computed once per forward call, not per layer.
+
+    MLX's CPU backend computes rotary embeddings by composing operations, cosines and sines
+    included, on every call: ~64 us for one decode token's queries, 60 calls a step in a
+    30-layer model. Every layer of a forward call rotates by the same positions (our caches
+    hand each layer the same ``offset`` array), so the angles are computed for the first layer
+    and reused. The operations are MLX's own, in its order: results are bit-identical to
+    ``mx.fast.rope`` on the CPU.
+    """
+
+    def __init__(self, rope: nn.RoPE) -> None:
+        super().__init__()
+        self.dims, self.traditional, self.base, self.scale = rope.dims, rope.traditional, rope.base, rope.scale
+        self._angles_key = None
+        self._angles = None
+
+    def __call__(self, x: mx.array, offset=0) -> mx.array:
+        if x.ndim != 4 or not isinstance(offset, (int, mx.array)):
+            return mx.fast.rope(x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale, offset=offset)
+        cos, sin = self._cos_sin(offset, x.shape[2], x.dtype)
+        half = self.dims // 2
+        if self.traditional:
+            x1, x2 = x[..., 0 : self.dims : 2], x[..., 1 : self.dims : 2]
+            pairs = mx.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+            rotated = [pairs.reshape(*x.shape[:-1], self.dims)]
+        else:
+            x1, x2 = x[..., :half], x[..., half : self.dims]
+            rotated = [x1 * cos - x2 * sin, x1 * sin + x2 * cos]
+        if self.dims < x.shape[-1]:
+            rotated.append(x[..., self.dims :])
+        return mx.concatenate(rotated, axis=-1)
+
+    def _cos_sin(self, offset, num_tokens: int, dtype) -> tuple[mx.array, mx.array]:
+        """``(B or 1, 1, T, dims/2)`` cosines and sines, kept while the offset and length last
+        (identity of the offset array: one forward call)."""
+        key = (offset if isinstance(offset, int) else id(offset), num_tokens, dtype)
+        if self._angles_key != key or (not isinstance(offset, int) and self._angles[0] is not offset):
+            half = self.dims // 2
+            start = mx.array(offset, dtype=mx.int32)
+            if start.size > 1:
+                start = start[:, None, None]
+            positions = (mx.arange(num_tokens, dtype=mx.float32) + start) * mx.array(self.scale, dtype=mx.float32)
+            step = np.float32(np.log(np.float32(self.base))) / np.float32(half)  # float math, as MLX
+            inv_freqs = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * mx.array(step, dtype=mx.float32))
+            theta = positions[..., None] * inv_freqs
+            self._angles = (offset, mx.cos(theta).astype(dtype), mx.sin(theta).astype(dtype))
+            self._angles_key = key
+        return self._angles[1], self._angles[2]
+
+    def forget(self) -> None:
+        self._angles_key = self._angles = None
+
+
 def _group_heads(mask: mx.array, kv_heads: int) -> mx.array:
     """A ``[B, H, T, L]`` mask (H is 1 or the query heads) as ``[B, Hkv or 1, group or 1, T, L]``."""
     b, h, t, length = mask.shape
@@ -203,6 +262,7 @@ class CPUKernels:
     """Our kernels, bound to the model modules that use mlx-lm's originals."""
 
     modules: list[ModuleType] = field(default_factory=list)
+    ropes: list[tuple[nn.Module, nn.RoPE, SharedRoPE]] = field(default_factory=list)  # (owner, stock, ours)
     _originals: dict = field(default_factory=dict, repr=False)
     _key_ranges: Callable | None = field(default=None, repr=False)  # mask -> KeyRanges | None
     _blocks: dict = field(default_factory=dict, repr=False)  # per forward: (ranges id, heads) -> blocks
@@ -217,16 +277,23 @@ class CPUKernels:
 
         originals = {"scaled_dot_product_attention": base.scaled_dot_product_attention, "swiglu": activations.swiglu}
         kernels = cls(_originals=originals)
-        names = {type(m).__module__ for m in _submodules(model)}
-        for name in sorted(names):
+        submodules = _submodules(model)
+        for name in sorted({type(m).__module__ for m in submodules}):
             module = sys.modules.get(name)
             if module is not None and any(getattr(module, k, None) is f for k, f in originals.items()):
                 kernels.modules.append(module)
-        return kernels if kernels.modules else None
+        shared: dict[tuple, SharedRoPE] = {}  # one per configuration: the angles are shared too
+        for owner in submodules:
+            rope = owner.get("rope") if isinstance(owner, dict) else None
+            if type(rope) is nn.RoPE:
+                config = (rope.dims, rope.traditional, rope.base, rope.scale)
+                kernels.ropes.append((owner, rope, shared.setdefault(config, SharedRoPE(rope))))
+        return kernels if kernels.modules or kernels.ropes else None
 
     @contextmanager
     def active(self, key_ranges: Callable | None = None):
-        """Our kernels in the model's modules while the block runs (one thread: the engine's).
+        """Our kernels in the model's modules, and ``SharedRoPE`` in its layers, while the
+        block runs (one thread: the engine's).
         ``key_ranges(mask)``: the ``attention.KeyRanges`` of a mask the forward's caches built
         (None for others), so attention skips keys no query sees."""
         ours = {"scaled_dot_product_attention": self._attention, "swiglu": swiglu}
@@ -238,10 +305,15 @@ class CPUKernels:
                     if getattr(module, name, None) is original:
                         setattr(module, name, ours[name])
                         swapped.append((module, name, original))
+            for owner, _, ours_rope in self.ropes:
+                owner.rope = ours_rope
             yield
         finally:
             for module, name, original in swapped:
                 setattr(module, name, original)
+            for owner, stock, ours_rope in self.ropes:
+                owner.rope = stock
+                ours_rope.forget()
             self._key_ranges = None
             self._blocks.clear()
 

@@ -236,8 +236,9 @@ class MLXModelRunner:
                 out = self.model(inputs, cache=caches)
         picked = out[where] if wanted else None
         new_states = [w for c in caches if isinstance(c, RecurrentLayerCache) for w in c.writes()]
-        # Evaluate now: the pool's next scatter can then update its buffers in place.
-        mx.eval([picked] if picked is not None else [], self.pool.arrays(), [w.value for w in new_states])
+        # Evaluate now (asynchronously: sampling's graph is built meanwhile): the pool's next
+        # scatter can then update its buffers in place (the stream runs in order).
+        mx.async_eval([picked] if picked is not None else [], self.pool.arrays(), [w.value for w in new_states])
         states.extend(new_states)
         per_row: list[mx.array | None] = [None] * len(group)
         for n, i in enumerate(wanted):

@@ -20,7 +20,7 @@ from tiny_model import TINY_GEMMA3, build_tiny_llama
 
 from vllm_mlx import SamplingParams, cpu_kernels
 from vllm_mlx.attention import BatchLayout, RowSpec
-from vllm_mlx.cpu_kernels import CPUKernels, SharedRoPE, attention, query_blocks
+from vllm_mlx.cpu_kernels import CPUKernels, SplitLinear, SharedRoPE, attention, query_blocks
 from vllm_mlx.engine_core import EngineCore
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the kernels serve the CPU backend")
@@ -90,6 +90,24 @@ def test_attention_equals_mlx_for_paged_masks(rows, window, block_elements, monk
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=2e-6)
 
 
+def test_attention_on_two_streams_equals_one(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "SCORE_BLOCK_ELEMENTS", 700)
+    layout = layout_for([(37, 24), (0, 9)])
+    mask = layout.mask(None, None)
+    q, k, v = qkv(2, layout.num_new, mask.shape[-1])
+    streams = (mx.default_stream(mx.cpu), mx.new_stream(mx.cpu))
+    np.testing.assert_array_equal(attention(q, k, v, 0.125, mask, streams=streams), attention(q, k, v, 0.125, mask))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_split_linear_equals_linear(bias):
+    linear = nn.Linear(48, 80, bias=bias)
+    split = SplitLinear(linear, mx.new_stream(mx.cpu))
+    for shape in [(1, 1, 48), (2, 70, 48), (3, 33, 48)]:  # a decode row; calls split in halves
+        x = mx.random.normal(shape)
+        np.testing.assert_allclose(split(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
 def test_attention_with_additive_and_no_mask():
     q, k, v = qkv(2, 12, 30, q_heads=4, kv_heads=4)
     additive = mx.where(mx.random.uniform(shape=(2, 1, 12, 30)) < 0.7, 0.0, -1e9)
@@ -130,16 +148,22 @@ def test_active_swaps_the_model_modules_and_restores_them(tiny_model_dir):
     kernels = CPUKernels.for_model(model)
     assert kernels is not None and llama in kernels.modules
     stock_ropes = [layer.self_attn.rope for layer in model.layers]
-    assert len(kernels.ropes) == len(stock_ropes) and len({id(ours) for *_, ours in kernels.ropes}) == 1
+    stock_projections = [layer.mlp.down_proj for layer in model.layers]
+    assert len(kernels.ropes) == len(stock_ropes) and len({id(swap.ours) for swap in kernels.ropes}) == 1
+    assert len(kernels.linears) == 7 * len(model.layers)  # q, k, v, o; gate, up, down
+    with kernels.active(num_tokens=1):  # decode: the linear layers stay on one stream
+        assert all(isinstance(layer.self_attn.rope, SharedRoPE) for layer in model.layers)
+        assert all(layer.mlp.down_proj is stock for layer, stock in zip(model.layers, stock_projections))
     with pytest.raises(RuntimeError):
-        with kernels.active():
+        with kernels.active(num_tokens=cpu_kernels.PARALLEL_MIN_ROWS):
             assert llama.swiglu is cpu_kernels.swiglu
             assert llama.scaled_dot_product_attention is not base.scaled_dot_product_attention
-            assert all(isinstance(layer.self_attn.rope, SharedRoPE) for layer in model.layers)
+            assert all(isinstance(layer.mlp.down_proj, SplitLinear) for layer in model.layers)
             raise RuntimeError("a failed forward")
     assert llama.swiglu is activations.swiglu
     assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
     assert all(layer.self_attn.rope is stock for layer, stock in zip(model.layers, stock_ropes))
+    assert all(layer.mlp.down_proj is stock for layer, stock in zip(model.layers, stock_projections))
 
 
 def test_turned_off_by_the_environment(tiny_model_dir, monkeypatch):

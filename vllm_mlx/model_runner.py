@@ -227,7 +227,7 @@ class MLXModelRunner:
         caches = self.attention.make_caches(rows)
         wanted = [i for i, s in enumerate(group) if s.samples]
         where = (mx.array(wanted), mx.array([len(rows[i].tokens) - 1 for i in wanted]))
-        with self.kernels.active(_key_ranges(caches)) if self.kernels is not None else nullcontext():
+        with self.kernels.active(_key_ranges(caches), inputs.size) if self.kernels is not None else nullcontext():
             if self.vision is not None:
                 out = self._vision_hidden_states(group, inputs, caches)
             elif self.split is not None:

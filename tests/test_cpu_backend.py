@@ -38,12 +38,14 @@ print(json.dumps({
 """
 
 
-def _run(code: str, fast_blas: str | None, *args: str) -> subprocess.CompletedProcess:
+def _run(code: str, fast_blas: str | None, *args: str, cpu_kernels: bool = True) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter (the BLAS is chosen when vllm_mlx is imported)."""
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_MLX_FAST_BLAS", "LD_PRELOAD")}
-    env = {k: v for k, v in env.items() if not k.startswith(("MKL_", "OPENBLAS_"))}
+    env = {k: v for k, v in env.items() if not k.startswith(("MKL_", "OPENBLAS_", "VLLM_MLX_CPU_KERNELS"))}
     if fast_blas is not None:
         env["VLLM_MLX_FAST_BLAS"] = fast_blas
+    if not cpu_kernels:
+        env["VLLM_MLX_CPU_KERNELS"] = "0"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
     return subprocess.run(
         [sys.executable, "-c", code, *args],
@@ -163,21 +165,30 @@ for m, k, n in [(1, 576, 1536), (8, 1536, 576), (33, 576, 300)]:
     out["products"][f"{m}x{k}x{n}"] = np.array(mx.array(a) @ mx.array(b).T).tolist()
 llm = LLM(sys.argv[1], enable_prefix_caching=False)
 params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-out["tokens"] = [o.outputs[0].token_ids for o in llm.generate([[5, 17, 99, 300], [1000, 42]], params)]
+prompts = [[5, 17, 99, 300], [1000, 42], list(range(200, 300))]  # 100 tokens: both CPU streams
+out["tokens"] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 llm.shutdown()
 print(json.dumps(out))
 """
 
 
 @pytest.mark.skipif(not (LINUX and _mkl_installed()), reason="PyPI's mkl (the fast-cpu extra) is not installed")
-def test_mkl_matches_the_reference_blas(tiny_model_dir):
+def test_every_blas_and_the_stock_kernels_give_the_same_tokens(tiny_model_dir):
+    """MKL, OpenBLAS (when installed) and the reference BLAS, with our CPU kernels, and the
+    reference BLAS with MLX's stock kernels: the same products and greedy tokens."""
     import numpy as np
 
-    mkl, ref = (json.loads(_run(ORACLE, blas, str(tiny_model_dir)).stdout.splitlines()[-1]) for blas in ("mkl", "0"))
-    assert (mkl["provider"], ref["provider"]) == ("mkl", None)
-    for shape, expected in ref["products"].items():
-        np.testing.assert_allclose(mkl["products"][shape], expected, rtol=1e-4, atol=1e-3)
-    assert mkl["tokens"] == ref["tokens"]
+    def oracle(blas: str, cpu_kernels: bool = True) -> dict:
+        return json.loads(_run(ORACLE, blas, str(tiny_model_dir), cpu_kernels=cpu_kernels).stdout.splitlines()[-1])
+
+    ref, stock = oracle("0"), oracle("0", cpu_kernels=False)
+    assert ref["provider"] is None and stock["tokens"] == ref["tokens"]
+    for blas in ("mkl", "openblas") if _openblas_installed() else ("mkl",):
+        run = oracle(blas)
+        assert run["provider"] == blas
+        for shape, expected in ref["products"].items():
+            np.testing.assert_allclose(run["products"][shape], expected, rtol=1e-4, atol=1e-3)
+        assert run["tokens"] == ref["tokens"], blas
 
 
 def test_reference_blas_warning_is_printed_once(monkeypatch, capsys):

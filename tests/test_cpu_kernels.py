@@ -166,6 +166,21 @@ def test_active_swaps_the_model_modules_and_restores_them(tiny_model_dir):
     assert all(layer.mlp.down_proj is stock for layer, stock in zip(model.layers, stock_projections))
 
 
+def test_engines_on_one_thread_share_its_second_stream(tiny_model_dir):
+    import threading
+
+    import mlx_lm
+
+    model, _ = mlx_lm.load(str(tiny_model_dir))
+    first, second = CPUKernels.for_model(model), CPUKernels.for_model(model)
+    assert first.second == second.second  # MLX never stops a stream's thread: one per thread
+    other = []
+    thread = threading.Thread(target=lambda: other.append(CPUKernels.for_model(model).second))
+    thread.start()
+    thread.join()
+    assert other[0] != first.second
+
+
 def test_turned_off_by_the_environment(tiny_model_dir, monkeypatch):
     import mlx_lm
 

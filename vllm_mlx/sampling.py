@@ -18,12 +18,12 @@ Order of operations for one row:
 4. Greedy rows (temperature below ``GREEDY_EPS``, as in vLLM) take the argmax.
 5. Sampled rows: divide by temperature, keep tokens passing top-k, top-p (the
    smallest set of most likely tokens whose mass >= top_p, top token always kept)
-   and min-p (p >= min_p x p_max), then Gumbel-max with the row's own key.
+   and min-p (p >= min_p x p_max), then an inverse-CDF draw with the row's own key.
 
 Determinism contract: a row's token is a function of its own logits, params,
 seed, step and token history only -- never of the other rows, its position in the
-batch, or the batch size. The random noise of a row is
-``mx.random.gumbel((V,), key=mx.random.key(row_seed(seed, step)))``, so the same
+batch, or the batch size. The random number of a row is
+``mx.random.uniform(shape=(1,), key=mx.random.key(row_seed(seed, step)))``, so the same
 (seed, step) draws the same token alone, batched, or recomputed after preemption;
 ``step`` is the index of the token being sampled.
 """
@@ -37,6 +37,7 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
+from vllm_mlx import cpu_kernels
 from vllm_mlx.outputs import TokenLogprobs
 from vllm_mlx.request import SamplingParams
 
@@ -109,6 +110,12 @@ def _splitmix64(x: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return z ^ (z >> 31)
+
+
+def _exp(x: mx.array) -> mx.array:
+    """``mx.exp``; on the CPU backend our vectorised one (MLX's CPU exp is scalar: ~0.6 ms for
+    one row of a 49k vocabulary), to within 3e-7 relative error."""
+    return cpu_kernels.exp(x) if cpu_kernels.enabled() else mx.exp(x)
 
 
 def _take_rows(x: mx.array, idx: list[int]) -> mx.array:
@@ -185,14 +192,21 @@ def _counts(shape: tuple[int, int], seqs: Sequence[Sequence[int]]) -> mx.array:
 
 
 def _sample_rows(x: mx.array, rows: list[SamplingRow]) -> mx.array:
-    """Tokens for non-greedy rows: temperature, filters, then argmax(x + Gumbel noise)."""
+    """Tokens for non-greedy rows: temperature, filters, then one draw from the inverse of
+    the row's cumulative distribution.
+
+    One uniform number per row, not one Gumbel variate per vocabulary entry: on MLX's CPU
+    backend the Gumbel noise (two scalar logs and a random number per entry) took ~0.7 ms a
+    row at a 49k vocabulary, ~20x the rest. The smallest index whose cumulative mass exceeds
+    ``u`` times the row's total is drawn, so a token with zero probability (filtered, banned)
+    is never drawn.
+    """
     x = x / _column([r.params.temperature for r in rows])
     x = apply_filters(x, [r.params for r in rows])
-    vocab = x.shape[1]
-    noise = mx.stack(
-        [mx.random.gumbel((vocab,), key=mx.random.key(row_seed(r.seed, r.step))) for r in rows]
-    )
-    return mx.argmax(x + noise, axis=-1)
+    cumulative = mx.cumsum(_exp(x - mx.max(x, axis=-1, keepdims=True)), axis=-1)
+    uniform = mx.concatenate([mx.random.uniform(shape=(1,), key=mx.random.key(row_seed(r.seed, r.step))) for r in rows])
+    target = uniform[:, None] * cumulative[:, -1:]
+    return mx.argmax(cumulative > target, axis=-1)
 
 
 def apply_filters(x: mx.array, params: list[SamplingParams]) -> mx.array:
@@ -269,11 +283,11 @@ def _nucleus_size(
     row's top-k survivors (the whole row ``x`` without top-k; ``x`` is None when every
     row has top-k). Masses are relative to the top token, unnormalised.
     """
-    e = mx.where(mx.arange(s.shape[1])[None, :] <= kidx, mx.exp(s - s[:, :1]), 0.0)
+    e = mx.where(mx.arange(s.shape[1])[None, :] <= kidx, _exp(s - s[:, :1]), 0.0)
     before = mx.cumsum(e, axis=-1, inclusive=False)
     total = mx.take_along_axis(before + e, kidx, axis=-1)
     if x is not None:
-        row_mass = mx.sum(mx.exp(x - s[:, :1]), axis=-1, keepdims=True)
+        row_mass = mx.sum(_exp(x - s[:, :1]), axis=-1, keepdims=True)
         total = mx.where(has_k, total, row_mass)
     return mx.sum(before < top_p * total, axis=-1, keepdims=True).astype(mx.int32)
 

@@ -188,7 +188,7 @@ def _counts(shape: tuple[int, int], seqs: Sequence[Sequence[int]]) -> mx.array:
 
 
 # ---------------------------------------------------------------------------
-# Temperature, filters and the Gumbel draw
+# Temperature, filters and the draw
 
 
 def _sample_rows(x: mx.array, rows: list[SamplingRow]) -> mx.array:

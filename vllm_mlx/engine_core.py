@@ -93,6 +93,10 @@ class EngineConfig:
     media_policy: MediaPolicy | None = None
     """Which image paths and URLs prompts may use; None = ``MediaPolicy.operator()`` (any local
     file, public http(s) URLs). The server passes its own (``MediaPolicy.server()``)."""
+    tensor_parallel: bool = False
+    """Split the model over the ranks of ``mx.distributed`` (launched with ``mlx.launch``): this
+    process must be rank 0; the other ranks run ``vllm_mlx.distributed.worker_loop`` with the
+    same model and ``weight_format`` (``distributed.py``)."""
 
     def normalize(self) -> None:
         """Accept every option in the forms the CLI takes (``kv_cache_memory="512M"`` or
@@ -110,7 +114,8 @@ class EngineConfig:
                 _check_int_option(name, getattr(self, name), minimum=1)
         if self.max_state_checkpoints is not None:
             _check_int_option("max_state_checkpoints", self.max_state_checkpoints, minimum=0)
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "force_model_takeover", "enable_mllm_cache"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "force_model_takeover", "enable_mllm_cache",
+                     "tensor_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
@@ -126,6 +131,26 @@ class EngineConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             max_model_len=min(limits) if limits else None,
         )
+
+
+def _rank_zero_group():
+    """The distributed group, checked: this process must be its rank 0 (the engine)."""
+    from vllm_mlx.distributed import TensorParallelError, init_group
+
+    group = init_group()
+    if group.rank() != 0:
+        raise TensorParallelError(
+            f"this is rank {group.rank()}: only rank 0 runs the engine; run vllm_mlx.distributed.worker_loop here"
+        )
+    return group
+
+
+def _shard(loaded, group) -> None:
+    from vllm_mlx.distributed import TensorParallelError, shard_model
+
+    if loaded.vision is not None:
+        raise TensorParallelError("tensor parallelism does not support vision-language models yet")
+    shard_model(loaded.model, loaded.config, loaded.path, group)
 
 
 def _check_int_option(name: str, value: object, minimum: int) -> None:
@@ -180,11 +205,14 @@ class EngineCore:
             setattr(config, name, value)
         config.normalize()
         self.config = config
+        self.tp_group = _rank_zero_group() if config.tensor_parallel else None
         loaded = load_model(config.model, trust_remote_code=config.trust_remote_code)
         specs = check_supported(loaded.model, loaded.config.get("model_type", "?"))
         self.vision = loaded.vision
         weights = loaded.vision.model if loaded.vision else loaded.model
         self.weight_format = prepare_model_weights(weights, choose_weight_format(config.weight_format))
+        if self.tp_group is not None:  # the same collectives, in the same order, as worker_loop's
+            _shard(loaded, self.tp_group)
         state_layout = probe_state_layout(loaded.model, specs) if any(map(is_recurrent, specs)) else None
         self.model_path: Path = loaded.path
         get_registry().claim(str(self.model_path), self, force=config.force_model_takeover)
@@ -210,6 +238,13 @@ class EngineCore:
         self.mllm_cache = (
             MLLMCacheManager(config.mllm_cache_memory) if self.vision and config.enable_mllm_cache else None
         )
+        self.step_encoder = None
+        if self.tp_group is not None:
+            from vllm_mlx.distributed import StepEncoder, StepMessage, send_message
+
+            sizing = {"num_blocks": num_blocks, "block_size": config.block_size, "num_state_slots": states.num_slots}
+            send_message(self.tp_group, StepMessage("start", start=sizing))
+            self.step_encoder = StepEncoder()
         self.runner = MLXModelRunner(
             loaded.model, num_blocks, config.block_size, self.mllm_cache, states.num_slots, state_layout,
             block_groups=block_groups,
@@ -414,7 +449,7 @@ class EngineCore:
         """
         scheduled = scheduler_output.scheduled
         try:
-            return self.runner.execute_model(scheduler_output)
+            return self._run(scheduler_output)
         except MemoryError:
             raise
         except Exception as exc:
@@ -424,15 +459,30 @@ class EngineCore:
             else:
                 output = self._execute_one_by_one(scheduler_output)
         if len(output.errors) == len(scheduled):
-            self.runner.probe()  # raises when the model itself cannot run
+            self._probe()  # raises when the model itself cannot run
         return output
+
+    def _run(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The runner on this step; with tensor parallelism the other ranks are sent it first."""
+        if self.step_encoder is not None:
+            from vllm_mlx.distributed import send_message
+
+            send_message(self.tp_group, self.step_encoder.encode(scheduler_output))
+        return self.runner.execute_model(scheduler_output)
+
+    def _probe(self) -> None:
+        if self.tp_group is not None:
+            from vllm_mlx.distributed import StepMessage, send_message
+
+            send_message(self.tp_group, StepMessage("probe"))
+        self.runner.probe()
 
     def _execute_one_by_one(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Each request of the step alone; the ones that fail are recorded in ``errors``."""
         merged = ModelRunnerOutput()
         for item in scheduler_output.scheduled:
             try:
-                output = self.runner.execute_model(SchedulerOutput(scheduler_output.step_id, [item]))
+                output = self._run(SchedulerOutput(scheduler_output.step_id, [item]))
             except MemoryError:
                 raise
             except Exception as exc:
@@ -484,6 +534,10 @@ class EngineCore:
         for request_id in self.output_processor.group_ids:
             self.abort_request(request_id)
         get_registry().release(str(self.model_path), self)
+        if self.tp_group is not None and self.runner.model is not None:
+            from vllm_mlx.distributed import StepMessage, send_message
+
+            send_message(self.tp_group, StepMessage("stop"))
         self.runner.release()
 
 

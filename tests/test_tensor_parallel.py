@@ -105,7 +105,9 @@ def _launch_two_ranks(model_dir: Path, out_prefix: Path) -> subprocess.Completed
         "--env", f"PYTHONPATH={path}", "--python", sys.executable,
         str(TESTS / "tp_driver.py"), str(model_dir), str(out_prefix),
     ]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         output, _ = process.communicate(timeout=LAUNCH_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -157,7 +159,9 @@ def test_two_ranks_refuse_kv_heads_that_do_not_divide(default_model_dir, tmp_pat
 
     if not mx.distributed.is_available():
         pytest.skip("mlx has no distributed backend")
-    model = build_tiny_llama(tmp_path / "kv3", default_model_dir, hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
+    model = build_tiny_llama(
+        tmp_path / "kv3", default_model_dir, hidden_size=96, num_attention_heads=6, num_key_value_heads=3
+    )
     done = _launch_two_ranks(model, tmp_path / "tp")
     # mlx.launch exits 0 whatever its ranks do, and ends the others when one fails.
     assert "rank 0 exited with code 1" in done.stdout or "rank 1 exited with code 1" in done.stdout

@@ -317,32 +317,23 @@ def worker_loop(
     """Run a rank > 0 until rank 0's engine shuts down; returns what it ran.
 
     ``model``, ``weight_format`` and ``trust_remote_code`` must be rank 0's; the KV pool's
-    sizing comes from rank 0's start message. Mirrors ``EngineCore.__init__``'s collectives."""
-    from vllm_mlx.attention import check_supported
-    from vllm_mlx.cpu_backend import choose_weight_format, prepare_model_weights
-    from vllm_mlx.kv_spec import is_recurrent
-    from vllm_mlx.model_runner import MLXModelRunner, measure_kv_layout
-    from vllm_mlx.models import load_model
-    from vllm_mlx.state_pool import probe_state_layout
+    sizing comes from rank 0's start message. It prepares the model as rank 0 does
+    (``prepare_engine_model``), then builds the runner: the same collectives in the same order."""
+    from vllm_mlx.engine_core import EngineConfig, prepare_engine_model
+    from vllm_mlx.model_runner import MLXModelRunner
 
     group = group or init_group()
     if group.rank() == 0:
         raise TensorParallelError("rank 0 runs the engine (EngineCore(tensor_parallel=True)), not worker_loop")
-    loaded = load_model(model, trust_remote_code=trust_remote_code)
-    if loaded.vision is not None:
-        raise TensorParallelError("tensor parallelism does not support vision-language models yet")
-    specs = check_supported(loaded.model, loaded.config.get("model_type", "?"))
-    prepare_model_weights(loaded.model, choose_weight_format(weight_format))
-    shard_model(loaded.model, loaded.config, loaded.path, group)
-    state_layout = probe_state_layout(loaded.model, specs) if any(map(is_recurrent, specs)) else None
-    kv_layout = measure_kv_layout(loaded.model, state_layout)
+    config = EngineConfig(model=model, weight_format=weight_format, trust_remote_code=trust_remote_code)
+    prepared = prepare_engine_model(config, group)
     start = receive_message(group)
     if start.kind != "start":
         raise TensorParallelError(f"expected rank 0's start message, got {start.kind!r}")
     sizing = start.start
     runner = MLXModelRunner(
-        loaded.model, sizing["num_blocks"], sizing["block_size"], None, sizing["num_state_slots"], state_layout,
-        block_groups=kv_layout.block_groups(specs),
+        prepared.loaded.model, sizing["num_blocks"], sizing["block_size"], None, sizing["num_state_slots"],
+        prepared.state_layout, block_groups=prepared.kv_layout.block_groups(prepared.specs),
     )  # fmt: skip
     try:
         return Worker(runner, group).run()

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vllm_mlx.errors import VllmMlxError, internal_error_message
 from vllm_mlx.images import ImageSource
@@ -47,6 +48,11 @@ from vllm_mlx.scheduler import Scheduler, SchedulerConfig
 from vllm_mlx.snapshot import CacheSnapshotter
 from vllm_mlx.structured.grammar import CompiledGrammar
 from vllm_mlx.validation import parse_bytes, parse_memory
+
+if TYPE_CHECKING:
+    from vllm_mlx.kv_spec import KVLayout
+    from vllm_mlx.models import LoadedModel
+    from vllm_mlx.state_pool import StateLayout
 
 logger = logging.getLogger(__name__)
 
@@ -145,12 +151,43 @@ def _rank_zero_group():
     return group
 
 
-def _shard(loaded, group) -> None:
-    from vllm_mlx.distributed import TensorParallelError, shard_model
+@dataclass
+class PreparedModel:
+    """A model as the engine runs it: weights in their final format (sharded with tensor
+    parallelism), its layer specs, and its recurrent-state and KV layouts as measured."""
 
-    if loaded.vision is not None:
-        raise TensorParallelError("tensor parallelism does not support vision-language models yet")
-    shard_model(loaded.model, loaded.config, loaded.path, group)
+    loaded: LoadedModel
+    specs: list
+    weight_format: str
+    state_layout: StateLayout | None
+    kv_layout: KVLayout
+
+
+def prepare_engine_model(config: EngineConfig, group=None) -> PreparedModel:
+    """Load ``config.model`` and prepare it for a runner. With a distributed ``group`` every
+    rank calls this (rank 0 from ``EngineCore``, the others from ``worker_loop``): the shard
+    checks and the measuring forwards are collectives, issued here in the same order on all."""
+    from vllm_mlx.attention import check_supported
+    from vllm_mlx.cpu_backend import choose_weight_format, prepare_model_weights
+    from vllm_mlx.kv_spec import is_recurrent
+    from vllm_mlx.model_runner import measure_kv_layout
+    from vllm_mlx.models import load_model
+    from vllm_mlx.state_pool import probe_state_layout
+
+    loaded = load_model(config.model, trust_remote_code=config.trust_remote_code)
+    specs = check_supported(loaded.model, loaded.config.get("model_type", "?"))
+    weights = loaded.vision.model if loaded.vision else loaded.model
+    weight_format = prepare_model_weights(weights, choose_weight_format(config.weight_format))
+    if group is not None:
+        from vllm_mlx.distributed import TensorParallelError, shard_model
+
+        if loaded.vision is not None:
+            raise TensorParallelError("tensor parallelism does not support vision-language models yet")
+        shard_model(loaded.model, loaded.config, loaded.path, group)
+    state_layout = probe_state_layout(loaded.model, specs) if any(map(is_recurrent, specs)) else None
+    # After the weights are in their final format: the KV dtype follows the activations'.
+    kv_layout = measure_kv_layout(loaded.model, state_layout)
+    return PreparedModel(loaded, specs, weight_format, state_layout, kv_layout)
 
 
 def _check_int_option(name: str, value: object, minimum: int) -> None:
@@ -191,12 +228,7 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
-        from vllm_mlx.attention import check_supported
-        from vllm_mlx.cpu_backend import choose_weight_format, prepare_model_weights
-        from vllm_mlx.kv_spec import is_recurrent
-        from vllm_mlx.model_runner import MLXModelRunner, measure_kv_layout
-        from vllm_mlx.models import load_model
-        from vllm_mlx.state_pool import probe_state_layout
+        from vllm_mlx.model_runner import MLXModelRunner
 
         config = config or EngineConfig()
         for name, value in overrides.items():
@@ -206,20 +238,15 @@ class EngineCore:
         config.normalize()
         self.config = config
         self.tp_group = _rank_zero_group() if config.tensor_parallel else None
-        loaded = load_model(config.model, trust_remote_code=config.trust_remote_code)
-        specs = check_supported(loaded.model, loaded.config.get("model_type", "?"))
+        prepared = prepare_engine_model(config, self.tp_group)
+        loaded, specs, state_layout = prepared.loaded, prepared.specs, prepared.state_layout
         self.vision = loaded.vision
-        weights = loaded.vision.model if loaded.vision else loaded.model
-        self.weight_format = prepare_model_weights(weights, choose_weight_format(config.weight_format))
-        if self.tp_group is not None:  # the same collectives, in the same order, as worker_loop's
-            _shard(loaded, self.tp_group)
-        state_layout = probe_state_layout(loaded.model, specs) if any(map(is_recurrent, specs)) else None
+        self.weight_format = prepared.weight_format
         self.model_path: Path = loaded.path
         get_registry().claim(str(self.model_path), self, force=config.force_model_takeover)
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
-        # After the weights are in their final format: the KV dtype follows the activations'.
-        self.kv_layout = measure_kv_layout(loaded.model, state_layout)
+        self.kv_layout = prepared.kv_layout
         budget = kv_budget_bytes(config.kv_cache_memory)
         states = StateBudget.plan(config, budget, state_layout.bytes_per_request if state_layout else 0)
         block_groups = self.kv_layout.block_groups(specs)

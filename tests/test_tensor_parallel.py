@@ -95,7 +95,7 @@ def _free_port_pair() -> int:
     pytest.skip("no two free consecutive ports")
 
 
-def _launch_two_ranks(model_dir: Path, out_prefix: Path) -> subprocess.CompletedProcess:
+def _launch_two_ranks(model_dir: Path, out_prefix: Path, *args: str) -> subprocess.CompletedProcess:
     """``mlx.launch -n 2 --backend ring`` the driver, in its own session: on timeout the whole
     process group (launcher, shells, ranks) is killed, so no rank outlives the test."""
     launcher = shutil.which("mlx.launch") or pytest.skip("mlx.launch is not installed")
@@ -103,7 +103,7 @@ def _launch_two_ranks(model_dir: Path, out_prefix: Path) -> subprocess.Completed
     command = [
         launcher, "-n", "2", "--backend", "ring", "--starting-port", str(_free_port_pair()),
         "--env", f"PYTHONPATH={path}", "--python", sys.executable,
-        str(TESTS / "tp_driver.py"), str(model_dir), str(out_prefix),
+        str(TESTS / "tp_driver.py"), str(model_dir), str(out_prefix), *args,
     ]  # fmt: skip
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -122,7 +122,9 @@ def _launch_two_ranks(model_dir: Path, out_prefix: Path) -> subprocess.Completed
     return subprocess.CompletedProcess(command, process.returncode, output)
 
 
-def test_two_ranks_on_loopback_equal_the_single_process_engine(tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def single_process(tiny_model_dir) -> dict:
+    """The driver's workload on the ordinary engine (the tiny llama: 4 heads, 2 KV heads)."""
     import mlx.core as mx
 
     from tp_driver import ENGINE_OPTIONS, run_batch
@@ -133,14 +135,19 @@ def test_two_ranks_on_loopback_equal_the_single_process_engine(tiny_model_dir, t
     assert json.loads((tiny_model_dir / "config.json").read_text())["num_key_value_heads"] == 2
     engine = EngineCore(model=str(tiny_model_dir), force_model_takeover=True, **ENGINE_OPTIONS)
     try:
-        expected = run_batch(engine)
+        return run_batch(engine)
     finally:
         engine.shutdown()
 
-    done = _launch_two_ranks(tiny_model_dir, tmp_path / "tp")
+
+def _results(tmp_path: Path, done: subprocess.CompletedProcess) -> tuple[dict, dict]:
     assert (tmp_path / "tp.rank1.json").exists(), done.stdout[-3000:]  # (mlx.launch exits 0 regardless)
-    rank0 = json.loads((tmp_path / "tp.rank0.json").read_text())
-    rank1 = json.loads((tmp_path / "tp.rank1.json").read_text())
+    return json.loads((tmp_path / "tp.rank0.json").read_text()), json.loads((tmp_path / "tp.rank1.json").read_text())
+
+
+def test_two_ranks_on_loopback_equal_the_single_process_engine(tiny_model_dir, single_process, tmp_path):
+    expected = single_process
+    rank0, rank1 = _results(tmp_path, _launch_two_ranks(tiny_model_dir, tmp_path / "tp"))
     assert rank0["tokens"] == expected["tokens"]
     assert rank0["kv_heads"] == 1  # each rank holds half of the 2 KV heads
     assert rank0["preemptions"] > 0 and rank0["prefix_hits"] > 0 and rank0["chunks"] > 0
@@ -149,6 +156,20 @@ def test_two_ranks_on_loopback_equal_the_single_process_engine(tiny_model_dir, t
     # The worker ran every step, failed none, and sampled the same greedy tokens as rank 0.
     assert rank1["steps"] > 0 and rank1["errors"] == 0
     assert rank1["compared"] > 0 and rank1["mismatches"] == 0
+    assert rank0["errors"] == [None] * len(expected["tokens"])
+
+
+def test_a_request_that_fails_on_every_rank_fails_alone(tiny_model_dir, single_process, tmp_path):
+    """Steps holding request p3 raise on both ranks: rank 0 re-runs them request by request (and
+    probes when p3 ran alone), sending each re-run; the others' tokens are unchanged."""
+    from tp_driver import POISON
+
+    rank0, rank1 = _results(tmp_path, _launch_two_ranks(tiny_model_dir, tmp_path / "tp", "poison"))
+    poisoned = int(POISON[1:])
+    assert "ValueError" in rank0["errors"][poisoned]  # (the message to callers hides the details)
+    others = [i for i in range(len(rank0["tokens"])) if i != poisoned]
+    assert [rank0["tokens"][i] for i in others] == [single_process["tokens"][i] for i in others]
+    assert rank1["errors"] > 0 and rank1["mismatches"] == 0
 
 
 def test_two_ranks_refuse_kv_heads_that_do_not_divide(default_model_dir, tmp_path):

@@ -32,22 +32,44 @@ def run_batch(engine) -> dict:
     ids, final = [], {}
     for step in range(2000):
         if step % 3 == 0 and len(ids) < len(PROMPTS):
-            ids.append(engine.add_request(PROMPTS[len(ids)], params))
+            ids.append(engine.add_request(PROMPTS[len(ids)], params, request_id=f"p{len(ids)}"))
         elif not engine.has_unfinished_requests():
             break
         final.update((out.request_id, out) for out in engine.step() if out.finished)
     records = list(engine.step_records)
     return {
         "tokens": [final[i].outputs[0].token_ids for i in ids],
+        "errors": [final[i].error for i in ids],
         "preemptions": engine.scheduler.num_preemptions,
         "prefix_hits": sum(len(r.prefix_hits) for r in records),
         "chunks": sum(1 for r in records for q in r.requests if not q.is_decode and q.num_new_tokens > 1),
     }
 
 
-def main(model_dir: str, out_prefix: str) -> None:
+POISON = "p3"  # with ``poison``: every step whose batch holds this request fails, on every rank
+
+
+def poison_the_runner() -> None:
+    """Make every step that runs the ``POISON`` request raise before its forward (alike on every
+    rank, before any collective): rank 0 re-runs such a batch request by request, and so do the
+    workers, from its messages."""
+    from vllm_mlx.model_runner import MLXModelRunner
+
+    stock = MLXModelRunner.execute_model
+
+    def execute_model(self, scheduler_output):
+        if any(s.request_id == POISON for s in scheduler_output.scheduled):
+            raise ValueError("poisoned request")
+        return stock(self, scheduler_output)
+
+    MLXModelRunner.execute_model = execute_model
+
+
+def main(model_dir: str, out_prefix: str, mode: str = "") -> None:
     from vllm_mlx.distributed import init_group, worker_loop
 
+    if mode == "poison":
+        poison_the_runner()
     group = init_group()
     out = Path(f"{out_prefix}.rank{group.rank()}.json")
     if group.rank() == 0:
@@ -65,4 +87,4 @@ def main(model_dir: str, out_prefix: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

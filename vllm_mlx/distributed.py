@@ -19,9 +19,12 @@ per-request seed and step, so they draw the same tokens; ``WorkerStats.mismatche
 times they did not (always 0 unless a rank diverged; a constrained request's mask lives on rank 0
 only, so its worker samples are not compared). No rank's state depends on its own samples.
 
-Invariant: every rank issues the same collectives in the same order. Start-up mirrors rank 0's
-``EngineCore.__init__`` (load, weights, shard, KV measurement, runner probe); after that each
-collective belongs to a message rank 0 sent first.
+Invariant: every rank issues the same collectives in the same order. At start-up every rank
+calls ``prepare_engine_model`` (load, weights, shard checks, KV measurement) and then builds its
+runner (its head probe is a forward); after that each collective belongs to a message rank 0 sent
+first. A step that fails is survived (rank 0 re-runs it request by request and probes, and sends
+those too) only when it fails alike on every rank before its first collective; a failure inside
+a forward leaves the ranks out of step.
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ class NewRequest:
     sampling: dict
     """``SamplingParams`` fields (``structured_outputs`` left out: constraints apply on rank 0)."""
     eos_token_ids: list[int]
+    constrained: bool = False
+    """It has a structured-output constraint: its mask lives on rank 0 only, so the worker's own
+    samples for it are not compared with rank 0's."""
 
 
 @dataclass
@@ -120,7 +126,7 @@ class StepEncoder:
             if request.request_id not in self._sent:
                 message.new_requests.append(NewRequest(
                     request.request_id, list(request.prompt_token_ids), sampling_dict(request.sampling_params),
-                    sorted(request.eos_token_ids),
+                    sorted(request.eos_token_ids), request.sampling_params.structured_outputs is not None,
                 ))  # fmt: skip
                 self._sent[request.request_id] = (request, 0)
             _, known = self._sent[request.request_id]
@@ -244,7 +250,7 @@ class Worker:
         self.group = group
         self.requests: dict[str, Request] = {}
         self.sampled: dict[str, tuple[int, int]] = {}  # id -> (output index, token) this rank drew
-        self.constrained: set[str] = set()
+        self.unchecked: set[str] = set()  # constrained requests (see NewRequest.constrained)
         self.stats = WorkerStats()
 
     def run(self) -> WorkerStats:
@@ -263,16 +269,20 @@ class Worker:
         for rid in message.finished:
             self.requests.pop(rid, None)
             self.sampled.pop(rid, None)
+            self.unchecked.discard(rid)
         for new in message.new_requests:
             params = SamplingParams(**new.sampling)
             self.requests[new.request_id] = Request(
                 new.request_id, new.prompt_token_ids, params, eos_token_ids=frozenset(new.eos_token_ids)
             )
+            if new.constrained:
+                self.unchecked.add(new.request_id)
         scheduled = [self._scheduled(row) for row in message.rows]
         output = self._guarded(self.runner.execute_model, SchedulerOutput(message.step_id, scheduled))
         self.stats.steps += 1
         for rid, token in (output.sampled_token_ids.items() if output is not None else ()):
-            self.sampled[rid] = (self.requests[rid].num_output_tokens, token)
+            if rid not in self.unchecked:
+                self.sampled[rid] = (self.requests[rid].num_output_tokens, token)
 
     def _scheduled(self, row: StepRow) -> ScheduledRequest:
         request = self.requests[row.request_id]

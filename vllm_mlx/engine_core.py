@@ -225,6 +225,8 @@ class EngineCore:
             attention, recurrent layers of an unchecked architecture).
         TypeError: An unknown option in ``overrides``.
         ValueError: A bad option value (e.g. a KV budget that holds no block).
+        TensorParallelError: With ``tensor_parallel``: not launched as rank 0 of several, or a
+            model that cannot be split over the ranks (a ``ValueError``; ``distributed.py``).
     """
 
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
@@ -498,6 +500,7 @@ class EngineCore:
         return self.runner.execute_model(scheduler_output)
 
     def _probe(self) -> None:
+        """``runner.probe()``; with tensor parallelism every rank probes (it is a forward)."""
         if self.tp_group is not None:
             from vllm_mlx.distributed import StepMessage, send_message
 

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vllm_mlx.errors import VllmMlxError, internal_error_message
 from vllm_mlx.images import ImageSource
@@ -47,6 +48,11 @@ from vllm_mlx.scheduler import Scheduler, SchedulerConfig
 from vllm_mlx.snapshot import CacheSnapshotter
 from vllm_mlx.structured.grammar import CompiledGrammar
 from vllm_mlx.validation import parse_bytes, parse_memory
+
+if TYPE_CHECKING:
+    from vllm_mlx.kv_spec import KVLayout
+    from vllm_mlx.models import LoadedModel
+    from vllm_mlx.state_pool import StateLayout
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +99,10 @@ class EngineConfig:
     media_policy: MediaPolicy | None = None
     """Which image paths and URLs prompts may use; None = ``MediaPolicy.operator()`` (any local
     file, public http(s) URLs). The server passes its own (``MediaPolicy.server()``)."""
+    tensor_parallel: bool = False
+    """Split the model over the ranks of ``mx.distributed`` (launched with ``mlx.launch``): this
+    process must be rank 0; the other ranks run ``vllm_mlx.distributed.worker_loop`` with the
+    same model and ``weight_format`` (``distributed.py``)."""
 
     def normalize(self) -> None:
         """Accept every option in the forms the CLI takes (``kv_cache_memory="512M"`` or
@@ -110,7 +120,8 @@ class EngineConfig:
                 _check_int_option(name, getattr(self, name), minimum=1)
         if self.max_state_checkpoints is not None:
             _check_int_option("max_state_checkpoints", self.max_state_checkpoints, minimum=0)
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "force_model_takeover", "enable_mllm_cache"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "force_model_takeover", "enable_mllm_cache",
+                     "tensor_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
@@ -126,6 +137,57 @@ class EngineConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             max_model_len=min(limits) if limits else None,
         )
+
+
+def _rank_zero_group():
+    """The distributed group, checked: this process must be its rank 0 (the engine)."""
+    from vllm_mlx.distributed import TensorParallelError, init_group
+
+    group = init_group()
+    if group.rank() != 0:
+        raise TensorParallelError(
+            f"this is rank {group.rank()}: only rank 0 runs the engine; run vllm_mlx.distributed.worker_loop here"
+        )
+    return group
+
+
+@dataclass
+class PreparedModel:
+    """A model as the engine runs it: weights in their final format (sharded with tensor
+    parallelism), its layer specs, and its recurrent-state and KV layouts as measured."""
+
+    loaded: LoadedModel
+    specs: list
+    weight_format: str
+    state_layout: StateLayout | None
+    kv_layout: KVLayout
+
+
+def prepare_engine_model(config: EngineConfig, group=None) -> PreparedModel:
+    """Load ``config.model`` and prepare it for a runner. With a distributed ``group`` every
+    rank calls this (rank 0 from ``EngineCore``, the others from ``worker_loop``): the shard
+    checks and the measuring forwards are collectives, issued here in the same order on all."""
+    from vllm_mlx.attention import check_supported
+    from vllm_mlx.cpu_backend import choose_weight_format, prepare_model_weights
+    from vllm_mlx.kv_spec import is_recurrent
+    from vllm_mlx.model_runner import measure_kv_layout
+    from vllm_mlx.models import load_model
+    from vllm_mlx.state_pool import probe_state_layout
+
+    loaded = load_model(config.model, trust_remote_code=config.trust_remote_code)
+    specs = check_supported(loaded.model, loaded.config.get("model_type", "?"))
+    weights = loaded.vision.model if loaded.vision else loaded.model
+    weight_format = prepare_model_weights(weights, choose_weight_format(config.weight_format))
+    if group is not None:
+        from vllm_mlx.distributed import TensorParallelError, shard_model
+
+        if loaded.vision is not None:
+            raise TensorParallelError("tensor parallelism does not support vision-language models yet")
+        shard_model(loaded.model, loaded.config, loaded.path, group)
+    state_layout = probe_state_layout(loaded.model, specs) if any(map(is_recurrent, specs)) else None
+    # After the weights are in their final format: the KV dtype follows the activations'.
+    kv_layout = measure_kv_layout(loaded.model, state_layout)
+    return PreparedModel(loaded, specs, weight_format, state_layout, kv_layout)
 
 
 def _check_int_option(name: str, value: object, minimum: int) -> None:
@@ -163,15 +225,12 @@ class EngineCore:
             attention, recurrent layers of an unchecked architecture).
         TypeError: An unknown option in ``overrides``.
         ValueError: A bad option value (e.g. a KV budget that holds no block).
+        TensorParallelError: With ``tensor_parallel``: not launched as rank 0 of several, or a
+            model that cannot be split over the ranks (a ``ValueError``; ``distributed.py``).
     """
 
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
-        from vllm_mlx.attention import check_supported
-        from vllm_mlx.cpu_backend import choose_weight_format, prepare_model_weights
-        from vllm_mlx.kv_spec import is_recurrent
-        from vllm_mlx.model_runner import MLXModelRunner, measure_kv_layout
-        from vllm_mlx.models import load_model
-        from vllm_mlx.state_pool import probe_state_layout
+        from vllm_mlx.model_runner import MLXModelRunner
 
         config = config or EngineConfig()
         for name, value in overrides.items():
@@ -180,18 +239,16 @@ class EngineCore:
             setattr(config, name, value)
         config.normalize()
         self.config = config
-        loaded = load_model(config.model, trust_remote_code=config.trust_remote_code)
-        specs = check_supported(loaded.model, loaded.config.get("model_type", "?"))
+        self.tp_group = _rank_zero_group() if config.tensor_parallel else None
+        prepared = prepare_engine_model(config, self.tp_group)
+        loaded, specs, state_layout = prepared.loaded, prepared.specs, prepared.state_layout
         self.vision = loaded.vision
-        weights = loaded.vision.model if loaded.vision else loaded.model
-        self.weight_format = prepare_model_weights(weights, choose_weight_format(config.weight_format))
-        state_layout = probe_state_layout(loaded.model, specs) if any(map(is_recurrent, specs)) else None
+        self.weight_format = prepared.weight_format
         self.model_path: Path = loaded.path
         get_registry().claim(str(self.model_path), self, force=config.force_model_takeover)
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
-        # After the weights are in their final format: the KV dtype follows the activations'.
-        self.kv_layout = measure_kv_layout(loaded.model, state_layout)
+        self.kv_layout = prepared.kv_layout
         budget = kv_budget_bytes(config.kv_cache_memory)
         states = StateBudget.plan(config, budget, state_layout.bytes_per_request if state_layout else 0)
         block_groups = self.kv_layout.block_groups(specs)
@@ -210,6 +267,13 @@ class EngineCore:
         self.mllm_cache = (
             MLLMCacheManager(config.mllm_cache_memory) if self.vision and config.enable_mllm_cache else None
         )
+        self.step_encoder = None
+        if self.tp_group is not None:
+            from vllm_mlx.distributed import StepEncoder, StepMessage, send_message
+
+            sizing = {"num_blocks": num_blocks, "block_size": config.block_size, "num_state_slots": states.num_slots}
+            send_message(self.tp_group, StepMessage("start", start=sizing))
+            self.step_encoder = StepEncoder()
         self.runner = MLXModelRunner(
             loaded.model, num_blocks, config.block_size, self.mllm_cache, states.num_slots, state_layout,
             block_groups=block_groups,
@@ -414,7 +478,7 @@ class EngineCore:
         """
         scheduled = scheduler_output.scheduled
         try:
-            return self.runner.execute_model(scheduler_output)
+            return self._run(scheduler_output)
         except MemoryError:
             raise
         except Exception as exc:
@@ -424,15 +488,31 @@ class EngineCore:
             else:
                 output = self._execute_one_by_one(scheduler_output)
         if len(output.errors) == len(scheduled):
-            self.runner.probe()  # raises when the model itself cannot run
+            self._probe()  # raises when the model itself cannot run
         return output
+
+    def _run(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The runner on this step; with tensor parallelism the other ranks are sent it first."""
+        if self.step_encoder is not None:
+            from vllm_mlx.distributed import send_message
+
+            send_message(self.tp_group, self.step_encoder.encode(scheduler_output))
+        return self.runner.execute_model(scheduler_output)
+
+    def _probe(self) -> None:
+        """``runner.probe()``; with tensor parallelism every rank probes (it is a forward)."""
+        if self.tp_group is not None:
+            from vllm_mlx.distributed import StepMessage, send_message
+
+            send_message(self.tp_group, StepMessage("probe"))
+        self.runner.probe()
 
     def _execute_one_by_one(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Each request of the step alone; the ones that fail are recorded in ``errors``."""
         merged = ModelRunnerOutput()
         for item in scheduler_output.scheduled:
             try:
-                output = self.runner.execute_model(SchedulerOutput(scheduler_output.step_id, [item]))
+                output = self._run(SchedulerOutput(scheduler_output.step_id, [item]))
             except MemoryError:
                 raise
             except Exception as exc:
@@ -484,6 +564,10 @@ class EngineCore:
         for request_id in self.output_processor.group_ids:
             self.abort_request(request_id)
         get_registry().release(str(self.model_path), self)
+        if self.tp_group is not None and self.runner.model is not None:
+            from vllm_mlx.distributed import StepMessage, send_message
+
+            send_message(self.tp_group, StepMessage("stop"))
         self.runner.release()
 
 

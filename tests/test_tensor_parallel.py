@@ -1,0 +1,190 @@
+"""Tensor parallelism (vllm_mlx/distributed.py): the step protocol is plain data, models that
+cannot be split are refused, and two ranks on 127.0.0.1 (ring backend) produce the greedy tokens
+of the single-process engine through chunked prefill, prefix-cache hits and preemption."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_mlx.distributed import (
+    NewRequest,
+    StepEncoder,
+    StepMessage,
+    StepRow,
+    TensorParallelError,
+    check_shardable,
+    sampling_dict,
+)
+from vllm_mlx.outputs import ScheduledRequest, SchedulerOutput
+from vllm_mlx.request import Request, RequestStatus, SamplingParams
+
+TESTS = Path(__file__).parent
+LAUNCH_TIMEOUT = 150  # seconds: two model loads and ~40 steps take ~30 s on 2 busy cores
+
+
+def test_step_message_round_trips_as_json():
+    message = StepMessage(
+        "step", 7,
+        new_requests=[NewRequest("a", [1, 2, 3], sampling_dict(SamplingParams(temperature=0, seed=5)), [2])],
+        rows=[StepRow("a", 0, 3, [1, 2], [], block_tables=[[1, 2], [3]])],
+        finished=["b"],
+    )  # fmt: skip
+    data = message.to_bytes()
+    assert json.loads(data)["rows"][0]["block_tables"] == [[1, 2], [3]]  # plain JSON, nothing pickled
+    assert StepMessage.from_bytes(data) == message
+    assert SamplingParams(**message.new_requests[0].sampling).seed == 5
+
+
+def test_encoder_sends_prompts_once_then_only_new_output_tokens():
+    encoder = StepEncoder()
+    request = Request("r", [5, 6, 7], SamplingParams(seed=1))
+    first = encoder.encode(SchedulerOutput(1, [ScheduledRequest(request, 0, 3, [1])]))
+    assert [n.prompt_token_ids for n in first.new_requests] == [[5, 6, 7]]
+    request.append_output_token(9)
+    second = encoder.encode(SchedulerOutput(2, [ScheduledRequest(request, 3, 1, [1])]))
+    assert not second.new_requests and second.rows[0].new_output_token_ids == [9]
+    request.finish(RequestStatus.FINISHED_LENGTH_CAPPED)
+    assert encoder.encode(SchedulerOutput(3)).finished == ["r"]
+
+
+class _Shardable:
+    def shard(self, group):  # pragma: no cover - never called by the checks
+        raise AssertionError
+
+
+def test_kv_heads_that_do_not_divide_are_refused():
+    config = {"model_type": "llama", "num_attention_heads": 9, "num_key_value_heads": 3}
+    with pytest.raises(TensorParallelError, match=r"2 ranks.*3 KV heads \(num_key_value_heads=3\)"):
+        check_shardable(_Shardable(), config, 2)
+    check_shardable(_Shardable(), {**config, "num_attention_heads": 6, "num_key_value_heads": 2}, 2)
+
+
+def test_architectures_without_shard_are_refused():
+    with pytest.raises(TensorParallelError, match="'lfm2' has no shard"):
+        check_shardable(object(), {"model_type": "lfm2", "num_attention_heads": 4}, 2)
+
+
+def test_engine_outside_a_launch_says_how_to_launch():
+    from vllm_mlx.engine_core import EngineCore
+
+    with pytest.raises(TensorParallelError, match="mlx.launch -n 2"):
+        EngineCore(model="unused: refused before loading", tensor_parallel=True)
+
+
+def _free_port_pair() -> int:
+    """A port p with p and p + 1 free (the ring backend listens on one port per rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    pytest.skip("no two free consecutive ports")
+
+
+def _launch_two_ranks(model_dir: Path, out_prefix: Path, *args: str) -> subprocess.CompletedProcess:
+    """``mlx.launch -n 2 --backend ring`` the driver, in its own session: on timeout the whole
+    process group (launcher, shells, ranks) is killed, so no rank outlives the test."""
+    launcher = shutil.which("mlx.launch") or pytest.skip("mlx.launch is not installed")
+    path = os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])
+    command = [
+        launcher, "-n", "2", "--backend", "ring", "--starting-port", str(_free_port_pair()),
+        "--env", f"PYTHONPATH={path}", "--python", sys.executable,
+        str(TESTS / "tp_driver.py"), str(model_dir), str(out_prefix), *args,
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"two ranks did not finish in {LAUNCH_TIMEOUT} s:\n{output[-3000:]}")
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # anything left in the group
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(command, process.returncode, output)
+
+
+@pytest.fixture(scope="module")
+def single_process(tiny_model_dir) -> dict:
+    """The driver's workload on the ordinary engine (the tiny llama: 4 heads, 2 KV heads)."""
+    import mlx.core as mx
+
+    from tp_driver import ENGINE_OPTIONS, run_batch
+    from vllm_mlx.engine_core import EngineCore
+
+    if not mx.distributed.is_available():
+        pytest.skip("mlx has no distributed backend")
+    assert json.loads((tiny_model_dir / "config.json").read_text())["num_key_value_heads"] == 2
+    engine = EngineCore(model=str(tiny_model_dir), force_model_takeover=True, **ENGINE_OPTIONS)
+    try:
+        return run_batch(engine)
+    finally:
+        engine.shutdown()
+
+
+def _results(tmp_path: Path, done: subprocess.CompletedProcess) -> tuple[dict, dict]:
+    assert (tmp_path / "tp.rank1.json").exists(), done.stdout[-3000:]  # (mlx.launch exits 0 regardless)
+    return json.loads((tmp_path / "tp.rank0.json").read_text()), json.loads((tmp_path / "tp.rank1.json").read_text())
+
+
+def test_two_ranks_on_loopback_equal_the_single_process_engine(tiny_model_dir, single_process, tmp_path):
+    expected = single_process
+    rank0, rank1 = _results(tmp_path, _launch_two_ranks(tiny_model_dir, tmp_path / "tp"))
+    assert rank0["tokens"] == expected["tokens"]
+    assert rank0["kv_heads"] == 1  # each rank holds half of the 2 KV heads
+    assert rank0["preemptions"] > 0 and rank0["prefix_hits"] > 0 and rank0["chunks"] > 0
+    for what in ("preemptions", "prefix_hits", "chunks"):  # rank 0 scheduled as one process does
+        assert rank0[what] == expected[what], what
+    # The worker ran every step, failed none, and sampled the same greedy tokens as rank 0.
+    assert rank1["steps"] > 0 and rank1["errors"] == 0
+    assert rank1["compared"] > 0 and rank1["mismatches"] == 0
+    assert rank0["errors"] == [None] * len(expected["tokens"])
+
+
+def test_a_request_that_fails_on_every_rank_fails_alone(tiny_model_dir, single_process, tmp_path):
+    """Steps holding request p3 raise on both ranks: rank 0 re-runs them request by request (and
+    probes when p3 ran alone), sending each re-run; the others' tokens are unchanged."""
+    from tp_driver import POISON
+
+    rank0, rank1 = _results(tmp_path, _launch_two_ranks(tiny_model_dir, tmp_path / "tp", "poison"))
+    poisoned = int(POISON[1:])
+    assert "ValueError" in rank0["errors"][poisoned]  # (the message to callers hides the details)
+    others = [i for i in range(len(rank0["tokens"])) if i != poisoned]
+    assert [rank0["tokens"][i] for i in others] == [single_process["tokens"][i] for i in others]
+    assert rank1["errors"] > 0 and rank1["mismatches"] == 0
+
+
+def test_two_ranks_refuse_kv_heads_that_do_not_divide(default_model_dir, tmp_path):
+    """Both ranks check before sharding and fail alike (no rank is left waiting for the other)."""
+    import mlx.core as mx
+
+    from tiny_model import build_tiny_llama
+
+    if not mx.distributed.is_available():
+        pytest.skip("mlx has no distributed backend")
+    model = build_tiny_llama(
+        tmp_path / "kv3", default_model_dir, hidden_size=96, num_attention_heads=6, num_key_value_heads=3
+    )
+    done = _launch_two_ranks(model, tmp_path / "tp")
+    # mlx.launch exits 0 whatever its ranks do, and ends the others when one fails.
+    assert "rank 0 exited with code 1" in done.stdout or "rank 1 exited with code 1" in done.stdout
+    assert "2 ranks needs heads that divide evenly: the model has 3 KV heads" in done.stdout
+    assert not list(tmp_path.glob("tp.rank*.json"))

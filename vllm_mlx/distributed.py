@@ -1,0 +1,351 @@
+"""Tensor parallelism: one engine over several ranks (``mx.distributed``), each rank holding a
+shard of the weights and of the KV pool.
+
+Every rank loads the whole model and keeps its slice (``shard_model``: mlx-lm's
+``model.shard(group)``, which splits attention heads, KV heads and the MLP; the embedding and
+the head stay whole). Sharded layers end in an ``all_sum``, so every rank computes the same
+hidden states and the same logits. Each rank's KV pool holds its own KV heads for the same
+blocks: rank 0's block tables are valid on every rank.
+
+Rank 0 is the engine (``EngineCore`` with ``tensor_parallel=True``): scheduler, prefix cache,
+detokenizing, sampling that counts. Before each forward it broadcasts the step as a
+``StepMessage`` (plain data, JSON) and every other rank runs ``worker_loop``: it rebuilds the
+step's ``ScheduledRequest``s on shadow ``Request``s and runs its runner on the same batch.
+
+Sampling: rank 0's token is the one that counts; it reaches the workers in the next message
+(they need the token ids of the next step anyway, so nothing is broadcast per sampled token).
+Workers sample too (the runner does), from the same all-reduced logits with the same
+per-request seed and step, so they draw the same tokens; ``WorkerStats.mismatches`` counts the
+times they did not (always 0 unless a rank diverged; a constrained request's mask lives on rank 0
+only, so its worker samples are not compared). No rank's state depends on its own samples.
+
+Invariant: every rank issues the same collectives in the same order. At start-up every rank
+calls ``prepare_engine_model`` (load, weights, shard checks, KV measurement) and then builds its
+runner (its head probe is a forward); after that each collective belongs to a message rank 0 sent
+first. A step that fails is survived (rank 0 re-runs it request by request and probes, and sends
+those too) only when it fails alike on every rank before its first collective; a failure inside
+a forward leaves the ranks out of step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from vllm_mlx.outputs import ScheduledRequest, SchedulerOutput
+from vllm_mlx.request import Request, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class TensorParallelError(ValueError):
+    """The model cannot be split over the ranks (or the ranks disagree about it)."""
+
+
+# ---- the step protocol (plain data) ---------------------------------------------------------
+
+
+@dataclass
+class NewRequest:
+    """What a worker needs to know of a request the first time a step schedules it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict
+    """``SamplingParams`` fields (``structured_outputs`` left out: constraints apply on rank 0)."""
+    eos_token_ids: list[int]
+    constrained: bool = False
+    """It has a structured-output constraint: its mask lives on rank 0 only, so the worker's own
+    samples for it are not compared with rank 0's."""
+
+
+@dataclass
+class StepRow:
+    """One scheduled row (``ScheduledRequest`` as plain data). ``new_output_token_ids``: the
+    request's output tokens rank 0 has not sent before (sampled since), so a worker's shadow
+    request holds every token of the request, as penalties and ``step`` need."""
+
+    request_id: str
+    num_computed_tokens: int
+    num_new_tokens: int
+    block_ids: list[int]
+    new_output_token_ids: list[int] = field(default_factory=list)
+    state_slot: int = 0
+    state_read_slot: int | None = None
+    checkpoint_slot: int | None = None
+    block_tables: list[list[int]] | None = None
+
+
+@dataclass
+class StepMessage:
+    """What rank 0 broadcasts: ``kind`` "step" (run ``rows``), "probe" (run ``runner.probe()``),
+    "start" (``start``: the runner's sizing) or "stop". ``finished``: ids whose shadow requests
+    the workers drop. Only JSON types inside: ``to_bytes``/``from_bytes`` round-trip exactly."""
+
+    kind: str
+    step_id: int = 0
+    new_requests: list[NewRequest] = field(default_factory=list)
+    rows: list[StepRow] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    start: dict = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> StepMessage:
+        raw = json.loads(data)
+        raw["new_requests"] = [NewRequest(**r) for r in raw["new_requests"]]
+        raw["rows"] = [StepRow(**r) for r in raw["rows"]]
+        return cls(**raw)
+
+
+def sampling_dict(params: SamplingParams) -> dict:
+    """``params`` as JSON data (constraints dropped: see ``NewRequest.sampling``)."""
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.name != "structured_outputs"}
+
+
+class StepEncoder:
+    """Rank 0's side: turns ``SchedulerOutput``s into ``StepMessage``s, remembering how many of
+    each live request's output tokens the workers already have."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, tuple[Request, int]] = {}  # id -> (request, output tokens sent)
+
+    def encode(self, output: SchedulerOutput) -> StepMessage:
+        message = StepMessage("step", output.step_id, finished=self._drop_finished())
+        for item in output.scheduled:
+            request = item.request
+            if request.request_id not in self._sent:
+                message.new_requests.append(NewRequest(
+                    request.request_id, list(request.prompt_token_ids), sampling_dict(request.sampling_params),
+                    sorted(request.eos_token_ids), request.sampling_params.structured_outputs is not None,
+                ))  # fmt: skip
+                self._sent[request.request_id] = (request, 0)
+            _, known = self._sent[request.request_id]
+            self._sent[request.request_id] = (request, request.num_output_tokens)
+            message.rows.append(StepRow(
+                request.request_id, item.num_computed_tokens, item.num_new_tokens, list(item.block_ids),
+                request.output_token_ids[known:], item.state_slot, item.state_read_slot, item.checkpoint_slot,
+                item.block_tables,
+            ))  # fmt: skip
+        return message
+
+    def _drop_finished(self) -> list[str]:
+        done = [rid for rid, (request, _) in self._sent.items() if request.is_finished]
+        for rid in done:
+            del self._sent[rid]
+        return done
+
+
+# ---- broadcast ------------------------------------------------------------------------------
+
+
+def broadcast_bytes(group: mx.distributed.Group, data: bytes | None) -> bytes:
+    """Rank 0 passes ``data``, the others None; every rank returns rank 0's bytes. Two
+    ``all_sum``s (length, then payload) where the other ranks add zeros: exact, any rank count."""
+    length = mx.array([len(data) if data is not None else 0], dtype=mx.int32)
+    length = mx.distributed.all_sum(length, group=group).item()
+    payload = np.frombuffer(data, np.uint8) if data is not None else np.zeros(length, np.uint8)
+    summed = mx.distributed.all_sum(mx.array(payload), group=group)
+    mx.eval(summed)
+    return bytes(np.array(summed))
+
+
+def send_message(group: mx.distributed.Group, message: StepMessage) -> None:
+    broadcast_bytes(group, message.to_bytes())
+
+
+def receive_message(group: mx.distributed.Group) -> StepMessage:
+    return StepMessage.from_bytes(broadcast_bytes(group, None))
+
+
+# ---- sharding -------------------------------------------------------------------------------
+
+
+def config_digest(model_path: Path) -> str:
+    """SHA-256 of the model directory's config.json (the start-up check that ranks agree)."""
+    path = Path(model_path)
+    config = path / "config.json" if path.is_dir() else path
+    return hashlib.sha256(config.read_bytes()).hexdigest()
+
+
+def check_shardable(model, config: dict, world_size: int) -> None:
+    """Raise ``TensorParallelError`` unless ``model`` can be split over ``world_size`` ranks:
+    an architecture with mlx-lm's ``shard``, attention and KV heads that divide evenly (each
+    rank keeps whole KV heads, and the query heads that share them)."""
+    text = config.get("text_config", config)
+    model_type = text.get("model_type", config.get("model_type", "?"))
+    if not callable(getattr(model, "shard", None)):
+        raise TensorParallelError(
+            f"tensor parallelism needs an architecture that mlx-lm can shard; {model_type!r} has no shard()"
+        )
+    heads = text.get("num_attention_heads")
+    kv_heads = text.get("num_key_value_heads") or heads
+    for name, count in (("num_key_value_heads", kv_heads), ("num_attention_heads", heads)):
+        if count is not None and count % world_size:
+            raise TensorParallelError(
+                f"tensor parallelism over {world_size} ranks needs heads that divide evenly: "
+                f"the model has {count} {'KV' if name.startswith('num_key') else 'attention'} heads "
+                f"({name}={count}), and {count} % {world_size} = {count % world_size}"
+            )
+
+
+def check_same_model(group: mx.distributed.Group, digest: str) -> None:
+    """Every rank loaded the same model (config.json digests agree); else all ranks raise."""
+    mine = mx.array(np.frombuffer(bytes.fromhex(digest), np.uint8).astype(np.int32))
+    gathered = np.array(mx.distributed.all_gather(mine, group=group)).reshape(group.size(), -1)
+    if not (gathered == gathered[0]).all():
+        raise TensorParallelError("the ranks loaded different models (their config.json differ)")
+
+
+def shard_model(model, config: dict, model_path: Path, group: mx.distributed.Group) -> None:
+    """Check (collectively: every rank must call it), then keep this rank's shard in place."""
+    check_same_model(group, config_digest(model_path))
+    check_shardable(model, config, group.size())
+    model.shard(group)
+    mx.eval(model.parameters())
+
+
+def init_group(strict: bool = True) -> mx.distributed.Group:
+    """The world group (``mlx.launch`` sets up the backend's environment)."""
+    try:
+        group = mx.distributed.init(strict=strict)
+    except RuntimeError as exc:
+        raise TensorParallelError(
+            f"tensor parallelism found no distributed backend ({exc}); launch the ranks with "
+            "mlx.launch -n 2 --backend ring (rank 0: the engine, the others: worker_loop)"
+        ) from None
+    if group.size() < 2:
+        raise TensorParallelError("tensor parallelism needs at least 2 ranks (launch with mlx.launch -n 2)")
+    return group
+
+
+# ---- ranks > 0 --------------------------------------------------------------------------------
+
+
+@dataclass
+class WorkerStats:
+    """What a worker ran; ``mismatches``: sampled tokens that differed from rank 0's."""
+
+    steps: int = 0
+    probes: int = 0
+    compared: int = 0
+    mismatches: int = 0
+    errors: int = 0
+
+
+class Worker:
+    """A rank > 0: a runner over its shard, fed by rank 0's messages."""
+
+    def __init__(self, runner, group: mx.distributed.Group) -> None:
+        self.runner = runner
+        self.group = group
+        self.requests: dict[str, Request] = {}
+        self.sampled: dict[str, tuple[int, int]] = {}  # id -> (output index, token) this rank drew
+        self.unchecked: set[str] = set()  # constrained requests (see NewRequest.constrained)
+        self.stats = WorkerStats()
+
+    def run(self) -> WorkerStats:
+        """Serve messages until "stop"."""
+        while True:
+            message = receive_message(self.group)
+            if message.kind == "stop":
+                return self.stats
+            if message.kind == "probe":
+                self.stats.probes += 1
+                self._guarded(self.runner.probe)
+            elif message.kind == "step":
+                self._step(message)
+
+    def _step(self, message: StepMessage) -> None:
+        for rid in message.finished:
+            self.requests.pop(rid, None)
+            self.sampled.pop(rid, None)
+            self.unchecked.discard(rid)
+        for new in message.new_requests:
+            params = SamplingParams(**new.sampling)
+            self.requests[new.request_id] = Request(
+                new.request_id, new.prompt_token_ids, params, eos_token_ids=frozenset(new.eos_token_ids)
+            )
+            if new.constrained:
+                self.unchecked.add(new.request_id)
+        scheduled = [self._scheduled(row) for row in message.rows]
+        output = self._guarded(self.runner.execute_model, SchedulerOutput(message.step_id, scheduled))
+        self.stats.steps += 1
+        for rid, token in (output.sampled_token_ids.items() if output is not None else ()):
+            if rid not in self.unchecked:
+                self.sampled[rid] = (self.requests[rid].num_output_tokens, token)
+
+    def _scheduled(self, row: StepRow) -> ScheduledRequest:
+        request = self.requests[row.request_id]
+        self._compare(request, row.new_output_token_ids)
+        request.output_token_ids.extend(row.new_output_token_ids)
+        request.num_computed_tokens = row.num_computed_tokens
+        return ScheduledRequest(
+            request, row.num_computed_tokens, row.num_new_tokens, row.block_ids, row.state_slot,
+            row.state_read_slot, row.checkpoint_slot, row.block_tables,
+        )  # fmt: skip
+
+    def _compare(self, request: Request, new_tokens: list[int]) -> None:
+        """Check this rank's last sample against rank 0's token at the same output index."""
+        drawn = self.sampled.pop(request.request_id, None)
+        if drawn is None:
+            return
+        index, token = drawn
+        offset = index - request.num_output_tokens
+        if 0 <= offset < len(new_tokens):
+            self.stats.compared += 1
+            if new_tokens[offset] != token:
+                self.stats.mismatches += 1
+                logger.warning("rank %d sampled %d for %s, rank 0 %d", self.group.rank(), token,
+                               request.request_id, new_tokens[offset])  # fmt: skip
+
+    def _guarded(self, call, *args):
+        """Run ``call``; a failure is logged and survived, as rank 0's engine survives it (it
+        re-runs the requests one by one, and those messages follow)."""
+        try:
+            return call(*args)
+        except MemoryError:
+            raise
+        except Exception:
+            self.stats.errors += 1
+            logger.error("rank %d: step failed", self.group.rank(), exc_info=True)
+            return None
+
+
+def worker_loop(
+    model: str, *, weight_format: str = "auto", trust_remote_code: bool = False, group=None
+) -> WorkerStats:
+    """Run a rank > 0 until rank 0's engine shuts down; returns what it ran.
+
+    ``model``, ``weight_format`` and ``trust_remote_code`` must be rank 0's; the KV pool's
+    sizing comes from rank 0's start message. It prepares the model as rank 0 does
+    (``prepare_engine_model``), then builds the runner: the same collectives in the same order."""
+    from vllm_mlx.engine_core import EngineConfig, prepare_engine_model
+    from vllm_mlx.model_runner import MLXModelRunner
+
+    group = group or init_group()
+    if group.rank() == 0:
+        raise TensorParallelError("rank 0 runs the engine (EngineCore(tensor_parallel=True)), not worker_loop")
+    config = EngineConfig(model=model, weight_format=weight_format, trust_remote_code=trust_remote_code)
+    prepared = prepare_engine_model(config, group)
+    start = receive_message(group)
+    if start.kind != "start":
+        raise TensorParallelError(f"expected rank 0's start message, got {start.kind!r}")
+    sizing = start.start
+    runner = MLXModelRunner(
+        prepared.loaded.model, sizing["num_blocks"], sizing["block_size"], None, sizing["num_state_slots"],
+        prepared.state_layout, block_groups=prepared.kv_layout.block_groups(prepared.specs),
+    )  # fmt: skip
+    try:
+        return Worker(runner, group).run()
+    finally:
+        runner.release()

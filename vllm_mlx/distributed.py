@@ -167,6 +167,42 @@ def receive_message(group: mx.distributed.Group) -> StepMessage:
     return StepMessage.from_bytes(broadcast_bytes(group, None))
 
 
+# ---- the cost model ---------------------------------------------------------------------------
+
+
+@dataclass
+class StepTraffic:
+    """The collectives one tensor-parallel step issues and the bytes each rank hands them
+    (``docs/distributed.md``): what a link's latency and bandwidth turn into a time."""
+
+    collectives: int
+    nbytes: int
+
+    def wire_bytes(self, world_size: int) -> float:
+        """Bytes a rank sends in a ring all-reduce: 2 (N - 1) / N of its input (reduce-scatter,
+        then all-gather)."""
+        return self.nbytes * 2 * (world_size - 1) / world_size
+
+    def seconds(self, latency_s: float, bandwidth_bytes_s: float) -> float:
+        """Predicted communication time: latency per collective plus bytes over the bandwidth
+        (an all_sum's measured rate already folds the ring's 2 (N - 1) / N in)."""
+        return self.collectives * latency_s + self.nbytes / bandwidth_bytes_s
+
+
+def step_traffic(config: dict, num_tokens: int, message_bytes: int, dtype_bytes: int = 4) -> StepTraffic:
+    """What one step of ``num_tokens`` tokens (B for a decode step of B requests) exchanges on a
+    dense model sharded by mlx-lm's ``shard``: per layer, ``o_proj`` and ``down_proj`` end in an
+    ``all_sum`` of a [tokens, hidden] activation (``dtype_bytes``: 4 for float32, 2 for bfloat16);
+    before it, rank 0's ``StepMessage`` (``message_bytes`` long) costs two: an int32 length and
+    the payload of uint8s (``broadcast_bytes``). Independent of the rank count: every rank
+    hands each collective the whole activation."""
+    text = config.get("text_config", config)
+    per_layer = 2  # attention's output projection and the MLP's down projection
+    activations = per_layer * text["num_hidden_layers"]
+    activation_bytes = activations * num_tokens * text["hidden_size"] * dtype_bytes
+    return StepTraffic(activations + 2, activation_bytes + 4 + message_bytes)
+
+
 # ---- sharding -------------------------------------------------------------------------------
 
 

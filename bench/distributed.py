@@ -26,12 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -107,52 +102,22 @@ def child(out: str, quick: bool) -> None:
         Path(out).write_text(json.dumps([asdict(t) for t in timings]))
 
 
-# -- the launcher (as tests/test_tensor_parallel.py launches its ranks) --------------------------
-
-
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free (the ring backend listens on one port per rank)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two free consecutive ports")
+# -- the launcher ------------------------------------------------------------------------------
 
 
 def launch(quick: bool) -> list[Timing]:
-    """Run the two ranks in their own session; on timeout the whole process group goes."""
-    launcher = shutil.which("mlx.launch")
-    if launcher is None:
-        sys.exit("mlx.launch is not installed (it comes with mlx)")
+    """Run the two ranks (``ring_launch``: their own session, killed whole on timeout)."""
+    from vllm_mlx.ring_launch import LaunchError, launch_ring
+
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "timings.json"
-        path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-        command = [
-            launcher, "-n", "2", "--backend", "ring", "--starting-port", str(free_port_pair()),
-            "--env", f"PYTHONPATH={path}", "--python", sys.executable,
-            str(Path(__file__).resolve()), "--child", str(out), *(["--quick"] if quick else []),
-        ]  # fmt: skip
-        process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        )
+        args = ["--child", str(out), *(["--quick"] if quick else [])]
         try:
-            output, _ = process.communicate(timeout=LAUNCH_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            output, _ = process.communicate()
-        finally:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)  # anything left in the group
-            except ProcessLookupError:
-                pass
+            done = launch_ring(str(Path(__file__).resolve()), args, timeout=LAUNCH_TIMEOUT, pythonpath=[str(ROOT)])
+        except LaunchError as exc:
+            sys.exit(str(exc))
         if not out.exists():  # (mlx.launch exits 0 whatever its ranks do)
-            sys.exit(f"the two ranks wrote no timings:\n{output[-3000:]}")
+            sys.exit(f"the two ranks wrote no timings:\n{done.output[-3000:]}")
         return [Timing(**t) for t in json.loads(out.read_text())]
 
 

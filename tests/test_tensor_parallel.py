@@ -5,12 +5,6 @@ of the single-process engine through chunked prefill, prefix-cache hits and pree
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +20,7 @@ from vllm_mlx.distributed import (
 )
 from vllm_mlx.outputs import ScheduledRequest, SchedulerOutput
 from vllm_mlx.request import Request, RequestStatus, SamplingParams
+from vllm_mlx.ring_launch import LaunchError, LaunchResult, launch_ring
 
 TESTS = Path(__file__).parent
 LAUNCH_TIMEOUT = 150  # seconds: two model loads and ~40 steps take ~30 s on 2 busy cores
@@ -80,46 +75,16 @@ def test_engine_outside_a_launch_says_how_to_launch():
         EngineCore(model="unused: refused before loading", tensor_parallel=True)
 
 
-def _free_port_pair() -> int:
-    """A port p with p and p + 1 free (the ring backend listens on one port per rank)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    pytest.skip("no two free consecutive ports")
-
-
-def _launch_two_ranks(model_dir: Path, out_prefix: Path, *args: str) -> subprocess.CompletedProcess:
-    """``mlx.launch -n 2 --backend ring`` the driver, in its own session: on timeout the whole
-    process group (launcher, shells, ranks) is killed, so no rank outlives the test."""
-    launcher = shutil.which("mlx.launch") or pytest.skip("mlx.launch is not installed")
-    path = os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])
-    command = [
-        launcher, "-n", "2", "--backend", "ring", "--starting-port", str(_free_port_pair()),
-        "--env", f"PYTHONPATH={path}", "--python", sys.executable,
-        str(TESTS / "tp_driver.py"), str(model_dir), str(out_prefix), *args,
-    ]  # fmt: skip
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+def _launch_two_ranks(model_dir: Path, out_prefix: Path, *args: str) -> LaunchResult:
+    """The driver on two ranks (``ring_launch``: its own session, killed whole on timeout)."""
     try:
-        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"two ranks did not finish in {LAUNCH_TIMEOUT} s:\n{output[-3000:]}")
-    finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # anything left in the group
-        except ProcessLookupError:
-            pass
-    return subprocess.CompletedProcess(command, process.returncode, output)
+        done = launch_ring(str(TESTS / "tp_driver.py"), [str(model_dir), str(out_prefix), *args],
+                           timeout=LAUNCH_TIMEOUT, pythonpath=[str(TESTS.parent), str(TESTS)])  # fmt: skip
+    except LaunchError as exc:
+        pytest.skip(str(exc))
+    if done.timed_out:
+        pytest.fail(f"two ranks did not finish in {LAUNCH_TIMEOUT} s:\n{done.output[-3000:]}")
+    return done
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +105,8 @@ def single_process(tiny_model_dir) -> dict:
         engine.shutdown()
 
 
-def _results(tmp_path: Path, done: subprocess.CompletedProcess) -> tuple[dict, dict]:
-    assert (tmp_path / "tp.rank1.json").exists(), done.stdout[-3000:]  # (mlx.launch exits 0 regardless)
+def _results(tmp_path: Path, done: LaunchResult) -> tuple[dict, dict]:
+    assert (tmp_path / "tp.rank1.json").exists(), done.output[-3000:]  # (mlx.launch exits 0 regardless)
     return json.loads((tmp_path / "tp.rank0.json").read_text()), json.loads((tmp_path / "tp.rank1.json").read_text())
 
 
@@ -185,6 +150,6 @@ def test_two_ranks_refuse_kv_heads_that_do_not_divide(default_model_dir, tmp_pat
     )
     done = _launch_two_ranks(model, tmp_path / "tp")
     # mlx.launch exits 0 whatever its ranks do, and ends the others when one fails.
-    assert "rank 0 exited with code 1" in done.stdout or "rank 1 exited with code 1" in done.stdout
-    assert "2 ranks needs heads that divide evenly: the model has 3 KV heads" in done.stdout
+    assert "rank 0 exited with code 1" in done.output or "rank 1 exited with code 1" in done.output
+    assert "2 ranks needs heads that divide evenly: the model has 3 KV heads" in done.output
     assert not list(tmp_path.glob("tp.rank*.json"))

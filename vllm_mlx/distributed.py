@@ -25,6 +25,12 @@ runner (its head probe is a forward); after that each collective belongs to a me
 first. A step that fails is survived (rank 0 re-runs it request by request and probes, and sends
 those too) only when it fails alike on every rank before its first collective; a failure inside
 a forward leaves the ranks out of step.
+
+A rank that dies or hangs ends the engine, never silently: a dead peer makes the ring's
+collectives raise, which every message sent or received turns into ``RankLostError``; a hung one
+is caught by rank 0's ``CollectiveWatchdog`` (``rank_watchdog.py``: a deadline on every step,
+heartbeat and stop message). Rank 0's engine then fails its requests with that error; a worker
+whose rank 0 is gone raises it and exits.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import mlx.core as mx
 import numpy as np
 
 from vllm_mlx.outputs import ScheduledRequest, SchedulerOutput
+from vllm_mlx.rank_watchdog import RankLostError, is_collective_failure
 from vllm_mlx.request import Request, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -86,7 +93,8 @@ class StepRow:
 @dataclass
 class StepMessage:
     """What rank 0 broadcasts: ``kind`` "step" (run ``rows``), "probe" (run ``runner.probe()``),
-    "start" (``start``: the runner's sizing) or "stop". ``finished``: ids whose shadow requests
+    "start" (``start``: the runner's sizing), "ping" (nothing to run: rank 0's idle heartbeat,
+    which finds a dead or hung rank before a request does) or "stop". ``finished``: ids whose shadow requests
     the workers drop. Only JSON types inside: ``to_bytes``/``from_bytes`` round-trip exactly."""
 
     kind: str
@@ -160,11 +168,24 @@ def broadcast_bytes(group: mx.distributed.Group, data: bytes | None) -> bytes:
 
 
 def send_message(group: mx.distributed.Group, message: StepMessage) -> None:
-    broadcast_bytes(group, message.to_bytes())
+    """Rank 0's broadcast. It only communicates, so any failure means a rank is gone (the
+    ring backend raises when a peer's socket closes): ``RankLostError``."""
+    try:
+        broadcast_bytes(group, message.to_bytes())
+    except Exception as exc:
+        raise RankLostError(
+            f"a tensor-parallel rank is gone: sending the {message.kind!r} message of step "
+            f"{message.step_id} to {group.size() - 1} other ranks failed ({exc})"
+        ) from exc
 
 
 def receive_message(group: mx.distributed.Group) -> StepMessage:
-    return StepMessage.from_bytes(broadcast_bytes(group, None))
+    """A worker's wait for rank 0's next message; ``RankLostError`` when the group broke."""
+    try:
+        data = broadcast_bytes(group, None)
+    except Exception as exc:
+        raise RankLostError(f"rank {group.rank()}: rank 0 or a peer is gone ({exc})") from exc
+    return StepMessage.from_bytes(data)
 
 
 # ---- the cost model ---------------------------------------------------------------------------
@@ -273,6 +294,7 @@ class WorkerStats:
 
     steps: int = 0
     probes: int = 0
+    pings: int = 0
     compared: int = 0
     mismatches: int = 0
     errors: int = 0
@@ -295,7 +317,9 @@ class Worker:
             message = receive_message(self.group)
             if message.kind == "stop":
                 return self.stats
-            if message.kind == "probe":
+            if message.kind == "ping":
+                self.stats.pings += 1
+            elif message.kind == "probe":
                 self.stats.probes += 1
                 self._guarded(self.runner.probe)
             elif message.kind == "step":
@@ -351,7 +375,9 @@ class Worker:
             return call(*args)
         except MemoryError:
             raise
-        except Exception:
+        except Exception as exc:
+            if is_collective_failure(exc):  # a peer is gone: nothing follows
+                raise RankLostError(f"rank {self.group.rank()}: a peer is gone ({exc})") from exc
             self.stats.errors += 1
             logger.error("rank %d: step failed", self.group.rank(), exc_info=True)
             return None

@@ -51,6 +51,7 @@ from vllm_mlx.entrypoints.openai.serving_chat import ChatServing
 from vllm_mlx.entrypoints.openai.serving_completion import CompletionServing
 from vllm_mlx.entrypoints.openai.serving_responses import ResponsesServing
 from vllm_mlx.media_policy import MediaPolicy
+from vllm_mlx.rank_watchdog import RankLostError
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +110,8 @@ def build_app(
         """A blocking engine method, off the event loop; a dead engine is a 503."""
         try:
             return await run_in_threadpool(method)
-        except EngineDeadError:
-            raise engine_dead() from None
+        except EngineDeadError as exc:
+            raise engine_dead(exc.__cause__) from None
 
     @app.get("/health")
     async def health() -> Response:
@@ -195,7 +196,10 @@ def summarize_snapshot(snapshot: dict, per_request: bool = False) -> dict:
 
 
 def engine_health(engine: AsyncEngineCore) -> str:
-    """Why ``/health`` fails: the kind of failure (the traceback is in the log), or a stop."""
+    """Why ``/health`` fails: the kind of failure (the traceback is in the log), or a stop. A
+    lost tensor-parallel rank is said in full (its message names ranks and steps only)."""
+    if isinstance(engine.error, RankLostError):
+        return f"The engine failed: {engine.error}"
     if engine.error is not None:
         return f"The engine failed ({type(engine.error).__name__}); see the server log."
     return "The engine is not running."
@@ -229,7 +233,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def dead_engine(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return _error_response(engine_dead(), request)
+        return _error_response(engine_dead(exc.__cause__), request)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:

@@ -177,6 +177,13 @@ def test_over_runs_rows_on_the_server(ip, session, http):
         assert text == oracle["choices"][0]["message"]["content"]
 
 
+def test_constraints_and_system_go_to_the_server(ip):
+    gen = generate(ip, "--choice yes --choice no --temperature 0 --max-tokens 4 --wait --system 'Answer.'", "Ok?")
+    assert gen.state == DONE and gen.text in ("yes", "no")
+    gen = generate(ip, "--json --temperature 0 --max-tokens 64 --wait", "A JSON object, please.")
+    assert gen.state == DONE and (isinstance(gen.parsed, dict) or gen.finish_reason == "length"), gen.text
+
+
 @pytest.mark.parametrize("line, message", [
     ("--logprobs 2", "--logprobs is not supported when connected"),
     ("--tools nothing_here", "--tools"),

@@ -163,7 +163,11 @@ class RemoteEngine:
             raise RemoteUnsupported("images are not sent to a server yet: disconnect to use --image")
 
     def cache_snapshot(self, include_blocks: bool = True) -> dict:
-        """The server's block grid and this notebook's requests, in ``cache_snapshot()``'s shape."""
+        """The server's block grid and this notebook's requests, in ``cache_snapshot()``'s shape.
+        Without ``include_blocks`` (the session's monitor, asking about queued requests) no
+        request is known yet: the server names a request with its first token."""
+        if not include_blocks:
+            return {"block_size": 0, "blocks": [], "requests": {}, "free_queue": [], "stats": {}}
         with self._lock:
             ids = dict(self._server_ids)
         response = self._http.get("/v1/cache/blocks", params={"request_id": list(ids.values())})

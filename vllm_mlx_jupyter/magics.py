@@ -290,7 +290,8 @@ class GenerateMagics(Magics):
     @no_var_expand
     @line_magic
     def vllm_mlx(self, line: str):
-        """Manage the engine: load, connect, disconnect, status, inspect, timeline, wait, abort, reset-cache, history, reset, shutdown."""
+        """Manage the engine: load, connect, disconnect, status, inspect, timeline, wait, abort,
+        reset-cache, history, reset, shutdown."""
         try:
             argv = split_line(line)
         except ValueError as exc:

@@ -54,6 +54,7 @@ def ip(server):
         shell.run_line_magic("vllm_mlx", f"connect {server.url} --api-key {KEY}")
     yield shell
     shell.run_line_magic("unload_ext", "vllm_mlx_jupyter")
+    shell.run_line_magic("config", "GenerateMagics.auto_load = True")  # the shell is shared with later tests
 
 
 @pytest.fixture

@@ -20,8 +20,9 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -35,6 +36,7 @@ from vllm_mlx.cpu_backend import backend_summary, warn_reference_blas
 from vllm_mlx.engine_core import EngineConfig
 from vllm_mlx.entrypoints.anthropic.protocol import MessagesInput, MessagesRequest, error_body, is_messages_path
 from vllm_mlx.entrypoints.anthropic.serving import AnthropicServing
+from vllm_mlx.entrypoints.openai.cache_blocks import block_view
 from vllm_mlx.entrypoints.openai.cli_args import request_limits, serve_media_policy
 from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
 from vllm_mlx.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware, BodySizeLimitMiddleware
@@ -151,6 +153,12 @@ def build_app(
     @app.get("/v1/cache/stats")
     async def cache_stats() -> dict:
         return summarize_snapshot(await engine_call(engine.cache_snapshot), options.cache_stats_per_request)
+
+    @app.get("/v1/cache/blocks")
+    async def cache_blocks(request_id: Annotated[list[str] | None, Query()] = None) -> dict:
+        snapshot = await engine_call(engine.cache_snapshot)
+        per_request, hits = options.cache_stats_per_request, options.enable_prompt_tokens_details
+        return block_view(snapshot, request_id or [], per_request=per_request, disclose_hits=hits)
 
     @app.delete("/v1/cache")
     async def reset_cache() -> dict:

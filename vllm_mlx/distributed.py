@@ -215,6 +215,13 @@ def check_shardable(model, config: dict, world_size: int) -> None:
         raise TensorParallelError(
             f"tensor parallelism needs an architecture that mlx-lm can shard; {model_type!r} has no shard()"
         )
+    check_heads_divide(config, world_size)
+
+
+def check_heads_divide(config: dict, world_size: int) -> None:
+    """The part of ``check_shardable`` that needs only the config (``serve`` checks it before it
+    starts any rank)."""
+    text = config.get("text_config", config)
     heads = text.get("num_attention_heads")
     kv_heads = text.get("num_key_value_heads") or heads
     for name, count in (("num_key_value_heads", kv_heads), ("num_attention_heads", heads)):

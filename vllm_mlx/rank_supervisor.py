@@ -35,6 +35,7 @@ from vllm_mlx.ring_launch import free_port_run
 SUPERVISOR_ENV = "VLLM_MLX_SUPERVISOR_PID"
 GRACE_S = 15.0  # after a stop request or a rank's exit, how long the others get to end on their own
 POLL_S = 0.1
+REPEAT_S = 1.0  # a second SIGINT/SIGTERM later than this after the first kills the ranks at once
 
 
 @dataclass
@@ -94,32 +95,46 @@ def start_ranks(command: list[str], count: int) -> RankGroup:
 
 @dataclass
 class Supervision:
-    """What ``supervise`` saw: each rank's exit status (negative: killed by that signal),
-    whether a stop was asked for (a forwarded signal) and whether the grace period ran out."""
+    """What ``supervise`` saw: each rank's exit status (negative: killed by that signal), the
+    signal forwarded to rank 0 (a stop request) if any, and whether the grace period ran out."""
 
     exit_codes: list[int] = field(default_factory=list)
-    stop_requested: bool = False
+    stopped_by: int | None = None
     forced: bool = False
 
     @property
+    def stop_requested(self) -> bool:
+        return self.stopped_by is not None
+
+    @property
     def ok(self) -> bool:
-        return not self.forced and all(code == 0 for code in self.exit_codes)
+        """Every rank ended cleanly: status 0, or, after a forwarded stop, ended by that signal
+        (uvicorn re-raises it once it has shut down) or with the shell's 128 + signal."""
+        clean = {0}
+        if self.stopped_by is not None:
+            clean |= {-self.stopped_by, 128 + self.stopped_by}
+        return not self.forced and all(code in clean for code in self.exit_codes)
 
 
 def supervise(command: list[str], count: int, *, grace_s: float = GRACE_S, on_start=None) -> Supervision:
     """Run ``command`` as ``count`` loopback ranks until they end; SIGINT/SIGTERM to this process
-    are forwarded to rank 0 (a second one kills the group). When one rank ends (rank 0's clean
+    are forwarded to rank 0 (a second one, ``REPEAT_S`` later, kills the group). When one rank ends (rank 0's clean
     stop, or a failure), the others get ``grace_s`` seconds, then SIGTERM, then SIGKILL.
     ``on_start(group)`` is called once the ranks run (the CLI prints their pids)."""
     result = Supervision()
     signals = {signal.SIGINT: None, signal.SIGTERM: None}
     ranks = start_ranks(command, count)
 
+    asked = []  # when each stop request came
+
     def forward(signum, _frame) -> None:
-        if result.stop_requested:  # asked twice: stop waiting
+        now = time.monotonic()
+        if asked and now - asked[0] > REPEAT_S:  # asked again (a second Ctrl-C): stop waiting
             os.killpg(ranks.pgid, signal.SIGKILL)
-        result.stop_requested = True
-        _signal(ranks.processes[0], signum)
+        elif not asked:  # (one event often arrives twice: e.g. timeout(1) and a shell both send it)
+            _signal(ranks.processes[0], signum)
+        asked.append(now)
+        result.stopped_by = result.stopped_by or signum
 
     try:
         for signum in signals:

@@ -84,12 +84,8 @@ def _kill_everything(proc: subprocess.Popen, marker: str) -> None:
     proc.wait(10)
 
 
-def test_serve_over_two_ranks_equals_the_single_process_engine(model_dir, single_process_text, tmp_path):
-    import mlx.core as mx
-    import openai
-
-    if not mx.distributed.is_available():
-        pytest.skip("mlx has no distributed backend")
+def _start_two_ranks(model_dir: Path, tmp_path: Path) -> tuple[subprocess.Popen, int, Path]:
+    """``vllm-mlx serve MODEL --tensor-parallel-size 2`` in its own session, logging to a file."""
     sock, _ = free_socket()
     port = sock.getsockname()[1]
     sock.close()
@@ -99,6 +95,16 @@ def test_serve_over_two_ranks_equals_the_single_process_engine(model_dir, single
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     with log.open("w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return proc, port, log
+
+
+def test_serve_over_two_ranks_equals_the_single_process_engine(model_dir, single_process_text, tmp_path):
+    import mlx.core as mx
+    import openai
+
+    if not mx.distributed.is_available():
+        pytest.skip("mlx has no distributed backend")
+    proc, port, log = _start_two_ranks(model_dir, tmp_path)
     try:
         wait_for_health(proc, port, log, START_TIMEOUT, "the 2-rank server")
         ranks = _rank_pids(str(model_dir))
@@ -119,6 +125,28 @@ def test_serve_over_two_ranks_equals_the_single_process_engine(model_dir, single
         assert time.monotonic() - started < STOP_TIMEOUT
         assert _rank_pids(str(model_dir)) == {}  # (the supervisor reaped them: no zombies either)
         assert "rank 1: stopped after" in log.read_text()  # rank 1 ended on rank 0's "stop"
+    finally:
+        _kill_everything(proc, str(model_dir))
+
+
+def test_ranks_end_themselves_when_the_supervisor_is_killed(model_dir, tmp_path):
+    """SIGKILL cannot be forwarded: each rank notices it was re-parented and ends itself (rank 1
+    while blocked in a collective, waiting for rank 0's next message)."""
+    import mlx.core as mx
+
+    if not mx.distributed.is_available():
+        pytest.skip("mlx has no distributed backend")
+    proc, port, log = _start_two_ranks(model_dir, tmp_path)
+    try:
+        wait_for_health(proc, port, log, START_TIMEOUT, "the 2-rank server")
+        assert sorted(_rank_pids(str(model_dir))) == [0, 1]
+        proc.kill()  # the supervisor alone (the ranks are in a process group of their own)
+        proc.wait(10)
+        deadline = time.monotonic() + 15
+        while _rank_pids(str(model_dir)) and time.monotonic() < deadline:
+            time.sleep(0.25)
+        assert _rank_pids(str(model_dir)) == {}, log.read_text()[-3000:]
+        assert log.read_text().count("the supervisor is gone; exiting") == 2
     finally:
         _kill_everything(proc, str(model_dir))
 

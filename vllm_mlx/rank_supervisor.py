@@ -9,7 +9,7 @@ rank is a child of the supervisor, so its exit status and pid are known and sign
 they should.
 
 Invariants:
-- The ranks share one process group of their own (rank 0 leads it), apart from the supervisor's:
+- The ranks share one process group of their own (rank 0 leads it; same session), apart from the supervisor's:
   a terminal's Ctrl-C reaches only the supervisor, which forwards it to rank 0 alone (rank 0 shuts
   its engine down, which sends the other ranks "stop").
 - When ``supervise`` returns, no rank is alive: the group is killed with SIGKILL on the way out,

@@ -36,7 +36,6 @@ whose rank 0 is gone raises it and exits.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -227,13 +226,6 @@ def step_traffic(config: dict, num_tokens: int, message_bytes: int, dtype_bytes:
 # ---- sharding -------------------------------------------------------------------------------
 
 
-def config_digest(model_path: Path) -> str:
-    """SHA-256 of the model directory's config.json (the start-up check that ranks agree)."""
-    path = Path(model_path)
-    config = path / "config.json" if path.is_dir() else path
-    return hashlib.sha256(config.read_bytes()).hexdigest()
-
-
 def check_shardable(model, config: dict, world_size: int) -> None:
     """Raise ``TensorParallelError`` unless ``model`` can be split over ``world_size`` ranks:
     an architecture with mlx-lm's ``shard``, attention and KV heads that divide evenly (each
@@ -244,6 +236,13 @@ def check_shardable(model, config: dict, world_size: int) -> None:
         raise TensorParallelError(
             f"tensor parallelism needs an architecture that mlx-lm can shard; {model_type!r} has no shard()"
         )
+    check_heads_divide(config, world_size)
+
+
+def check_heads_divide(config: dict, world_size: int) -> None:
+    """The part of ``check_shardable`` that needs only the config (``serve`` checks it before it
+    starts any rank)."""
+    text = config.get("text_config", config)
     heads = text.get("num_attention_heads")
     kv_heads = text.get("num_key_value_heads") or heads
     for name, count in (("num_key_value_heads", kv_heads), ("num_attention_heads", heads)):
@@ -255,17 +254,25 @@ def check_shardable(model, config: dict, world_size: int) -> None:
             )
 
 
-def check_same_model(group: mx.distributed.Group, digest: str) -> None:
-    """Every rank loaded the same model (config.json digests agree); else all ranks raise."""
+def check_same_model(group: mx.distributed.Group, digest: str, path: Path | str = "") -> None:
+    """Every rank loaded the same model (``model_digest``s agree); else every rank raises,
+    naming the ranks whose model differs from rank 0's."""
     mine = mx.array(np.frombuffer(bytes.fromhex(digest), np.uint8).astype(np.int32))
     gathered = np.array(mx.distributed.all_gather(mine, group=group)).reshape(group.size(), -1)
-    if not (gathered == gathered[0]).all():
-        raise TensorParallelError("the ranks loaded different models (their config.json differ)")
+    differ = [rank for rank in range(group.size()) if not (gathered[rank] == gathered[0]).all()]
+    if differ:
+        raise TensorParallelError(
+            f"the ranks loaded different models: rank(s) {', '.join(map(str, differ))} differ from rank 0 "
+            f"(config, tokenizer, weight-file names, sizes, safetensors headers or sampled bytes: "
+            f"vllm_mlx.model_digest); rank {group.rank()} loaded {path}"
+        )
 
 
 def shard_model(model, config: dict, model_path: Path, group: mx.distributed.Group) -> None:
     """Check (collectively: every rank must call it), then keep this rank's shard in place."""
-    check_same_model(group, config_digest(model_path))
+    from vllm_mlx.model_digest import model_digest
+
+    check_same_model(group, model_digest(model_path), model_path)
     check_shardable(model, config, group.size())
     model.shard(group)
     mx.eval(model.parameters())

@@ -93,8 +93,9 @@ class StepRow:
 class StepMessage:
     """What rank 0 broadcasts: ``kind`` "step" (run ``rows``), "probe" (run ``runner.probe()``),
     "start" (``start``: the runner's sizing), "ping" (nothing to run: rank 0's idle heartbeat,
-    which finds a dead or hung rank before a request does) or "stop". ``finished``: ids whose shadow requests
-    the workers drop. Only JSON types inside: ``to_bytes``/``from_bytes`` round-trip exactly."""
+    which finds a dead or hung rank before a request does) or "stop". ``finished``: ids whose
+    shadow requests the workers drop. Only JSON types inside: ``to_bytes``/``from_bytes``
+    round-trip exactly."""
 
     kind: str
     step_id: int = 0

@@ -130,8 +130,9 @@ def test_serve_over_two_ranks_equals_the_single_process_engine(model_dir, single
 
 
 def test_ranks_end_themselves_when_the_supervisor_is_killed(model_dir, tmp_path):
-    """SIGKILL cannot be forwarded: each rank notices it was re-parented and ends itself (rank 1
-    while blocked in a collective, waiting for rank 0's next message)."""
+    """SIGKILL cannot be forwarded: rank 0 notices it was re-parented and ends itself; rank 1,
+    blocked in a collective waiting for rank 0's next message, ends either way: re-parented too,
+    or told by the ring that rank 0 is gone, whichever comes first."""
     import mlx.core as mx
 
     if not mx.distributed.is_available():
@@ -146,7 +147,9 @@ def test_ranks_end_themselves_when_the_supervisor_is_killed(model_dir, tmp_path)
         while _rank_pids(str(model_dir)) and time.monotonic() < deadline:
             time.sleep(0.25)
         assert _rank_pids(str(model_dir)) == {}, log.read_text()[-3000:]
-        assert log.read_text().count("the supervisor is gone; exiting") == 2
+        text = log.read_text()
+        assert "rank 0: the supervisor is gone; exiting" in text
+        assert "rank 1: the supervisor is gone; exiting" in text or "rank 1: rank 0 or a peer is gone" in text
     finally:
         _kill_everything(proc, str(model_dir))
 

@@ -1,13 +1,17 @@
 """Tensor parallelism (vllm_mlx/distributed.py): the step protocol is plain data, models that
 cannot be split are refused, and two ranks on 127.0.0.1 (ring backend) produce the greedy tokens
-of the single-process engine through chunked prefill, prefix-cache hits and preemption."""
+of the single-process engine through chunked prefill, prefix-cache hits and preemption, for a
+llama and for gpt_oss (sliding windows, attention sinks, experts)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tiny_model import TINY_GPT_OSS, build_tiny_llama
 
 from vllm_mlx.distributed import (
     NewRequest,
@@ -87,9 +91,35 @@ def _launch_two_ranks(model_dir: Path, out_prefix: Path, *args: str) -> LaunchRe
     return done
 
 
-@pytest.fixture(scope="module")
-def single_process(tiny_model_dir) -> dict:
-    """The driver's workload on the ordinary engine (the tiny llama: 4 heads, 2 KV heads)."""
+@dataclass
+class TPArch:
+    """An architecture of the 2-rank test: ``build_tiny_llama`` overrides (4 heads, 2 KV heads
+    each) and the block groups its KV cache has."""
+
+    overrides: dict
+    block_groups: int
+
+
+# gpt_oss differs from llama where sharding could go wrong: sliding-window layers (two block
+# groups: ``block_tables`` in every row, blocks leaving the window), attention sinks sliced per
+# rank, and a mixture of experts whose down projection's bias is split over the ranks.
+TP_ARCHS = {"llama": TPArch({}, 1), "gpt_oss": TPArch(TINY_GPT_OSS, 2)}
+
+
+@pytest.fixture(scope="module", params=list(TP_ARCHS))
+def tp_arch(request, tiny_model_dir, default_model_dir, tmp_path_factory) -> tuple[Path, TPArch]:
+    """(model directory, architecture) of each of ``TP_ARCHS``."""
+    arch = TP_ARCHS[request.param]
+    if not arch.overrides:
+        return tiny_model_dir, arch
+    return build_tiny_llama(tmp_path_factory.mktemp(request.param), default_model_dir, **arch.overrides), arch
+
+
+_SINGLE_PROCESS: dict[Path, dict] = {}
+
+
+def single_process(model_dir: Path) -> dict:
+    """The driver's workload on the ordinary engine (computed once per model directory)."""
     import mlx.core as mx
 
     from tp_driver import ENGINE_OPTIONS, run_batch
@@ -97,12 +127,14 @@ def single_process(tiny_model_dir) -> dict:
 
     if not mx.distributed.is_available():
         pytest.skip("mlx has no distributed backend")
-    assert json.loads((tiny_model_dir / "config.json").read_text())["num_key_value_heads"] == 2
-    engine = EngineCore(model=str(tiny_model_dir), force_model_takeover=True, **ENGINE_OPTIONS)
-    try:
-        return run_batch(engine)
-    finally:
-        engine.shutdown()
+    if model_dir not in _SINGLE_PROCESS:
+        assert json.loads((model_dir / "config.json").read_text())["num_key_value_heads"] == 2
+        engine = EngineCore(model=str(model_dir), force_model_takeover=True, **ENGINE_OPTIONS)
+        try:
+            _SINGLE_PROCESS[model_dir] = run_batch(engine)
+        finally:
+            engine.shutdown()
+    return _SINGLE_PROCESS[model_dir]
 
 
 def _results(tmp_path: Path, done: LaunchResult) -> tuple[dict, dict]:
@@ -110,11 +142,13 @@ def _results(tmp_path: Path, done: LaunchResult) -> tuple[dict, dict]:
     return json.loads((tmp_path / "tp.rank0.json").read_text()), json.loads((tmp_path / "tp.rank1.json").read_text())
 
 
-def test_two_ranks_on_loopback_equal_the_single_process_engine(tiny_model_dir, single_process, tmp_path):
-    expected = single_process
-    rank0, rank1 = _results(tmp_path, _launch_two_ranks(tiny_model_dir, tmp_path / "tp"))
+def test_two_ranks_on_loopback_equal_the_single_process_engine(tp_arch, tmp_path):
+    model_dir, arch = tp_arch
+    expected = single_process(model_dir)
+    rank0, rank1 = _results(tmp_path, _launch_two_ranks(model_dir, tmp_path / "tp"))
     assert rank0["tokens"] == expected["tokens"]
     assert rank0["kv_heads"] == 1  # each rank holds half of the 2 KV heads
+    assert rank0["block_groups"] == expected["block_groups"] == arch.block_groups
     assert rank0["preemptions"] > 0 and rank0["prefix_hits"] > 0 and rank0["chunks"] > 0
     for what in ("preemptions", "prefix_hits", "chunks"):  # rank 0 scheduled as one process does
         assert rank0[what] == expected[what], what
@@ -124,7 +158,7 @@ def test_two_ranks_on_loopback_equal_the_single_process_engine(tiny_model_dir, s
     assert rank0["errors"] == [None] * len(expected["tokens"])
 
 
-def test_a_request_that_fails_on_every_rank_fails_alone(tiny_model_dir, single_process, tmp_path):
+def test_a_request_that_fails_on_every_rank_fails_alone(tiny_model_dir, tmp_path):
     """Steps holding request p3 raise on both ranks: rank 0 re-runs them request by request (and
     probes when p3 ran alone), sending each re-run; the others' tokens are unchanged."""
     from tp_driver import POISON
@@ -133,15 +167,14 @@ def test_a_request_that_fails_on_every_rank_fails_alone(tiny_model_dir, single_p
     poisoned = int(POISON[1:])
     assert "ValueError" in rank0["errors"][poisoned]  # (the message to callers hides the details)
     others = [i for i in range(len(rank0["tokens"])) if i != poisoned]
-    assert [rank0["tokens"][i] for i in others] == [single_process["tokens"][i] for i in others]
+    expected = single_process(tiny_model_dir)["tokens"]
+    assert [rank0["tokens"][i] for i in others] == [expected[i] for i in others]
     assert rank1["errors"] > 0 and rank1["mismatches"] == 0
 
 
 def test_two_ranks_refuse_kv_heads_that_do_not_divide(default_model_dir, tmp_path):
     """Both ranks check before sharding and fail alike (no rank is left waiting for the other)."""
     import mlx.core as mx
-
-    from tiny_model import build_tiny_llama
 
     if not mx.distributed.is_available():
         pytest.skip("mlx has no distributed backend")

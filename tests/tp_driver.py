@@ -24,8 +24,9 @@ ENGINE_OPTIONS = {"block_size": 4, "num_kv_blocks": 13, "max_num_batched_tokens"
 
 
 def run_batch(engine) -> dict:
-    """Staggered arrivals (one every third step), run to the end: greedy tokens per prompt, and
-    the steps' preemptions, prefix hits and prefill chunks (plain data)."""
+    """Staggered arrivals (one every third step), run to the end: greedy tokens per prompt, the
+    steps' preemptions, prefix hits and prefill chunks, and the KV cache's block groups (plain
+    data)."""
     from vllm_mlx.request import SamplingParams
 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -43,6 +44,7 @@ def run_batch(engine) -> dict:
         "preemptions": engine.scheduler.num_preemptions,
         "prefix_hits": sum(len(r.prefix_hits) for r in records),
         "chunks": sum(1 for r in records for q in r.requests if not q.is_decode and q.num_new_tokens > 1),
+        "block_groups": len(engine.kv_cache.group_windows),
     }
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tiny_model import TINY_GPT_OSS, build_tiny_llama
+from tp_driver import launch_two_ranks
 
 from vllm_mlx.distributed import (
     NewRequest,
@@ -24,10 +25,8 @@ from vllm_mlx.distributed import (
 )
 from vllm_mlx.outputs import ScheduledRequest, SchedulerOutput
 from vllm_mlx.request import Request, RequestStatus, SamplingParams
-from vllm_mlx.ring_launch import LaunchError, LaunchResult, launch_ring
+from vllm_mlx.ring_launch import LaunchResult
 
-TESTS = Path(__file__).parent
-LAUNCH_TIMEOUT = 150  # seconds: two model loads and ~40 steps take ~30 s on 2 busy cores
 
 
 def test_step_message_round_trips_as_json():
@@ -77,18 +76,6 @@ def test_engine_outside_a_launch_says_how_to_launch():
 
     with pytest.raises(TensorParallelError, match="mlx.launch -n 2"):
         EngineCore(model="unused: refused before loading", tensor_parallel=True)
-
-
-def _launch_two_ranks(model_dir: Path, out_prefix: Path, *args: str) -> LaunchResult:
-    """The driver on two ranks (``ring_launch``: its own session, killed whole on timeout)."""
-    try:
-        done = launch_ring(str(TESTS / "tp_driver.py"), [str(model_dir), str(out_prefix), *args],
-                           timeout=LAUNCH_TIMEOUT, pythonpath=[str(TESTS.parent), str(TESTS)])  # fmt: skip
-    except LaunchError as exc:
-        pytest.skip(str(exc))
-    if done.timed_out:
-        pytest.fail(f"two ranks did not finish in {LAUNCH_TIMEOUT} s:\n{done.output[-3000:]}")
-    return done
 
 
 @dataclass
@@ -145,7 +132,7 @@ def _results(tmp_path: Path, done: LaunchResult) -> tuple[dict, dict]:
 def test_two_ranks_on_loopback_equal_the_single_process_engine(tp_arch, tmp_path):
     model_dir, arch = tp_arch
     expected = single_process(model_dir)
-    rank0, rank1 = _results(tmp_path, _launch_two_ranks(model_dir, tmp_path / "tp"))
+    rank0, rank1 = _results(tmp_path, launch_two_ranks(model_dir, tmp_path / "tp"))
     assert rank0["tokens"] == expected["tokens"]
     assert rank0["kv_heads"] == 1  # each rank holds half of the 2 KV heads
     assert rank0["block_groups"] == expected["block_groups"] == arch.block_groups
@@ -163,7 +150,7 @@ def test_a_request_that_fails_on_every_rank_fails_alone(tiny_model_dir, tmp_path
     probes when p3 ran alone), sending each re-run; the others' tokens are unchanged."""
     from tp_driver import POISON
 
-    rank0, rank1 = _results(tmp_path, _launch_two_ranks(tiny_model_dir, tmp_path / "tp", "poison"))
+    rank0, rank1 = _results(tmp_path, launch_two_ranks(tiny_model_dir, tmp_path / "tp", "poison"))
     poisoned = int(POISON[1:])
     assert "ValueError" in rank0["errors"][poisoned]  # (the message to callers hides the details)
     others = [i for i in range(len(rank0["tokens"])) if i != poisoned]
@@ -181,7 +168,7 @@ def test_two_ranks_refuse_kv_heads_that_do_not_divide(default_model_dir, tmp_pat
     model = build_tiny_llama(
         tmp_path / "kv3", default_model_dir, hidden_size=96, num_attention_heads=6, num_key_value_heads=3
     )
-    done = _launch_two_ranks(model, tmp_path / "tp")
+    done = launch_two_ranks(model, tmp_path / "tp")
     # mlx.launch exits 0 whatever its ranks do, and ends the others when one fails.
     assert "rank 0 exited with code 1" in done.output or "rank 1 exited with code 1" in done.output
     assert "2 ranks needs heads that divide evenly: the model has 3 KV heads" in done.output

@@ -5,6 +5,7 @@ llama and for gpt_oss (sliding windows, attention sinks, experts)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from vllm_mlx.distributed import (
     StepRow,
     TensorParallelError,
     check_shardable,
+    row_tables,
     sampling_dict,
 )
 from vllm_mlx.outputs import ScheduledRequest, SchedulerOutput
@@ -52,6 +54,67 @@ def test_encoder_sends_prompts_once_then_only_new_output_tokens():
     assert not second.new_requests and second.rows[0].new_output_token_ids == [9]
     request.finish(RequestStatus.FINISHED_LENGTH_CAPPED)
     assert encoder.encode(SchedulerOutput(3)).finished == ["r"]
+
+
+def _tables_on_a_worker(steps: list[list[ScheduledRequest]]) -> list[list[StepRow]]:
+    """Encode ``steps`` as rank 0 does, send them through JSON and rebuild every row's tables as
+    a worker does; assert they are the scheduled ones. Returns the rows sent."""
+    encoder, held, sent = StepEncoder(), {}, []
+    for step_id, scheduled in enumerate(steps):
+        message = StepMessage.from_bytes(encoder.encode(SchedulerOutput(step_id, scheduled)).to_bytes())
+        for item, row in zip(scheduled, message.rows):
+            held[row.request_id] = row_tables(row, held.get(row.request_id))
+            assert held[row.request_id] == (item.block_tables or [item.block_ids])
+        sent.append(message.rows)
+    return sent
+
+
+def test_rows_send_only_the_block_ids_appended_since_the_last_row():
+    request = Request("r", [5, 6, 7, 8, 9, 10], SamplingParams())
+    preempted = [5, 6, 7]  # re-admitted after a preemption: a new table
+    first, same, grown, readmitted, next_one = _tables_on_a_worker([
+        [ScheduledRequest(request, 0, 6, [3, 4])],
+        [ScheduledRequest(request, 6, 1, [3, 4])],  # a decode inside block 4
+        [ScheduledRequest(request, 7, 2, [3, 4, 9])],  # crosses into a new block
+        [ScheduledRequest(request, 0, 9, preempted)],
+        [ScheduledRequest(request, 9, 1, [*preempted, 11])],
+    ])  # fmt: skip
+    assert [(r[0].block_ids, r[0].whole_tables) for r in (first, same, grown, readmitted, next_one)] == [
+        ([3, 4], True), ([], False), ([9], False), (preempted, True), ([11], False),
+    ]  # fmt: skip
+
+
+def test_sliding_window_tables_go_whole_when_blocks_leave_the_window():
+    request = Request("r", list(range(12)), SamplingParams())
+    rows = _tables_on_a_worker([
+        [ScheduledRequest(request, 0, 8, [1, 2], block_tables=[[1, 2], [3, 4]])],
+        [ScheduledRequest(request, 8, 4, [1, 2, 5], block_tables=[[1, 2, 5], [3, 4, 6]])],
+        [ScheduledRequest(request, 12, 1, [1, 2, 5], block_tables=[[1, 2, 5], [0, 4, 6]])],  # block 3 left
+        [ScheduledRequest(request, 13, 4, [1, 2, 5, 7], block_tables=[[1, 2, 5, 7], [0, 4, 6, 8]])],
+    ])  # fmt: skip
+    assert [(r[0].block_tables, r[0].whole_tables) for r in rows] == [
+        ([[1, 2], [3, 4]], True), ([[5], [6]], False), ([[1, 2, 5], [0, 4, 6]], True), ([[7], [8]], False),
+    ]  # fmt: skip
+
+
+def test_a_decode_step_inside_blocks_sends_no_block_ids():
+    """B = 32 requests with 511-token prompts (block size 16: 32-block tables), then a decode
+    step that stays inside their last blocks: its rows carry no block ids at all."""
+    batch, blocks = 32, 32
+    requests = [Request(f"req-{i}", list(range(1000, 1511)), SamplingParams(seed=i)) for i in range(batch)]
+    tables = [list(range(1 + i * blocks, 1 + (i + 1) * blocks)) for i in range(batch)]
+    encoder = StepEncoder()
+    encoder.encode(SchedulerOutput(1, [ScheduledRequest(r, 0, 511, t) for r, t in zip(requests, tables)]))
+    for request in requests:
+        request.append_output_token(31337)
+    decode = encoder.encode(SchedulerOutput(2, [ScheduledRequest(r, 511, 1, t) for r, t in zip(requests, tables)]))
+    assert all(row.block_ids == [] and not row.whole_tables for row in decode.rows)
+    whole = dataclasses.replace(decode, rows=[
+        dataclasses.replace(row, block_ids=table, whole_tables=True) for row, table in zip(decode.rows, tables)
+    ])  # fmt: skip  (the message as it was before deltas: every table whole)
+    before, after = len(whole.to_bytes()), len(decode.to_bytes())
+    print(f"decode step message, B={batch}, 32-block tables: {before} B with whole tables, {after} B with deltas")
+    assert before - after > 2 * batch * blocks  # at least a digit and a comma per block id (here 36 %)
 
 
 class _Shardable:

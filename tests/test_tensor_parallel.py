@@ -236,3 +236,30 @@ def test_two_ranks_refuse_kv_heads_that_do_not_divide(default_model_dir, tmp_pat
     assert "rank 0 exited with code 1" in done.output or "rank 1 exited with code 1" in done.output
     assert "2 ranks needs heads that divide evenly: the model has 3 KV heads" in done.output
     assert not list(tmp_path.glob("tp.rank*.json"))
+
+
+def test_ranks_with_a_differing_weight_file_are_refused_on_both(tiny_model_dir, tmp_path):
+    """Rank 1 loads a copy whose weight file differs in one byte of its last MiB (same size,
+    same header, same config): both ranks refuse at start-up, naming rank 1, and neither waits."""
+    import shutil
+
+    import mlx.core as mx
+
+    if not mx.distributed.is_available():
+        pytest.skip("mlx has no distributed backend")
+    other = tmp_path / "corrupted"
+    shutil.copytree(tiny_model_dir, other)
+    weights = other / "model.safetensors"
+    with weights.open("r+b") as f:
+        f.seek(-3, 2)
+        last = f.read(1)
+        f.seek(-3, 2)
+        f.write(bytes([last[0] ^ 0x40]))
+    done = launch_two_ranks(tiny_model_dir, tmp_path / "tp", f"other-model={other}")
+    refusals = [tmp_path / f"tp.rank{r}.refused" for r in (0, 1)]
+    assert all(r.exists() for r in refusals), done.output[-3000:]
+    for rank, refusal in enumerate(refusals):
+        text = refusal.read_text()
+        assert "the ranks loaded different models: rank(s) 1 differ from rank 0" in text
+        assert str(other if rank else tiny_model_dir) in text
+    assert not list(tmp_path.glob("tp.rank*.json"))

@@ -1,10 +1,13 @@
 """The tensor-parallel test's two sides: ``run_batch`` (the same workload for the 2-rank engine and
 the single-process one) and ``main`` (what each rank of ``mlx.launch -n 2`` runs).
 
-``python tests/tp_driver.py MODEL_DIR OUT_PREFIX`` under ``mlx.launch``: rank 0 writes
+``python tests/tp_driver.py MODEL_DIR OUT_PREFIX [MODE]`` under ``mlx.launch``: rank 0 writes
 ``OUT_PREFIX.rank0.json`` (tokens and what the steps did), rank 1 ``OUT_PREFIX.rank1.json``
-(its ``WorkerStats``). With ``traffic`` as a third argument rank 0 runs ``measure_traffic``
-instead and writes what each step handed its collectives."""
+(its ``WorkerStats``). MODE ``poison``: see ``poison_the_runner``; ``traffic``: rank 0 runs
+``measure_traffic`` instead and writes what each step handed its collectives;
+``other-model=DIR``: ranks > 0 load DIR instead, and a rank refused at start-up writes the error
+to ``OUT_PREFIX.rankN.refused`` and exits 0 (so the launcher does not kill the other rank before
+it has written its own)."""
 
 from __future__ import annotations
 
@@ -168,12 +171,24 @@ def measure_traffic(engine) -> list[dict]:
 
 
 def main(model_dir: str, out_prefix: str, mode: str = "") -> None:
-    from vllm_mlx.distributed import init_group, worker_loop
+    from vllm_mlx.distributed import TensorParallelError, init_group
 
     if mode == "poison":
         poison_the_runner()
     group = init_group()
-    out = Path(f"{out_prefix}.rank{group.rank()}.json")
+    if mode.startswith("other-model=") and group.rank() > 0:
+        model_dir = mode.removeprefix("other-model=")
+    try:
+        run_rank(group, model_dir, Path(f"{out_prefix}.rank{group.rank()}.json"), mode)
+    except TensorParallelError as exc:
+        if not mode.startswith("other-model="):
+            raise
+        Path(f"{out_prefix}.rank{group.rank()}.refused").write_text(str(exc))
+
+
+def run_rank(group, model_dir: str, out: Path, mode: str = "") -> None:
+    from vllm_mlx.distributed import worker_loop
+
     if group.rank() == 0:
         from vllm_mlx.engine_core import EngineCore
 

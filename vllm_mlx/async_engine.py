@@ -39,6 +39,12 @@ from vllm_mlx.structured.grammar import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 
+HEARTBEAT_PERIOD_S = 5.0
+"""How long a tensor-parallel engine stays idle before checking its ranks (``EngineCore.heartbeat``)."""
+HUNG_JOIN_S = 2.0
+"""How long ``stop()`` waits for an engine thread blocked on a hung rank."""
+
+
 class EngineDeadError(VllmMlxError):
     """The engine thread stopped (it failed, or was stopped) before the request finished."""
 
@@ -168,6 +174,7 @@ class AsyncEngineCore:
         self._lock = threading.Lock()  # orders "submit a command" against "stop accepting"
         self._accepting = False
         self._error: BaseException | None = None
+        self._hung = False  # a tensor-parallel rank hung: the engine thread may never return
         self._ids = itertools.count()
         self.engine: EngineCore | None = None
 
@@ -211,7 +218,9 @@ class AsyncEngineCore:
         if self._thread is not None:
             self._commands.put(_STOP)
             if threading.current_thread() is not self._thread:
-                self._thread.join()
+                # A thread blocked on a hung rank may never return: do not wait for it (it is a
+                # daemon; the process can still exit).
+                self._thread.join(HUNG_JOIN_S if self._hung else None)
 
     @property
     def is_running(self) -> bool:
@@ -405,6 +414,8 @@ class AsyncEngineCore:
             self._ready.set()
             self._ended.set()
             return
+        if self.engine.tp_group is not None:
+            self.engine.on_rank_lost = self._rank_lost
         self._accepting = True
         self._ready.set()
         error = None
@@ -424,10 +435,15 @@ class AsyncEngineCore:
                 self._deliver(output)
 
     def _drain_commands(self, block: bool) -> bool:
-        """Apply queued commands (waiting for one when idle); False once asked to stop."""
+        """Apply queued commands (waiting for one when idle); False once asked to stop. A
+        tensor-parallel engine waits at most ``HEARTBEAT_PERIOD_S`` at a time and sends its
+        heartbeat through the ranks between waits."""
+        tensor_parallel = self.engine.tp_group is not None
         try:
-            command = self._commands.get(block=block)
+            command = self._commands.get(block=block, timeout=HEARTBEAT_PERIOD_S if block and tensor_parallel else None)
         except queue.Empty:
+            if block:
+                self.engine.heartbeat()
             return True
         while command is not _STOP:
             self._apply(command)
@@ -501,12 +517,25 @@ class AsyncEngineCore:
             self.engine.abort_request(request_id)
         return self.engine.step()  # nothing is left to run: only the abort outputs
 
+    def _rank_lost(self, error: BaseException) -> None:
+        """A tensor-parallel rank hung (the watchdog's thread; the engine thread is blocked in a
+        collective and may never return): end every stream and queued call with the error now,
+        and stop accepting work, so ``/health`` and every waiting caller learn why."""
+        with self._lock:
+            self._accepting = False
+            self._error = self._error or error
+            self._hung = True
+        self._fail_streams(self._error)
+        self._fail_queued_commands(self._error)
+
     def _fail_streams(self, error: BaseException | None) -> None:
-        for ref in self._streams.values():
+        # Taken whole: after a hang, the watchdog's thread and a late-returning engine thread
+        # may both get here.
+        streams, self._streams = self._streams, {}
+        for ref in streams.values():
             stream = ref()
             if stream is not None:
                 stream.put(self._dead_error(error))
-        self._streams.clear()
 
     def _fail_queued_commands(self, error: BaseException | None) -> None:
         """Commands queued before ``_accepting`` went False must not hang their callers."""

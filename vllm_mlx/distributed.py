@@ -25,12 +25,17 @@ runner (its head probe is a forward); after that each collective belongs to a me
 first. A step that fails is survived (rank 0 re-runs it request by request and probes, and sends
 those too) only when it fails alike on every rank before its first collective; a failure inside
 a forward leaves the ranks out of step.
+
+A rank that dies or hangs ends the engine, never silently: a dead peer makes the ring's
+collectives raise, which every message sent or received turns into ``RankLostError``; a hung one
+is caught by rank 0's ``CollectiveWatchdog`` (``rank_watchdog.py``: a deadline on every step,
+heartbeat and stop message). Rank 0's engine then fails its requests with that error; a worker
+whose rank 0 is gone raises it and exits.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -40,6 +45,7 @@ import mlx.core as mx
 import numpy as np
 
 from vllm_mlx.outputs import ScheduledRequest, SchedulerOutput
+from vllm_mlx.rank_watchdog import RankLostError, is_collective_failure
 from vllm_mlx.request import Request, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -113,8 +119,10 @@ def row_tables(row: StepRow, known: list[list[int]] | None) -> list[list[int]]:
 @dataclass
 class StepMessage:
     """What rank 0 broadcasts: ``kind`` "step" (run ``rows``), "probe" (run ``runner.probe()``),
-    "start" (``start``: the runner's sizing) or "stop". ``finished``: ids whose shadow requests
-    the workers drop. Only JSON types inside: ``to_bytes``/``from_bytes`` round-trip exactly."""
+    "start" (``start``: the runner's sizing), "ping" (nothing to run: rank 0's idle heartbeat,
+    which finds a dead or hung rank before a request does) or "stop". ``finished``: ids whose
+    shadow requests the workers drop. Only JSON types inside: ``to_bytes``/``from_bytes``
+    round-trip exactly."""
 
     kind: str
     step_id: int = 0
@@ -206,11 +214,24 @@ def broadcast_bytes(group: mx.distributed.Group, data: bytes | None) -> bytes:
 
 
 def send_message(group: mx.distributed.Group, message: StepMessage) -> None:
-    broadcast_bytes(group, message.to_bytes())
+    """Rank 0's broadcast. It only communicates, so any failure means a rank is gone (the
+    ring backend raises when a peer's socket closes): ``RankLostError``."""
+    try:
+        broadcast_bytes(group, message.to_bytes())
+    except Exception as exc:
+        raise RankLostError(
+            f"a tensor-parallel rank is gone: sending the {message.kind!r} message of step "
+            f"{message.step_id} to {group.size() - 1} other ranks failed ({exc})"
+        ) from exc
 
 
 def receive_message(group: mx.distributed.Group) -> StepMessage:
-    return StepMessage.from_bytes(broadcast_bytes(group, None))
+    """A worker's wait for rank 0's next message; ``RankLostError`` when the group broke."""
+    try:
+        data = broadcast_bytes(group, None)
+    except Exception as exc:
+        raise RankLostError(f"rank {group.rank()}: rank 0 or a peer is gone ({exc})") from exc
+    return StepMessage.from_bytes(data)
 
 
 # ---- the cost model ---------------------------------------------------------------------------
@@ -259,13 +280,6 @@ def step_traffic(
 # ---- sharding -------------------------------------------------------------------------------
 
 
-def config_digest(model_path: Path) -> str:
-    """SHA-256 of the model directory's config.json (the start-up check that ranks agree)."""
-    path = Path(model_path)
-    config = path / "config.json" if path.is_dir() else path
-    return hashlib.sha256(config.read_bytes()).hexdigest()
-
-
 def check_shardable(model, config: dict, world_size: int) -> None:
     """Raise ``TensorParallelError`` unless ``model`` can be split over ``world_size`` ranks:
     an architecture with mlx-lm's ``shard``, attention and KV heads that divide evenly (each
@@ -276,6 +290,13 @@ def check_shardable(model, config: dict, world_size: int) -> None:
         raise TensorParallelError(
             f"tensor parallelism needs an architecture that mlx-lm can shard; {model_type!r} has no shard()"
         )
+    check_heads_divide(config, world_size)
+
+
+def check_heads_divide(config: dict, world_size: int) -> None:
+    """The part of ``check_shardable`` that needs only the config (``serve`` checks it before it
+    starts any rank)."""
+    text = config.get("text_config", config)
     heads = text.get("num_attention_heads")
     kv_heads = text.get("num_key_value_heads") or heads
     for name, count in (("num_key_value_heads", kv_heads), ("num_attention_heads", heads)):
@@ -287,17 +308,25 @@ def check_shardable(model, config: dict, world_size: int) -> None:
             )
 
 
-def check_same_model(group: mx.distributed.Group, digest: str) -> None:
-    """Every rank loaded the same model (config.json digests agree); else all ranks raise."""
+def check_same_model(group: mx.distributed.Group, digest: str, path: Path | str = "") -> None:
+    """Every rank loaded the same model (``model_digest``s agree); else every rank raises,
+    naming the ranks whose model differs from rank 0's."""
     mine = mx.array(np.frombuffer(bytes.fromhex(digest), np.uint8).astype(np.int32))
     gathered = np.array(mx.distributed.all_gather(mine, group=group)).reshape(group.size(), -1)
-    if not (gathered == gathered[0]).all():
-        raise TensorParallelError("the ranks loaded different models (their config.json differ)")
+    differ = [rank for rank in range(group.size()) if not (gathered[rank] == gathered[0]).all()]
+    if differ:
+        raise TensorParallelError(
+            f"the ranks loaded different models: rank(s) {', '.join(map(str, differ))} differ from rank 0 "
+            f"(config, tokenizer, weight-file names, sizes, safetensors headers or sampled bytes: "
+            f"vllm_mlx.model_digest); rank {group.rank()} loaded {path}"
+        )
 
 
 def shard_model(model, config: dict, model_path: Path, group: mx.distributed.Group) -> None:
     """Check (collectively: every rank must call it), then keep this rank's shard in place."""
-    check_same_model(group, config_digest(model_path))
+    from vllm_mlx.model_digest import model_digest
+
+    check_same_model(group, model_digest(model_path), model_path)
     check_shardable(model, config, group.size())
     model.shard(group)
     mx.eval(model.parameters())
@@ -326,6 +355,7 @@ class WorkerStats:
 
     steps: int = 0
     probes: int = 0
+    pings: int = 0
     compared: int = 0
     mismatches: int = 0
     errors: int = 0
@@ -349,7 +379,9 @@ class Worker:
             message = receive_message(self.group)
             if message.kind == "stop":
                 return self.stats
-            if message.kind == "probe":
+            if message.kind == "ping":
+                self.stats.pings += 1
+            elif message.kind == "probe":
                 self.stats.probes += 1
                 self._guarded(self.runner.probe)
             elif message.kind == "step":
@@ -407,7 +439,9 @@ class Worker:
             return call(*args)
         except MemoryError:
             raise
-        except Exception:
+        except Exception as exc:
+            if is_collective_failure(exc):  # a peer is gone: nothing follows
+                raise RankLostError(f"rank {self.group.rank()}: a peer is gone ({exc})") from exc
             self.stats.errors += 1
             logger.error("rank %d: step failed", self.group.rank(), exc_info=True)
             return None

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,6 +45,7 @@ from vllm_mlx.model_registry import get_registry
 from vllm_mlx.output_processor import OutputProcessor
 from vllm_mlx.outputs import ModelRunnerOutput, SchedulerOutput, StepRecord
 from vllm_mlx.paged_cache import PagedCacheManager
+from vllm_mlx.rank_watchdog import CollectiveWatchdog, RankLostError, is_collective_failure
 from vllm_mlx.request import Request, RequestOutput, RequestStatus, SamplingParams
 from vllm_mlx.scheduler import Scheduler, SchedulerConfig
 from vllm_mlx.snapshot import CacheSnapshotter
@@ -103,6 +106,10 @@ class EngineConfig:
     """Split the model over the ranks of ``mx.distributed`` (launched with ``mlx.launch``): this
     process must be rank 0; the other ranks run ``vllm_mlx.distributed.worker_loop`` with the
     same model and ``weight_format`` (``distributed.py``)."""
+    distributed_timeout_s: float = 120.0
+    """With ``tensor_parallel``: the longest a step (or the idle heartbeat) may wait on the other
+    ranks before rank 0 declares one of them hung and the engine failed (``rank_watchdog.py``).
+    It must exceed the slowest legitimate step (the largest prefill chunk on this hardware)."""
 
     def normalize(self) -> None:
         """Accept every option in the forms the CLI takes (``kv_cache_memory="512M"`` or
@@ -124,6 +131,9 @@ class EngineConfig:
                      "tensor_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        timeout = self.distributed_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"distributed_timeout_s must be a number of seconds > 0, got {timeout!r}")
 
     def scheduler_config(self, num_blocks: int, context_len: int | None) -> SchedulerConfig:
         """The scheduler's limits for a pool of ``num_blocks`` and a model context of ``context_len``."""
@@ -240,6 +250,13 @@ class EngineCore:
         config.normalize()
         self.config = config
         self.tp_group = _rank_zero_group() if config.tensor_parallel else None
+        self.on_rank_lost: Callable[[RankLostError], None] | None = None
+        """With tensor parallelism: called from the watchdog's thread when a rank hangs (the
+        thread in the collective stays blocked). None: log it and exit the process, since the
+        blocked caller can never return (``AsyncEngineCore`` sets it to fail its requests)."""
+        self.watchdog = None
+        self.rank_failure: RankLostError | None = None
+        """Why the ranks are out of reach (set once; no collective is issued after it)."""
         prepared = prepare_engine_model(config, self.tp_group)
         loaded, specs, state_layout = prepared.loaded, prepared.specs, prepared.state_layout
         self.vision = loaded.vision
@@ -274,6 +291,7 @@ class EngineCore:
             sizing = {"num_blocks": num_blocks, "block_size": config.block_size, "num_state_slots": states.num_slots}
             send_message(self.tp_group, StepMessage("start", start=sizing))
             self.step_encoder = StepEncoder()
+            self.watchdog = CollectiveWatchdog(config.distributed_timeout_s, self._rank_hung, self.tp_group.size())
         self.runner = MLXModelRunner(
             loaded.model, num_blocks, config.block_size, self.mllm_cache, states.num_slots, state_layout,
             block_groups=block_groups,
@@ -454,12 +472,52 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return outputs
-        runner_output = self._execute(scheduler_output)
+        with self._waiting_on_ranks(f"step {scheduler_output.step_id}"):
+            runner_output = self._execute(scheduler_output)
         advanced = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs += self.output_processor.process(advanced, runner_output)
         self._release_deferred()
         self._record_step(scheduler_output, time.perf_counter() - start)
         return outputs
+
+    @contextmanager
+    def _waiting_on_ranks(self, what: str) -> Iterator[None]:
+        """Watch a block of work that holds collectives (tensor parallelism only). When the
+        watchdog fired during it, the block's late return must not be taken as a success; once
+        the ranks are lost, no block runs (its collectives could block forever)."""
+        if self.watchdog is None:
+            yield
+            return
+        if self.rank_failure is not None:
+            raise self.rank_failure
+        try:
+            with self.watchdog.watch(what):
+                yield
+            if self.watchdog.fired is not None:
+                raise self.watchdog.fired
+        except RankLostError as exc:
+            self.rank_failure = exc
+            raise
+
+    def _rank_hung(self, error: RankLostError) -> None:
+        """The watchdog's verdict (its thread): hand it on, or end a process that would hang."""
+        self.rank_failure = error
+        if self.on_rank_lost is not None:
+            self.on_rank_lost(error)
+            return
+        logger.critical("exiting: the thread waiting on the other ranks can never return")
+        logging.shutdown()
+        os._exit(1)
+
+    def heartbeat(self) -> None:
+        """With tensor parallelism, while idle: one small message through every rank, so a dead
+        or hung rank is found (and ``/health`` says so) before a request is sent to it."""
+        if self.tp_group is None or self.rank_failure is not None:
+            return
+        from vllm_mlx.distributed import StepMessage, send_message
+
+        with self._waiting_on_ranks("the idle heartbeat"):
+            send_message(self.tp_group, StepMessage("ping"))
 
     def _record_step(self, scheduler_output: SchedulerOutput, wall_time: float) -> None:
         ran = self.runner.last_step  # stale when the step failed before the runner recorded it
@@ -479,7 +537,7 @@ class EngineCore:
         scheduled = scheduler_output.scheduled
         try:
             return self._run(scheduler_output)
-        except MemoryError:
+        except (MemoryError, RankLostError):
             raise
         except Exception as exc:
             logger.error("step %d failed", scheduler_output.step_id, exc_info=True)
@@ -493,11 +551,19 @@ class EngineCore:
 
     def _run(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """The runner on this step; with tensor parallelism the other ranks are sent it first."""
-        if self.step_encoder is not None:
-            from vllm_mlx.distributed import send_message
+        if self.step_encoder is None:
+            return self.runner.execute_model(scheduler_output)
+        from vllm_mlx.distributed import send_message
 
-            send_message(self.tp_group, self.step_encoder.encode(scheduler_output))
-        return self.runner.execute_model(scheduler_output)
+        send_message(self.tp_group, self.step_encoder.encode(scheduler_output))
+        try:
+            return self.runner.execute_model(scheduler_output)
+        except RuntimeError as exc:
+            if is_collective_failure(exc):  # not the step's fault: no retry (it could block)
+                raise RankLostError(
+                    f"a tensor-parallel rank is gone: step {scheduler_output.step_id}'s forward failed ({exc})"
+                ) from exc
+            raise
 
     def _probe(self) -> None:
         """``runner.probe()``; with tensor parallelism every rank probes (it is a forward)."""
@@ -513,7 +579,7 @@ class EngineCore:
         for item in scheduler_output.scheduled:
             try:
                 output = self._run(SchedulerOutput(scheduler_output.step_id, [item]))
-            except MemoryError:
+            except (MemoryError, RankLostError):
                 raise
             except Exception as exc:
                 logger.error("request %s failed alone", item.request_id, exc_info=True)
@@ -564,11 +630,25 @@ class EngineCore:
         for request_id in self.output_processor.group_ids:
             self.abort_request(request_id)
         get_registry().release(str(self.model_path), self)
-        if self.tp_group is not None and self.runner.model is not None:
+        try:
+            self._stop_workers()
+        finally:
+            self.runner.release()
+
+    def _stop_workers(self) -> None:
+        """With tensor parallelism: send "stop" (the workers return), unless the ranks are
+        already lost; a rank lost now is logged (the engine is ending anyway)."""
+        if self.watchdog is None or self.runner.model is None:
+            return
+        if self.rank_failure is None:
             from vllm_mlx.distributed import StepMessage, send_message
 
-            send_message(self.tp_group, StepMessage("stop"))
-        self.runner.release()
+            try:
+                with self._waiting_on_ranks("the stop message"):
+                    send_message(self.tp_group, StepMessage("stop"))
+            except RankLostError as exc:
+                logger.warning("could not stop the other ranks: %s", exc)
+        self.watchdog.close()
 
 
 def __getattr__(name: str):

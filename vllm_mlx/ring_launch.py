@@ -27,20 +27,26 @@ class LaunchResult:
     timed_out: bool
 
 
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free on 127.0.0.1 (the ring backend listens on one port per
-    rank, from ``--starting-port`` up)."""
+def free_port_run(count: int = 2, host: str = "127.0.0.1") -> int:
+    """A port p with p, p + 1, ..., p + count - 1 all free on ``host`` (the ring backend listens
+    on one port per rank, from ``--starting-port`` up). Free when checked: another program may
+    still take one before the ranks bind, which then fail to connect, loudly."""
     for _ in range(50):
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            s.bind((host, 0))
             port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
+        if port + count - 1 <= 65535 and all(_is_free(host, port + i) for i in range(1, count)):
             return port
-        except OSError:
-            continue
-    raise LaunchError("no two free consecutive ports on 127.0.0.1")
+    raise LaunchError(f"no {count} free consecutive ports on {host}")
+
+
+def _is_free(host: str, port: int) -> bool:
+    try:
+        with socket.socket() as s:
+            s.bind((host, port))
+        return True
+    except OSError:
+        return False
 
 
 def launch_ring(script: str, args: list[str], *, ranks: int = 2, timeout: float, pythonpath: list[str] = ()) -> LaunchResult:
@@ -51,7 +57,7 @@ def launch_ring(script: str, args: list[str], *, ranks: int = 2, timeout: float,
         raise LaunchError("mlx.launch is not installed (it comes with mlx)")
     path = os.pathsep.join([*pythonpath, os.environ.get("PYTHONPATH", "")])
     command = [
-        launcher, "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_port_pair()),
+        launcher, "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_port_run(ranks)),
         "--env", f"PYTHONPATH={path}", "--python", sys.executable, script, *args,
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

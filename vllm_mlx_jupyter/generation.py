@@ -233,8 +233,8 @@ class Generation(LiveViews):
         with self._lock:
             self.output = output
             self.reading = self._reader.feed(output.text)
-            self.num_prompt_tokens = len(output.prompt_token_ids)
-            if output.token_ids:
+            self.num_prompt_tokens = output.num_prompt_tokens
+            if output.num_completion_tokens:
                 self._advance(GENERATING)
             self._dirty = True
             self._render()

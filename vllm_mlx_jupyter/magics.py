@@ -35,7 +35,9 @@ USAGE = """\
 
   load [MODEL] [--OPTION VALUE ...]  load a model (default: GenerateMagics.model) and start the engine;
                                      options are EngineConfig fields, e.g. --num-kv-blocks 256
-  status                             model, running/waiting requests, KV usage, hit rates
+  connect URL [--api-key KEY]        use a running `vllm-mlx serve` at URL instead of the in-kernel engine
+  disconnect                         back to the in-kernel engine (the next %%generate loads it)
+  status                             model (and server), running/waiting requests, KV usage, hit rates
   inspect                            show the KV-cache inspector widget
   timeline                           show the scheduler timeline widget (one column per engine step)
   wait [NAME ...]                    block until these (default: all) generations are done
@@ -288,7 +290,8 @@ class GenerateMagics(Magics):
     @no_var_expand
     @line_magic
     def vllm_mlx(self, line: str):
-        """Manage the engine: load, status, inspect, timeline, wait, abort, reset-cache, history, reset, shutdown."""
+        """Manage the engine: load, connect, disconnect, status, inspect, timeline, wait, abort,
+        reset-cache, history, reset, shutdown."""
         try:
             argv = split_line(line)
         except ValueError as exc:
@@ -310,9 +313,27 @@ class GenerateMagics(Magics):
         model, options = parse_load(argv)
         self._load(model or self.model, {**self.engine_options, **options})
 
+    def _cmd_connect(self, argv: list[str]) -> None:
+        from vllm_mlx_jupyter.remote import ConnectError
+
+        url, api_key = _connect_args(argv)
+        try:
+            engine = self.session.connect(url, api_key)
+        except ConnectError as exc:
+            raise UsageError(str(exc)) from None
+        display(_note(f"connected to {engine.url}: model {engine.model}"), raw=True)
+
+    def _cmd_disconnect(self, argv: list[str]) -> None:
+        if not self.session.remote:
+            print("not connected to a server")
+            return
+        url = self.session.engine.url
+        self.session.shutdown()
+        print(f"disconnected from {url}; the next %%generate loads the in-kernel engine")
+
     def _cmd_status(self, argv: list[str]) -> None:
         display(_status_bundle(self.session.status()), raw=True)
-        if self.session.loaded:
+        if self.session.loaded and not self.session.remote:
             warn_reference_blas()  # once per kernel: the backend row says which BLAS runs
 
     def _cmd_inspect(self, argv: list[str]) -> None:
@@ -354,6 +375,24 @@ class GenerateMagics(Magics):
         except KeyError:
             known = ", ".join(self.session.chats) or "none yet"
             raise UsageError(f"no chat session {argv[0]!r} (known: {known})") from None
+
+
+def _connect_args(argv: list[str]) -> tuple[str, str | None]:
+    """``URL [--api-key KEY]`` (the key may also be ``--api-key=KEY``)."""
+    words, key = [], None
+    rest = iter(argv)
+    for word in rest:
+        if word == "--api-key":
+            key = next(rest, None)
+            if key is None:
+                raise UsageError("%vllm_mlx connect: --api-key needs a value")
+        elif word.startswith("--api-key="):
+            key = word.split("=", 1)[1]
+        else:
+            words.append(word)
+    if len(words) != 1:
+        raise UsageError("%vllm_mlx connect URL [--api-key KEY]")
+    return words[0], key
 
 
 def _show(handle, wait: bool):
@@ -426,7 +465,7 @@ def _status_bundle(status: dict) -> dict:
     )
     rows = [
         ("model", status["model"]),
-        ("backend", status.get("backend", "")),
+        ("server", status["server"]) if "server" in status else ("backend", status.get("backend", "")),
         ("requests", f"{status.get('running', 0)} running, {status.get('waiting', 0)} waiting"),
         ("KV usage", kv),
         ("prefix cache", hits),

@@ -271,8 +271,8 @@ class OverGeneration(LiveViews):
         try:
             async for last in stream:
                 with self._lock:
-                    self._tokens += len(last.token_ids) - seen
-                seen = len(last.token_ids)
+                    self._tokens += last.num_completion_tokens - seen
+                seen = last.num_completion_tokens
             self._finish_row(index, last)
         except Exception as exc:  # noqa: BLE001 - the engine refused or failed this row alone
             self._fail(index, exc)
@@ -290,7 +290,7 @@ class OverGeneration(LiveViews):
             self._fail(index, GenerationError(output.error or "the request failed"))
             return
         reading = OutputReader(self._format).finish(output.text, output.finish_reason)
-        result = RowResult(output.text, output.finish_reason, len(output.prompt_token_ids), len(output.token_ids),
+        result = RowResult(output.text, output.finish_reason, output.num_prompt_tokens, output.num_completion_tokens,
                            reading.parsed, reading.parse_error)  # fmt: skip
         with self._lock:
             self._results[index] = result

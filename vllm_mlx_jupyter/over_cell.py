@@ -56,6 +56,7 @@ def start_over(session: Session, request: OverRequest, resolve_image: Callable[[
         SessionError: Not a list or DataFrame, a bad bound, or a resume that does not fit.
     """
     engine = session.require_engine()
+    session.check_params(request.params)
     try:
         source = RowSource(request.items)
     except TypeError as exc:
@@ -64,7 +65,7 @@ def start_over(session: Session, request: OverRequest, resolve_image: Callable[[
     name = session.claim_name(request.name or (request.resume.name if request.resume is not None else None))
     bound = request.max_in_flight
     if bound is None:
-        bound = IN_FLIGHT_PER_SEQ * engine.call(lambda core: core.config.max_num_seqs)
+        bound = IN_FLIGHT_PER_SEQ * session.max_num_seqs()
     columns = source.names()
     images = [Column(i) if isinstance(i, str) and i in columns else resolve_image(i) for i in request.images]
     fmt = request.response_format

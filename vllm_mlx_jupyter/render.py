@@ -52,14 +52,14 @@ def status_parts(gen) -> list[str]:
     if gen.parse_error:
         parts.append(f"not parsed: {gen.parse_error}")
     if out is not None:
-        n = len(out.token_ids)
+        n = out.num_completion_tokens
         parts.append(f"{n} token{'s' if n != 1 else ''}")
         rate = _tokens_per_second(out, n)
         if rate is not None:
             parts.append(f"{rate:.1f} tok/s")
         if out.ttft is not None:
             parts.append(f"TTFT {out.ttft:.2f} s")
-        parts.append(f"{out.num_cached_tokens}/{len(out.prompt_token_ids)} prompt tokens from cache")
+        parts.append(f"{out.num_cached_tokens}/{out.num_prompt_tokens} prompt tokens from cache")
     elif gen.num_prompt_tokens is not None:
         parts.append(f"{gen.num_prompt_tokens} prompt tokens")
     return parts

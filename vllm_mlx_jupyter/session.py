@@ -83,6 +83,32 @@ class Session:
         self._tokenizer = self._load_template_tokenizer(engine)
         return engine
 
+    def connect(self, url: str, api_key: str | None = None):
+        """Stop the current engine (if any) and use the ``vllm-mlx serve`` at ``url`` instead
+        (see ``remote.py``); raises ``ConnectError`` (nothing changes) when it cannot be used."""
+        from vllm_mlx_jupyter.remote import RemoteEngine
+
+        engine = RemoteEngine.connect(url, api_key)  # before shutdown: a failed connect changes nothing
+        self.shutdown()
+        self.engine, self.model, self.options, self._tokenizer = engine, engine.model, {}, None
+        return engine
+
+    @property
+    def remote(self) -> bool:
+        """Whether the engine is a server (``%vllm_mlx connect``), not the kernel's own."""
+        return getattr(self.engine, "remote", False)
+
+    def _refuse_remote(self, what: str) -> None:
+        if self.remote:
+            raise SessionError(f"{what} needs the in-kernel engine; not available while connected to "
+                               f"{self.engine.url} (%vllm_mlx disconnect)")  # fmt: skip
+
+    def max_num_seqs(self) -> int:
+        """The engine's batch size (a server does not say: its default, 8)."""
+        if self.remote:
+            return 8
+        return self.require_engine().call(lambda core: core.config.max_num_seqs)
+
     @staticmethod
     def _load_template_tokenizer(engine):
         """The kernel's own tokenizer for chat templates (the engine's is the engine thread's)."""
@@ -97,7 +123,7 @@ class Session:
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(self._template)
+        return self.remote or bool(self._template)  # a server applies its model's own template
 
     @property
     def _template(self) -> str:
@@ -189,6 +215,9 @@ class Session:
         ``prompt`` continues a chat after tool results.
         """
         engine = self.require_engine()
+        if tools is not None:
+            self._refuse_remote("--tools")
+        self.check_params(params)
         if raw and (chat is not None or tools is not None):
             flag = "--chat" if chat is not None else "--tools"
             raise SessionError(f"{flag} needs the chat template; it cannot be combined with --raw")
@@ -213,6 +242,16 @@ class Session:
         if session is not None:
             session.pending = gen
         return gen
+
+    def check_params(self, params) -> None:
+        """Connected: refuse sampling options the OpenAI API cannot carry (not drop them)."""
+        if self.remote:
+            from vllm_mlx_jupyter.remote import RemoteUnsupported
+
+            try:
+                self.engine.check_params(params)
+            except RemoteUnsupported as exc:
+                raise SessionError(str(exc)) from None
 
     def _turn_tools(self, session: ChatSession | None, tools: ToolSet | None, name: str | None, choice: str | None):
         """(the turn's tools, ``parser_for(prompt_tail="")``). A chat turn without ``--tools``
@@ -297,6 +336,12 @@ class Session:
         """Token ids of ``messages`` (and ``tools``) under the chat template, with their images
         prepared."""
         chat = split_chat_images(messages)
+        if self.remote:
+            from vllm_mlx_jupyter.remote import ChatPrompt
+
+            if chat.images:
+                self._refuse_remote("--image")
+            return ChatPrompt(messages)
         try:
             self.require_engine().check_images(chat.images)
         except ValueError as exc:
@@ -307,6 +352,7 @@ class Session:
         """``prompt`` as is, or with images, loaded and preprocessed (``PreparedPrompt``)."""
         if not images:
             return prompt
+        self._refuse_remote("--image")
         try:
             prepared = self.require_engine().prepare_prompt(prompt, images)
         except ValueError as exc:  # e.g. a text-only model
@@ -380,6 +426,10 @@ class Session:
         """Model, request counts and cache stats, as plain data."""
         if not self.loaded:
             return {"model": None, "loaded": False, "generations": len(self.generations)}
+        if self.remote:
+            server = self.engine.get_stats()
+            return {"model": self.model, "loaded": True, "server": self.engine.url,
+                    "active": [g.name for g in self.active()], **server["stats"]}  # fmt: skip
         stats = self.engine.cache_snapshot(include_blocks=False)["stats"]
         backend = backend_summary(self.engine.call(lambda engine: engine.weight_format))
         return {"model": self.model, "loaded": True, "options": dict(self.options), "backend": backend,
@@ -397,7 +447,7 @@ class Session:
                 "id": gen.request_id, "name": gen.name, "status": gen.state,
                 "prompt_tokens": gen.num_prompt_tokens or 0,
                 "cached_tokens": out.num_cached_tokens if out is not None else 0,
-                "output_tokens": len(out.token_ids) if out is not None else 0,
+                "output_tokens": out.num_completion_tokens if out is not None else 0,
             })  # fmt: skip
         return rows[-FINISHED_ROWS:]
 
@@ -411,6 +461,7 @@ class Session:
 
     def timeline(self):
         """The session's scheduler timeline widget (one per session, like the inspector)."""
+        self._refuse_remote("the timeline")
         if self._timeline is None:
             from vllm_mlx_jupyter.timeline import SchedulerTimeline
 

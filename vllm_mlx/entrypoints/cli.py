@@ -187,7 +187,14 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"vllm-mlx: error: the server needs extra packages ({exc.name}): {hint}", file=sys.stderr)
         return 1
     args.model = args.model_arg or args.model
-    return run_server(args, {**engine_options(args), **serve_engine_options(args)})
+    options = {**engine_options(args), **serve_engine_options(args)}
+    if args.distributed or (args.tensor_parallel_size or 1) > 1:
+        from vllm_mlx.entrypoints import distributed_serve
+
+        if args.distributed:
+            return distributed_serve.serve_rank(args, options, run_server)
+        return distributed_serve.launch_local(args, args.argv)
+    return run_server(args, options)
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -257,6 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_bench(args, rest)
         if rest:
             build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
+        args.argv = argv  # serve --tensor-parallel-size re-executes it as every rank
         return args.handler(args)
     except (VllmMlxError, ValueError) as exc:
         print(f"vllm-mlx: error: {exc}", file=sys.stderr)

@@ -49,6 +49,26 @@ def add_serve_arguments(parser: argparse.ArgumentParser, parse_bytes) -> None:
     # server's own (``generate`` uses --seed for its sampling).
     parser.add_argument("--seed", type=int, default=None, help="seed drawn from for requests that bring none")
     _add_media_arguments(parser.add_argument_group("media inputs (none from outside the request by default)"))
+    _add_distributed_arguments(parser.add_argument_group("tensor parallelism (docs/distributed.md)"))
+
+
+def _add_distributed_arguments(group) -> None:
+    group.add_argument("--tensor-parallel-size", type=_positive_int, default=None, metavar="N",
+                       help="split the model over N processes on this machine (a loopback ring); "
+                       "this process supervises them (default: 1, no split)")  # fmt: skip
+    group.add_argument("--distributed", action="store_true",
+                       help="run as one rank of 'mlx.launch ... -- vllm-mlx serve MODEL --distributed': "
+                       "rank 0 serves HTTP, the others hold their shard of the model")  # fmt: skip
+    group.add_argument("--distributed-timeout", type=float, default=None, metavar="SECONDS",
+                       help="how long a step may wait on the other ranks before one is declared hung "
+                       "and the server unhealthy (default: 120)")  # fmt: skip
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def _add_limit_arguments(group) -> None:
@@ -65,7 +85,8 @@ def request_limits(args: argparse.Namespace) -> RequestLimits:
 
 def serve_engine_options(args: argparse.Namespace) -> dict:
     """The ``EngineConfig`` fields set by the flags above."""
-    return {"seed": args.seed} if args.seed is not None else {}
+    flags = {"seed": args.seed, "distributed_timeout_s": args.distributed_timeout}
+    return {name: value for name, value in flags.items() if value is not None}
 
 
 def _add_media_arguments(group) -> None:

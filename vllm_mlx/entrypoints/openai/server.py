@@ -20,8 +20,9 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -35,6 +36,7 @@ from vllm_mlx.cpu_backend import backend_summary, warn_reference_blas
 from vllm_mlx.engine_core import EngineConfig
 from vllm_mlx.entrypoints.anthropic.protocol import MessagesInput, MessagesRequest, error_body, is_messages_path
 from vllm_mlx.entrypoints.anthropic.serving import AnthropicServing
+from vllm_mlx.entrypoints.openai.cache_blocks import block_view
 from vllm_mlx.entrypoints.openai.cli_args import request_limits, serve_media_policy
 from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
 from vllm_mlx.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware, BodySizeLimitMiddleware
@@ -51,6 +53,7 @@ from vllm_mlx.entrypoints.openai.serving_chat import ChatServing
 from vllm_mlx.entrypoints.openai.serving_completion import CompletionServing
 from vllm_mlx.entrypoints.openai.serving_responses import ResponsesServing
 from vllm_mlx.media_policy import MediaPolicy
+from vllm_mlx.rank_watchdog import RankLostError
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +112,8 @@ def build_app(
         """A blocking engine method, off the event loop; a dead engine is a 503."""
         try:
             return await run_in_threadpool(method)
-        except EngineDeadError:
-            raise engine_dead() from None
+        except EngineDeadError as exc:
+            raise engine_dead(exc.__cause__) from None
 
     @app.get("/health")
     async def health() -> Response:
@@ -150,6 +153,12 @@ def build_app(
     @app.get("/v1/cache/stats")
     async def cache_stats() -> dict:
         return summarize_snapshot(await engine_call(engine.cache_snapshot), options.cache_stats_per_request)
+
+    @app.get("/v1/cache/blocks")
+    async def cache_blocks(request_id: Annotated[list[str] | None, Query()] = None) -> dict:
+        snapshot = await engine_call(engine.cache_snapshot)
+        per_request, hits = options.cache_stats_per_request, options.enable_prompt_tokens_details
+        return block_view(snapshot, request_id or [], per_request=per_request, disclose_hits=hits)
 
     @app.delete("/v1/cache")
     async def reset_cache() -> dict:
@@ -195,7 +204,10 @@ def summarize_snapshot(snapshot: dict, per_request: bool = False) -> dict:
 
 
 def engine_health(engine: AsyncEngineCore) -> str:
-    """Why ``/health`` fails: the kind of failure (the traceback is in the log), or a stop."""
+    """Why ``/health`` fails: the kind of failure (the traceback is in the log), or a stop. A
+    lost tensor-parallel rank is said in full (its message names ranks and steps only)."""
+    if isinstance(engine.error, RankLostError):
+        return f"The engine failed: {engine.error}"
     if engine.error is not None:
         return f"The engine failed ({type(engine.error).__name__}); see the server log."
     return "The engine is not running."
@@ -229,7 +241,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def dead_engine(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return _error_response(engine_dead(), request)
+        return _error_response(engine_dead(exc.__cause__), request)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:

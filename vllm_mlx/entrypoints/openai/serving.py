@@ -26,6 +26,7 @@ from vllm_mlx.async_engine import AsyncEngineCore, EngineDeadError, RequestStrea
 from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
 from vllm_mlx.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from vllm_mlx.input_processor import PreparedPrompt
+from vllm_mlx.rank_watchdog import RankLostError
 from vllm_mlx.request import RequestOutput, SamplingParams
 from vllm_mlx.structured.grammar import CompiledGrammar, ConstraintError
 from vllm_mlx.structured.matcher import ERROR_PREFIX as CONSTRAINT_ERROR_PREFIX
@@ -258,8 +259,8 @@ class OpenAIServing:
             if req.structured_outputs is None and (req.response_format is None or req.response_format.type == "text"):
                 param = "tools"  # the constraint is the one tool_choice made from the tools' schemas
             raise OpenAIError(400, f"Invalid {param}: {exc}", param=param, code="invalid_constraint") from None
-        except EngineDeadError:
-            raise engine_dead() from None
+        except EngineDeadError as exc:
+            raise engine_dead(exc.__cause__) from None
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -288,10 +289,10 @@ class OpenAIServing:
                     prompt, sp, request_id, cache_salt=cache_salt, fairness_key=prefix, constraint=constraint
                 )
                 streams.append(stream)
-        except EngineDeadError:
+        except EngineDeadError as exc:
             for stream in streams:
                 self.engine.abort(stream.request_id)
-            raise engine_dead() from None
+            raise engine_dead(exc.__cause__) from None
         return streams
 
     def usage(self, finals: list[RequestOutput]) -> UsageInfo:
@@ -413,8 +414,12 @@ def limit_exceeded(exc: LimitExceeded) -> OpenAIError:
     return OpenAIError(400, str(exc), param=exc.param, code="limit_exceeded")
 
 
-def engine_dead() -> OpenAIError:
-    """The 503 for a request the engine can no longer serve (the reason is in the log)."""
+def engine_dead(cause: BaseException | None = None) -> OpenAIError:
+    """The 503 for a request the engine can no longer serve. The reason is in the log, except a
+    lost tensor-parallel rank (``RankLostError``), whose message names only ranks and steps:
+    clients see it, so they know a retry waits for the operator."""
+    if isinstance(cause, RankLostError):
+        return OpenAIError(503, f"The engine is not running: {cause}", code="engine_dead")
     return OpenAIError(503, ENGINE_DEAD_MESSAGE, code="engine_dead")
 
 
@@ -422,7 +427,7 @@ def engine_error(exc: BaseException) -> OpenAIError:
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, EngineDeadError):
-        return engine_dead()
+        return engine_dead(exc.__cause__)
     if isinstance(exc, ValueError):  # the engine refused the request itself
         return OpenAIError(400, str(exc))
     logger.error("a request failed", exc_info=exc)

@@ -1,0 +1,287 @@
+"""``%vllm_mlx connect``: the notebook's cells on a live ``vllm-mlx serve`` (uvicorn on a free
+127.0.0.1 port, in a thread) over the tiny llama, driven from a real IPython shell.
+
+The oracles are the server itself (the same greedy request sent without streaming) and the
+server's engine (its ``cache_snapshot()``, read in-process). Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+from IPython.core.error import UsageError  # noqa: E402
+from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
+from IPython.utils.capture import capture_output  # noqa: E402
+
+from vllm_mlx.async_engine import AsyncEngineCore  # noqa: E402
+from vllm_mlx.entrypoints.openai.server import build_app  # noqa: E402
+from vllm_mlx.entrypoints.openai.serving import ServingOptions  # noqa: E402
+from vllm_mlx_jupyter.generation import ABORTED, DONE  # noqa: E402
+from vllm_mlx_jupyter.inspector import STATE_CODES, decode_state  # noqa: E402
+from live_server import LiveServer, free_socket  # noqa: E402
+
+KEY = "sk-notebook"
+TIMEOUT = 60.0
+LONG = "--min-tokens 1500 --max-tokens 1500 --temperature 0"  # seconds on the tiny model
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    eng = AsyncEngineCore(model=str(tiny_model_dir), num_kv_blocks=256, max_model_len=2048).start()
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    """With the operator's cache-hit disclosure on: the inspector gets this notebook's tables."""
+    live = LiveServer(build_app(engine, served_model_name="tiny", api_key=KEY,
+                                options=ServingOptions(enable_prompt_tokens_details=True)))  # fmt: skip
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def ip(server):
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "vllm_mlx_jupyter")
+    shell.run_line_magic("config", "GenerateMagics.auto_load = False")
+    with capture_output():
+        shell.run_line_magic("vllm_mlx", f"connect {server.url} --api-key {KEY}")
+    yield shell
+    shell.run_line_magic("unload_ext", "vllm_mlx_jupyter")
+    shell.run_line_magic("config", "GenerateMagics.auto_load = True")  # the shell is shared with later tests
+
+
+@pytest.fixture
+def session(ip):
+    from vllm_mlx_jupyter import _MAGICS
+
+    return _MAGICS[id(ip)].session
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as client:
+        yield client
+
+
+def generate(ip, line: str, cell: str = "Tell me a story."):
+    with capture_output():
+        return ip.run_cell_magic("generate", line, cell)
+
+
+def wait_until(predicate, what: str, timeout: float = TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+    return value
+
+
+def wait_idle(engine) -> dict:
+    """The server's engine snapshot once no request holds blocks."""
+    def idle():
+        snap = engine.cache_snapshot()
+        return snap if not snap["requests"] and snap["stats"]["num_used_blocks"] == 0 else None
+
+    return wait_until(idle, "the server to free every block")
+
+
+# -- connecting -------------------------------------------------------------------------------
+
+
+def test_connect_refuses_a_wrong_url_or_key_and_changes_nothing(ip, session, server):
+    engine = session.engine
+    sock, url = free_socket()  # bound, not listening: nothing answers there
+    try:
+        with pytest.raises(UsageError, match="no server answers"):
+            ip.run_line_magic("vllm_mlx", f"connect {url}")
+    finally:
+        sock.close()
+    with pytest.raises(UsageError, match="refused the API key"):
+        ip.run_line_magic("vllm_mlx", f"connect {server.url} --api-key wrong")
+    with pytest.raises(UsageError, match="refused the API key"):
+        ip.run_line_magic("vllm_mlx", f"connect {server.url}")
+    with pytest.raises(UsageError, match="not an http"):
+        ip.run_line_magic("vllm_mlx", "connect localhost:1")
+    assert session.engine is engine and session.remote  # still on the same server
+
+
+def test_status_names_the_server(ip, server):
+    with capture_output() as out:
+        ip.run_line_magic("vllm_mlx", "status")
+    text = out.outputs[0].data["text/plain"]
+    assert server.url in text and "tiny" in text and "KV usage" in text
+
+
+# -- generating -------------------------------------------------------------------------------
+
+
+def test_concurrent_cells_stream_the_servers_greedy_text(ip, session, http):
+    flags = "--temperature 0 --min-tokens 200 --max-tokens 200"
+    prompts = ["Tell me a story.", "Count to ten."]
+    gens = [generate(ip, f"-n remote-{i} {flags}", p) for i, p in enumerate(prompts)]
+    wait_until(lambda: all(g.text and not g.done for g in gens) or all(g.done for g in gens), "both streaming")
+    both_streamed = all(not g.done for g in gens)  # both had text while neither had ended
+    for gen in gens:
+        assert gen.wait(TIMEOUT) and gen.state == DONE, (gen.state, gen.error)
+    assert both_streamed, "the cells did not stream concurrently"
+    for gen, prompt in zip(gens, prompts):
+        oracle = http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": prompt}], "temperature": 0, "min_tokens": 200, "max_tokens": 200,
+        }).json()  # fmt: skip
+        assert gen.text == oracle["choices"][0]["message"]["content"]
+        assert gen.output.num_completion_tokens == oracle["usage"]["completion_tokens"] == 200
+        assert gen.output.num_prompt_tokens == oracle["usage"]["prompt_tokens"]
+
+
+def test_raw_cells_use_completions(ip, http):
+    gen = generate(ip, "--raw --temperature 0 --max-tokens 12 --wait", "Once upon a time")
+    oracle = http.post("/v1/completions", json={"prompt": "Once upon a time", "temperature": 0, "max_tokens": 12})
+    assert gen.state == DONE and gen.text == oracle.json()["choices"][0]["text"]
+
+
+def test_abort_stops_the_generation_and_the_server_frees_its_blocks(ip, session, engine):
+    gen = generate(ip, f"-n long {LONG}")
+    wait_until(lambda: gen.text, "the first tokens")
+    with capture_output() as out:
+        ip.run_line_magic("vllm_mlx", "abort long")
+    assert "aborted: long" in out.stdout
+    assert gen.wait(TIMEOUT) and gen.state == ABORTED
+    assert gen.output.num_completion_tokens < 1500
+    wait_idle(engine)
+
+
+def test_chat_session_sends_the_history(ip, session, http):
+    first = generate(ip, "--chat remote-chat --temperature 0 --max-tokens 8 --wait", "Hi there.")
+    second = generate(ip, "--chat remote-chat --temperature 0 --max-tokens 8 --wait", "And then?")
+    assert first.state == second.state == DONE
+    messages = [{"role": "user", "content": "Hi there."}, {"role": "assistant", "content": first.text},
+                {"role": "user", "content": "And then?"}]  # fmt: skip
+    oracle = http.post("/v1/chat/completions", json={"messages": messages, "temperature": 0, "max_tokens": 8})
+    assert second.text == oracle.json()["choices"][0]["message"]["content"]
+
+
+def test_over_runs_rows_on_the_server(ip, session, http):
+    ip.user_ns["rows"] = ["red", "green", "blue"]
+    handle = generate(ip, "--over rows --temperature 0 --max-tokens 6 --wait", "Name a fruit that is {item}.")
+    assert handle.state == DONE and handle.errors == {}
+    for item, text in zip(ip.user_ns["rows"], handle.results):
+        oracle = http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": f"Name a fruit that is {item}."}], "temperature": 0, "max_tokens": 6,
+        }).json()  # fmt: skip
+        assert text == oracle["choices"][0]["message"]["content"]
+
+
+def test_constraints_and_system_go_to_the_server(ip):
+    gen = generate(ip, "--choice yes --choice no --temperature 0 --max-tokens 4 --wait --system 'Answer.'", "Ok?")
+    assert gen.state == DONE and gen.text in ("yes", "no")
+    gen = generate(ip, "--json --temperature 0 --max-tokens 64 --wait", "A JSON object, please.")
+    assert gen.state == DONE and (isinstance(gen.parsed, dict) or gen.finish_reason == "length"), gen.text
+
+
+@pytest.mark.parametrize("line, message", [
+    ("--logprobs 2", "--logprobs is not supported when connected"),
+    ("--tools nothing_here", "--tools"),
+])  # fmt: skip
+def test_what_the_api_cannot_carry_is_refused(ip, line, message):
+    ip.user_ns["nothing_here"] = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(UsageError, match=message):
+        generate(ip, line)
+
+
+def test_timeline_needs_the_kernel_engine(ip):
+    with pytest.raises(UsageError, match="in-kernel engine"):
+        ip.run_line_magic("vllm_mlx", "timeline")
+
+
+# -- the inspector ----------------------------------------------------------------------------
+
+
+def test_inspector_draws_the_servers_blocks(ip, session, engine):
+    inspector = session.inspector()
+    gen = generate(ip, f"-n inspected {LONG}")
+    try:
+        wait_until(lambda: len(gen.text) > 20, "tokens")
+        assert inspector.refresh()
+        state = decode_state(inspector.get_state())
+        truth = engine.cache_snapshot()
+        assert state["num_blocks"] == len(truth["blocks"])
+        row = next(r for r in state["requests"] if r["name"] == "inspected")
+        table = state["block_tables"][row["offset"] : row["offset"] + row["num_blocks"]]
+        assert row["num_blocks"] > 0 and all(truth["blocks"][b]["state"] == "used" for b in table)
+        assert all(state["block_state"][b] == STATE_CODES["used"] for b in table)
+    finally:
+        gen.cancel()
+        gen.wait(TIMEOUT)
+    wait_idle(engine)
+    assert inspector.refresh()
+    state, truth = decode_state(inspector.get_state()), engine.cache_snapshot()
+    assert state["block_state"] == [STATE_CODES[b["state"]] for b in truth["blocks"]]
+    assert state["stats"]["num_cached_free_blocks"] == truth["stats"]["num_cached_free_blocks"]
+    assert all(not h and not t for h, t in state["block_info"].values())  # no hashes, no text
+
+
+def test_blocks_endpoint_shows_no_other_tenant(server, http, engine):
+    """Another client's request is not listed, even by a client that asks for every id it can
+    see; its blocks show only as states."""
+    stream = engine.add_request("some other tenant's secret prompt " * 4,
+                                _params(min_tokens=400, max_tokens=400), "other-tenant")  # fmt: skip
+    try:
+        wait_until(lambda: engine.cache_snapshot()["requests"].get("other-tenant", {}).get("block_ids"), "blocks")
+        view = http.get("/v1/cache/blocks", params={"request_id": ["not-mine", "gen-1"]}).json()
+        assert view["requests"] == {} and view["blocks"] == {}
+        assert "u" in view["block_states"] and "secret" not in str(view)
+        mine = http.get("/v1/cache/blocks", params={"request_id": "other-tenant"}).json()  # whoever knows the id
+        assert mine["requests"]["other-tenant"]["block_ids"] and mine["tables_disclosed"]
+    finally:
+        engine.abort("other-tenant")
+        del stream
+    wait_idle(engine)
+    assert httpx.get(server.url + "/v1/cache/blocks").status_code == 401  # the key is required
+
+
+def test_blocks_view_discloses_tables_only_where_the_operator_allows(engine):
+    from vllm_mlx.entrypoints.openai.cache_blocks import block_view
+
+    stream = engine.add_request("a prompt long enough to fill two blocks " * 3, _params(min_tokens=400, max_tokens=400),
+                                "viewed")  # fmt: skip
+    try:
+        wait_until(lambda: engine.cache_snapshot()["requests"].get("viewed", {}).get("block_ids"), "blocks")
+        snapshot = engine.cache_snapshot()
+        truth = snapshot["requests"]["viewed"]
+        hidden = block_view(snapshot, ["viewed"])
+        assert hidden["requests"]["viewed"]["block_ids"] == [] and hidden["blocks"] == {}
+        assert not hidden["tables_disclosed"] and hidden["requests"]["viewed"]["num_prompt_tokens"]
+        shown = block_view(snapshot, ["viewed"], disclose_hits=True)
+        assert shown["requests"]["viewed"]["block_ids"] == truth["block_ids"]
+        assert set(shown["blocks"]) == {str(b) for b in truth["block_ids"] if b}
+        everyone = block_view(snapshot, [], per_request=True)
+        assert set(everyone["requests"]) == set(snapshot["requests"])
+        assert len(hidden["block_states"]) == len(snapshot["blocks"])
+    finally:
+        engine.abort("viewed")
+        del stream
+    wait_idle(engine)
+
+
+def test_disconnect_returns_to_the_kernel_engine(ip, session, server):
+    with capture_output() as out:
+        ip.run_line_magic("vllm_mlx", "disconnect")
+    assert "disconnected" in out.stdout and session.engine is None and not session.remote
+    with pytest.raises(UsageError, match="no model is loaded"):
+        generate(ip, "--max-tokens 2")
+    with capture_output():
+        ip.run_line_magic("vllm_mlx", f"connect {server.url} --api-key {KEY}")
+    assert session.remote
+
+
+def _params(**fields):
+    from vllm_mlx import SamplingParams
+
+    return SamplingParams(temperature=0, **fields)

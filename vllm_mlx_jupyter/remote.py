@@ -1,0 +1,320 @@
+"""``RemoteEngine``: a running ``vllm-mlx serve`` in the place of the kernel's engine.
+
+``%vllm_mlx connect URL`` gives the session one of these instead of an ``AsyncEngineCore``. It
+has the part of the engine's surface the notebook uses — ``add_request`` (a ``RequestStream``,
+read blocking or with ``async for``), ``abort``, ``cache_snapshot``, ``reset_prefix_cache``,
+``stop`` — and speaks the server's OpenAI API underneath:
+
+- a prompt that is text (``--raw``) goes to ``/v1/completions``; a ``ChatPrompt`` (the messages
+  the session would have put through the chat template) to ``/v1/chat/completions``, so the
+  server applies the same template the kernel would have;
+- every request streams (SSE) on one asyncio loop in a background thread: concurrent cells are
+  concurrent HTTP streams, batched by the server's engine;
+- ``abort`` cancels the stream's task, which closes its connection: the server aborts a request
+  whose client went away and frees its blocks;
+- ``cache_snapshot`` reads ``/v1/cache/blocks`` (only this notebook's requests, by the response
+  ids the server gave them) and rebuilds the engine's snapshot shape, so the inspector draws
+  the server's blocks unchanged. A request is known by its server id from its first chunk on
+  (the server answers after the prefill), so the inspector lists it from then.
+
+Outputs are ``RemoteOutput``s: the text so far and token counts (the chunks so far while
+streaming, the server's usage at the end) — no token ids, which the API does not stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from vllm_mlx.async_engine import EngineDeadError, RequestStream
+
+CONNECT_TIMEOUT = 10.0
+STATE_NAMES = {"n": "null", "f": "free", "c": "cached", "u": "used"}
+# SamplingParams fields with their OpenAI (or vLLM extension) names; the rest must be defaults.
+_SAMPLING_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos")  # fmt: skip
+
+
+class ConnectError(ValueError):
+    """The server cannot be used: unreachable, the wrong key, or not a vllm-mlx server."""
+
+
+class RemoteUnsupported(ValueError):
+    """A request the OpenAI API cannot express (it would otherwise be silently changed)."""
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """Messages for ``/v1/chat/completions`` (the server applies the chat template)."""
+
+    messages: list[dict]
+
+
+@dataclass(frozen=True)
+class RemoteOutput:
+    """One streamed state of a remote request (the fields of ``RequestOutput`` the notebook
+    reads). ``num_completion_tokens`` counts chunks while streaming, the server's usage at the end."""
+
+    request_id: str
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+    num_cached_tokens: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    server_id: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+class RemoteEngine:
+    """A ``vllm-mlx serve`` at ``url``, used like the kernel's ``AsyncEngineCore``.
+
+    ``RemoteEngine.connect(url, api_key)`` checks the server (and the key) before returning:
+    nothing is half-connected. Thread-safe: cells, the monitor and the inspector call it from
+    their own threads.
+    """
+
+    remote = True
+
+    def __init__(self, url: str, api_key: str | None, model: str) -> None:
+        self.url = url.rstrip("/")
+        self.model = model
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        timeout = httpx.Timeout(CONNECT_TIMEOUT, read=None)  # a stream may wait long for a token
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=CONNECT_TIMEOUT)
+        self._async_http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-mlx-remote", daemon=True)
+        self._thread.start()
+        self._tasks: dict[str, asyncio.Future] = {}
+        self._server_ids: dict[str, str] = {}  # our request id -> the server's (its response id)
+        self._lock = threading.Lock()
+        self._running = True
+
+    @classmethod
+    def connect(cls, url: str, api_key: str | None = None) -> RemoteEngine:
+        """Check that ``url`` is a vllm-mlx server that accepts ``api_key``; raise ``ConnectError``."""
+        if not url.startswith(("http://", "https://")):
+            raise ConnectError(f"connect: {url!r} is not an http(s) URL (e.g. http://127.0.0.1:8000)")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        base = url.rstrip("/")
+        try:
+            models = httpx.get(f"{base}/v1/models", headers=headers, timeout=CONNECT_TIMEOUT)
+            blocks = httpx.get(f"{base}/v1/cache/blocks", headers=headers, timeout=CONNECT_TIMEOUT)
+        except httpx.HTTPError as exc:
+            raise ConnectError(f"connect: no server answers at {base}: {exc}") from None
+        if models.status_code == 401:
+            raise ConnectError(f"connect: {base} refused the API key: {_message(models)} (give --api-key KEY)")
+        if models.status_code != 200 or blocks.status_code != 200:
+            bad = models if models.status_code != 200 else blocks
+            raise ConnectError(f"connect: {base} is not a vllm-mlx server ({bad.request.url.path}: "
+                               f"HTTP {bad.status_code})")  # fmt: skip
+        return cls(base, api_key, models.json()["data"][0]["id"])
+
+    # -- the engine's surface ---------------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self._running
+
+    def add_request(self, prompt, params, request_id: str, constraint=None) -> RequestStream:
+        """Start streaming ``prompt`` (text or a ``ChatPrompt``); ``constraint`` is ignored
+        (the server compiles ``params.structured_outputs`` itself)."""
+        if not self._running:
+            raise EngineDeadError(f"disconnected from {self.url}")
+        path, body = request_body(prompt, params, self.model)
+        stream = RequestStream(request_id, self)
+        task = asyncio.run_coroutine_threadsafe(self._stream(path, body, request_id, stream), self._loop)
+        with self._lock:
+            self._tasks[request_id] = task
+        task.add_done_callback(lambda _t: self._forget(request_id))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Close the request's stream; the server aborts it (a no-op once it has ended)."""
+        with self._lock:
+            task = self._tasks.get(request_id)
+        if task is not None:
+            task.cancel()
+
+    def check_params(self, params) -> None:
+        """Refuse what the API cannot carry; ``RemoteUnsupported`` names the flag."""
+        request_body("", params, self.model)
+
+    def compile_constraint(self, params) -> None:
+        """The server compiles constraints; a bad one is the generation's error."""
+        return None
+
+    def check_images(self, images) -> None:
+        if images:
+            raise RemoteUnsupported("images are not sent to a server yet: disconnect to use --image")
+
+    def cache_snapshot(self, include_blocks: bool = True) -> dict:
+        """The server's block grid and this notebook's requests, in ``cache_snapshot()``'s shape.
+        Without ``include_blocks`` (the session's monitor, asking about queued requests) no
+        request is known yet: the server names a request with its first token."""
+        if not include_blocks:
+            return {"block_size": 0, "blocks": [], "requests": {}, "free_queue": [], "stats": {}}
+        with self._lock:
+            ids = dict(self._server_ids)
+        response = self._http.get("/v1/cache/blocks", params={"request_id": list(ids.values())})
+        _raise_for(response)
+        return snapshot_from_view(response.json(), {server: ours for ours, server in ids.items()})
+
+    def get_stats(self) -> dict:
+        response = self._http.get("/v1/cache/stats")
+        _raise_for(response)
+        return response.json()
+
+    def reset_prefix_cache(self) -> bool:
+        response = self._http.delete("/v1/cache")
+        _raise_for(response)
+        return bool(response.json().get("reset"))
+
+    def stop(self) -> None:
+        """Abort this notebook's streams and close the connections (the server keeps running)."""
+        self._running = False
+        with self._lock:
+            tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        asyncio.run_coroutine_threadsafe(self._async_http.aclose(), self._loop).result(CONNECT_TIMEOUT)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._http.close()
+
+    # -- streaming --------------------------------------------------------------------------
+
+    async def _stream(self, path: str, body: dict, request_id: str, stream: RequestStream) -> None:
+        """Read one SSE stream into ``stream``; the last item put is always a finished output."""
+        state = RemoteOutput(request_id)
+        try:
+            async with self._async_http.stream("POST", path, json=body) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    state = _finished(state, "error", error=f"HTTP {response.status_code}: {_message(response)}")
+                    return
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    state = self._apply(state, json.loads(line[6:]))
+                    if not state.finished:
+                        stream.put(state)
+            state = state if state.finish_reason else _finished(state, "error", error="the stream ended early")
+            state = dataclasses.replace(state, finished=True, finish_time=time.monotonic())
+        except asyncio.CancelledError:
+            state = _finished(state, "abort")
+        except (httpx.HTTPError, ValueError) as exc:
+            state = _finished(state, "error", error=f"{type(exc).__name__}: {exc}")
+        finally:
+            stream.put(state if state.finished else _finished(state, "error", error="no answer"))
+
+    def _apply(self, state: RemoteOutput, chunk: dict) -> RemoteOutput:
+        """``state`` after one SSE chunk (text delta, finish reason, usage or error)."""
+        if "error" in chunk:
+            return _finished(state, "error", error=chunk["error"].get("message", str(chunk["error"])))
+        if state.server_id is None and chunk.get("id"):
+            with self._lock:
+                self._server_ids[state.request_id] = chunk["id"]
+            state = dataclasses.replace(state, server_id=chunk["id"])
+        changes: dict = {}
+        for choice in chunk.get("choices", []):
+            delta = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            changes["text"] = state.text + delta
+            changes["num_completion_tokens"] = state.num_completion_tokens + (1 if delta else 0)
+            if state.first_token_time is None:
+                changes["first_token_time"] = time.monotonic()
+            if choice.get("finish_reason"):
+                changes["finish_reason"] = choice["finish_reason"]
+        usage = chunk.get("usage")
+        if usage:
+            details = usage.get("prompt_tokens_details") or {}
+            changes.update(num_prompt_tokens=usage["prompt_tokens"], num_completion_tokens=usage["completion_tokens"],
+                           num_cached_tokens=details.get("cached_tokens", 0))  # fmt: skip
+        return dataclasses.replace(state, **changes)
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._tasks.pop(request_id, None)
+            self._server_ids.pop(request_id, None)
+
+
+def request_body(prompt, params, model: str) -> tuple[str, dict]:
+    """(path, JSON body) of a streamed request; ``RemoteUnsupported`` for what cannot go."""
+    from vllm_mlx.request import SamplingParams
+
+    defaults = SamplingParams()
+    for name, flag in (("logprobs", "--logprobs"), ("max_thinking_tokens", "max_thinking_tokens"),
+                       ("stop_token_ids", "stop_token_ids"), ("n", "n")):  # fmt: skip
+        if getattr(params, name) != getattr(defaults, name):
+            raise RemoteUnsupported(f"{flag} is not supported when connected to a server")
+    body: dict = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
+    body.update({name: getattr(params, name) for name in _SAMPLING_FIELDS if getattr(params, name) is not None})
+    if params.stop:
+        body["stop"] = list(params.stop)
+    if params.structured_outputs is not None:
+        body["structured_outputs"] = _constraint_dict(params.structured_outputs)
+    if isinstance(prompt, ChatPrompt):
+        return "/v1/chat/completions", {**body, "messages": prompt.messages}
+    if not isinstance(prompt, str):
+        raise RemoteUnsupported("a server takes text or chat messages, not a prepared prompt (images?)")
+    return "/v1/completions", {**body, "prompt": prompt}
+
+
+def _constraint_dict(constraint) -> dict:
+    """A ``StructuredOutputsParams`` as the server's ``structured_outputs`` object (set fields)."""
+    fields = dataclasses.fields(constraint)
+    return {f.name: _plain(getattr(constraint, f.name)) for f in fields if getattr(constraint, f.name) != f.default}
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+def snapshot_from_view(view: dict, ours: dict[str, str]) -> dict:
+    """``/v1/cache/blocks`` as an engine ``cache_snapshot()`` (``ours``: server id -> our id).
+
+    Blocks nobody here holds have no token or reference counts on the wire: a used one counts
+    one reference, and none has a hash or text.
+    """
+    held = view["blocks"]
+    blocks = []
+    for block_id, letter in enumerate(view["block_states"]):
+        state = STATE_NAMES[letter]
+        info = held.get(str(block_id), {})
+        blocks.append({"id": block_id, "state": state, "ref_cnt": info.get("ref_cnt", int(state == "used")),
+                       "owners": [], "hash": None, "num_tokens": info.get("num_tokens", 0), "text": ""})  # fmt: skip
+    requests = {ours.get(rid, rid): dict(request, num_computed_tokens=0, num_preemptions=0)
+                for rid, request in view["requests"].items()}  # fmt: skip
+    return {"block_size": view["block_size"], "blocks": blocks, "requests": requests, "free_queue": view["free_queue"],
+            "stats": view["stats"], "mllm": {"entries": []}, "kv_groups": view.get("kv_groups", []),
+            "block_groups": view.get("block_groups", [])}  # fmt: skip
+
+
+def _finished(state: RemoteOutput, reason: str, error: str | None = None) -> RemoteOutput:
+    return dataclasses.replace(state, finished=True, finish_reason=reason, error=error, finish_time=time.monotonic())
+
+
+def _message(response: httpx.Response) -> str:
+    """The error message of an OpenAI-style error body (or the body's start)."""
+    try:
+        return response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return response.text[:200]
+
+
+def _raise_for(response: httpx.Response) -> None:
+    if response.status_code != 200:
+        raise ConnectError(f"{response.request.url.path}: HTTP {response.status_code}: {_message(response)}")

@@ -5,7 +5,8 @@ message's broadcast issues, counted by wrapping ``mx.distributed.all_sum``.
 One process suffices: over a 1-rank group mlx-lm's ``shard`` still puts ``all_sum``-ending
 layers where the ranks would all-reduce, and each call gets the whole [tokens, hidden]
 activation whatever the rank count (the ranks differ in the weights they hold, not in what they
-hand the collective)."""
+hand the collective). A real 2-rank run then checks every step of a prefill and decodes on
+rank 0, the padded forward calls of a prefill included."""
 
 from __future__ import annotations
 
@@ -92,3 +93,31 @@ def test_ring_wire_bytes_and_predicted_seconds():
     assert (traffic.collectives, traffic.nbytes) == (6, 4 * 8 * 4 + 4 + 28)
     assert traffic.wire_bytes(2) == traffic.nbytes and traffic.wire_bytes(4) == 1.5 * traffic.nbytes
     assert traffic.seconds(1e-5, 1e9) == pytest.approx(6e-5 + 160e-9)
+
+
+def test_two_ranks_hand_their_collectives_what_the_cost_model_counts(tiny_model_dir, tmp_path):
+    """A real 2-rank run (tests/tp_driver.py ``traffic``): on rank 0 each step's all_sum calls
+    and bytes equal ``step_traffic`` of its forward calls, padded tokens and real message size,
+    for the prefill step of four prompts of different lengths and for the decode steps after it."""
+    import mlx.core as mx
+
+    from tp_driver import TRAFFIC_PROMPTS, launch_two_ranks
+
+    if not mx.distributed.is_available():
+        pytest.skip("mlx has no distributed backend")
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    done = launch_two_ranks(tiny_model_dir, tmp_path / "tp", "traffic")
+    assert (tmp_path / "tp.rank1.json").exists(), done.output[-3000:]
+    steps = json.loads((tmp_path / "tp.rank0.json").read_text())["steps"]
+    prefill, decodes = steps[0], steps[1:]
+    assert prefill["forward_calls"] == 2 and len(decodes) >= 5
+    assert {d["padded_tokens"] for d in decodes} == {len(TRAFFIC_PROMPTS)}  # one row per request
+    assert {d["forward_calls"] for d in decodes} == {1}
+    for step in steps:
+        predicted = step_traffic(config, step["padded_tokens"], step["message_bytes"], forward_calls=step["forward_calls"])
+        print(f"{step['forward_calls']} calls, {step['padded_tokens']:4d} tokens, message {step['message_bytes']:4d} B: "
+              f"{len(step['all_sum_bytes'])} all_sums, {sum(step['all_sum_bytes'])} B, "
+              f"{step['collective_seconds'] * 1e3:.1f} ms in collectives")  # fmt: skip
+        assert len(step["all_sum_bytes"]) == predicted.collectives
+        assert sum(step["all_sum_bytes"]) == pytest.approx(predicted.nbytes, rel=0.2)
+        assert sum(step["all_sum_bytes"]) == predicted.nbytes  # (exactly, in fact)

@@ -1,13 +1,19 @@
 """Tensor parallelism (vllm_mlx/distributed.py): the step protocol is plain data, models that
 cannot be split are refused, and two ranks on 127.0.0.1 (ring backend) produce the greedy tokens
-of the single-process engine through chunked prefill, prefix-cache hits and preemption."""
+of the single-process engine through chunked prefill, prefix-cache hits and preemption, for a
+llama and for gpt_oss (sliding windows, attention sinks, experts)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tiny_model import TINY_GPT_OSS, build_tiny_llama
+from tp_driver import launch_two_ranks
 
 from vllm_mlx.distributed import (
     NewRequest,
@@ -16,14 +22,13 @@ from vllm_mlx.distributed import (
     StepRow,
     TensorParallelError,
     check_shardable,
+    row_tables,
     sampling_dict,
 )
 from vllm_mlx.outputs import ScheduledRequest, SchedulerOutput
 from vllm_mlx.request import Request, RequestStatus, SamplingParams
-from vllm_mlx.ring_launch import LaunchError, LaunchResult, launch_ring
+from vllm_mlx.ring_launch import LaunchResult
 
-TESTS = Path(__file__).parent
-LAUNCH_TIMEOUT = 150  # seconds: two model loads and ~40 steps take ~30 s on 2 busy cores
 
 
 def test_step_message_round_trips_as_json():
@@ -51,6 +56,67 @@ def test_encoder_sends_prompts_once_then_only_new_output_tokens():
     assert encoder.encode(SchedulerOutput(3)).finished == ["r"]
 
 
+def _tables_on_a_worker(steps: list[list[ScheduledRequest]]) -> list[list[StepRow]]:
+    """Encode ``steps`` as rank 0 does, send them through JSON and rebuild every row's tables as
+    a worker does; assert they are the scheduled ones. Returns the rows sent."""
+    encoder, held, sent = StepEncoder(), {}, []
+    for step_id, scheduled in enumerate(steps):
+        message = StepMessage.from_bytes(encoder.encode(SchedulerOutput(step_id, scheduled)).to_bytes())
+        for item, row in zip(scheduled, message.rows):
+            held[row.request_id] = row_tables(row, held.get(row.request_id))
+            assert held[row.request_id] == (item.block_tables or [item.block_ids])
+        sent.append(message.rows)
+    return sent
+
+
+def test_rows_send_only_the_block_ids_appended_since_the_last_row():
+    request = Request("r", [5, 6, 7, 8, 9, 10], SamplingParams())
+    preempted = [5, 6, 7]  # re-admitted after a preemption: a new table
+    first, same, grown, readmitted, next_one = _tables_on_a_worker([
+        [ScheduledRequest(request, 0, 6, [3, 4])],
+        [ScheduledRequest(request, 6, 1, [3, 4])],  # a decode inside block 4
+        [ScheduledRequest(request, 7, 2, [3, 4, 9])],  # crosses into a new block
+        [ScheduledRequest(request, 0, 9, preempted)],
+        [ScheduledRequest(request, 9, 1, [*preempted, 11])],
+    ])  # fmt: skip
+    assert [(r[0].block_ids, r[0].whole_tables) for r in (first, same, grown, readmitted, next_one)] == [
+        ([3, 4], True), ([], False), ([9], False), (preempted, True), ([11], False),
+    ]  # fmt: skip
+
+
+def test_sliding_window_tables_go_whole_when_blocks_leave_the_window():
+    request = Request("r", list(range(12)), SamplingParams())
+    rows = _tables_on_a_worker([
+        [ScheduledRequest(request, 0, 8, [1, 2], block_tables=[[1, 2], [3, 4]])],
+        [ScheduledRequest(request, 8, 4, [1, 2, 5], block_tables=[[1, 2, 5], [3, 4, 6]])],
+        [ScheduledRequest(request, 12, 1, [1, 2, 5], block_tables=[[1, 2, 5], [0, 4, 6]])],  # block 3 left
+        [ScheduledRequest(request, 13, 4, [1, 2, 5, 7], block_tables=[[1, 2, 5, 7], [0, 4, 6, 8]])],
+    ])  # fmt: skip
+    assert [(r[0].block_tables, r[0].whole_tables) for r in rows] == [
+        ([[1, 2], [3, 4]], True), ([[5], [6]], False), ([[1, 2, 5], [0, 4, 6]], True), ([[7], [8]], False),
+    ]  # fmt: skip
+
+
+def test_a_decode_step_inside_blocks_sends_no_block_ids():
+    """B = 32 requests with 511-token prompts (block size 16: 32-block tables), then a decode
+    step that stays inside their last blocks: its rows carry no block ids at all."""
+    batch, blocks = 32, 32
+    requests = [Request(f"req-{i}", list(range(1000, 1511)), SamplingParams(seed=i)) for i in range(batch)]
+    tables = [list(range(1 + i * blocks, 1 + (i + 1) * blocks)) for i in range(batch)]
+    encoder = StepEncoder()
+    encoder.encode(SchedulerOutput(1, [ScheduledRequest(r, 0, 511, t) for r, t in zip(requests, tables)]))
+    for request in requests:
+        request.append_output_token(31337)
+    decode = encoder.encode(SchedulerOutput(2, [ScheduledRequest(r, 511, 1, t) for r, t in zip(requests, tables)]))
+    assert all(row.block_ids == [] and not row.whole_tables for row in decode.rows)
+    whole = dataclasses.replace(decode, rows=[
+        dataclasses.replace(row, block_ids=table, whole_tables=True) for row, table in zip(decode.rows, tables)
+    ])  # fmt: skip  (the message as it was before deltas: every table whole)
+    before, after = len(whole.to_bytes()), len(decode.to_bytes())
+    print(f"decode step message, B={batch}, 32-block tables: {before} B with whole tables, {after} B with deltas")
+    assert before - after > 2 * batch * blocks  # at least a digit and a comma per block id (here 36 %)
+
+
 class _Shardable:
     def shard(self, group):  # pragma: no cover - never called by the checks
         raise AssertionError
@@ -75,21 +141,35 @@ def test_engine_outside_a_launch_says_how_to_launch():
         EngineCore(model="unused: refused before loading", tensor_parallel=True)
 
 
-def _launch_two_ranks(model_dir: Path, out_prefix: Path, *args: str) -> LaunchResult:
-    """The driver on two ranks (``ring_launch``: its own session, killed whole on timeout)."""
-    try:
-        done = launch_ring(str(TESTS / "tp_driver.py"), [str(model_dir), str(out_prefix), *args],
-                           timeout=LAUNCH_TIMEOUT, pythonpath=[str(TESTS.parent), str(TESTS)])  # fmt: skip
-    except LaunchError as exc:
-        pytest.skip(str(exc))
-    if done.timed_out:
-        pytest.fail(f"two ranks did not finish in {LAUNCH_TIMEOUT} s:\n{done.output[-3000:]}")
-    return done
+@dataclass
+class TPArch:
+    """An architecture of the 2-rank test: ``build_tiny_llama`` overrides (4 heads, 2 KV heads
+    each) and the block groups its KV cache has."""
+
+    overrides: dict
+    block_groups: int
 
 
-@pytest.fixture(scope="module")
-def single_process(tiny_model_dir) -> dict:
-    """The driver's workload on the ordinary engine (the tiny llama: 4 heads, 2 KV heads)."""
+# gpt_oss differs from llama where sharding could go wrong: sliding-window layers (two block
+# groups: ``block_tables`` in every row, blocks leaving the window), attention sinks sliced per
+# rank, and a mixture of experts whose down projection's bias is split over the ranks.
+TP_ARCHS = {"llama": TPArch({}, 1), "gpt_oss": TPArch(TINY_GPT_OSS, 2)}
+
+
+@pytest.fixture(scope="module", params=list(TP_ARCHS))
+def tp_arch(request, tiny_model_dir, default_model_dir, tmp_path_factory) -> tuple[Path, TPArch]:
+    """(model directory, architecture) of each of ``TP_ARCHS``."""
+    arch = TP_ARCHS[request.param]
+    if not arch.overrides:
+        return tiny_model_dir, arch
+    return build_tiny_llama(tmp_path_factory.mktemp(request.param), default_model_dir, **arch.overrides), arch
+
+
+_SINGLE_PROCESS: dict[Path, dict] = {}
+
+
+def single_process(model_dir: Path) -> dict:
+    """The driver's workload on the ordinary engine (computed once per model directory)."""
     import mlx.core as mx
 
     from tp_driver import ENGINE_OPTIONS, run_batch
@@ -97,12 +177,14 @@ def single_process(tiny_model_dir) -> dict:
 
     if not mx.distributed.is_available():
         pytest.skip("mlx has no distributed backend")
-    assert json.loads((tiny_model_dir / "config.json").read_text())["num_key_value_heads"] == 2
-    engine = EngineCore(model=str(tiny_model_dir), force_model_takeover=True, **ENGINE_OPTIONS)
-    try:
-        return run_batch(engine)
-    finally:
-        engine.shutdown()
+    if model_dir not in _SINGLE_PROCESS:
+        assert json.loads((model_dir / "config.json").read_text())["num_key_value_heads"] == 2
+        engine = EngineCore(model=str(model_dir), force_model_takeover=True, **ENGINE_OPTIONS)
+        try:
+            _SINGLE_PROCESS[model_dir] = run_batch(engine)
+        finally:
+            engine.shutdown()
+    return _SINGLE_PROCESS[model_dir]
 
 
 def _results(tmp_path: Path, done: LaunchResult) -> tuple[dict, dict]:
@@ -110,11 +192,13 @@ def _results(tmp_path: Path, done: LaunchResult) -> tuple[dict, dict]:
     return json.loads((tmp_path / "tp.rank0.json").read_text()), json.loads((tmp_path / "tp.rank1.json").read_text())
 
 
-def test_two_ranks_on_loopback_equal_the_single_process_engine(tiny_model_dir, single_process, tmp_path):
-    expected = single_process
-    rank0, rank1 = _results(tmp_path, _launch_two_ranks(tiny_model_dir, tmp_path / "tp"))
+def test_two_ranks_on_loopback_equal_the_single_process_engine(tp_arch, tmp_path):
+    model_dir, arch = tp_arch
+    expected = single_process(model_dir)
+    rank0, rank1 = _results(tmp_path, launch_two_ranks(model_dir, tmp_path / "tp"))
     assert rank0["tokens"] == expected["tokens"]
     assert rank0["kv_heads"] == 1  # each rank holds half of the 2 KV heads
+    assert rank0["block_groups"] == expected["block_groups"] == arch.block_groups
     assert rank0["preemptions"] > 0 and rank0["prefix_hits"] > 0 and rank0["chunks"] > 0
     for what in ("preemptions", "prefix_hits", "chunks"):  # rank 0 scheduled as one process does
         assert rank0[what] == expected[what], what
@@ -124,16 +208,17 @@ def test_two_ranks_on_loopback_equal_the_single_process_engine(tiny_model_dir, s
     assert rank0["errors"] == [None] * len(expected["tokens"])
 
 
-def test_a_request_that_fails_on_every_rank_fails_alone(tiny_model_dir, single_process, tmp_path):
+def test_a_request_that_fails_on_every_rank_fails_alone(tiny_model_dir, tmp_path):
     """Steps holding request p3 raise on both ranks: rank 0 re-runs them request by request (and
     probes when p3 ran alone), sending each re-run; the others' tokens are unchanged."""
     from tp_driver import POISON
 
-    rank0, rank1 = _results(tmp_path, _launch_two_ranks(tiny_model_dir, tmp_path / "tp", "poison"))
+    rank0, rank1 = _results(tmp_path, launch_two_ranks(tiny_model_dir, tmp_path / "tp", "poison"))
     poisoned = int(POISON[1:])
     assert "ValueError" in rank0["errors"][poisoned]  # (the message to callers hides the details)
     others = [i for i in range(len(rank0["tokens"])) if i != poisoned]
-    assert [rank0["tokens"][i] for i in others] == [single_process["tokens"][i] for i in others]
+    expected = single_process(tiny_model_dir)["tokens"]
+    assert [rank0["tokens"][i] for i in others] == [expected[i] for i in others]
     assert rank1["errors"] > 0 and rank1["mismatches"] == 0
 
 
@@ -141,14 +226,12 @@ def test_two_ranks_refuse_kv_heads_that_do_not_divide(default_model_dir, tmp_pat
     """Both ranks check before sharding and fail alike (no rank is left waiting for the other)."""
     import mlx.core as mx
 
-    from tiny_model import build_tiny_llama
-
     if not mx.distributed.is_available():
         pytest.skip("mlx has no distributed backend")
     model = build_tiny_llama(
         tmp_path / "kv3", default_model_dir, hidden_size=96, num_attention_heads=6, num_key_value_heads=3
     )
-    done = _launch_two_ranks(model, tmp_path / "tp")
+    done = launch_two_ranks(model, tmp_path / "tp")
     # mlx.launch exits 0 whatever its ranks do, and ends the others when one fails.
     assert "rank 0 exited with code 1" in done.output or "rank 1 exited with code 1" in done.output
     assert "2 ranks needs heads that divide evenly: the model has 3 KV heads" in done.output
@@ -172,7 +255,7 @@ def test_ranks_with_a_differing_weight_file_are_refused_on_both(tiny_model_dir, 
         last = f.read(1)
         f.seek(-3, 2)
         f.write(bytes([last[0] ^ 0x40]))
-    done = _launch_two_ranks(tiny_model_dir, tmp_path / "tp", f"other-model={other}")
+    done = launch_two_ranks(tiny_model_dir, tmp_path / "tp", f"other-model={other}")
     refusals = [tmp_path / f"tp.rank{r}.refused" for r in (0, 1)]
     assert all(r.exists() for r in refusals), done.output[-3000:]
     for rank, refusal in enumerate(refusals):

@@ -76,7 +76,14 @@ class NewRequest:
 class StepRow:
     """One scheduled row (``ScheduledRequest`` as plain data). ``new_output_token_ids``: the
     request's output tokens rank 0 has not sent before (sampled since), so a worker's shadow
-    request holds every token of the request, as penalties and ``step`` need."""
+    request holds every token of the request, as penalties and ``step`` need.
+
+    Block tables travel as deltas: ``block_ids`` (the first block group's table) and
+    ``block_tables`` (every group's, with several groups; else None) hold the ids appended to
+    the tables of the request's previous row, which the worker kept; a decode step that crosses
+    no block boundary sends none. When a table changed otherwise (the first row of a request, a
+    re-admission after preemption, a sliding window's blocks turned null), ``whole_tables`` is
+    True and they hold the whole tables (``table_delta``)."""
 
     request_id: str
     num_computed_tokens: int
@@ -87,6 +94,26 @@ class StepRow:
     state_read_slot: int | None = None
     checkpoint_slot: int | None = None
     block_tables: list[list[int]] | None = None
+    whole_tables: bool = True
+
+
+def table_delta(known: list[list[int]] | None, tables: list[list[int]]) -> list[list[int]] | None:
+    """The ids to append to each of ``known`` (the tables a worker holds) to get ``tables``, or
+    None when some table is not ``known``'s plus appended ids (then the whole tables go)."""
+    if known is None or len(known) != len(tables):
+        return None
+    if any(table[: len(old)] != old for old, table in zip(known, tables)):
+        return None
+    return [table[len(old) :] for old, table in zip(known, tables)]
+
+
+def row_tables(row: StepRow, known: list[list[int]] | None) -> list[list[int]]:
+    """A worker's side of ``table_delta``: the request's whole tables after ``row``, from the
+    tables of its previous row (``known``; None before its first)."""
+    sent = row.block_tables if row.block_tables is not None else [row.block_ids]
+    if row.whole_tables:
+        return sent
+    return [old + new for old, new in zip(known, sent, strict=True)]
 
 
 @dataclass
@@ -120,12 +147,22 @@ def sampling_dict(params: SamplingParams) -> dict:
     return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.name != "structured_outputs"}
 
 
+@dataclass
+class _Sent:
+    """What the workers know of a live request: its output tokens up to ``num_output_tokens``
+    and its block tables as of its last row (None before its first)."""
+
+    request: Request
+    num_output_tokens: int = 0
+    tables: list[list[int]] | None = None
+
+
 class StepEncoder:
-    """Rank 0's side: turns ``SchedulerOutput``s into ``StepMessage``s, remembering how many of
-    each live request's output tokens the workers already have."""
+    """Rank 0's side: turns ``SchedulerOutput``s into ``StepMessage``s, remembering what each
+    live request's shadow on the workers holds (its output tokens and block tables)."""
 
     def __init__(self) -> None:
-        self._sent: dict[str, tuple[Request, int]] = {}  # id -> (request, output tokens sent)
+        self._sent: dict[str, _Sent] = {}
 
     def encode(self, output: SchedulerOutput) -> StepMessage:
         message = StepMessage("step", output.step_id, finished=self._drop_finished())
@@ -136,18 +173,27 @@ class StepEncoder:
                     request.request_id, list(request.prompt_token_ids), sampling_dict(request.sampling_params),
                     sorted(request.eos_token_ids), request.sampling_params.structured_outputs is not None,
                 ))  # fmt: skip
-                self._sent[request.request_id] = (request, 0)
-            _, known = self._sent[request.request_id]
-            self._sent[request.request_id] = (request, request.num_output_tokens)
-            message.rows.append(StepRow(
-                request.request_id, item.num_computed_tokens, item.num_new_tokens, list(item.block_ids),
-                request.output_token_ids[known:], item.state_slot, item.state_read_slot, item.checkpoint_slot,
-                item.block_tables,
-            ))  # fmt: skip
+                self._sent[request.request_id] = _Sent(request)
+            message.rows.append(self._row(item, self._sent[request.request_id]))
         return message
 
+    def _row(self, item: ScheduledRequest, sent: _Sent) -> StepRow:
+        """``item`` as a row, the request's tables as deltas where they only grew; ``sent``
+        becomes what the workers will hold after it."""
+        request = item.request
+        new_tokens = request.output_token_ids[sent.num_output_tokens :]
+        tables = [list(t) for t in item.block_tables] if item.block_tables is not None else [list(item.block_ids)]
+        delta = table_delta(sent.tables, tables)
+        sent.num_output_tokens, sent.tables = request.num_output_tokens, tables
+        sending = tables if delta is None else delta
+        return StepRow(
+            request.request_id, item.num_computed_tokens, item.num_new_tokens, sending[0], new_tokens,
+            item.state_slot, item.state_read_slot, item.checkpoint_slot,
+            sending if item.block_tables is not None else None, delta is None,
+        )  # fmt: skip
+
     def _drop_finished(self) -> list[str]:
-        done = [rid for rid, (request, _) in self._sent.items() if request.is_finished]
+        done = [rid for rid, sent in self._sent.items() if sent.request.is_finished]
         for rid in done:
             del self._sent[rid]
         return done
@@ -210,18 +256,25 @@ class StepTraffic:
         return self.collectives * latency_s + self.nbytes / bandwidth_bytes_s
 
 
-def step_traffic(config: dict, num_tokens: int, message_bytes: int, dtype_bytes: int = 4) -> StepTraffic:
+def step_traffic(
+    config: dict, num_tokens: int, message_bytes: int, dtype_bytes: int = 4, forward_calls: int = 1
+) -> StepTraffic:
     """What one step of ``num_tokens`` tokens (B for a decode step of B requests) exchanges on a
     dense model sharded by mlx-lm's ``shard``: per layer, ``o_proj`` and ``down_proj`` end in an
     ``all_sum`` of a [tokens, hidden] activation (``dtype_bytes``: 4 for float32, 2 for bfloat16);
     before it, rank 0's ``StepMessage`` (``message_bytes`` long) costs two: an int32 length and
     the payload of uint8s (``broadcast_bytes``). Independent of the rank count: every rank
-    hands each collective the whole activation."""
+    hands each collective the whole activation.
+
+    A step whose rows the runner splits into several padded forward calls
+    (``group_for_padding``: a prefill step of prompts of different lengths) pays the layers'
+    collectives once per call: pass ``forward_calls``, and as ``num_tokens`` the tokens of every
+    call, padding included (rows x the call's longest row). A decode step is one call of B."""
     text = config.get("text_config", config)
     per_layer = 2  # attention's output projection and the MLP's down projection
     activations = per_layer * text["num_hidden_layers"]
     activation_bytes = activations * num_tokens * text["hidden_size"] * dtype_bytes
-    return StepTraffic(activations + 2, activation_bytes + 4 + message_bytes)
+    return StepTraffic(forward_calls * activations + 2, activation_bytes + 4 + message_bytes)
 
 
 # ---- sharding -------------------------------------------------------------------------------
@@ -317,6 +370,7 @@ class Worker:
         self.requests: dict[str, Request] = {}
         self.sampled: dict[str, tuple[int, int]] = {}  # id -> (output index, token) this rank drew
         self.unchecked: set[str] = set()  # constrained requests (see NewRequest.constrained)
+        self.tables: dict[str, list[list[int]]] = {}  # id -> block tables as of its last row (StepRow)
         self.stats = WorkerStats()
 
     def run(self) -> WorkerStats:
@@ -338,6 +392,7 @@ class Worker:
             self.requests.pop(rid, None)
             self.sampled.pop(rid, None)
             self.unchecked.discard(rid)
+            self.tables.pop(rid, None)
         for new in message.new_requests:
             params = SamplingParams(**new.sampling)
             self.requests[new.request_id] = Request(
@@ -357,9 +412,10 @@ class Worker:
         self._compare(request, row.new_output_token_ids)
         request.output_token_ids.extend(row.new_output_token_ids)
         request.num_computed_tokens = row.num_computed_tokens
+        tables = self.tables[row.request_id] = row_tables(row, self.tables.get(row.request_id))
         return ScheduledRequest(
-            request, row.num_computed_tokens, row.num_new_tokens, row.block_ids, row.state_slot,
-            row.state_read_slot, row.checkpoint_slot, row.block_tables,
+            request, row.num_computed_tokens, row.num_new_tokens, tables[0], row.state_slot,
+            row.state_read_slot, row.checkpoint_slot, tables if row.block_tables is not None else None,
         )  # fmt: skip
 
     def _compare(self, request: Request, new_tokens: list[int]) -> None:

@@ -99,3 +99,24 @@ def test_an_architecture_without_pipeline_is_refused_on_both_ranks(tiny_model_di
     for refusal in refusals:
         assert "'llama' has no pipeline()" in refusal.read_text()
     assert not list(tmp_path.glob("pp.rank*.json"))
+
+
+def test_serve_flags_choose_the_split():
+    from vllm_mlx.entrypoints import cli
+    from vllm_mlx.entrypoints.distributed_serve import is_pipeline
+
+    parse = cli.build_parser().parse_args
+    assert is_pipeline(parse(["serve", "m", "--pipeline-parallel-size", "2"]))
+    assert is_pipeline(parse(["serve", "m", "--distributed", "--pipeline-parallel"]))
+    assert not is_pipeline(parse(["serve", "m", "--distributed", "--tensor-parallel-size", "2"]))
+    with pytest.raises(TensorParallelError, match="exclusive"):
+        is_pipeline(parse(["serve", "m", "--pipeline-parallel-size", "2", "--tensor-parallel-size", "2"]))
+
+
+def test_more_ranks_than_layers_are_refused_before_any_rank_starts(tiny_model_dir, capsys):
+    from vllm_mlx.entrypoints import cli
+
+    assert cli.main(["serve", str(tiny_model_dir), "--pipeline-parallel-size", "3"]) == 1
+    err = capsys.readouterr().err
+    assert "pipeline parallelism over 3 ranks needs at least one layer per rank; the model has 2 layers" in err
+    assert "started" not in err

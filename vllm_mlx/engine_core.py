@@ -111,9 +111,10 @@ class EngineConfig:
     ``pipeline()``; ``pipeline_parallel.py``): launched as ``tensor_parallel`` is, with
     ``worker_loop(..., pipeline_parallel=True)`` on the other ranks. Not with ``tensor_parallel``."""
     distributed_timeout_s: float = 120.0
-    """With ``tensor_parallel`` or ``pipeline_parallel``: the longest a step (or the idle heartbeat) may wait on the other
-    ranks before rank 0 declares one of them hung and the engine failed (``rank_watchdog.py``).
-    It must exceed the slowest legitimate step (the largest prefill chunk on this hardware)."""
+    """With ``tensor_parallel`` or ``pipeline_parallel``: the longest a step (or the idle
+    heartbeat) may wait on the other ranks before rank 0 declares one of them hung and the engine
+    failed (``rank_watchdog.py``). It must exceed the slowest legitimate step (the largest
+    prefill chunk on this hardware)."""
 
     def normalize(self) -> None:
         """Accept every option in the forms the CLI takes (``kv_cache_memory="512M"`` or

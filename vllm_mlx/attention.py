@@ -384,6 +384,17 @@ class PagedLayerCache:
         mx.async_eval(fetched)
         return fetched
 
+    @property
+    def keys(self) -> mx.array:
+        """This layer's pool array of keys. Only mlx-lm's pipeline stages use it: a stage ties
+        its ``send`` to its last layer's cache (``cache.keys = mx.depends(cache.keys, h)``), so
+        that evaluating the cache sends the hidden states on; the runner evaluates the pool."""
+        return self.pool.keys[self.layer]
+
+    @keys.setter
+    def keys(self, value: mx.array) -> None:
+        self.pool.keys[self.layer] = value
+
     def make_mask(self, num_tokens: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         """The mask over this layer's keys; ``window_size`` (else the layer's own window) limits
         each query to its last ``window_size`` keys, as ``RotatingKVCache.make_mask`` does."""

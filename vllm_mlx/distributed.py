@@ -322,6 +322,22 @@ def check_same_model(group: mx.distributed.Group, digest: str, path: Path | str 
         )
 
 
+SPLIT_MODES = ("tensor", "pipeline")
+
+
+def check_same_mode(group: mx.distributed.Group, mode: str) -> None:
+    """Every rank splits the model the same way (``SPLIT_MODES``): a rank that shards while
+    another splits into stages would issue different collectives and hang. Else every rank
+    raises, naming what each rank asked for."""
+    mine = mx.array([SPLIT_MODES.index(mode)], dtype=mx.int32)
+    modes = [SPLIT_MODES[i] for i in np.array(mx.distributed.all_gather(mine, group=group)).tolist()]
+    if len(set(modes)) > 1:
+        raise TensorParallelError(
+            "the ranks disagree on how to split the model: "
+            + ", ".join(f"rank {rank} {m} parallelism" for rank, m in enumerate(modes))
+        )
+
+
 def shard_model(model, config: dict, model_path: Path, group: mx.distributed.Group) -> None:
     """Check (collectively: every rank must call it), then keep this rank's shard in place."""
     from vllm_mlx.model_digest import model_digest
@@ -351,7 +367,9 @@ def init_group(strict: bool = True) -> mx.distributed.Group:
 
 @dataclass
 class WorkerStats:
-    """What a worker ran; ``mismatches``: sampled tokens that differed from rank 0's."""
+    """What a worker ran; ``mismatches``: sampled tokens that differed from rank 0's;
+    ``kv_layers`` / ``state_layers``: the KV pool arrays this rank wrote and the layers its state
+    pool holds (a pipeline stage: its own layers only)."""
 
     steps: int = 0
     probes: int = 0
@@ -359,6 +377,8 @@ class WorkerStats:
     compared: int = 0
     mismatches: int = 0
     errors: int = 0
+    kv_layers: int = 0
+    state_layers: int = 0
 
 
 class Worker:
@@ -378,6 +398,8 @@ class Worker:
         while True:
             message = receive_message(self.group)
             if message.kind == "stop":
+                self.stats.kv_layers = sum(keys is not None for keys in self.runner.pool.keys)
+                self.stats.state_layers = len(self.runner.state_pool.arrays) if self.runner.state_pool else 0
                 return self.stats
             if message.kind == "ping":
                 self.stats.pings += 1
@@ -448,11 +470,18 @@ class Worker:
 
 
 def worker_loop(
-    model: str, *, weight_format: str = "auto", trust_remote_code: bool = False, group=None
+    model: str,
+    *,
+    weight_format: str = "auto",
+    trust_remote_code: bool = False,
+    group=None,
+    pipeline_parallel: bool = False,
 ) -> WorkerStats:
     """Run a rank > 0 until rank 0's engine shuts down; returns what it ran.
 
-    ``model``, ``weight_format`` and ``trust_remote_code`` must be rank 0's; the KV pool's
+    ``model``, ``weight_format``, ``trust_remote_code`` and ``pipeline_parallel`` (stages of
+    layers instead of shards: ``pipeline_parallel.py``) must be rank 0's (the model and the
+    split mode are checked at start-up, on every rank); the KV pool's
     sizing comes from rank 0's start message. It prepares the model as rank 0 does
     (``prepare_engine_model``), then builds the runner: the same collectives in the same order."""
     from vllm_mlx.engine_core import EngineConfig, prepare_engine_model
@@ -461,7 +490,10 @@ def worker_loop(
     group = group or init_group()
     if group.rank() == 0:
         raise TensorParallelError("rank 0 runs the engine (EngineCore(tensor_parallel=True)), not worker_loop")
-    config = EngineConfig(model=model, weight_format=weight_format, trust_remote_code=trust_remote_code)
+    config = EngineConfig(
+        model=model, weight_format=weight_format, trust_remote_code=trust_remote_code,
+        pipeline_parallel=pipeline_parallel,
+    )  # fmt: skip
     prepared = prepare_engine_model(config, group)
     start = receive_message(group)
     if start.kind != "start":

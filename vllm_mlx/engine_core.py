@@ -106,10 +106,15 @@ class EngineConfig:
     """Split the model over the ranks of ``mx.distributed`` (launched with ``mlx.launch``): this
     process must be rank 0; the other ranks run ``vllm_mlx.distributed.worker_loop`` with the
     same model and ``weight_format`` (``distributed.py``)."""
+    pipeline_parallel: bool = False
+    """Split the model's layers into stages over the ranks of ``mx.distributed`` (mlx-lm's
+    ``pipeline()``; ``pipeline_parallel.py``): launched as ``tensor_parallel`` is, with
+    ``worker_loop(..., pipeline_parallel=True)`` on the other ranks. Not with ``tensor_parallel``."""
     distributed_timeout_s: float = 120.0
-    """With ``tensor_parallel``: the longest a step (or the idle heartbeat) may wait on the other
-    ranks before rank 0 declares one of them hung and the engine failed (``rank_watchdog.py``).
-    It must exceed the slowest legitimate step (the largest prefill chunk on this hardware)."""
+    """With ``tensor_parallel`` or ``pipeline_parallel``: the longest a step (or the idle
+    heartbeat) may wait on the other ranks before rank 0 declares one of them hung and the engine
+    failed (``rank_watchdog.py``). It must exceed the slowest legitimate step (the largest
+    prefill chunk on this hardware)."""
 
     def normalize(self) -> None:
         """Accept every option in the forms the CLI takes (``kv_cache_memory="512M"`` or
@@ -128,9 +133,11 @@ class EngineConfig:
         if self.max_state_checkpoints is not None:
             _check_int_option("max_state_checkpoints", self.max_state_checkpoints, minimum=0)
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "force_model_takeover", "enable_mllm_cache",
-                     "tensor_parallel"):
+                     "tensor_parallel", "pipeline_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.tensor_parallel and self.pipeline_parallel:
+            raise ValueError("tensor_parallel and pipeline_parallel are exclusive: choose one way to split the model")
         timeout = self.distributed_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"distributed_timeout_s must be a number of seconds > 0, got {timeout!r}")
@@ -188,16 +195,32 @@ def prepare_engine_model(config: EngineConfig, group=None) -> PreparedModel:
     specs = check_supported(loaded.model, loaded.config.get("model_type", "?"))
     weights = loaded.vision.model if loaded.vision else loaded.model
     weight_format = prepare_model_weights(weights, choose_weight_format(config.weight_format))
+    # Decided on the whole model, so that every rank probes (a forward: collectives) or none does.
+    recurrent = any(map(is_recurrent, specs))
     if group is not None:
-        from vllm_mlx.distributed import TensorParallelError, shard_model
-
-        if loaded.vision is not None:
-            raise TensorParallelError("tensor parallelism does not support vision-language models yet")
-        shard_model(loaded.model, loaded.config, loaded.path, group)
-    state_layout = probe_state_layout(loaded.model, specs) if any(map(is_recurrent, specs)) else None
+        specs = _split_model(config, loaded, specs, group)
+    state_layout = probe_state_layout(loaded.model, specs) if recurrent else None
     # After the weights are in their final format: the KV dtype follows the activations'.
     kv_layout = measure_kv_layout(loaded.model, state_layout)
     return PreparedModel(loaded, specs, weight_format, state_layout, kv_layout)
+
+
+def _split_model(config: EngineConfig, loaded: LoadedModel, specs: list, group) -> list:
+    """Keep this rank's part of the model (a shard of every layer, or a pipeline stage); returns
+    the layer specs of what this rank now runs."""
+    from vllm_mlx.attention import layer_specs
+    from vllm_mlx.distributed import TensorParallelError, check_same_mode, shard_model
+    from vllm_mlx.pipeline_parallel import pipeline_model
+
+    mode = "pipeline" if config.pipeline_parallel else "tensor"
+    if loaded.vision is not None:
+        raise TensorParallelError(f"{mode} parallelism does not support vision-language models yet")
+    check_same_mode(group, mode)
+    if mode == "tensor":
+        shard_model(loaded.model, loaded.config, loaded.path, group)
+        return specs
+    pipeline_model(loaded.model, loaded.config, specs, loaded.path, group)
+    return layer_specs(loaded.model, loaded.config.get("model_type"))
 
 
 def _check_int_option(name: str, value: object, minimum: int) -> None:
@@ -249,7 +272,7 @@ class EngineCore:
             setattr(config, name, value)
         config.normalize()
         self.config = config
-        self.tp_group = _rank_zero_group() if config.tensor_parallel else None
+        self.tp_group = _rank_zero_group() if config.tensor_parallel or config.pipeline_parallel else None
         self.on_rank_lost: Callable[[RankLostError], None] | None = None
         """With tensor parallelism: called from the watchdog's thread when a rank hangs (the
         thread in the collective stays blocked). None: log it and exit the process, since the

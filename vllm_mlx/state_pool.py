@@ -198,6 +198,17 @@ class RecurrentLayerCache:
     def __bool__(self) -> bool:  # models test ``if cache:``
         return True
 
+    @property
+    def keys(self) -> mx.array | None:
+        """State array 0, under the name mlx-lm's pipeline stages use for a last layer that is
+        not an ``ArraysCache`` (Qwen3-Next: ``cache.keys = mx.depends(cache.keys, h)``, so that
+        evaluating the state sends the hidden states on; the runner evaluates held states)."""
+        return self[0]
+
+    @keys.setter
+    def keys(self, value: mx.array) -> None:
+        self[0] = value
+
     def advance(self, num_tokens: int) -> None:
         if self.lengths is not None:
             self.lengths = self.lengths - num_tokens

@@ -188,7 +188,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
     args.model = args.model_arg or args.model
     options = {**engine_options(args), **serve_engine_options(args)}
-    if args.distributed or (args.tensor_parallel_size or 1) > 1:
+    if args.distributed or (args.tensor_parallel_size or 1) > 1 or (args.pipeline_parallel_size or 1) > 1:
         from vllm_mlx.entrypoints import distributed_serve
 
         if args.distributed:

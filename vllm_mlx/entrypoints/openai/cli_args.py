@@ -49,16 +49,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser, parse_bytes) -> None:
     # server's own (``generate`` uses --seed for its sampling).
     parser.add_argument("--seed", type=int, default=None, help="seed drawn from for requests that bring none")
     _add_media_arguments(parser.add_argument_group("media inputs (none from outside the request by default)"))
-    _add_distributed_arguments(parser.add_argument_group("tensor parallelism (docs/distributed.md)"))
+    _add_distributed_arguments(parser.add_argument_group("tensor and pipeline parallelism (docs/distributed.md)"))
 
 
 def _add_distributed_arguments(group) -> None:
     group.add_argument("--tensor-parallel-size", type=_positive_int, default=None, metavar="N",
                        help="split the model over N processes on this machine (a loopback ring); "
                        "this process supervises them (default: 1, no split)")  # fmt: skip
+    group.add_argument("--pipeline-parallel-size", type=_positive_int, default=None, metavar="N",
+                       help="split the model's layers into N stages, one per process on this machine "
+                       "(a loopback ring; architectures with mlx-lm's pipeline()); "
+                       "not with --tensor-parallel-size")  # fmt: skip
     group.add_argument("--distributed", action="store_true",
                        help="run as one rank of 'mlx.launch ... -- vllm-mlx serve MODEL --distributed': "
                        "rank 0 serves HTTP, the others hold their shard of the model")  # fmt: skip
+    group.add_argument("--pipeline-parallel", action="store_true",
+                       help="with --distributed: every rank holds a stage of the model's layers instead of "
+                       "a shard of every layer (give it to every rank)")  # fmt: skip
     group.add_argument("--distributed-timeout", type=float, default=None, metavar="SECONDS",
                        help="how long a step may wait on the other ranks before one is declared hung "
                        "and the server unhealthy (default: 120)")  # fmt: skip

@@ -1,0 +1,55 @@
+"""The pipeline-parallel test's ranks: ``python tests/pp_driver.py MODEL_DIR OUT_PREFIX`` under
+``mlx.launch -n 2``. Rank 0 runs ``tp_driver.run_batch`` (the tensor-parallel test's workload) on
+``EngineCore(pipeline_parallel=True)`` and writes ``OUT_PREFIX.rank0.json``; rank 1 runs
+``worker_loop(..., pipeline_parallel=True)`` and writes its ``WorkerStats``. Both write what their
+pools hold. A rank refused at start-up (``TensorParallelError``) writes the error to
+``OUT_PREFIX.rankN.refused`` and exits 0, so the launcher does not end the other rank first."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from tp_driver import run_batch
+
+# 13 blocks of 4 tokens cannot hold every request (preemption); 8 tokens a step (chunks).
+ENGINE_OPTIONS = {"block_size": 4, "num_kv_blocks": 13, "max_num_batched_tokens": 8, "seed": 0}
+
+
+def pool_layers(runner) -> dict:
+    """The layers this rank's pools hold: KV arrays written, recurrent layers with state."""
+    return {
+        "kv_layers": sum(keys is not None for keys in runner.pool.keys),
+        "state_layers": len(runner.state_pool.arrays) if runner.state_pool is not None else 0,
+    }
+
+
+def main(model_dir: str, out_prefix: str) -> None:
+    from vllm_mlx.distributed import TensorParallelError, init_group, worker_loop
+
+    group = init_group()
+    try:
+        if group.rank() == 0:
+            result = run_engine(model_dir)
+        else:
+            result = dataclasses.asdict(worker_loop(model_dir, group=group, pipeline_parallel=True))
+    except TensorParallelError as exc:
+        Path(f"{out_prefix}.rank{group.rank()}.refused").write_text(str(exc))
+        return
+    Path(f"{out_prefix}.rank{group.rank()}.json").write_text(json.dumps(result))
+
+
+def run_engine(model_dir: str) -> dict:
+    from vllm_mlx.engine_core import EngineCore
+
+    engine = EngineCore(model=model_dir, pipeline_parallel=True, force_model_takeover=True, **ENGINE_OPTIONS)
+    try:
+        return {**run_batch(engine), **pool_layers(engine.runner)}
+    finally:
+        engine.shutdown()  # sends "stop": the workers return
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

@@ -1,0 +1,122 @@
+"""Pipeline parallelism (vllm_mlx/pipeline_parallel.py): the split is mlx-lm's, models that cannot
+be split into stages are refused on every rank, and two ranks on 127.0.0.1 (ring backend), each
+holding half of a tiny Qwen3.5 hybrid's layers, produce the greedy tokens of the single-process
+engine through chunked prefill, prefix-cache hits and preemption."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vllm_mlx.distributed import TensorParallelError
+from vllm_mlx.kv_spec import FullAttentionSpec, RecurrentStateSpec
+from vllm_mlx.pipeline_parallel import PipelineParallelError, StageRange, check_stages_alike, layer_split
+from vllm_mlx.ring_launch import LaunchError, LaunchResult, launch_ring
+
+TESTS = Path(__file__).parent
+LAUNCH_TIMEOUT = 150  # seconds: two model loads and ~40 steps take ~30 s on 2 busy cores
+FULL, LINEAR = FullAttentionSpec(), RecurrentStateSpec(2, pads=True)
+
+
+def test_the_split_is_mlx_lms_rank_0_holds_the_last_layers():
+    assert layer_split(4, 2) == [StageRange(0, 2, 4), StageRange(1, 0, 2)]
+    assert layer_split(5, 2) == [StageRange(0, 2, 5), StageRange(1, 0, 2)]  # low ranks take the extra
+    assert [s.num_layers for s in layer_split(7, 3)] == [3, 2, 2]
+
+
+def test_stages_with_different_kinds_of_layers_are_refused():
+    check_stages_alike([LINEAR, FULL, LINEAR, FULL], layer_split(4, 2))
+    with pytest.raises(PipelineParallelError, match=r"rank 1's layers 0..1 need caches \[RecurrentStateSpec\]"):
+        check_stages_alike([LINEAR, LINEAR, LINEAR, FULL], layer_split(4, 2))
+
+
+def test_tensor_and_pipeline_parallel_are_exclusive():
+    from vllm_mlx.engine_core import EngineConfig
+
+    with pytest.raises(ValueError, match="exclusive"):
+        EngineConfig(tensor_parallel=True, pipeline_parallel=True).normalize()
+    assert issubclass(PipelineParallelError, TensorParallelError)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_5_dir(tmp_path_factory, default_model_dir) -> Path:
+    """4 layers (gated delta-net, attention, delta-net, attention): each rank holds one of each."""
+    from tiny_model import TINY_QWEN3_5, build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("qwen3_5"), default_model_dir, **TINY_QWEN3_5)
+
+
+def _launch_two_ranks(model_dir: Path, out_prefix: Path) -> LaunchResult:
+    import mlx.core as mx
+
+    if not mx.distributed.is_available():
+        pytest.skip("mlx has no distributed backend")
+    try:
+        done = launch_ring(str(TESTS / "pp_driver.py"), [str(model_dir), str(out_prefix)],
+                           timeout=LAUNCH_TIMEOUT, pythonpath=[str(TESTS.parent), str(TESTS)])  # fmt: skip
+    except LaunchError as exc:
+        pytest.skip(str(exc))
+    if done.timed_out:
+        pytest.fail(f"two ranks did not finish in {LAUNCH_TIMEOUT} s:\n{done.output[-3000:]}")
+    return done
+
+
+def test_two_stages_on_loopback_equal_the_single_process_engine(tiny_qwen3_5_dir, tmp_path):
+    from pp_driver import ENGINE_OPTIONS, pool_layers
+    from tp_driver import run_batch
+    from vllm_mlx.engine_core import EngineCore
+
+    engine = EngineCore(model=str(tiny_qwen3_5_dir), force_model_takeover=True, **ENGINE_OPTIONS)
+    try:
+        expected = {**run_batch(engine), **pool_layers(engine.runner)}
+    finally:
+        engine.shutdown()
+    assert expected["kv_layers"] == 2 and expected["state_layers"] == 2  # the whole model
+
+    done = _launch_two_ranks(tiny_qwen3_5_dir, tmp_path / "pp")
+    assert (tmp_path / "pp.rank1.json").exists(), done.output[-3000:]  # (mlx.launch exits 0 regardless)
+    rank0 = json.loads((tmp_path / "pp.rank0.json").read_text())
+    rank1 = json.loads((tmp_path / "pp.rank1.json").read_text())
+    assert rank0["tokens"] == expected["tokens"]
+    assert rank0["preemptions"] > 0 and rank0["prefix_hits"] > 0 and rank0["chunks"] > 0
+    for what in ("preemptions", "prefix_hits", "chunks"):  # rank 0 scheduled as one process does
+        assert rank0[what] == expected[what], what
+    # Each stage's pools hold its own layers only: one attention and one delta-net layer each.
+    assert (rank0["kv_layers"], rank0["state_layers"]) == (1, 1)
+    assert (rank1["kv_layers"], rank1["state_layers"]) == (1, 1)
+    # The worker ran every step, failed none, and sampled rank 0's greedy tokens (same logits).
+    assert rank1["steps"] > 0 and rank1["errors"] == 0
+    assert rank1["compared"] > 0 and rank1["mismatches"] == 0
+
+
+def test_an_architecture_without_pipeline_is_refused_on_both_ranks(tiny_model_dir, tmp_path):
+    """The tiny llama: mlx-lm's llama has no pipeline(). Both ranks refuse before splitting."""
+    done = _launch_two_ranks(tiny_model_dir, tmp_path / "pp")
+    refusals = [tmp_path / f"pp.rank{r}.refused" for r in (0, 1)]
+    assert all(r.exists() for r in refusals), done.output[-3000:]
+    for refusal in refusals:
+        assert "'llama' has no pipeline()" in refusal.read_text()
+    assert not list(tmp_path.glob("pp.rank*.json"))
+
+
+def test_serve_flags_choose_the_split():
+    from vllm_mlx.entrypoints import cli
+    from vllm_mlx.entrypoints.distributed_serve import is_pipeline
+
+    parse = cli.build_parser().parse_args
+    assert is_pipeline(parse(["serve", "m", "--pipeline-parallel-size", "2"]))
+    assert is_pipeline(parse(["serve", "m", "--distributed", "--pipeline-parallel"]))
+    assert not is_pipeline(parse(["serve", "m", "--distributed", "--tensor-parallel-size", "2"]))
+    with pytest.raises(TensorParallelError, match="exclusive"):
+        is_pipeline(parse(["serve", "m", "--pipeline-parallel-size", "2", "--tensor-parallel-size", "2"]))
+
+
+def test_more_ranks_than_layers_are_refused_before_any_rank_starts(tiny_model_dir, capsys):
+    from vllm_mlx.entrypoints import cli
+
+    assert cli.main(["serve", str(tiny_model_dir), "--pipeline-parallel-size", "3"]) == 1
+    err = capsys.readouterr().err
+    assert "pipeline parallelism over 3 ranks needs at least one layer per rank; the model has 2 layers" in err
+    assert "started" not in err

@@ -1,6 +1,7 @@
 """``vllm-mlx serve --tensor-parallel-size 2`` (vllm_mlx/entrypoints/distributed_serve.py): the
 CLI starts two loopback ranks and supervises them; only rank 0 listens for HTTP; the official
-``openai`` client gets the single-process engine's greedy text; SIGTERM stops every rank. Models
+``openai`` client gets the single-process engine's greedy text; SIGTERM stops every rank; a rank
+killed mid-generation fails the stream and ends the launch with status 1. Models
 that cannot be split, and ``--distributed`` outside a launch, are refused with a clear error."""
 
 from __future__ import annotations
@@ -150,6 +151,45 @@ def test_ranks_end_themselves_when_the_supervisor_is_killed(model_dir, tmp_path)
         text = log.read_text()
         assert "rank 0: the supervisor is gone; exiting" in text
         assert "rank 1: the supervisor is gone; exiting" in text or "rank 1: rank 0 or a peer is gone" in text
+    finally:
+        _kill_everything(proc, str(model_dir))
+
+
+def test_a_rank_killed_mid_generation_fails_the_stream_and_ends_the_launch(model_dir, tmp_path):
+    """SIGKILL rank 1 while a completion streams: the client gets the reason as an error, rank 0's
+    server shuts itself down (a failed engine exits 1, see ``serve_until_engine_ends``) before the
+    supervisor's grace period runs out, and the supervisor exits 1 naming both ranks' ends."""
+    import mlx.core as mx
+    import openai
+
+    from vllm_mlx.rank_supervisor import GRACE_S
+
+    if not mx.distributed.is_available():
+        pytest.skip("mlx has no distributed backend")
+    proc, port, log = _start_two_ranks(model_dir, tmp_path)
+    try:
+        wait_for_health(proc, port, log, START_TIMEOUT, "the 2-rank server")
+        ranks = _rank_pids(str(model_dir))
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = client.completions.create(model=model_dir.name, prompt=PROMPT, max_tokens=1500, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+        chunks, error = 0, None
+        try:
+            for _ in stream:
+                chunks += 1
+                if chunks == 3:
+                    os.kill(ranks[1], signal.SIGKILL)
+                    killed_at = time.monotonic()
+        except openai.APIError as exc:
+            error = str(exc)
+        assert chunks >= 3 and error is not None and "rank is gone" in error, (chunks, error)
+        assert time.monotonic() - killed_at < 10  # noticed at once, not at the 120 s deadline
+
+        assert proc.wait(GRACE_S + 15) == 1, log.read_text()[-3000:]
+        assert time.monotonic() - killed_at < GRACE_S  # rank 0 ended itself; no SIGTERM needed
+        assert _rank_pids(str(model_dir)) == {}
+        text = log.read_text()
+        assert "rank 0 exited with status 1" in text and "rank 1 was killed by signal 9" in text
     finally:
         _kill_everything(proc, str(model_dir))
 

@@ -1,7 +1,7 @@
 """``vllm-mlx serve --tensor-parallel-size 2`` (vllm_mlx/entrypoints/distributed_serve.py): the
 CLI starts two loopback ranks and supervises them; only rank 0 listens for HTTP; the official
 ``openai`` client gets the single-process engine's greedy text; SIGTERM stops every rank; a rank
-killed mid-generation fails the stream and ends the launch with status 1. Models
+killed or hung mid-generation fails the stream and ends the launch with status 1. Models
 that cannot be split, and ``--distributed`` outside a launch, are refused with a clear error."""
 
 from __future__ import annotations
@@ -85,14 +85,14 @@ def _kill_everything(proc: subprocess.Popen, marker: str) -> None:
     proc.wait(10)
 
 
-def _start_two_ranks(model_dir: Path, tmp_path: Path) -> tuple[subprocess.Popen, int, Path]:
-    """``vllm-mlx serve MODEL --tensor-parallel-size 2`` in its own session, logging to a file."""
+def _start_two_ranks(model_dir: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, int, Path]:
+    """``vllm-mlx serve MODEL --tensor-parallel-size 2 [extra]`` in its own session, logging to a file."""
     sock, _ = free_socket()
     port = sock.getsockname()[1]
     sock.close()
     log = tmp_path / "serve.log"
     command = [sys.executable, "-m", "vllm_mlx.entrypoints.cli", "serve", str(model_dir),
-               "--tensor-parallel-size", "2", "--port", str(port), "--host", "127.0.0.1"]  # fmt: skip
+               "--tensor-parallel-size", "2", "--port", str(port), "--host", "127.0.0.1", *extra]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     with log.open("w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -155,18 +155,24 @@ def test_ranks_end_themselves_when_the_supervisor_is_killed(model_dir, tmp_path)
         _kill_everything(proc, str(model_dir))
 
 
-def test_a_rank_killed_mid_generation_fails_the_stream_and_ends_the_launch(model_dir, tmp_path):
-    """SIGKILL rank 1 while a completion streams: the client gets the reason as an error, rank 0's
-    server shuts itself down (a failed engine exits 1, see ``serve_until_engine_ends``) before the
-    supervisor's grace period runs out, and the supervisor exits 1 naming both ranks' ends."""
+HUNG_TIMEOUT_S = 5  # --distributed-timeout of the hang case
+
+
+@pytest.mark.parametrize(("mode", "reason"), [("die", "rank is gone"), ("hang", "stopped answering")])
+def test_a_rank_lost_mid_generation_fails_the_stream_and_ends_the_launch(model_dir, tmp_path, mode, reason):
+    """Rank 1 killed (SIGKILL) or hung (SIGSTOP) while a completion streams: the client gets the
+    reason as an error (at once, or at the deadline), rank 0's server shuts itself down (a failed
+    engine exits 1, see ``serve_until_engine_ends``), and the supervisor ends rank 1 and exits 1
+    naming both ranks' ends; no rank is left."""
     import mlx.core as mx
     import openai
+    import psutil
 
     from vllm_mlx.rank_supervisor import GRACE_S
 
     if not mx.distributed.is_available():
         pytest.skip("mlx has no distributed backend")
-    proc, port, log = _start_two_ranks(model_dir, tmp_path)
+    proc, port, log = _start_two_ranks(model_dir, tmp_path, "--distributed-timeout", str(HUNG_TIMEOUT_S))
     try:
         wait_for_health(proc, port, log, START_TIMEOUT, "the 2-rank server")
         ranks = _rank_pids(str(model_dir))
@@ -178,15 +184,17 @@ def test_a_rank_killed_mid_generation_fails_the_stream_and_ends_the_launch(model
             for _ in stream:
                 chunks += 1
                 if chunks == 3:
-                    os.kill(ranks[1], signal.SIGKILL)
-                    killed_at = time.monotonic()
+                    os.kill(ranks[1], signal.SIGKILL if mode == "die" else signal.SIGSTOP)
+                    lost_at = time.monotonic()
         except openai.APIError as exc:
             error = str(exc)
-        assert chunks >= 3 and error is not None and "rank is gone" in error, (chunks, error)
-        assert time.monotonic() - killed_at < 10  # noticed at once, not at the 120 s deadline
+        assert chunks >= 3 and error is not None and reason in error, (chunks, error)
+        noticed_s = time.monotonic() - lost_at
+        assert noticed_s < (3 if mode == "die" else HUNG_TIMEOUT_S + 3), noticed_s
 
-        assert proc.wait(GRACE_S + 15) == 1, log.read_text()[-3000:]
-        assert time.monotonic() - killed_at < GRACE_S  # rank 0 ended itself; no SIGTERM needed
+        _, alive = psutil.wait_procs([psutil.Process(ranks[0])], timeout=10)
+        assert not alive, log.read_text()[-3000:]  # rank 0 ended itself, before the supervisor's grace ran out
+        assert proc.wait(GRACE_S * 1.5 + 10) == 1, log.read_text()[-3000:]
         assert _rank_pids(str(model_dir)) == {}
         text = log.read_text()
         assert "rank 0 exited with status 1" in text and "rank 1 was killed by signal 9" in text

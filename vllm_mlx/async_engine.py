@@ -233,7 +233,8 @@ class AsyncEngineCore:
         return self._error
 
     def wait_ended(self, timeout: float | None = None) -> bool:
-        """Block until the engine thread has ended (stopped or failed); False on timeout."""
+        """Block until the engine thread has ended (stopped or failed), or a tensor-parallel rank
+        hung (the thread may stay blocked, but the engine is over); False on timeout."""
         return self._ended.wait(timeout)
 
     def __enter__(self) -> AsyncEngineCore:
@@ -527,6 +528,7 @@ class AsyncEngineCore:
             self._hung = True
         self._fail_streams(self._error)
         self._fail_queued_commands(self._error)
+        self._ended.set()  # as a rank that died does: the server shuts down and exits 1
 
     def _fail_streams(self, error: BaseException | None) -> None:
         # Taken whole: after a hang, the watchdog's thread and a late-returning engine thread

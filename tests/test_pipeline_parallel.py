@@ -48,13 +48,13 @@ def tiny_qwen3_5_dir(tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("qwen3_5"), default_model_dir, **TINY_QWEN3_5)
 
 
-def _launch_two_ranks(model_dir: Path, out_prefix: Path) -> LaunchResult:
+def _launch_two_ranks(model_dir: Path, out_prefix: Path, *args: str) -> LaunchResult:
     import mlx.core as mx
 
     if not mx.distributed.is_available():
         pytest.skip("mlx has no distributed backend")
     try:
-        done = launch_ring(str(TESTS / "pp_driver.py"), [str(model_dir), str(out_prefix)],
+        done = launch_ring(str(TESTS / "pp_driver.py"), [str(model_dir), str(out_prefix), *args],
                            timeout=LAUNCH_TIMEOUT, pythonpath=[str(TESTS.parent), str(TESTS)])  # fmt: skip
     except LaunchError as exc:
         pytest.skip(str(exc))
@@ -89,6 +89,30 @@ def test_two_stages_on_loopback_equal_the_single_process_engine(tiny_qwen3_5_dir
     # The worker ran every step, failed none, and sampled rank 0's greedy tokens (same logits).
     assert rank1["steps"] > 0 and rank1["errors"] == 0
     assert rank1["compared"] > 0 and rank1["mismatches"] == 0
+
+
+def test_rank_0_sizes_the_pools_for_the_rank_with_the_least_memory(tiny_qwen3_5_dir, tmp_path):
+    """Every rank allocates the block and state-slot counts rank 0 chose, so rank 0 sizes them
+    from the most any rank's layers need and the least memory any rank has: rank 1 claims 64 MiB
+    available, and rank 0's pool is what half of that holds."""
+    from pp_driver import SMALL_MEMORY
+
+    from vllm_mlx.engine_core import EngineConfig
+    from vllm_mlx.kv_sizing import StateBudget
+    from vllm_mlx.kv_spec import blocks_for_bytes
+
+    done = _launch_two_ranks(tiny_qwen3_5_dir, tmp_path / "pp", "memory")
+    assert (tmp_path / "pp.rank1.json").exists(), done.output[-3000:]
+    rank0 = json.loads((tmp_path / "pp.rank0.json").read_text())
+    rank1 = json.loads((tmp_path / "pp.rank1.json").read_text())
+    # The collective itself: the largest costs, the smallest memory, the same on both ranks.
+    expected = {"kv_bytes_per_token": 101, "state_bytes_per_request": 7, "available_bytes": 4999}
+    assert rank0["combined"] == rank1["combined"] == expected
+    # The engine's sizing (the two stages' layers cost the same here: rank 0's figures are the largest).
+    states = StateBudget.plan(EngineConfig(), int(0.5 * SMALL_MEMORY), rank0["state_bytes_per_request"])
+    assert rank0["num_state_slots"] == states.num_slots
+    assert rank0["num_blocks"] == blocks_for_bytes(states.kv_bytes_left, 4, rank0["kv_bytes_per_token"])
+    assert rank1["steps"] == 0 and rank1["errors"] == 0
 
 
 def test_an_architecture_without_pipeline_is_refused_on_both_ranks(tiny_model_dir, tmp_path):

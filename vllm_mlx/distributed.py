@@ -44,6 +44,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from vllm_mlx.kv_sizing import MemoryNeeds
 from vllm_mlx.outputs import ScheduledRequest, SchedulerOutput
 from vllm_mlx.rank_watchdog import RankLostError, is_collective_failure
 from vllm_mlx.request import Request, SamplingParams
@@ -336,6 +337,15 @@ def check_same_mode(group: mx.distributed.Group, mode: str) -> None:
             "the ranks disagree on how to split the model: "
             + ", ".join(f"rank {rank} {m} parallelism" for rank, m in enumerate(modes))
         )
+
+
+def combine_memory_needs(group: mx.distributed.Group, mine: MemoryNeeds) -> MemoryNeeds:
+    """Every rank's ``MemoryNeeds`` combined (collectively: every rank must call it): the most
+    any rank needs per KV token and per request state, the least memory any rank has."""
+    fields = (mine.kv_bytes_per_token, mine.state_bytes_per_request, mine.available_bytes)
+    gathered = mx.distributed.all_gather(mx.array([fields], dtype=mx.int64), group=group)
+    rows = np.array(gathered).reshape(group.size(), len(fields))
+    return MemoryNeeds(int(rows[:, 0].max()), int(rows[:, 1].max()), int(rows[:, 2].min()))
 
 
 def shard_model(model, config: dict, model_path: Path, group: mx.distributed.Group) -> None:

@@ -33,12 +33,14 @@ from vllm_mlx.input_processor import InputProcessor, PreparedPrompt
 from vllm_mlx.kv_sizing import (  # noqa: F401 (re-exported: imported from here by callers)
     DEFAULT_KV_CACHE_MEMORY,
     KVShape,
+    MemoryNeeds,
     StateBudget,
     available_memory,
     kv_budget_bytes,
     kv_bytes_per_token,
     kv_shape,
 )
+from vllm_mlx.kv_spec import blocks_for_bytes
 from vllm_mlx.media_policy import MediaPolicy
 from vllm_mlx.mllm_cache import MLLMCacheManager, MLLMCacheStats
 from vllm_mlx.model_registry import get_registry
@@ -171,13 +173,15 @@ def _rank_zero_group():
 @dataclass
 class PreparedModel:
     """A model as the engine runs it: weights in their final format (sharded with tensor
-    parallelism), its layer specs, and its recurrent-state and KV layouts as measured."""
+    parallelism, a stage with pipeline parallelism), its layer specs, its recurrent-state and KV
+    layouts as measured, and what sizing its pools must allow for (over all ranks)."""
 
     loaded: LoadedModel
     specs: list
     weight_format: str
     state_layout: StateLayout | None
     kv_layout: KVLayout
+    memory: MemoryNeeds
 
 
 def prepare_engine_model(config: EngineConfig, group=None) -> PreparedModel:
@@ -202,7 +206,16 @@ def prepare_engine_model(config: EngineConfig, group=None) -> PreparedModel:
     state_layout = probe_state_layout(loaded.model, specs) if recurrent else None
     # After the weights are in their final format: the KV dtype follows the activations'.
     kv_layout = measure_kv_layout(loaded.model, state_layout)
-    return PreparedModel(loaded, specs, weight_format, state_layout, kv_layout)
+    memory = MemoryNeeds(
+        kv_layout.bytes_per_block_token(kv_layout.block_groups(specs)),
+        state_layout.bytes_per_request if state_layout else 0,
+        available_memory(),
+    )
+    if group is not None:
+        from vllm_mlx.distributed import combine_memory_needs
+
+        memory = combine_memory_needs(group, memory)
+    return PreparedModel(loaded, specs, weight_format, state_layout, kv_layout, memory)
 
 
 def _split_model(config: EngineConfig, loaded: LoadedModel, specs: list, group) -> list:
@@ -289,11 +302,13 @@ class EngineCore:
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         self.kv_layout = prepared.kv_layout
-        budget = kv_budget_bytes(config.kv_cache_memory)
-        states = StateBudget.plan(config, budget, state_layout.bytes_per_request if state_layout else 0)
+        # Sized for every rank: every rank allocates these counts for its own layers.
+        memory = prepared.memory
+        budget = kv_budget_bytes(config.kv_cache_memory, memory.available_bytes)
+        states = StateBudget.plan(config, budget, memory.state_bytes_per_request)
         block_groups = self.kv_layout.block_groups(specs)
-        num_blocks = config.num_kv_blocks or self.kv_layout.blocks_for_budget(
-            states.kv_bytes_left, config.block_size, block_groups
+        num_blocks = config.num_kv_blocks or blocks_for_bytes(
+            states.kv_bytes_left, config.block_size, memory.kv_bytes_per_token
         )
         self.kv_cache = PagedCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, states.num_running_slots,

@@ -31,15 +31,29 @@ def available_memory() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def kv_budget_bytes(kv_cache_memory: int | float) -> int:
-    """An absolute byte count, or a fraction of the available memory."""
+def kv_budget_bytes(kv_cache_memory: int | float, available_bytes: int | None = None) -> int:
+    """An absolute byte count, or a fraction of the available memory (``available_bytes``, by
+    default ``available_memory()``)."""
     if isinstance(kv_cache_memory, float):
         if not 0 < kv_cache_memory <= 1:
             raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {kv_cache_memory}")
-        return int(kv_cache_memory * available_memory())
+        return int(kv_cache_memory * (available_memory() if available_bytes is None else available_bytes))
     if kv_cache_memory <= 0:
         raise ValueError(f"kv_cache_memory must be > 0 bytes, got {kv_cache_memory}")
     return int(kv_cache_memory)
+
+
+@dataclass(frozen=True)
+class MemoryNeeds:
+    """What sizing the pools needs to know of a process: what one token of one KV block id costs
+    (``KVLayout.bytes_per_block_token``), what one request's recurrent state costs (0: none),
+    and the memory available. Over several ranks (``distributed.combine_memory_needs``): the
+    most any rank's layers cost and the least memory any rank has, so that rank 0's sizing,
+    which every rank allocates, fits each (a pipeline stage holds only its own layers)."""
+
+    kv_bytes_per_token: int
+    state_bytes_per_request: int
+    available_bytes: int
 
 
 @dataclass(frozen=True)

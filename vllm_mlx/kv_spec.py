@@ -194,20 +194,26 @@ class KVLayout:
         return sum(group.bytes_per_token for group in self.groups)
 
     def blocks_for_budget(self, budget_bytes: int, block_size: int, block_groups: BlockGroups | None = None) -> int:
-        """How many blocks (plus the null block) ``budget_bytes`` holds.
-
-        Raises:
-            ValueError: The budget holds no block.
-        """
+        """How many blocks (plus the null block) ``budget_bytes`` holds (``blocks_for_bytes``)."""
         per_token = self.bytes_per_token if block_groups is None else self.bytes_per_block_token(block_groups)
-        per_block = per_token * block_size
-        if per_block == 0:
-            raise ValueError("the model writes no keys or values: nothing to size the KV pool by")
-        num_blocks = budget_bytes // per_block + 1
-        if num_blocks < 2:
-            raise ValueError(f"kv_cache_memory={budget_bytes} bytes holds no block ({per_block} bytes each)")
-        return int(num_blocks)
+        return blocks_for_bytes(budget_bytes, block_size, per_token)
 
     def to_dicts(self, num_blocks: int, num_state_slots: int = 0, num_checkpoints: int = 0) -> list[dict]:
         return [group.to_dict(num_blocks, num_state_slots, num_checkpoints) | {"dtype": self.dtype}
                 for group in self.groups]  # fmt: skip
+
+
+def blocks_for_bytes(budget_bytes: int, block_size: int, bytes_per_block_token: int) -> int:
+    """How many blocks (plus the null block) ``budget_bytes`` holds, one token of a block id
+    costing ``bytes_per_block_token`` (``KVLayout.bytes_per_block_token``).
+
+    Raises:
+        ValueError: The budget holds no block.
+    """
+    per_block = bytes_per_block_token * block_size
+    if per_block == 0:
+        raise ValueError("the model writes no keys or values: nothing to size the KV pool by")
+    num_blocks = budget_bytes // per_block + 1
+    if num_blocks < 2:
+        raise ValueError(f"kv_cache_memory={budget_bytes} bytes holds no block ({per_block} bytes each)")
+    return int(num_blocks)

@@ -20,6 +20,15 @@ def tiny_model_dir(tmp_path_factory, default_model_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_5_dir(tmp_path_factory, default_model_dir):
+    """A tiny Qwen3.5 hybrid: 4 layers (gated delta-net, attention, delta-net, attention), so two
+    pipeline stages hold one of each."""
+    from tiny_model import TINY_QWEN3_5, build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("qwen3_5"), default_model_dir, **TINY_QWEN3_5)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_vl_dir(tmp_path_factory):
     """A tiny random-weight Qwen2-VL directory (see tests/tiny_vlm.py): a 64x64 image -> 4 tokens."""
     pytest.importorskip("mlx_vlm", reason="mlx-vlm (the `vlm` extra) is not installed")

@@ -1,8 +1,9 @@
-"""``vllm-mlx serve --tensor-parallel-size 2`` (vllm_mlx/entrypoints/distributed_serve.py): the
-CLI starts two loopback ranks and supervises them; only rank 0 listens for HTTP; the official
-``openai`` client gets the single-process engine's greedy text; SIGTERM stops every rank; a rank
-killed or hung mid-generation fails the stream and ends the launch with status 1. Models
-that cannot be split, and ``--distributed`` outside a launch, are refused with a clear error."""
+"""``vllm-mlx serve --tensor-parallel-size 2`` and ``--pipeline-parallel-size 2``
+(vllm_mlx/entrypoints/distributed_serve.py): the CLI starts two loopback ranks and supervises
+them; only rank 0 listens for HTTP; the official ``openai`` client gets the single-process
+engine's greedy text; SIGTERM stops every rank; a rank killed or hung mid-generation fails the
+stream and ends the launch with status 1. Models that cannot be split, and ``--distributed``
+outside a launch, are refused with a clear error."""
 
 from __future__ import annotations
 
@@ -58,15 +59,19 @@ def _ring_ports(pid: int) -> set[int]:
 @pytest.fixture
 def model_dir(tiny_model_dir, tmp_path) -> Path:
     """The tiny llama (4 heads, 2 KV heads) under a unique path: the marker that finds our ranks."""
-    return Path(shutil.copytree(tiny_model_dir, tmp_path / f"tiny-tp-{uuid.uuid4().hex[:8]}"))
+    return _unique_copy(tiny_model_dir, tmp_path)
 
 
-@pytest.fixture
-def single_process_text(tiny_model_dir) -> str:
+def _unique_copy(source: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(source, tmp_path / f"tiny-tp-{uuid.uuid4().hex[:8]}"))
+
+
+def _single_process_text(model_dir: Path) -> str:
+    """The single-process engine's greedy completion of ``PROMPT`` (12 tokens)."""
     from vllm_mlx.engine_core import EngineCore
     from vllm_mlx.request import SamplingParams
 
-    engine = EngineCore(model=str(tiny_model_dir), force_model_takeover=True)
+    engine = EngineCore(model=str(model_dir), force_model_takeover=True)
     try:
         engine.add_request(PROMPT, SamplingParams(max_tokens=12, temperature=0), request_id="x")
         while engine.has_unfinished_requests():
@@ -85,27 +90,37 @@ def _kill_everything(proc: subprocess.Popen, marker: str) -> None:
     proc.wait(10)
 
 
-def _start_two_ranks(model_dir: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, int, Path]:
-    """``vllm-mlx serve MODEL --tensor-parallel-size 2 [extra]`` in its own session, logging to a file."""
+def _start_two_ranks(
+    model_dir: Path, tmp_path: Path, *extra: str, split: str = "--tensor-parallel-size"
+) -> tuple[subprocess.Popen, int, Path]:
+    """``vllm-mlx serve MODEL {split} 2 [extra]`` in its own session, logging to a file."""
     sock, _ = free_socket()
     port = sock.getsockname()[1]
     sock.close()
     log = tmp_path / "serve.log"
     command = [sys.executable, "-m", "vllm_mlx.entrypoints.cli", "serve", str(model_dir),
-               "--tensor-parallel-size", "2", "--port", str(port), "--host", "127.0.0.1", *extra]  # fmt: skip
+               split, "2", "--port", str(port), "--host", "127.0.0.1", *extra]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     with log.open("w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return proc, port, log
 
 
-def test_serve_over_two_ranks_equals_the_single_process_engine(model_dir, single_process_text, tmp_path):
+SPLITS = {"--tensor-parallel-size": "tiny_model_dir", "--pipeline-parallel-size": "tiny_qwen3_5_dir"}
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_serve_over_two_ranks_equals_the_single_process_engine(split, request, tmp_path):
+    """Heads split (the tiny llama) or layers split (two stages of the tiny Qwen3.5 hybrid)."""
     import mlx.core as mx
     import openai
 
     if not mx.distributed.is_available():
         pytest.skip("mlx has no distributed backend")
-    proc, port, log = _start_two_ranks(model_dir, tmp_path)
+    source = request.getfixturevalue(SPLITS[split])
+    single_process_text = _single_process_text(source)
+    model_dir = _unique_copy(source, tmp_path)
+    proc, port, log = _start_two_ranks(model_dir, tmp_path, split=split)
     try:
         wait_for_health(proc, port, log, START_TIMEOUT, "the 2-rank server")
         ranks = _rank_pids(str(model_dir))

@@ -195,6 +195,44 @@ def test_what_the_api_cannot_carry_is_refused(ip, line, message):
         generate(ip, line)
 
 
+def test_images_go_inline_to_a_vision_server(ip, server, tiny_qwen2_vl_dir, tmp_path):
+    """``--image PATH``: the kernel reads the file and sends its pixels inline (the server reads
+    no file: by default it would refuse a path); the reply is the server's own greedy reply to
+    the same image sent as a PNG data URL. ``--raw`` with an image still needs the kernel's engine."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    image = Image.new("RGB", (64, 64), (200, 30, 90))
+    path = tmp_path / "photo.png"
+    image.save(path)
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    data_url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    engine = AsyncEngineCore(model=str(tiny_qwen2_vl_dir), num_kv_blocks=64, force_model_takeover=True).start()
+    vlm = LiveServer(build_app(engine, served_model_name="vlm", api_key=KEY))
+    try:
+        with capture_output():
+            ip.run_line_magic("vllm_mlx", f"connect {vlm.url} --api-key {KEY}")
+        gen = generate(ip, f"--image {path} --temperature 0 --max-tokens 6 --wait", "What is it?")
+        parts = [{"type": "image_url", "image_url": {"url": data_url}}, {"type": "text", "text": "What is it?"}]
+        with httpx.Client(base_url=vlm.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as client:
+            oracle = client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": parts}], "temperature": 0, "max_tokens": 6,
+            }).json()  # fmt: skip
+        assert gen.state == DONE and gen.text == oracle["choices"][0]["message"]["content"], gen.error
+        with pytest.raises(UsageError, match="no such file"):  # read here, so named here
+            generate(ip, f"--image {tmp_path / 'nope.png'}", "What is it?")
+        with pytest.raises(UsageError, match="--image with --raw"):
+            generate(ip, f"--raw --image {path}", "What is it?")
+    finally:
+        with capture_output():
+            ip.run_line_magic("vllm_mlx", f"connect {server.url} --api-key {KEY}")
+        vlm.stop()
+        engine.stop()
+
+
 def test_timeline_needs_the_kernel_engine(ip):
     with pytest.raises(UsageError, match="in-kernel engine"):
         ip.run_line_magic("vllm_mlx", "timeline")

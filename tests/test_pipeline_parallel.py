@@ -13,10 +13,9 @@ import pytest
 from vllm_mlx.distributed import TensorParallelError
 from vllm_mlx.kv_spec import FullAttentionSpec, RecurrentStateSpec
 from vllm_mlx.pipeline_parallel import PipelineParallelError, StageRange, check_stages_alike, layer_split
-from vllm_mlx.ring_launch import LaunchError, LaunchResult, launch_ring
+from vllm_mlx.ring_launch import LaunchResult
 
 TESTS = Path(__file__).parent
-LAUNCH_TIMEOUT = 150  # seconds: two model loads and ~40 steps take ~30 s on 2 busy cores
 FULL, LINEAR = FullAttentionSpec(), RecurrentStateSpec(2, pads=True)
 
 
@@ -40,27 +39,10 @@ def test_tensor_and_pipeline_parallel_are_exclusive():
     assert issubclass(PipelineParallelError, TensorParallelError)
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen3_5_dir(tmp_path_factory, default_model_dir) -> Path:
-    """4 layers (gated delta-net, attention, delta-net, attention): each rank holds one of each."""
-    from tiny_model import TINY_QWEN3_5, build_tiny_llama
-
-    return build_tiny_llama(tmp_path_factory.mktemp("qwen3_5"), default_model_dir, **TINY_QWEN3_5)
-
-
 def _launch_two_ranks(model_dir: Path, out_prefix: Path, *args: str) -> LaunchResult:
-    import mlx.core as mx
+    from tp_driver import launch_two_ranks
 
-    if not mx.distributed.is_available():
-        pytest.skip("mlx has no distributed backend")
-    try:
-        done = launch_ring(str(TESTS / "pp_driver.py"), [str(model_dir), str(out_prefix), *args],
-                           timeout=LAUNCH_TIMEOUT, pythonpath=[str(TESTS.parent), str(TESTS)])  # fmt: skip
-    except LaunchError as exc:
-        pytest.skip(str(exc))
-    if done.timed_out:
-        pytest.fail(f"two ranks did not finish in {LAUNCH_TIMEOUT} s:\n{done.output[-3000:]}")
-    return done
+    return launch_two_ranks(model_dir, out_prefix, *args, driver=TESTS / "pp_driver.py")
 
 
 def test_two_stages_on_loopback_equal_the_single_process_engine(tiny_qwen3_5_dir, tmp_path):

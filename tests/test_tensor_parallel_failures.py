@@ -1,22 +1,20 @@
 """A tensor-parallel rank that dies or hangs (vllm_mlx/rank_watchdog.py, distributed.py): rank 0's
 server answers the waiting requests with a clear error within the timeout, ``/health`` says
-why, new requests are refused, and every process ends (two real ranks on 127.0.0.1)."""
+why, new requests are refused, and every process ends (two real ranks on 127.0.0.1); a rank
+that hangs at start-up ends every rank at the start-up deadline."""
 
 from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from vllm_mlx.rank_watchdog import CollectiveWatchdog, RankLostError
-from vllm_mlx.ring_launch import LaunchError, launch_ring
 
 TESTS = Path(__file__).parent
-LAUNCH_TIMEOUT = 150
 
 
 def test_watchdog_fires_once_for_a_block_that_outlives_its_deadline():
@@ -44,23 +42,21 @@ def test_watchdog_thread_ends_on_close():
 def test_distributed_timeout_is_checked():
     from vllm_mlx.engine_core import EngineConfig
 
-    for bad in (0, -1.0, "30", True):
-        with pytest.raises(ValueError, match="distributed_timeout_s"):
-            EngineConfig(distributed_timeout_s=bad).normalize()
+    for name in ("distributed_timeout_s", "distributed_startup_timeout_s"):
+        for bad in (0, -1.0, "30", True):
+            with pytest.raises(ValueError, match=name):
+                EngineConfig(**{name: bad}).normalize()
+
+
+def _launch_driver(model_dir: Path, tmp_path: Path, mode: str):
+    """``tp_failure_driver.py`` on two ranks, writing under ``tmp_path / "tp"``."""
+    from tp_driver import launch_two_ranks
+
+    return launch_two_ranks(model_dir, tmp_path / "tp", mode, driver=TESTS / "tp_failure_driver.py")
 
 
 def _launch(model_dir: Path, tmp_path: Path, mode: str) -> dict:
-    import mlx.core as mx
-
-    if not mx.distributed.is_available():
-        pytest.skip("mlx has no distributed backend")
-    prefix = tmp_path / "tp"
-    try:
-        done = launch_ring(str(TESTS / "tp_failure_driver.py"), [str(model_dir), str(prefix), mode],
-                           timeout=LAUNCH_TIMEOUT, pythonpath=[str(TESTS.parent), str(TESTS)])  # fmt: skip
-    except LaunchError as exc:
-        pytest.skip(str(exc))
-    assert not done.timed_out, f"the ranks did not end in {LAUNCH_TIMEOUT} s:\n{done.output[-3000:]}"
+    done = _launch_driver(model_dir, tmp_path, mode)
     out = tmp_path / "tp.rank0.json"
     assert out.exists(), done.output[-4000:]
     result = json.loads(out.read_text())
@@ -115,6 +111,23 @@ def test_a_rank_that_hangs_while_idle_is_found_by_the_heartbeat(tiny_model_dir, 
     assert result["health_after"]["status"] == 503 and "the idle heartbeat did not finish" in result["health_after"]["body"]
     assert result["noticed_after_s"] < 2 * HEARTBEAT_PERIOD_S + TIMEOUT_S + 5
     assert "503" in result["request_after"]["error"]
+
+
+def test_a_rank_that_hangs_at_start_up_ends_every_rank_at_the_deadline(tiny_model_dir, tmp_path):
+    """Rank 1 never finishes loading: rank 0, waiting in the start-up collectives, and rank 1
+    itself exit at the start-up deadline, saying why; no call returns, no process is left."""
+    from tp_failure_driver import STARTUP_TIMEOUT_S
+
+    started = time.monotonic()
+    done = _launch_driver(tiny_model_dir, tmp_path, "startup-hang")
+    assert time.monotonic() - started < STARTUP_TIMEOUT_S + 30  # two interpreters' start, then the deadline
+    assert f"start-up (every rank loading and checking the model) did not finish within {STARTUP_TIMEOUT_S:g} s" in (
+        done.output
+    ), done.output[-3000:]
+    assert "exiting: the thread waiting on the other ranks can never return" in done.output
+    assert not list(tmp_path.glob("tp.rank*.returned"))
+    for rank in (0, 1):
+        assert not _alive(int((tmp_path / f"tp.rank{rank}.pid").read_text())), f"rank {rank} outlived the launch"
 
 
 def test_a_sync_engine_without_a_handler_is_never_left_blocked():

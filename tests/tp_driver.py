@@ -59,15 +59,19 @@ TESTS = Path(__file__).parent
 LAUNCH_TIMEOUT = 150  # seconds: two model loads and ~40 steps take ~30 s on 2 busy cores
 
 
-def launch_two_ranks(model_dir: Path, out_prefix: Path, *args: str):
-    """This driver on two ranks (``ring_launch``: its own session, killed whole on timeout); the
-    test skips where ``mlx.launch`` cannot run and fails on a timeout."""
+def launch_two_ranks(model_dir: Path, out_prefix: Path, *args: str, driver: Path | str = __file__):
+    """``driver`` (this one by default) on two ranks (``ring_launch``: its own session, killed
+    whole on timeout), given the model, the output prefix and ``args``; the test skips where
+    ``mlx.launch`` cannot run and fails on a timeout."""
+    import mlx.core as mx
     import pytest
 
     from vllm_mlx.ring_launch import LaunchError, launch_ring
 
+    if not mx.distributed.is_available():
+        pytest.skip("mlx has no distributed backend")
     try:
-        done = launch_ring(__file__, [str(model_dir), str(out_prefix), *args],
+        done = launch_ring(str(driver), [str(model_dir), str(out_prefix), *args],
                            timeout=LAUNCH_TIMEOUT, pythonpath=[str(TESTS.parent), str(TESTS)])  # fmt: skip
     except LaunchError as exc:
         pytest.skip(str(exc))

@@ -4,7 +4,8 @@
 
 - ``die``: rank 1 kills itself (SIGKILL) in the middle of a batch of streaming requests;
 - ``hang``: rank 1 stops itself (SIGSTOP) there instead: alive, silent;
-- ``idle-hang``: rank 1 stops itself on rank 0's first idle heartbeat, with no request running.
+- ``idle-hang``: rank 1 stops itself on rank 0's first idle heartbeat, with no request running;
+- ``startup-hang``: rank 1 never finishes loading the model (``hang_at_startup``).
 
 Rank 0 serves the OpenAI API on 127.0.0.1 (the real app over ``AsyncEngineCore(tensor_parallel
 =True)``), streams requests with the ``openai`` client, and writes ``OUT_PREFIX.rank0.json``:
@@ -139,11 +140,35 @@ def serve_and_watch(model_dir: str, mode: str) -> dict:
     return result
 
 
+STARTUP_TIMEOUT_S = 6.0  # the start-up deadline of the startup-hang mode (rank 0 loads in ~2 s)
+
+
+def hang_at_startup(group, model_dir: str, out_prefix: str) -> None:
+    """Every rank writes its pid, then rank 0 builds an engine and rank 1 a worker, both with a
+    start-up deadline of ``STARTUP_TIMEOUT_S``; rank 1's model load never returns. Neither call
+    can return: each rank's deadline ends its process (exit status 1)."""
+    from vllm_mlx import models
+    from vllm_mlx.distributed import worker_loop
+    from vllm_mlx.engine_core import EngineCore
+
+    Path(f"{out_prefix}.rank{group.rank()}.pid").write_text(str(os.getpid()))
+    if group.rank() == 0:
+        EngineCore(model=model_dir, tensor_parallel=True, force_model_takeover=True,
+                   distributed_startup_timeout_s=STARTUP_TIMEOUT_S)  # fmt: skip
+    else:
+        models.load_model = lambda *args, **kwargs: threading.Event().wait()
+        worker_loop(model_dir, group=group, startup_timeout_s=STARTUP_TIMEOUT_S)
+    Path(f"{out_prefix}.rank{group.rank()}.returned").write_text("the start-up deadline did not fire")
+
+
 def main(model_dir: str, out_prefix: str, mode: str) -> None:
     from vllm_mlx.distributed import init_group, worker_loop
 
     pid_file = Path(f"{out_prefix}.rank1.pid")
     group = init_group()
+    if mode == "startup-hang":
+        hang_at_startup(group, model_dir, out_prefix)
+        return
     if group.rank() == 0:
         # mlx.launch ends the other ranks when one exits non-zero; rank 0 must outlive rank 1's
         # death long enough to record what its clients saw.

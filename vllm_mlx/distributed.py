@@ -46,7 +46,13 @@ import numpy as np
 
 from vllm_mlx.kv_sizing import MemoryNeeds
 from vllm_mlx.outputs import ScheduledRequest, SchedulerOutput
-from vllm_mlx.rank_watchdog import RankLostError, is_collective_failure
+from vllm_mlx.rank_watchdog import (
+    DEFAULT_STARTUP_TIMEOUT_S,
+    STARTUP,
+    RankLostError,
+    is_collective_failure,
+    startup_deadline,
+)
 from vllm_mlx.request import Request, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -486,6 +492,7 @@ def worker_loop(
     trust_remote_code: bool = False,
     group=None,
     pipeline_parallel: bool = False,
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
 ) -> WorkerStats:
     """Run a rank > 0 until rank 0's engine shuts down; returns what it ran.
 
@@ -493,7 +500,9 @@ def worker_loop(
     layers instead of shards: ``pipeline_parallel.py``) must be rank 0's (the model and the
     split mode are checked at start-up, on every rank); the KV pool's
     sizing comes from rank 0's start message. It prepares the model as rank 0 does
-    (``prepare_engine_model``), then builds the runner: the same collectives in the same order."""
+    (``prepare_engine_model``), then builds the runner: the same collectives in the same order.
+    When start-up (up to rank 0's start message) outlives ``startup_timeout_s``, the process
+    exits (``rank_watchdog.startup_deadline``)."""
     from vllm_mlx.engine_core import EngineConfig, prepare_engine_model
     from vllm_mlx.model_runner import MLXModelRunner
 
@@ -504,8 +513,9 @@ def worker_loop(
         model=model, weight_format=weight_format, trust_remote_code=trust_remote_code,
         pipeline_parallel=pipeline_parallel,
     )  # fmt: skip
-    prepared = prepare_engine_model(config, group)
-    start = receive_message(group)
+    with startup_deadline(group, startup_timeout_s, STARTUP):
+        prepared = prepare_engine_model(config, group)
+        start = receive_message(group)
     if start.kind != "start":
         raise TensorParallelError(f"expected rank 0's start message, got {start.kind!r}")
     sizing = start.start

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -47,7 +46,15 @@ from vllm_mlx.model_registry import get_registry
 from vllm_mlx.output_processor import OutputProcessor
 from vllm_mlx.outputs import ModelRunnerOutput, SchedulerOutput, StepRecord
 from vllm_mlx.paged_cache import PagedCacheManager
-from vllm_mlx.rank_watchdog import CollectiveWatchdog, RankLostError, is_collective_failure
+from vllm_mlx.rank_watchdog import (
+    DEFAULT_STARTUP_TIMEOUT_S,
+    STARTUP,
+    CollectiveWatchdog,
+    RankLostError,
+    exit_hung_process,
+    is_collective_failure,
+    startup_deadline,
+)
 from vllm_mlx.request import Request, RequestOutput, RequestStatus, SamplingParams
 from vllm_mlx.scheduler import Scheduler, SchedulerConfig
 from vllm_mlx.snapshot import CacheSnapshotter
@@ -117,6 +124,11 @@ class EngineConfig:
     heartbeat) may wait on the other ranks before rank 0 declares one of them hung and the engine
     failed (``rank_watchdog.py``). It must exceed the slowest legitimate step (the largest
     prefill chunk on this hardware)."""
+    distributed_startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+    """With ``tensor_parallel`` or ``pipeline_parallel``: the longest start-up (every rank
+    loading and checking the model, then the start message) may take before this process gives
+    up on the other ranks and exits (``rank_watchdog.startup_deadline``). It must exceed the
+    slowest rank's load."""
 
     def normalize(self) -> None:
         """Accept every option in the forms the CLI takes (``kv_cache_memory="512M"`` or
@@ -140,9 +152,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.tensor_parallel and self.pipeline_parallel:
             raise ValueError("tensor_parallel and pipeline_parallel are exclusive: choose one way to split the model")
-        timeout = self.distributed_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"distributed_timeout_s must be a number of seconds > 0, got {timeout!r}")
+        for name in ("distributed_timeout_s", "distributed_startup_timeout_s"):
+            timeout = getattr(self, name)
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {timeout!r}")
 
     def scheduler_config(self, num_blocks: int, context_len: int | None) -> SchedulerConfig:
         """The scheduler's limits for a pool of ``num_blocks`` and a model context of ``context_len``."""
@@ -293,7 +306,8 @@ class EngineCore:
         self.watchdog = None
         self.rank_failure: RankLostError | None = None
         """Why the ranks are out of reach (set once; no collective is issued after it)."""
-        prepared = prepare_engine_model(config, self.tp_group)
+        with startup_deadline(self.tp_group, config.distributed_startup_timeout_s, STARTUP):
+            prepared = prepare_engine_model(config, self.tp_group)
         loaded, specs, state_layout = prepared.loaded, prepared.specs, prepared.state_layout
         self.vision = loaded.vision
         self.weight_format = prepared.weight_format
@@ -327,7 +341,8 @@ class EngineCore:
             from vllm_mlx.distributed import StepEncoder, StepMessage, send_message
 
             sizing = {"num_blocks": num_blocks, "block_size": config.block_size, "num_state_slots": states.num_slots}
-            send_message(self.tp_group, StepMessage("start", start=sizing))
+            with startup_deadline(self.tp_group, config.distributed_startup_timeout_s, "the start message"):
+                send_message(self.tp_group, StepMessage("start", start=sizing))
             self.step_encoder = StepEncoder()
             self.watchdog = CollectiveWatchdog(config.distributed_timeout_s, self._rank_hung, self.tp_group.size())
         self.runner = MLXModelRunner(
@@ -543,9 +558,7 @@ class EngineCore:
         if self.on_rank_lost is not None:
             self.on_rank_lost(error)
             return
-        logger.critical("exiting: the thread waiting on the other ranks can never return")
-        logging.shutdown()
-        os._exit(1)
+        exit_hung_process(error)
 
     def heartbeat(self) -> None:
         """With tensor parallelism, while idle: one small message through every rank, so a dead

@@ -12,15 +12,21 @@ of work that holds collectives (a step, a heartbeat, the stop message); a daemon
 ``on_hang`` when one outlives ``timeout_s``. The blocked thread stays blocked; whoever handles
 ``on_hang`` must answer the waiting callers from the watchdog's thread (``AsyncEngineCore``
 does) and must never wait for the blocked thread.
+
+Start-up (every rank loading the model, the same-model check, the start message) has a
+deadline of its own, longer, since ranks load at the speed of their disks
+(``startup_deadline``): nothing can answer for a process that hangs there, so it exits.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import NoReturn
 
 from vllm_mlx.errors import VllmMlxError
 
@@ -33,6 +39,9 @@ class RankLostError(VllmMlxError):
     Its message names ranks and steps only (no request content): the server shows it on
     ``/health`` and to the requests it ends."""
 
+
+DEFAULT_STARTUP_TIMEOUT_S = 600.0  # as vLLM's engine-ready timeout (VLLM_ENGINE_READY_TIMEOUT_S)
+STARTUP = "start-up (every rank loading and checking the model)"
 
 COLLECTIVE_ERROR_TAGS = ("[ring]", "[jaccl]", "[mpi]", "[nccl]")
 """How MLX's distributed backends begin the messages of the errors their collectives raise
@@ -98,3 +107,27 @@ class CollectiveWatchdog:
         if self.fired is not None:
             logger.critical("%s", self.fired)
             self.on_hang(self.fired)
+
+
+def exit_hung_process(error: RankLostError) -> NoReturn:
+    """End this process (exit status 1): its thread waiting on the other ranks can never return,
+    and nothing else would end it. ``error`` was logged by the watchdog."""
+    logger.critical("exiting: the thread waiting on the other ranks can never return (%s)", error)
+    logging.shutdown()
+    os._exit(1)
+
+
+@contextmanager
+def startup_deadline(group, timeout_s: float, what: str) -> Iterator[None]:
+    """With a distributed ``group``: exit the process (``exit_hung_process``) if the block
+    outlives ``timeout_s``; no deadline without one. For start-up, where no caller could be
+    answered instead."""
+    if group is None:
+        yield
+        return
+    watchdog = CollectiveWatchdog(timeout_s, exit_hung_process, group.size())
+    try:
+        with watchdog.watch(what):
+            yield
+    finally:
+        watchdog.close()

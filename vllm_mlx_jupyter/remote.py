@@ -7,7 +7,9 @@ read blocking or with ``async for``), ``abort``, ``cache_snapshot``, ``reset_pre
 
 - a prompt that is text (``--raw``) goes to ``/v1/completions``; a ``ChatPrompt`` (the messages
   the session would have put through the chat template) to ``/v1/chat/completions``, so the
-  server applies the same template the kernel would have;
+  server applies the same template the kernel would have. Its images (``--image``) are loaded
+  here, as the kernel's engine would load them, and sent inline (``remote_messages``): the
+  server reads no file and fetches no URL for us;
 - every request streams (SSE) on one asyncio loop in a background thread: concurrent cells are
   concurrent HTTP streams, batched by the server's engine;
 - ``abort`` cancels the stream's task, which closes its connection: the server aborts a request
@@ -24,7 +26,9 @@ streaming, the server's usage at the end) — no token ids, which the API does n
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
+import io
 import json
 import threading
 import time
@@ -159,8 +163,7 @@ class RemoteEngine:
         return None
 
     def check_images(self, images) -> None:
-        if images:
-            raise RemoteUnsupported("images are not sent to a server yet: disconnect to use --image")
+        """Images go inline in chat messages (``remote_messages``); the server checks them."""
 
     def cache_snapshot(self, include_blocks: bool = True) -> dict:
         """The server's block grid and this notebook's requests, in ``cache_snapshot()``'s shape.
@@ -271,6 +274,30 @@ def request_body(prompt, params, model: str) -> tuple[str, dict]:
     if not isinstance(prompt, str):
         raise RemoteUnsupported("a server takes text or chat messages, not a prepared prompt (images?)")
     return "/v1/completions", {**body, "prompt": prompt}
+
+
+def remote_messages(messages: list[dict]) -> list[dict]:
+    """``messages`` for the server: each image part (``{"type": "image", "image": source}``, as
+    ``--image`` gives: a path, URL, bytes or PIL image) becomes an ``image_url`` part holding a
+    PNG data URL. Loaded here, in the kernel, under the operator's policy, as the kernel's own
+    engine would; ``ImageInputError`` (a ``ValueError``-like one-line error) when one cannot be."""
+
+    def part(item: dict) -> dict:
+        if item.get("type") != "image":
+            return item
+        return {"type": "image_url", "image_url": {"url": image_data_url(item["image"])}}
+
+    return [{**m, "content": [part(p) for p in m["content"]]} if isinstance(m.get("content"), list) else m
+            for m in messages]  # fmt: skip
+
+
+def image_data_url(source) -> str:
+    """``source`` loaded (``vllm_mlx.images.load_image``) and encoded as a PNG data URL."""
+    from vllm_mlx.images import load_image
+
+    buffer = io.BytesIO()
+    load_image(source).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def _constraint_dict(constraint) -> dict:

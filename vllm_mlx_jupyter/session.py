@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from vllm_mlx_jupyter.generation import PREFILLING, QUEUED, Generation
 from vllm_mlx.chat import split_chat_images, template_token_ids
 from vllm_mlx.cpu_backend import backend_summary
+from vllm_mlx.errors import ImageInputError
 from vllm_mlx_jupyter.prompt import ChatSession, user_content
 from vllm_mlx.structured.response_format import ResponseFormat
 from vllm_mlx_jupyter.reading import OutputReader
@@ -335,13 +336,14 @@ class Session:
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None):
         """Token ids of ``messages`` (and ``tools``) under the chat template, with their images
         prepared."""
-        chat = split_chat_images(messages)
         if self.remote:
-            from vllm_mlx_jupyter.remote import ChatPrompt
+            from vllm_mlx_jupyter.remote import ChatPrompt, remote_messages
 
-            if chat.images:
-                self._refuse_remote("--image")
-            return ChatPrompt(messages)
+            try:
+                return ChatPrompt(remote_messages(messages))
+            except ImageInputError as exc:
+                raise SessionError(f"--image: {exc}") from None
+        chat = split_chat_images(messages)
         try:
             self.require_engine().check_images(chat.images)
         except ValueError as exc:
@@ -352,7 +354,7 @@ class Session:
         """``prompt`` as is, or with images, loaded and preprocessed (``PreparedPrompt``)."""
         if not images:
             return prompt
-        self._refuse_remote("--image")
+        self._refuse_remote("--image with --raw (a server takes images in chat messages only)")
         try:
             prepared = self.require_engine().prepare_prompt(prompt, images)
         except ValueError as exc:  # e.g. a text-only model

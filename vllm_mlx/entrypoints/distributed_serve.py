@@ -71,10 +71,16 @@ def serve_rank(args: argparse.Namespace, engine_options: dict, run_server) -> in
     print(f"vllm-mlx: rank {rank} of {group.size()}: a worker (no HTTP port)", file=sys.stderr, flush=True)
     stats = worker_loop(
         args.model, weight_format=args.weight_format, trust_remote_code=args.trust_remote_code, group=group,
-        pipeline_parallel=pipeline,
+        pipeline_parallel=pipeline, **startup_timeout(engine_options),
     )  # fmt: skip
     print(f"vllm-mlx: rank {rank}: stopped after {stats.steps} steps", file=sys.stderr, flush=True)
     return 0
+
+
+def startup_timeout(engine_options: dict) -> dict:
+    """``worker_loop``'s ``startup_timeout_s`` from ``--distributed-startup-timeout``, if given."""
+    timeout = engine_options.get("distributed_startup_timeout_s")
+    return {} if timeout is None else {"startup_timeout_s": timeout}
 
 
 def check_model_splits(model: str, size: int, trust_remote_code: bool, pipeline: bool = False) -> None:

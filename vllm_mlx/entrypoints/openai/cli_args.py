@@ -69,6 +69,9 @@ def _add_distributed_arguments(group) -> None:
     group.add_argument("--distributed-timeout", type=float, default=None, metavar="SECONDS",
                        help="how long a step may wait on the other ranks before one is declared hung "
                        "and the server unhealthy (default: 120)")  # fmt: skip
+    group.add_argument("--distributed-startup-timeout", type=float, default=None, metavar="SECONDS",
+                       help="how long start-up (every rank loading the model) may take before a rank "
+                       "gives up on the others and exits (default: 600)")  # fmt: skip
 
 
 def _positive_int(text: str) -> int:
@@ -92,7 +95,8 @@ def request_limits(args: argparse.Namespace) -> RequestLimits:
 
 def serve_engine_options(args: argparse.Namespace) -> dict:
     """The ``EngineConfig`` fields set by the flags above."""
-    flags = {"seed": args.seed, "distributed_timeout_s": args.distributed_timeout}
+    flags = {"seed": args.seed, "distributed_timeout_s": args.distributed_timeout,
+             "distributed_startup_timeout_s": args.distributed_startup_timeout}  # fmt: skip
     return {name: value for name, value in flags.items() if value is not None}
 
 

@@ -185,14 +185,33 @@ def test_constraints_and_system_go_to_the_server(ip):
     assert gen.state == DONE and (isinstance(gen.parsed, dict) or gen.finish_reason == "length"), gen.text
 
 
-@pytest.mark.parametrize("line, message", [
-    ("--logprobs 2", "--logprobs is not supported when connected"),
-    ("--tools nothing_here", "--tools"),
-])  # fmt: skip
-def test_what_the_api_cannot_carry_is_refused(ip, line, message):
+def test_what_the_api_cannot_carry_is_refused(ip):
     ip.user_ns["nothing_here"] = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    with pytest.raises(UsageError, match=message):
-        generate(ip, line)
+    with pytest.raises(UsageError, match="--tools needs the in-kernel engine"):
+        generate(ip, "--tools nothing_here")
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_logprobs_stream_into_the_token_view(ip, http, raw):
+    """``--logprobs 2``: every token with its logprob and top 2, as the server reports them for
+    the same greedy request (chat's ``top_logprobs`` or completions' ``logprobs``)."""
+    line = "--logprobs 2 --temperature 0 --max-tokens 6 --wait" + (" --raw" if raw else "")
+    gen = generate(ip, line, "Say something.")
+    assert gen.state == DONE and len(gen.tokens) == 6
+    assert "".join(t.text for t in gen.tokens) == gen.text
+    if raw:
+        body = {"prompt": "Say something.", "temperature": 0, "max_tokens": 6, "logprobs": 2}
+        choice = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+        expected = [(t, lp, top) for t, lp, top in zip(choice["tokens"], choice["token_logprobs"], choice["top_logprobs"])]
+    else:
+        body = {"messages": [{"role": "user", "content": "Say something."}], "temperature": 0, "max_tokens": 6,
+                "logprobs": True, "top_logprobs": 2}  # fmt: skip
+        content = http.post("/v1/chat/completions", json=body).json()["choices"][0]["logprobs"]["content"]
+        expected = [(e["token"], e["logprob"], {t["token"]: t["logprob"] for t in e["top_logprobs"]}) for e in content]
+    for token, (text, logprob, top) in zip(gen.tokens, expected):
+        assert token.text == text and token.logprob == pytest.approx(logprob, abs=1e-4)
+        assert {alt.text: alt.logprob for alt in token.top} == pytest.approx(top, abs=1e-4)
+        assert len(token.top) == 2
 
 
 def test_images_go_inline_to_a_vision_server(ip, server, tiny_qwen2_vl_dir, tmp_path):

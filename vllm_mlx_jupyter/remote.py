@@ -20,7 +20,8 @@ read blocking or with ``async for``), ``abort``, ``cache_snapshot``, ``reset_pre
   (the server answers after the prefill), so the inspector lists it from then.
 
 Outputs are ``RemoteOutput``s: the text so far and token counts (the chunks so far while
-streaming, the server's usage at the end) — no token ids, which the API does not stream.
+streaming, the server's usage at the end), and with ``--logprobs`` the tokens' texts, logprobs
+and top alternatives — no token ids, which the API does not stream.
 """
 
 from __future__ import annotations
@@ -37,12 +38,14 @@ from dataclasses import dataclass, field
 import httpx
 
 from vllm_mlx.async_engine import EngineDeadError, RequestStream
+from vllm_mlx_jupyter.token_view import Alternative, TokenInfo
 
 CONNECT_TIMEOUT = 10.0
 STATE_NAMES = {"n": "null", "f": "free", "c": "cached", "u": "used"}
 # SamplingParams fields with their OpenAI (or vLLM extension) names; the rest must be defaults.
 _SAMPLING_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                    "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos")  # fmt: skip
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
+                    "max_thinking_tokens")  # fmt: skip
 
 
 class ConnectError(ValueError):
@@ -77,6 +80,9 @@ class RemoteOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     server_id: str | None = None
+    token_infos: tuple[TokenInfo, ...] = ()
+    """With ``--logprobs``: the streamed tokens so far, each with its top alternatives (token ids
+    are -1: the API carries token texts, not ids)."""
 
     @property
     def ttft(self) -> float | None:
@@ -236,6 +242,8 @@ class RemoteEngine:
         for choice in chunk.get("choices", []):
             delta = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
             changes["text"] = state.text + delta
+            if choice.get("logprobs"):
+                changes["token_infos"] = state.token_infos + token_infos(choice["logprobs"])
             changes["num_completion_tokens"] = state.num_completion_tokens + (1 if delta else 0)
             if state.first_token_time is None:
                 changes["first_token_time"] = time.monotonic()
@@ -259,21 +267,41 @@ def request_body(prompt, params, model: str) -> tuple[str, dict]:
     from vllm_mlx.request import SamplingParams
 
     defaults = SamplingParams()
-    for name, flag in (("logprobs", "--logprobs"), ("max_thinking_tokens", "max_thinking_tokens"),
-                       ("stop_token_ids", "stop_token_ids"), ("n", "n")):  # fmt: skip
+    for name in ("n",):
         if getattr(params, name) != getattr(defaults, name):
-            raise RemoteUnsupported(f"{flag} is not supported when connected to a server")
+            raise RemoteUnsupported(f"{name} is not supported when connected to a server")
+    chat = isinstance(prompt, ChatPrompt)
     body: dict = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
     body.update({name: getattr(params, name) for name in _SAMPLING_FIELDS if getattr(params, name) is not None})
     if params.stop:
         body["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        body["stop_token_ids"] = list(params.stop_token_ids)
     if params.structured_outputs is not None:
         body["structured_outputs"] = _constraint_dict(params.structured_outputs)
-    if isinstance(prompt, ChatPrompt):
+    if params.logprobs is not None:  # the top K: chat asks for them apart, completions by K
+        body |= {"logprobs": True, "top_logprobs": params.logprobs} if chat else {"logprobs": params.logprobs}
+    if chat:
         return "/v1/chat/completions", {**body, "messages": prompt.messages}
     if not isinstance(prompt, str):
         raise RemoteUnsupported("a server takes text or chat messages, not a prepared prompt (images?)")
     return "/v1/completions", {**body, "prompt": prompt}
+
+
+def token_infos(logprobs: dict) -> tuple[TokenInfo, ...]:
+    """One chunk's ``logprobs`` as ``TokenInfo``s: chat's ``content`` list, or completions'
+    parallel lists (``tokens``, ``token_logprobs``, ``top_logprobs`` as token -> logprob)."""
+    if "content" in logprobs:
+        return tuple(
+            TokenInfo(entry["token"], -1, entry["logprob"],
+                      tuple(Alternative(top["token"], -1, top["logprob"]) for top in entry.get("top_logprobs") or ()))
+            for entry in logprobs["content"] or ()
+        )  # fmt: skip
+    tops = logprobs.get("top_logprobs") or [None] * len(logprobs["tokens"])
+    return tuple(
+        TokenInfo(token, -1, logprob, tuple(Alternative(text, -1, lp) for text, lp in (top or {}).items()))
+        for token, logprob, top in zip(logprobs["tokens"], logprobs["token_logprobs"], tops)
+    )
 
 
 def remote_messages(messages: list[dict]) -> list[dict]:

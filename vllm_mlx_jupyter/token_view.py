@@ -68,7 +68,11 @@ class TokenLog:
         self._lock = threading.Lock()
 
     def update(self, output) -> list[TokenInfo]:
-        """The tokens of ``output`` (a ``RequestOutput``, or None), as a new list."""
+        """The tokens of ``output`` (a ``RequestOutput``, a server's ``RemoteOutput``, which
+        brings them built, or None), as a new list."""
+        streamed = getattr(output, "token_infos", None)
+        if streamed is not None:
+            return list(streamed)
         completion = output.outputs[0] if output is not None and output.outputs else None
         with self._lock:
             if completion is not None and completion.logprobs is not None:
@@ -98,7 +102,7 @@ def token_html(tokens: list[TokenInfo]) -> str:
 def _span(token: TokenInfo) -> str:
     shade = 0.6 * (1.0 - token.prob)  # a sure token stays clear; an unlikely one turns red
     alts = "\n".join(
-        f'<span class="{"vllm-mlx-alt-sampled" if alt.token_id == token.token_id else ""}">'
+        f'<span class="{"vllm-mlx-alt-sampled" if _same(alt, token) else ""}">'
         f"{alt.prob:6.1%}  {html.escape(_visible(alt.text))}</span>"
         for alt in token.top
     )
@@ -118,3 +122,8 @@ def tokens_bundle(gen) -> dict:
     if not tokens:  # before the first token, or no token log attached
         return {"text/html": f'<div class="vllm-mlx-tokens">{html.escape(gen.text)}</div>', "text/plain": gen.text}
     return {"text/html": token_html(tokens), "text/plain": gen.text}
+
+
+def _same(alt: Alternative, token: TokenInfo) -> bool:
+    """The alternative is the sampled token (by id; by text where ids are unknown, -1: remote)."""
+    return alt.token_id == token.token_id and alt.text == token.text

@@ -20,7 +20,7 @@ from IPython.utils.capture import capture_output  # noqa: E402
 from vllm_mlx.async_engine import AsyncEngineCore  # noqa: E402
 from vllm_mlx.entrypoints.openai.server import build_app  # noqa: E402
 from vllm_mlx.entrypoints.openai.serving import ServingOptions  # noqa: E402
-from vllm_mlx_jupyter.generation import ABORTED, DONE  # noqa: E402
+from vllm_mlx_jupyter.generation import ABORTED, DONE, ERROR  # noqa: E402
 from vllm_mlx_jupyter.inspector import STATE_CODES, decode_state  # noqa: E402
 from live_server import LiveServer, free_socket  # noqa: E402
 
@@ -185,10 +185,53 @@ def test_constraints_and_system_go_to_the_server(ip):
     assert gen.state == DONE and (isinstance(gen.parsed, dict) or gen.finish_reason == "length"), gen.text
 
 
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def test_tool_calls_come_from_the_server_and_results_go_back(ip, session, http):
+    """``--tools`` with a forced call: the server renders, enforces and parses it; the handle has
+    the server's calls (its own reply to the same request), ``run_tools`` answers them, and the
+    next turn sends the whole history with the results."""
+    import json
+
+    ip.user_ns["calc_tools"] = [add]
+    first = generate(ip, "--chat calc --tools calc_tools --tool-choice add --temperature 0 --max-tokens 96 --wait",
+                     "What is 2 plus 3?")  # fmt: skip
+    assert first.state == DONE, first.error
+    spec = session.chats["calc"].tools.specs
+    question = [{"role": "user", "content": "What is 2 plus 3?"}]
+    forced = {"type": "function", "function": {"name": "add"}}
+    oracle = http.post("/v1/chat/completions", json={"messages": question, "tools": spec, "tool_choice": forced,
+                                                     "temperature": 0, "max_tokens": 96}).json()  # fmt: skip
+    calls = oracle["choices"][0]["message"]["tool_calls"]
+    assert [(c.name, json.loads(c.arguments)) for c in first.tool_calls] == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls
+    ]
+    assert first.tool_calls and {c.name for c in first.tool_calls} == {"add"}
+    results = first.run_tools()
+    assert results == [add(**json.loads(c.arguments)) for c in first.tool_calls]
+
+    # The tiny model cannot call by itself ("auto" needs its tool-call format): the server says
+    # so, and the turn that answers the results asks for no call.
+    refused = generate(ip, "--chat calc --temperature 0 --max-tokens 8 --wait", None)
+    assert refused.state == ERROR and "HTTP 400: tool_choice 'auto'" in str(refused.error)
+    second = generate(ip, "--chat calc --tool-choice none --temperature 0 --max-tokens 8 --wait", None)
+    assert second.state == DONE, second.error
+    history = session.chats["calc"].messages[:-1]  # what the second turn sent
+    assert [m["role"] for m in history] == ["user", "assistant", *["tool"] * len(results)]
+    oracle = http.post("/v1/chat/completions", json={"messages": history, "tools": spec, "tool_choice": "none",
+                                                     "temperature": 0, "max_tokens": 8}).json()  # fmt: skip
+    assert second.text == (oracle["choices"][0]["message"]["content"] or "")
+
+
 def test_what_the_api_cannot_carry_is_refused(ip):
-    ip.user_ns["nothing_here"] = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    with pytest.raises(UsageError, match="--tools needs the in-kernel engine"):
-        generate(ip, "--tools nothing_here")
+    ip.user_ns["calc_tools"] = [add]
+    with pytest.raises(UsageError, match="--tool-call-parser: a server parses tool calls with its own"):
+        generate(ip, "--tools calc_tools --tool-call-parser hermes")
+    with pytest.raises(UsageError, match="--tool-choice"):
+        generate(ip, "--tools calc_tools --tool-choice subtract")
 
 
 @pytest.mark.parametrize("raw", [False, True])

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from vllm_mlx_jupyter.reading import OutputReader, Reading
+from vllm_mlx_jupyter.reading import OutputReader, Reading, with_server_parts
 
 if TYPE_CHECKING:
     from vllm_mlx.input_processor import PreparedPrompt
@@ -232,7 +232,7 @@ class Generation(LiveViews):
     def _on_output(self, output) -> None:
         with self._lock:
             self.output = output
-            self.reading = self._reader.feed(output.text)
+            self.reading = with_server_parts(self._reader.feed(output.text), output)
             self.num_prompt_tokens = output.num_prompt_tokens
             if output.num_completion_tokens:
                 self._advance(GENERATING)
@@ -268,7 +268,7 @@ class Generation(LiveViews):
             else:
                 self.state = DONE
             if output is not None:
-                self.reading = self._reader.finish(output.text, output.finish_reason)
+                self.reading = with_server_parts(self._reader.finish(output.text, output.finish_reason), output)
         if self.state == DONE and self._on_finish is not None:
             try:
                 self._on_finish(self)

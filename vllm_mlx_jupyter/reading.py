@@ -9,6 +9,7 @@ parsing the whole text at once. The constraint's parser runs once, on the final 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from vllm_mlx.structured.response_format import ResponseFormat
@@ -77,3 +78,12 @@ def _parse_error(exc: ValueError, finish_reason: str | None) -> str:
     if finish_reason == "length":
         return "the output was cut by max_tokens before it was complete"
     return f"the output does not parse: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+
+
+def with_server_parts(reading: Reading, output) -> Reading:
+    """``reading`` with what a server parsed itself: a ``RemoteOutput``'s tool calls and
+    reasoning (its text is already the content outside them); the kernel's outputs have none."""
+    calls = getattr(output, "tool_calls", None)
+    if calls is None:
+        return reading
+    return dataclasses.replace(reading, tool_calls=list(calls), reasoning=output.reasoning or reading.reasoning)

@@ -9,7 +9,8 @@ read blocking or with ``async for``), ``abort``, ``cache_snapshot``, ``reset_pre
   the session would have put through the chat template) to ``/v1/chat/completions``, so the
   server applies the same template the kernel would have. Its images (``--image``) are loaded
   here, as the kernel's engine would load them, and sent inline (``remote_messages``): the
-  server reads no file and fetches no URL for us;
+  server reads no file and fetches no URL for us. Its tools and ``tool_choice`` go along: the
+  server renders, enforces and parses them, and streams the calls (``delta.tool_calls``);
 - every request streams (SSE) on one asyncio loop in a background thread: concurrent cells are
   concurrent HTTP streams, batched by the server's engine;
 - ``abort`` cancels the stream's task, which closes its connection: the server aborts a request
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from vllm_mlx.async_engine import EngineDeadError, RequestStream
+from vllm_mlx.tool_parsers.base import ToolCall
 from vllm_mlx_jupyter.token_view import Alternative, TokenInfo
 
 CONNECT_TIMEOUT = 10.0
@@ -58,9 +60,13 @@ class RemoteUnsupported(ValueError):
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    """Messages for ``/v1/chat/completions`` (the server applies the chat template)."""
+    """Messages for ``/v1/chat/completions`` (the server applies the chat template), with the
+    turn's tools (OpenAI's shape) and ``tool_choice`` (OpenAI's form), which the server renders,
+    enforces and parses with its own tool-call parser."""
 
     messages: list[dict]
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,10 @@ class RemoteOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     server_id: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    """The calls the server parsed out of the output (``delta.tool_calls``, pieces joined)."""
+    reasoning: str | None = None
+    """A thinking model's reasoning, as the server split it off (``reasoning_content``)."""
     token_infos: tuple[TokenInfo, ...] = ()
     """With ``--logprobs``: the streamed tokens so far, each with its top alternatives (token ids
     are -1: the API carries token texts, not ids)."""
@@ -239,16 +249,8 @@ class RemoteEngine:
                 self._server_ids[state.request_id] = chunk["id"]
             state = dataclasses.replace(state, server_id=chunk["id"])
         changes: dict = {}
-        for choice in chunk.get("choices", []):
-            delta = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-            changes["text"] = state.text + delta
-            if choice.get("logprobs"):
-                changes["token_infos"] = state.token_infos + token_infos(choice["logprobs"])
-            changes["num_completion_tokens"] = state.num_completion_tokens + (1 if delta else 0)
-            if state.first_token_time is None:
-                changes["first_token_time"] = time.monotonic()
-            if choice.get("finish_reason"):
-                changes["finish_reason"] = choice["finish_reason"]
+        for choice in chunk.get("choices", []):  # one: n is 1
+            changes |= _choice_changes(state, choice)
         usage = chunk.get("usage")
         if usage:
             details = usage.get("prompt_tokens_details") or {}
@@ -260,6 +262,27 @@ class RemoteEngine:
         with self._lock:
             self._tasks.pop(request_id, None)
             self._server_ids.pop(request_id, None)
+
+
+def _choice_changes(state: RemoteOutput, choice: dict) -> dict:
+    """The ``RemoteOutput`` fields one streamed choice changes (a completions ``text`` or a chat
+    ``delta``: content, reasoning, tool-call pieces; logprobs; the finish reason)."""
+    message = choice.get("delta") or {}
+    delta = choice.get("text") or message.get("content") or ""
+    changes: dict = {"text": state.text + delta}
+    if message.get("reasoning_content"):
+        changes["reasoning"] = (state.reasoning or "") + message["reasoning_content"]
+    if message.get("tool_calls"):
+        changes["tool_calls"] = joined_calls(state.tool_calls, message["tool_calls"])
+    if choice.get("logprobs"):
+        changes["token_infos"] = state.token_infos + token_infos(choice["logprobs"])
+    produced = delta or message.get("tool_calls") or message.get("reasoning_content")
+    changes["num_completion_tokens"] = state.num_completion_tokens + (1 if produced else 0)
+    if state.first_token_time is None:
+        changes["first_token_time"] = time.monotonic()
+    if choice.get("finish_reason"):
+        changes["finish_reason"] = choice["finish_reason"]
+    return changes
 
 
 def request_body(prompt, params, model: str) -> tuple[str, dict]:
@@ -282,10 +305,26 @@ def request_body(prompt, params, model: str) -> tuple[str, dict]:
     if params.logprobs is not None:  # the top K: chat asks for them apart, completions by K
         body |= {"logprobs": True, "top_logprobs": params.logprobs} if chat else {"logprobs": params.logprobs}
     if chat:
+        tools = {"tools": prompt.tools, "tool_choice": prompt.tool_choice}
+        body |= {name: value for name, value in tools.items() if value is not None}
         return "/v1/chat/completions", {**body, "messages": prompt.messages}
     if not isinstance(prompt, str):
         raise RemoteUnsupported("a server takes text or chat messages, not a prepared prompt (images?)")
     return "/v1/completions", {**body, "prompt": prompt}
+
+
+def joined_calls(calls: tuple[ToolCall, ...], pieces: list[dict]) -> tuple[ToolCall, ...]:
+    """``calls`` after one chunk's ``delta.tool_calls``: a piece with a new ``index`` starts a
+    call (its ``id`` and name), later pieces of that index add to its ``arguments``."""
+    joined = list(calls)
+    for piece in pieces:
+        function = piece.get("function") or {}
+        index = piece.get("index", len(joined))
+        if index >= len(joined):
+            joined.append(ToolCall(piece.get("id") or f"call_{index}", function.get("name") or "", ""))
+        call = joined[index]
+        joined[index] = dataclasses.replace(call, arguments=call.arguments + (function.get("arguments") or ""))
+    return tuple(joined)
 
 
 def token_infos(logprobs: dict) -> tuple[TokenInfo, ...]:

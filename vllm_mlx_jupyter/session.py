@@ -16,6 +16,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from vllm_mlx_jupyter.generation import PREFILLING, QUEUED, Generation
 from vllm_mlx.chat import split_chat_images, template_token_ids
@@ -211,13 +212,11 @@ class Session:
 
         ``response_format`` (a ``ResponseFormat``, already in ``params``) gives ``.parsed``;
         ``tools`` are rendered by the chat template and the output's calls parsed (a chat keeps
-        them for later turns); ``tool_choice`` is ``auto`` (default), ``none``, ``required`` or a
+        them for later turns; connected, the server does both); ``tool_choice`` is ``auto`` (default), ``none``, ``required`` or a
         function's name (the last two are enforced by a constraint, on any model). An empty
         ``prompt`` continues a chat after tool results.
         """
         engine = self.require_engine()
-        if tools is not None:
-            self._refuse_remote("--tools")
         self.check_params(params)
         if raw and (chat is not None or tools is not None):
             flag = "--chat" if chat is not None else "--tools"
@@ -226,11 +225,15 @@ class Session:
         self.check_prompt(prompt, chat)
         name = name if session is None else (name or self._next_name(session))
         name = self.claim_name(name)
-        tools, parser_for = self._turn_tools(session, tools, tool_parser, tool_choice)
-        parser = parser_for()  # refuse now what the cell cannot use; the real one needs the prompt
+        if self.remote:  # the server renders, enforces and parses the tools itself
+            tools, parser_for = self._remote_tools(session, tools, tool_parser, tool_choice), None
+            parser, specs = None, ToolsForServer(tools.specs, _tool_choice(tool_choice)) if tools else None
+        else:
+            tools, parser_for = self._turn_tools(session, tools, tool_parser, tool_choice)
+            parser = parser_for()  # refuse now what the cell cannot use; the real one needs the prompt
+            specs = parser.plan.template_tools if parser is not None else None
         params = _with_forced_call(params, parser)
         reader = OutputReader(response_format)
-        specs = parser.plan.template_tools if parser is not None else None
         if session is not None:
             session.tools = tools
         build, after, on_finish = self._prompt_plan(prompt, session, system, raw, list(images or []), specs)
@@ -262,6 +265,23 @@ class Session:
             if choice is None and _auto_problem(self._template, name, self.model):
                 choice = "none"
         return tools, functools.partial(self.chat_output_parser, tools, name, choice)
+
+    def _remote_tools(self, session: ChatSession | None, tools: ToolSet | None, parser: str | None,
+                      choice: str | None) -> ToolSet | None:  # fmt: skip
+        """A connected turn's tools (a chat turn without ``--tools`` keeps the session's), checked
+        with ``choice`` as the server will check them."""
+        from vllm_mlx.tool_parsers.chat_output import ToolPlan
+
+        if parser is not None:
+            raise SessionError("--tool-call-parser: a server parses tool calls with its own (serve --tool-call-parser)")
+        if tools is None and session is not None:
+            tools = session.tools
+        if tools is not None:
+            try:
+                ToolPlan.of(tools.specs, _tool_choice(choice))
+            except ValueError as exc:
+                raise SessionError(f"--tool-choice: {exc}") from None
+        return tools
 
     def _reading_with(self, build: Callable, reader: OutputReader, parser_for: Callable) -> Callable:
         """``build``, then give ``reader`` the request's parser (``parser_for(prompt_tail)``: an
@@ -333,16 +353,17 @@ class Session:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
         return (lambda: self.chat_prompt(messages, specs)), None, None
 
-    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None):
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | ToolsForServer | None = None):
         """Token ids of ``messages`` (and ``tools``) under the chat template, with their images
-        prepared."""
+        prepared; connected, the messages (images inline) and tools for the server."""
         if self.remote:
             from vllm_mlx_jupyter.remote import ChatPrompt, remote_messages
 
             try:
-                return ChatPrompt(remote_messages(messages))
+                messages = remote_messages(messages)
             except ImageInputError as exc:
                 raise SessionError(f"--image: {exc}") from None
+            return ChatPrompt(messages, tools.specs, tools.choice) if tools else ChatPrompt(messages)
         chat = split_chat_images(messages)
         try:
             self.require_engine().check_images(chat.images)
@@ -509,6 +530,15 @@ class Session:
         for gen in pending:
             gen.observe(requests.get(gen.request_id))
         return cost
+
+
+@dataclass(frozen=True)
+class ToolsForServer:
+    """A connected turn's tools (OpenAI's shape) and ``tool_choice`` (OpenAI's form, None: the
+    server's default), sent with the messages instead of rendered here."""
+
+    specs: list[dict]
+    choice: str | dict | None
 
 
 def _tool_choice(choice: str | None) -> str | dict | None:

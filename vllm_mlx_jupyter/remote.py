@@ -44,7 +44,7 @@ from vllm_mlx_jupyter.token_view import Alternative, TokenInfo
 
 CONNECT_TIMEOUT = 10.0
 STATE_NAMES = {"n": "null", "f": "free", "c": "cached", "u": "used"}
-# SamplingParams fields with their OpenAI (or vLLM extension) names; the rest must be defaults.
+# SamplingParams fields with their OpenAI (or vLLM extension) names; the others are sent below.
 _SAMPLING_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
                     "max_thinking_tokens")  # fmt: skip
@@ -289,10 +289,8 @@ def request_body(prompt, params, model: str) -> tuple[str, dict]:
     """(path, JSON body) of a streamed request; ``RemoteUnsupported`` for what cannot go."""
     from vllm_mlx.request import SamplingParams
 
-    defaults = SamplingParams()
-    for name in ("n",):
-        if getattr(params, name) != getattr(defaults, name):
-            raise RemoteUnsupported(f"{name} is not supported when connected to a server")
+    if params.n != SamplingParams().n:
+        raise RemoteUnsupported("n is not supported when connected to a server")
     chat = isinstance(prompt, ChatPrompt)
     body: dict = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
     body.update({name: getattr(params, name) for name in _SAMPLING_FIELDS if getattr(params, name) is not None})
@@ -347,7 +345,7 @@ def remote_messages(messages: list[dict]) -> list[dict]:
     """``messages`` for the server: each image part (``{"type": "image", "image": source}``, as
     ``--image`` gives: a path, URL, bytes or PIL image) becomes an ``image_url`` part holding a
     PNG data URL. Loaded here, in the kernel, under the operator's policy, as the kernel's own
-    engine would; ``ImageInputError`` (a ``ValueError``-like one-line error) when one cannot be."""
+    engine would; ``ImageInputError`` (one line naming the image) when one cannot be."""
 
     def part(item: dict) -> dict:
         if item.get("type") != "image":

@@ -212,9 +212,9 @@ class Session:
 
         ``response_format`` (a ``ResponseFormat``, already in ``params``) gives ``.parsed``;
         ``tools`` are rendered by the chat template and the output's calls parsed (a chat keeps
-        them for later turns; connected, the server does both); ``tool_choice`` is ``auto`` (default), ``none``, ``required`` or a
-        function's name (the last two are enforced by a constraint, on any model). An empty
-        ``prompt`` continues a chat after tool results.
+        them for later turns; connected, the server does both); ``tool_choice`` is ``auto``
+        (default), ``none``, ``required`` or a function's name (the last two are enforced by a
+        constraint, on any model). An empty ``prompt`` continues a chat after tool results.
         """
         engine = self.require_engine()
         self.check_params(params)
@@ -226,8 +226,8 @@ class Session:
         name = name if session is None else (name or self._next_name(session))
         name = self.claim_name(name)
         if self.remote:  # the server renders, enforces and parses the tools itself
-            tools, parser_for = self._remote_tools(session, tools, tool_parser, tool_choice), None
-            parser, specs = None, ToolsForServer(tools.specs, _tool_choice(tool_choice)) if tools else None
+            tools, parser = self._remote_tools(session, tools, tool_parser, tool_choice), None
+            specs = ToolsForServer(tools.specs, _tool_choice(tool_choice)) if tools else None
         else:
             tools, parser_for = self._turn_tools(session, tools, tool_parser, tool_choice)
             parser = parser_for()  # refuse now what the cell cannot use; the real one needs the prompt

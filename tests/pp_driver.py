@@ -1,9 +1,10 @@
-"""The pipeline-parallel test's ranks: ``python tests/pp_driver.py MODEL_DIR OUT_PREFIX`` under
-``mlx.launch -n 2``. Rank 0 runs ``tp_driver.run_batch`` (the tensor-parallel test's workload) on
-``EngineCore(pipeline_parallel=True)`` and writes ``OUT_PREFIX.rank0.json``; rank 1 runs
-``worker_loop(..., pipeline_parallel=True)`` and writes its ``WorkerStats``. Both write what their
-pools hold. MODE ``memory`` (a third argument): ``size_with_a_small_rank_1``. A rank refused at start-up (``TensorParallelError``) writes the error to
-``OUT_PREFIX.rankN.refused`` and exits 0, so the launcher does not end the other rank first."""
+"""The pipeline-parallel test's ranks: ``python tests/pp_driver.py MODEL_DIR OUT_PREFIX [MODE]``
+under ``mlx.launch -n 2``. Rank 0 runs ``tp_driver.run_batch`` (the tensor-parallel test's
+workload) on ``EngineCore(pipeline_parallel=True)`` and writes ``OUT_PREFIX.rank0.json``; rank 1
+runs ``worker_loop(..., pipeline_parallel=True)`` and writes its ``WorkerStats``. Both write what
+their pools hold. MODE ``memory``: ``size_with_a_small_rank_1`` instead. A rank refused at
+start-up (``TensorParallelError``) writes the error to ``OUT_PREFIX.rankN.refused`` and exits 0,
+so the launcher does not end the other rank first."""
 
 from __future__ import annotations
 

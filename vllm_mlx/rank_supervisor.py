@@ -13,7 +13,7 @@ Invariants:
   a terminal's Ctrl-C reaches only the supervisor, which forwards it to rank 0 alone (rank 0 shuts
   its engine down, which sends the other ranks "stop").
 - When ``supervise`` returns, no rank is alive: the group is killed with SIGKILL on the way out,
-  whatever happened (a bounded grace period first).
+  whatever happened (a bounded grace period first, none when rank 0 failed).
 - Each rank knows the supervisor's pid (``SUPERVISOR_ENV``) and ends itself if the supervisor
   disappears (``watch_supervisor``), the one case the group kill above cannot cover (SIGKILL).
 """
@@ -118,8 +118,9 @@ class Supervision:
 
 def supervise(command: list[str], count: int, *, grace_s: float = GRACE_S, on_start=None) -> Supervision:
     """Run ``command`` as ``count`` loopback ranks until they end; SIGINT/SIGTERM to this process
-    are forwarded to rank 0 (a second one, ``REPEAT_S`` later, kills the group). When one rank ends (rank 0's clean
-    stop, or a failure), the others get ``grace_s`` seconds, then SIGTERM, then SIGKILL.
+    are forwarded to rank 0 (a second one, ``REPEAT_S`` later, kills the group). When one rank
+    ends (rank 0's clean stop, or a worker's failure), the others get ``grace_s`` seconds, then
+    SIGTERM, then SIGKILL; when rank 0 fails, the others are killed at once.
     ``on_start(group)`` is called once the ranks run (the CLI prints their pids)."""
     result = Supervision()
     signals = {signal.SIGINT: None, signal.SIGTERM: None}
@@ -152,11 +153,15 @@ def supervise(command: list[str], count: int, *, grace_s: float = GRACE_S, on_st
 
 
 def _wait(ranks: RankGroup, result: Supervision, grace_s: float) -> None:
-    """Until every rank has ended: once the first one ends (or a stop is asked for), the rest get ``grace_s`` seconds,
-    then SIGTERM and half as long again; the caller's group kill does the rest."""
+    """Until every rank has ended: once the first one ends (or a stop is asked for), the rest get
+    ``grace_s`` seconds, then SIGTERM and half as long again; the caller's group kill does the
+    rest. Rank 0 failing unasked ends the wait at once: the other ranks have no engine left to
+    serve, and one may be hung (a stopped process ignores SIGTERM)."""
     deadline = None
     terminated = False
     while None in ranks.exit_codes():
+        if ranks.processes[0].poll() not in (None, 0) and not result.stop_requested:
+            return
         now = time.monotonic()
         if deadline is None and (result.stop_requested or any(c is not None for c in ranks.exit_codes())):
             deadline = now + grace_s

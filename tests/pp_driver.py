@@ -20,11 +20,10 @@ ENGINE_OPTIONS = {"block_size": 4, "num_kv_blocks": 13, "max_num_batched_tokens"
 
 
 def pool_layers(runner) -> dict:
-    """The layers this rank's pools hold: KV arrays written, recurrent layers with state."""
-    return {
-        "kv_layers": sum(keys is not None for keys in runner.pool.keys),
-        "state_layers": len(runner.state_pool.arrays) if runner.state_pool is not None else 0,
-    }
+    """The layers this rank's pools hold, named as ``WorkerStats`` names them."""
+    from vllm_mlx.distributed import held_layers
+
+    return dict(zip(("kv_layers", "state_layers"), held_layers(runner)))
 
 
 def main(model_dir: str, out_prefix: str, mode: str = "") -> None:

@@ -414,8 +414,7 @@ class Worker:
         while True:
             message = receive_message(self.group)
             if message.kind == "stop":
-                self.stats.kv_layers = sum(keys is not None for keys in self.runner.pool.keys)
-                self.stats.state_layers = len(self.runner.state_pool.arrays) if self.runner.state_pool else 0
+                self.stats.kv_layers, self.stats.state_layers = held_layers(self.runner)
                 return self.stats
             if message.kind == "ping":
                 self.stats.pings += 1
@@ -485,6 +484,13 @@ class Worker:
             return None
 
 
+def held_layers(runner) -> tuple[int, int]:
+    """The layers ``runner``'s pools hold: KV arrays written, recurrent layers with state (a
+    pipeline stage: its own layers only)."""
+    kv_layers = sum(keys is not None for keys in runner.pool.keys)
+    return kv_layers, len(runner.state_pool.arrays) if runner.state_pool is not None else 0
+
+
 def worker_loop(
     model: str,
     *,
@@ -521,7 +527,7 @@ def worker_loop(
     sizing = start.start
     runner = MLXModelRunner(
         prepared.loaded.model, sizing["num_blocks"], sizing["block_size"], None, sizing["num_state_slots"],
-        prepared.state_layout, block_groups=prepared.kv_layout.block_groups(prepared.specs),
+        prepared.state_layout, block_groups=prepared.block_groups,
     )  # fmt: skip
     try:
         return Worker(runner, group).run()

@@ -62,7 +62,7 @@ from vllm_mlx.structured.grammar import CompiledGrammar
 from vllm_mlx.validation import parse_bytes, parse_memory
 
 if TYPE_CHECKING:
-    from vllm_mlx.kv_spec import KVLayout
+    from vllm_mlx.kv_spec import BlockGroups, KVLayout
     from vllm_mlx.models import LoadedModel
     from vllm_mlx.state_pool import StateLayout
 
@@ -194,6 +194,7 @@ class PreparedModel:
     weight_format: str
     state_layout: StateLayout | None
     kv_layout: KVLayout
+    block_groups: BlockGroups
     memory: MemoryNeeds
 
 
@@ -219,8 +220,9 @@ def prepare_engine_model(config: EngineConfig, group=None) -> PreparedModel:
     state_layout = probe_state_layout(loaded.model, specs) if recurrent else None
     # After the weights are in their final format: the KV dtype follows the activations'.
     kv_layout = measure_kv_layout(loaded.model, state_layout)
+    block_groups = kv_layout.block_groups(specs)
     memory = MemoryNeeds(
-        kv_layout.bytes_per_block_token(kv_layout.block_groups(specs)),
+        kv_layout.bytes_per_block_token(block_groups),
         state_layout.bytes_per_request if state_layout else 0,
         available_memory(),
     )
@@ -228,7 +230,7 @@ def prepare_engine_model(config: EngineConfig, group=None) -> PreparedModel:
         from vllm_mlx.distributed import combine_memory_needs
 
         memory = combine_memory_needs(group, memory)
-    return PreparedModel(loaded, specs, weight_format, state_layout, kv_layout, memory)
+    return PreparedModel(loaded, specs, weight_format, state_layout, kv_layout, block_groups, memory)
 
 
 def _split_model(config: EngineConfig, loaded: LoadedModel, specs: list, group) -> list:
@@ -308,7 +310,7 @@ class EngineCore:
         """Why the ranks are out of reach (set once; no collective is issued after it)."""
         with startup_deadline(self.tp_group, config.distributed_startup_timeout_s, STARTUP):
             prepared = prepare_engine_model(config, self.tp_group)
-        loaded, specs, state_layout = prepared.loaded, prepared.specs, prepared.state_layout
+        loaded, state_layout = prepared.loaded, prepared.state_layout
         self.vision = loaded.vision
         self.weight_format = prepared.weight_format
         self.model_path: Path = loaded.path
@@ -320,7 +322,7 @@ class EngineCore:
         memory = prepared.memory
         budget = kv_budget_bytes(config.kv_cache_memory, memory.available_bytes)
         states = StateBudget.plan(config, budget, memory.state_bytes_per_request)
-        block_groups = self.kv_layout.block_groups(specs)
+        block_groups = prepared.block_groups
         num_blocks = config.num_kv_blocks or blocks_for_bytes(
             states.kv_bytes_left, config.block_size, memory.kv_bytes_per_token
         )

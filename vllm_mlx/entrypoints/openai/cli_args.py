@@ -44,6 +44,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser, parse_bytes) -> None:
         choices=sorted([*PARSER_NAMES, *ALIASES]),
         help="the model's output format for tool calls (and gpt-oss's Harmony channels); default: recognised from the chat template",
     )
+    server.add_argument(
+        "--tokenizer-threads", type=_positive_int, default=4, metavar="N",
+        help="prompts tokenized at once (default: 4); a prompt too long for the context is refused before",
+    )  # fmt: skip
     _add_limit_arguments(parser.add_argument_group("request limits (raise them for trusted clients)"))
     # Engine flags shared with other commands come from cli.add_model_arguments; this one is the
     # server's own (``generate`` uses --seed for its sampling).

@@ -17,7 +17,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from pydantic import BaseModel
@@ -31,6 +31,7 @@ from vllm_mlx.request import RequestOutput, SamplingParams
 from vllm_mlx.structured.grammar import CompiledGrammar, ConstraintError
 from vllm_mlx.structured.matcher import ERROR_PREFIX as CONSTRAINT_ERROR_PREFIX
 from vllm_mlx.structured.params import StructuredOutputsParams
+from vllm_mlx.token_bound import TokenBound, token_bound
 from vllm_mlx.validation import LimitExceeded, RequestLimits
 
 DISCONNECT_POLL_S = 0.25
@@ -69,6 +70,9 @@ class ServingOptions:
     """``/v1/cache/stats`` lists live requests (ids, token counts); off = aggregates only."""
     tool_call_parser: str | None = None
     """The model's tool-call format (``--tool-call-parser``); None = read from the chat template."""
+    tokenizer_threads: int = 4
+    """Prompts tokenized at once (``--tokenizer-threads``): Hugging Face tokenizers release the
+    GIL, so a long prompt holds one thread and the others serve the rest."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,8 @@ class ModelInfo:
     path: str
     thinks: bool = False
     """The tokenizer has single-token ``<think>``/``</think>``: constraints start after the reasoning."""
+    token_bound: TokenBound = TokenBound()
+    """The fewest tokens a text's length allows: a text too long to fit is refused untokenized."""
 
     @classmethod
     def read(cls, engine: AsyncEngineCore) -> ModelInfo:
@@ -90,7 +96,8 @@ class ModelInfo:
                 core.think_tokens is not None,
             )  # fmt: skip
 
-        return engine.call(info)
+        read = engine.call(info)
+        return replace(read, token_bound=token_bound(read.tokenizer))  # off the engine thread
 
 
 class OpenAIServing:
@@ -111,8 +118,8 @@ class OpenAIServing:
         self.options = options or ServingOptions()
         self.info = info or ModelInfo.read(engine)
         self.tokenizer = self.info.tokenizer
-        # One thread tokenizes (off the event loop, never two encodes at once); share it.
-        self.tokenize_pool = tokenize_pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-mlx-tokenize")
+        # Tokenizing runs off the event loop, in a pool the servings of one app share.
+        self.tokenize_pool = tokenize_pool or tokenizer_pool(self.options)
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
 
     def close(self) -> None:
@@ -137,6 +144,19 @@ class OpenAIServing:
             self.options.limits.check_num_prompts(num_prompts)
         except LimitExceeded as exc:
             raise limit_exceeded(exc) from None
+
+    def check_text_fits(self, text: str, param: str = "prompt") -> None:
+        """Refuse, from its length alone, a text that cannot fit the context (before it is
+        tokenized: megabytes take a tokenizer thread seconds)."""
+        limit, at_least = self.info.max_model_len, self.info.token_bound.min_tokens(len(text))
+        if at_least >= limit:
+            raise OpenAIError(
+                400,
+                f"The prompt has at least {at_least} tokens ({len(text)} characters) but the limit is {limit} "
+                f"(prompt + completion must fit the context length / KV cache capacity of {limit} tokens).",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def check_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
         limit = self.info.max_model_len
@@ -377,6 +397,10 @@ class OpenAIServing:
         merged = self.outputs(streams)
         first = await self.until_disconnected(anext(merged), raw_request)
         return first, merged
+
+
+def tokenizer_pool(options: ServingOptions) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=options.tokenizer_threads, thread_name_prefix="vllm-mlx-tokenize")
 
 
 def sse(event: BaseModel) -> str:

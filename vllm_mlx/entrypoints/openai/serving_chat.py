@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from vllm_mlx.chat import ChatPrompt, split_chat_images, template_token_ids
+from vllm_mlx.chat import ChatPrompt, split_chat_images, template_text
 from vllm_mlx.entrypoints.openai.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -162,12 +162,15 @@ class ChatServing(OpenAIServing):
         return prepared
 
     def _apply_template(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> list[int]:
+        """The prompt's token ids; a rendered prompt too long to fit is refused untokenized."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise OpenAIError(400, "This model has no chat template; use /v1/completions.", param="messages")
         try:
-            return template_token_ids(self.tokenizer, messages, add_generation_prompt, tools)
+            text = template_text(self.tokenizer, messages, add_generation_prompt, tools)
         except Exception as exc:  # a template that rejects the conversation (e.g. role order)
             raise OpenAIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
+        self.check_text_fits(text, param="messages")
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     async def _chunks(self, req, request_id, top_k, parser, first, rest) -> AsyncIterator[ChatCompletionChunk]:
         created = int(time.time())

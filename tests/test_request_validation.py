@@ -197,8 +197,8 @@ def test_a_huge_prompt_is_refused_before_tokenizing(http):
 
 
 def test_huge_prompts_do_not_delay_a_one_token_request(http):
-    """Four clients send ~3.75 MB each (each took 2.1 s of tokenizing, one after the other,
-    before the length check): a one-token request sent meanwhile still answers in about its
+    """Four clients send ~3.75 MB each (each took seconds of tokenizing, one after the other,
+    before the length check): one-token requests sent meanwhile still answer in about their
     own time. The margin is wide (seconds), for a busy machine."""
     small = {"messages": QUESTION, "max_tokens": 1}
     assert http.post("/v1/chat/completions", json=small).status_code == 200  # warm
@@ -215,11 +215,12 @@ def test_huge_prompts_do_not_delay_a_one_token_request(http):
     threads = [threading.Thread(target=send_huge) for _ in range(4)]
     for thread in threads:
         thread.start()
-    time.sleep(0.3)  # the huge bodies are on their way in
-    started = time.monotonic()
-    assert http.post("/v1/chat/completions", json=small).status_code == 200
-    beside_huge = time.monotonic() - started
+    beside_huge = []
+    while any(thread.is_alive() for thread in threads) or not beside_huge:
+        started = time.monotonic()
+        assert http.post("/v1/chat/completions", json=small).status_code == 200
+        beside_huge.append(time.monotonic() - started)
     for thread in threads:
         thread.join(120)
     assert statuses == [400] * 4
-    assert beside_huge < 3 * alone + 2.0, (alone, beside_huge)
+    assert max(beside_huge) < 3 * alone + 2.0, (alone, beside_huge)

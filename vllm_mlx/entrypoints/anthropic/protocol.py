@@ -3,8 +3,8 @@
 Requests are validated as strictly as the OpenAI ones (``request_model.RequestBody``: strict types,
 strings that encode; unknown fields are ignored, as Anthropic's clients send beta fields freely).
 A tool's ``input_schema`` must be an object schema (``"type": "object"``), as Anthropic requires:
-a ``tool_use`` block's ``input`` is always an object. Value ranges are left to ``SamplingParams``. Beyond Anthropic's
-fields, vLLM's ``structured_outputs`` (a constraint object) is accepted, as on chat completions.
+a ``tool_use`` block's ``input`` is always an object. Value ranges are left to ``SamplingParams``.
+Beyond Anthropic's fields, vLLM's ``structured_outputs`` (a constraint object) is accepted, as on chat completions.
 """
 
 from __future__ import annotations

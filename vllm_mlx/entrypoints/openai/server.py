@@ -47,11 +47,11 @@ from vllm_mlx.entrypoints.openai.serving import (
     OpenAIError,
     ServingOptions,
     engine_dead,
-    tokenizer_pool,
 )
 from vllm_mlx.entrypoints.openai.serving_chat import ChatServing
 from vllm_mlx.entrypoints.openai.serving_completion import CompletionServing
 from vllm_mlx.entrypoints.openai.serving_responses import ResponsesServing
+from vllm_mlx.entrypoints.openai.tokenize_pool import TokenizePool
 from vllm_mlx.entrypoints.request_model import UNENCODABLE
 from vllm_mlx.media_policy import MediaPolicy
 from vllm_mlx.rank_watchdog import RankLostError
@@ -90,7 +90,7 @@ def build_app(
     info = ModelInfo.read(engine)
     name = served_model_name or Path(info.path).name
     metrics = ServerMetrics(engine, name)
-    pool = tokenizer_pool(options)
+    pool = TokenizePool(options.tokenizer_threads)
     chat = ChatServing(engine, name, metrics, info, pool, options, media_policy=media_policy)
     completion = CompletionServing(engine, name, metrics, info, pool, options)
     messages, responses = AnthropicServing(chat), ResponsesServing(chat)
@@ -98,7 +98,7 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        pool.shutdown(wait=False, cancel_futures=True)
+        pool.shutdown()
         if owns_engine:  # here, not after uvicorn returns: it re-raises SIGTERM/SIGINT on exit
             await run_in_threadpool(engine.stop)
 

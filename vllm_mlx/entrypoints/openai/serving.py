@@ -16,7 +16,6 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
@@ -24,6 +23,7 @@ from pydantic import BaseModel
 
 from vllm_mlx.async_engine import AsyncEngineCore, EngineDeadError, RequestStream
 from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
+from vllm_mlx.entrypoints.openai.tokenize_pool import TokenizePool
 from vllm_mlx.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from vllm_mlx.input_processor import PreparedPrompt
 from vllm_mlx.rank_watchdog import RankLostError
@@ -71,8 +71,8 @@ class ServingOptions:
     tool_call_parser: str | None = None
     """The model's tool-call format (``--tool-call-parser``); None = read from the chat template."""
     tokenizer_threads: int = 4
-    """Prompts tokenized at once (``--tokenizer-threads``): Hugging Face tokenizers release the
-    GIL, so a long prompt holds one thread and the others serve the rest."""
+    """Prompts tokenized at once (``--tokenizer-threads``; ``TokenizePool``): long prompts hold
+    at most all but one thread, so short ones never wait behind them."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ class OpenAIServing:
         model_name: str,
         metrics: ServerMetrics,
         info: ModelInfo | None = None,
-        tokenize_pool: ThreadPoolExecutor | None = None,
+        tokenize_pool: TokenizePool | None = None,
         options: ServingOptions | None = None,
     ) -> None:
         self.engine = engine
@@ -119,11 +119,11 @@ class OpenAIServing:
         self.info = info or ModelInfo.read(engine)
         self.tokenizer = self.info.tokenizer
         # Tokenizing runs off the event loop, in a pool the servings of one app share.
-        self.tokenize_pool = tokenize_pool or tokenizer_pool(self.options)
+        self.tokenize_pool = tokenize_pool or TokenizePool(self.options.tokenizer_threads)
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
 
     def close(self) -> None:
-        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.tokenize_pool.shutdown()
 
     # -- checks and translation ---------------------------------------------------------------
 
@@ -136,8 +136,9 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    async def run_tokenizer(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
+    async def run_tokenizer(self, fn, *args, chars: int = 0):
+        """``fn(*args)`` off the event loop; ``chars``: the length of the text it tokenizes."""
+        return await self.tokenize_pool.run(fn, *args, chars=chars)
 
     def check_num_prompts(self, num_prompts: int) -> None:
         try:
@@ -397,10 +398,6 @@ class OpenAIServing:
         merged = self.outputs(streams)
         first = await self.until_disconnected(anext(merged), raw_request)
         return first, merged
-
-
-def tokenizer_pool(options: ServingOptions) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=options.tokenizer_threads, thread_name_prefix="vllm-mlx-tokenize")
 
 
 def sse(event: BaseModel) -> str:

@@ -105,8 +105,9 @@ class ChatServing(OpenAIServing):
         plan = _tool_plan(req)
         chat = self._split_images(req)
         token_ids = await self.run_tokenizer(
-            self._apply_template, chat.messages, req.add_generation_prompt, plan.template_tools
-        )
+            self._apply_template, chat.messages, req.add_generation_prompt, plan.template_tools,
+            chars=_text_chars(chat.messages),
+        )  # fmt: skip
         prompt = await self._with_images(token_ids, chat.images) if chat.images else token_ids
         self.check_prompt(prompt.token_ids if isinstance(prompt, PreparedPrompt) else prompt, param="messages")
         return plan, prompt
@@ -264,6 +265,18 @@ async def _sse_lines(chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterato
     finally:
         await chunks.aclose()
     yield "data: [DONE]\n\n"
+
+
+def _text_chars(messages: list[dict]) -> int:
+    """The length of the messages' text (the template adds little): how long tokenizing takes."""
+    total = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
+    return total
 
 
 def _tool_plan(req: ChatCompletionRequest) -> ToolPlan:

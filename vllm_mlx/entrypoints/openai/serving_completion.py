@@ -64,7 +64,9 @@ class CompletionServing(OpenAIServing):
         for i, text in enumerate(prompt):
             self.check_text_fits(text, param="prompt" if len(prompt) == 1 else f"prompt.{i}")
         return await self.run_tokenizer(
-            lambda texts: [list(self.tokenizer.encode(t, add_special_tokens=True)) for t in texts], prompt
+            lambda texts: [list(self.tokenizer.encode(t, add_special_tokens=True)) for t in texts],
+            prompt,
+            chars=sum(map(len, prompt)),
         )
 
     async def _stream(self, req, request_id, first, rest) -> AsyncIterator[str]:

@@ -39,6 +39,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser, parse_bytes) -> None:
         help="list live requests (ids, token counts) in /v1/cache/stats (default: aggregates only)",
     )
     server.add_argument(
+        "--enable-cache-stats-disclosure",
+        action="store_true",
+        help="show prefix-cache counters (hits, cached tokens, allocations; also per cache_salt) in /v1/cache/stats, "
+        "/v1/cache/blocks and /metrics (they tell clients about other tenants' prompts)",
+    )
+    server.add_argument(
         "--tool-call-parser",
         default=None,
         choices=sorted([*PARSER_NAMES, *ALIASES]),

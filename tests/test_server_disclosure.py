@@ -196,3 +196,25 @@ def test_other_disclosure_switches_show_counters_but_no_tenants(engine):
     finally:
         http.close()
         live.stop()
+
+
+def test_the_api_key_guards_every_endpoint_but_the_probes(engine):
+    live, http = serve(engine, api_key=KEY)
+    try:
+        with httpx.Client(base_url=live.url, timeout=30) as anonymous:
+            for path in ("/metrics", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect", "/v1/models",
+                         "/v1/cache/stats", "/nowhere"):  # fmt: skip
+                response = anonymous.get(path)
+                assert response.status_code == 401, (path, response.status_code)
+                assert response.json()["error"]["code"] == "invalid_api_key"
+                wrong = anonymous.get(path, headers={"authorization": "Bearer nope"})
+                assert wrong.status_code == 401, path
+            assert anonymous.get("/health").status_code == 200
+            assert anonymous.get("/version").status_code == 200
+        for path in ("/metrics", "/docs", "/redoc", "/openapi.json"):
+            assert http.get(path).status_code == 200, path
+        assert http.get("/metrics", headers={"authorization": "", "x-api-key": KEY}).status_code == 200
+        assert "vllm:num_requests_running" in http.get("/metrics").text
+    finally:
+        http.close()
+        live.stop()

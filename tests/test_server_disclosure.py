@@ -218,3 +218,27 @@ def test_the_api_key_guards_every_endpoint_but_the_probes(engine):
     finally:
         http.close()
         live.stop()
+
+
+def test_anthropic_and_responses_ids_are_found_in_the_blocks_view(engine, default):
+    url = str(default.base_url).rstrip("/")
+    messages = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=60)
+    with messages.messages.create(
+        model="tiny", max_tokens=800, messages=[{"role": "user", "content": "Hi"}], stream=True,
+        extra_body={"structured_outputs": LONG_OUTPUT},
+    ) as events:  # fmt: skip
+        message_id = next(iter(events)).message.id  # message_start
+        assert_live(default, message_id)
+    responses = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    with responses.responses.create(
+        model="tiny", input="Hi", max_output_tokens=800, stream=True, extra_body={"structured_outputs": LONG_OUTPUT}
+    ) as events:
+        response_id = next(iter(events)).response.id  # response.created
+        assert_live(default, response_id)
+    wait_idle(default)  # closing the streams aborted both
+
+
+def assert_live(http, request_id: str) -> None:
+    view = http.get("/v1/cache/blocks", params={"request_id": request_id}).json()
+    assert list(view["requests"]) == [request_id], view["requests"]
+    assert view["requests"][request_id]["status"] == "RUNNING"

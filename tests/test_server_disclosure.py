@@ -21,6 +21,7 @@ openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from cache_observer import after_guess, differences, wait_idle  # noqa: E402
 from live_server import LiveServer  # noqa: E402
 
 from vllm_mlx.async_engine import AsyncEngineCore  # noqa: E402
@@ -74,52 +75,14 @@ def complete(http, prompt: list[int], max_tokens: int = 2, **extra) -> dict:
     return response.json()
 
 
-def wait_idle(http) -> None:
-    deadline = time.monotonic() + 30
-    while http.get("/v1/cache/stats").json()["request_states"]:
-        assert time.monotonic() < deadline, "requests still live"
-        time.sleep(0.05)
-
-
-def observe(http) -> dict[str, object]:
-    """Everything a caller reads about the cache, flattened to ``{path: value}``: the stats, the
-    block grid and the metrics (not the latency histograms: timing is another channel)."""
-    seen = flatten("stats", http.get("/v1/cache/stats").json()) | flatten("blocks", http.get("/v1/cache/blocks").json())
-    for family in text_string_to_metric_families(http.get("/metrics").text):
-        if family.type != "histogram":
-            for sample in family.samples:
-                if not sample.name.endswith("_created"):  # when a series was first seen
-                    seen[f"metrics.{sample.name}{sorted(sample.labels.items())}"] = sample.value
-    return seen
-
-
-def flatten(prefix: str, value) -> dict[str, object]:
-    if isinstance(value, dict):
-        return {k: v for key, item in value.items() for k, v in flatten(f"{prefix}.{key}", item).items()}
-    return {prefix: value}
-
-
 def guess(http, block: list[int]) -> dict[str, object]:
-    """The attack's one step, from an empty cache: the victim's request, then the guess; what
-    the guess changed in everything a caller can read (numbers as differences)."""
-    assert http.delete("/v1/cache").json() == {"reset": True}
-    complete(http, FIRST_BLOCK + SECRET_BLOCK + [7, 8, 9, 10, 11])  # another tenant's prompt
-    wait_idle(http)
-    before = observe(http)
-    complete(http, FIRST_BLOCK + block + [1, 2, 3])
-    wait_idle(http)
-    after = observe(http)
-    return {key: _change(before.get(key), value) for key, value in after.items()}
-
-
-def _change(before, after):
-    numeric = isinstance(after, (int, float)) and not isinstance(after, bool)
-    return after - (before or 0) if numeric and isinstance(before, (int, float, type(None))) else after
+    """The attack's step: the victim's secret, then a guess of its second block."""
+    return after_guess(http, FIRST_BLOCK + SECRET_BLOCK + [7, 8, 9, 10, 11], FIRST_BLOCK + block + [1, 2, 3])
 
 
 def test_a_right_and_a_wrong_guess_look_the_same_by_default(default, disclosed):
     right, wrong = guess(default, SECRET_BLOCK), guess(default, WRONG_BLOCK)
-    assert {k: (right.get(k), wrong.get(k)) for k in right.keys() | wrong.keys() if right.get(k) != wrong.get(k)} == {}
+    assert differences(right, wrong) == {}
     assert right["stats.stats.num_used_blocks"] == 0 and set(right["blocks.block_states"]) == {"n", "f"}
     assert not any("prefix" in key or "cached" in key or "hit" in key for key in right)  # nothing hit-derived at all
     assert right["stats.cache_stats_disclosed"] is False
@@ -149,7 +112,8 @@ def test_usage_counts_lengths_not_shared_blocks(engine):
         assert public["stats"]["num_used_blocks"] == own_blocks
         free = snapshot["stats"]["num_blocks"] - own_blocks  # the pool less the null block
         assert public["block_states"] == {"null": 1, "used": own_blocks, "free": free}
-        assert summarize_snapshot(snapshot, ServingOptions(enable_cache_stats_disclosure=True))["stats"] == snapshot["stats"]
+        disclosed = summarize_snapshot(snapshot, ServingOptions(enable_cache_stats_disclosure=True))
+        assert disclosed["stats"] == snapshot["stats"]
     finally:
         engine.abort("sharer-1")
         engine.abort("sharer-2")

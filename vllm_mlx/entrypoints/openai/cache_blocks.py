@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from vllm_mlx.entrypoints.openai.cache_disclosure import cache_stats, public_block_states, public_stats
+from vllm_mlx.entrypoints.openai.cache_disclosure import public_block_states, public_stats, visible_stats
 
 STATE_LETTERS = {"null": "n", "free": "f", "cached": "c", "used": "u"}
 _REQUEST_FIELDS = ("status", "num_prompt_tokens", "num_output_tokens")
@@ -53,7 +53,7 @@ def block_view(
         "requests": requests,
         "blocks": _held_blocks(snapshot["blocks"], requests, real_refs=per_request),
         "tables_disclosed": tables,
-        "stats": cache_stats(snapshot["stats"], live, disclose=tables, per_tenant=per_tenant),
+        "stats": visible_stats(snapshot["stats"], live, disclose=tables, per_tenant=per_tenant),
         "kv_groups": snapshot.get("kv_groups", []),
         "block_groups": snapshot.get("block_groups", []) if tables else [],  # distinct blocks held: shared ones once
     }

@@ -26,7 +26,7 @@ _PUBLIC_KEYS = ("num_blocks", "block_size", "running", "waiting", "preemptions",
                 "num_used_state_slots")  # fmt: skip
 
 
-def cache_stats(stats: dict, requests: dict, *, disclose: bool, per_tenant: bool = False) -> dict:
+def visible_stats(stats: dict, requests: dict, *, disclose: bool, per_tenant: bool = False) -> dict:
     """The stats a caller reads: the engine's own (``disclose``), else ``public_stats``."""
     if not disclose:
         return public_stats(stats, requests)
@@ -41,7 +41,8 @@ def public_stats(stats: dict, requests: dict) -> dict:
     num_blocks = stats["num_blocks"]
     used = logical_used_blocks(requests, stats["block_size"], num_blocks)
     public = {key: stats[key] for key in _PUBLIC_KEYS if key in stats}
-    public.update(num_used_blocks=used, num_free_blocks=num_blocks - used, usage=used / num_blocks if num_blocks else 0.0)
+    usage = used / num_blocks if num_blocks else 0.0
+    public.update(num_used_blocks=used, num_free_blocks=num_blocks - used, usage=usage)
     return public
 
 

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from vllm_mlx.entrypoints.openai.cache_disclosure import TENANTS_KEY, cache_stats
+from vllm_mlx.entrypoints.openai.cache_disclosure import TENANTS_KEY, visible_stats
 from vllm_mlx.request import RequestOutput
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -52,7 +52,9 @@ class EngineStatsCollector(Collector):
             snapshot = self.engine.cache_snapshot(include_blocks=False)
         except Exception:  # a dead engine: /health says so; the scrape still succeeds
             return
-        stats = cache_stats(snapshot["stats"], snapshot["requests"], disclose=self.disclose_hits, per_tenant=self.per_tenant)
+        stats = visible_stats(
+            snapshot["stats"], snapshot["requests"], disclose=self.disclose_hits, per_tenant=self.per_tenant
+        )
         gauges = [
             ("vllm:num_requests_running", "Requests in the running batch.", stats["running"]),
             ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats["waiting"]),

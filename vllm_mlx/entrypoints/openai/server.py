@@ -37,7 +37,7 @@ from vllm_mlx.engine_core import EngineConfig
 from vllm_mlx.entrypoints.anthropic.protocol import MessagesInput, MessagesRequest, error_body, is_messages_path
 from vllm_mlx.entrypoints.anthropic.serving import AnthropicServing
 from vllm_mlx.entrypoints.openai.cache_blocks import block_view
-from vllm_mlx.entrypoints.openai.cache_disclosure import cache_stats
+from vllm_mlx.entrypoints.openai.cache_disclosure import visible_stats
 from vllm_mlx.entrypoints.openai.cli_args import request_limits, serve_media_policy
 from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
 from vllm_mlx.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware, BodySizeLimitMiddleware
@@ -196,7 +196,7 @@ def summarize_snapshot(snapshot: dict, options: ServingOptions | None = None) ->
     """
     options = options or ServingOptions()
     views, disclose = snapshot["requests"], options.discloses_prefix_hits
-    stats = cache_stats(snapshot["stats"], views, disclose=disclose, per_tenant=options.enable_cache_stats_disclosure)
+    stats = visible_stats(snapshot["stats"], views, disclose=disclose, per_tenant=options.enable_cache_stats_disclosure)
     if disclose:
         block_states = dict(Counter(block["state"] for block in snapshot["blocks"]))
         free_queue_length = len(snapshot["free_queue"])

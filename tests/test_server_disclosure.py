@@ -10,6 +10,7 @@ app here, live on 127.0.0.1.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 
@@ -25,10 +26,11 @@ from cache_observer import after_guess, differences, wait_idle  # noqa: E402
 from live_server import LiveServer  # noqa: E402
 
 from vllm_mlx.async_engine import AsyncEngineCore  # noqa: E402
+from vllm_mlx.entrypoints.cli import build_parser  # noqa: E402
 from vllm_mlx.entrypoints.openai.server import build_app, summarize_snapshot  # noqa: E402
 from vllm_mlx.entrypoints.openai.serving import ServingOptions  # noqa: E402
 from vllm_mlx.request import SamplingParams  # noqa: E402
-from vllm_mlx.tenant_stats import tenant_label  # noqa: E402
+from vllm_mlx.tenant_stats import TenantCacheCounters, tenant_label  # noqa: E402
 
 BLOCK = 16
 KEY = "sk-disclosure"
@@ -206,3 +208,21 @@ def assert_live(http, request_id: str) -> None:
     view = http.get("/v1/cache/blocks", params={"request_id": request_id}).json()
     assert list(view["requests"]) == [request_id], view["requests"]
     assert view["requests"][request_id]["status"] == "RUNNING"
+
+
+def test_tenant_counters_are_bounded_and_never_keep_a_salt():
+    counters = TenantCacheCounters(max_tenants=2)
+    for salt in (None, "alpha", "beta", "gamma"):  # clients choose salts: the table stays bounded
+        counters.record_query(salt, 40, 16)
+        counters.record_allocations(salt, 3)
+    tenants = counters.to_dict()
+    assert list(tenants) == ["none", tenant_label("alpha"), "other"]
+    assert tenants["other"] == {"queries": 2, "query_tokens": 80, "hits": 2, "hit_tokens": 32, "allocations": 6}
+    assert tenant_label("alpha") == "sha256:" + hashlib.sha256(b"alpha").hexdigest()[:16]
+    assert tenant_label("\ud800").startswith("sha256:")  # any str (the engine API takes what the server refuses)
+
+
+def test_the_serve_flag_turns_disclosure_on():
+    args = build_parser().parse_args(["serve", "some/model", "--enable-cache-stats-disclosure"])
+    assert args.enable_cache_stats_disclosure
+    assert not build_parser().parse_args(["serve", "some/model"]).enable_cache_stats_disclosure

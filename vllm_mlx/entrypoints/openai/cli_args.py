@@ -22,7 +22,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser, parse_bytes) -> None:
     server.add_argument(
         "--api-key",
         default=os.environ.get("VLLM_MLX_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 (default: $VLLM_MLX_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on every path but /health and /version (default: $VLLM_MLX_API_KEY)",
     )
     server.add_argument(
         "--max-body-size", type=parse_bytes, default=DEFAULT_MAX_BODY_BYTES, help="request body limit, e.g. 4M"

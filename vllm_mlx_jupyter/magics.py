@@ -454,12 +454,12 @@ def _status_bundle(status: dict) -> dict:
     if not status.get("loaded"):
         text = "no model loaded (run %vllm_mlx load, or just %%generate)"
         return {"text/plain": text, "text/html": f"<div>{html.escape(text)}</div>"}
-    prefix = status["prefix_cache"]
+    prefix = status.get("prefix_cache")  # a server shows none unless its operator discloses hits
     kv = (
         f"{status.get('usage', 0):.0%} ({status.get('num_used_blocks', 0)} of {status.get('num_blocks', 0)} blocks "
         f"in use; {status.get('num_cached_free_blocks', 0)} cached, {status.get('num_free_blocks', 0)} free)"
     )
-    hits = (
+    hits = "not disclosed by the server" if prefix is None else (
         f"hit rate {prefix.get('hit_rate', 0):.0%}, {prefix.get('tokens_saved', 0)} tokens saved, "
         f"{status.get('evictions', 0)} evictions"
     )

@@ -368,6 +368,24 @@ def test_generation_views_show_a_hostile_stream_as_text(hostile_shell):
     assert any(SCRIPT in parse(page).text for page in tokens) and any(SCRIPT in parse(page).text for page in raw)
 
 
+def test_remote_images_load_with_the_flag_or_the_config(hostile_shell):
+    shell, _ = hostile_shell
+
+    def images(line: str) -> list[str]:
+        page = cell_pages(shell, line)[1][-1]
+        tags = parse(page).tags
+        assert not any(name.startswith("on") for _tag, attrs in tags for name in attrs)  # raw HTML stays text
+        return [attrs["src"] for tag, attrs in tags if tag == "img"]
+
+    assert images("-n images-default") == []
+    assert images("-n images-flag --allow-remote-images") == [LEAK, LEAK + "&t=1"] * 2
+    shell.run_line_magic("config", "GenerateMagics.allow_remote_images = True")
+    try:
+        assert images("-n images-config") == [LEAK, LEAK + "&t=1"] * 2
+    finally:
+        shell.run_line_magic("config", "GenerateMagics.allow_remote_images = False")
+
+
 def inspector_page(shell) -> tuple[str, dict]:
     """The session inspector's saved picture (its ``text/html`` fallback) and widget state."""
     from vllm_mlx_jupyter import _MAGICS

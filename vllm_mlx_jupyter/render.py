@@ -120,8 +120,9 @@ def body_bundle(gen) -> dict:
     """The text in the generation's format: markdown, text, or a code block.
 
     Model text is untrusted, yet it lands in a trusted output area, where JupyterLab runs the HTML
-    in ``text/markdown`` and ``text/html`` as is. So Markdown is rendered here, by a renderer that
-    escapes raw HTML and leaves ``javascript:`` links as text, and sent as ``text/html``; no
+    in ``text/markdown`` and ``text/html`` as is. So Markdown is rendered here
+    (``model_markdown.py``: raw HTML escaped, ``javascript:`` links left as text, images from
+    URLs shown as links unless ``gen.allow_remote_images``) and sent as ``text/html``; no
     ``text/markdown`` is ever sent. ``<img onerror=...>`` in an answer shows as text.
 
     ``--logprobs`` generations show the token view instead (``token_view.py``).

@@ -16,7 +16,7 @@ from IPython.utils.capture import capture_output
 
 import vllm_mlx_jupyter
 from vllm_mlx.request import CompletionOutput, RequestOutput
-from vllm_mlx_jupyter.generation import DONE, Generation
+from vllm_mlx_jupyter.generation import DONE, ERROR, Generation
 from vllm_mlx_jupyter.prompt import interpolate
 from vllm_mlx_jupyter.render import LiveView
 
@@ -288,6 +288,7 @@ def hostile_stream(chat: bool) -> list[dict]:
 
 
 VIEW: dict = {}  # fields a test sets in the hostile server's /v1/cache/blocks answer
+STREAM: list = []  # chunks a test has the hostile server stream instead of hostile_stream(True)
 
 
 def hostile_app():
@@ -299,7 +300,8 @@ def hostile_app():
     app.get("/v1/models")(lambda: {"data": [{"id": f"model {SCRIPT}"}]})
     app.get("/v1/cache/blocks")(lambda: {**hostile_block_view(), **VIEW})
     app.get("/v1/cache/stats")(lambda: {"stats": hostile_stats(), "block_size": IMG})
-    app.post("/v1/chat/completions")(lambda: StreamingResponse(sse(hostile_stream(True)), media_type="text/event-stream"))
+    app.post("/v1/chat/completions")(lambda: StreamingResponse(sse(STREAM or hostile_stream(True)),
+                                                               media_type="text/event-stream"))  # fmt: skip
     app.post("/v1/completions")(lambda: StreamingResponse(sse(hostile_stream(False)), media_type="text/event-stream"))
     return app
 
@@ -384,6 +386,21 @@ def test_remote_images_load_with_the_flag_or_the_config(hostile_shell):
         assert images("-n images-config") == [LEAK, LEAK + "&t=1"] * 2
     finally:
         shell.run_line_magic("config", "GenerateMagics.allow_remote_images = False")
+
+
+@pytest.mark.parametrize("error", [SCRIPT, {"message": SCRIPT}, {"code": IMG}])
+def test_a_servers_error_shows_as_text(hostile_shell, error):
+    """An error chunk (OpenAI's shape or not) ends the generation with the server's message,
+    shown as text in its status line."""
+    shell, _ = hostile_shell
+    STREAM[:] = [{"error": error}]
+    try:
+        gen, pages = cell_pages(shell, "")
+    finally:
+        STREAM.clear()
+    assert gen.state == ERROR and str(gen.error)
+    status = assert_inert([page for page in pages if "vllm-mlx-status" in page][-1]).text
+    assert (SCRIPT if error != {"code": IMG} else IMG) in status and "malformed" not in status
 
 
 def inspector_page(shell) -> tuple[str, dict]:

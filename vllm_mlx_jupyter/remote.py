@@ -248,8 +248,10 @@ class RemoteEngine:
 
     def _apply(self, state: RemoteOutput, chunk: dict) -> RemoteOutput:
         """``state`` after one SSE chunk (text delta, finish reason, usage or error)."""
-        if "error" in chunk:
-            return _finished(state, "error", error=chunk["error"].get("message", str(chunk["error"])))
+        if "error" in chunk:  # OpenAI's {"message": ...}, or whatever else a server sends
+            error = chunk["error"]
+            message = error.get("message", error) if isinstance(error, dict) else error
+            return _finished(state, "error", error=str(message))
         if state.server_id is None and chunk.get("id"):
             with self._lock:
                 self._server_ids[state.request_id] = chunk["id"]

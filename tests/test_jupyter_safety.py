@@ -403,6 +403,18 @@ def test_a_servers_error_shows_as_text(hostile_shell, error):
     assert (SCRIPT if error != {"code": IMG} else IMG) in status and "malformed" not in status
 
 
+def test_a_chunk_of_the_wrong_shape_is_the_generations_error(hostile_shell):
+    shell, _ = hostile_shell
+    STREAM[:] = [{"id": "x", "choices": [{"index": 0, "delta": {"content": "ok "}}]},
+                 {"id": "x", "choices": [{"index": 0, "delta": {"content": {"html": SCRIPT}}}]}]  # fmt: skip
+    try:
+        gen, pages = cell_pages(shell, "")
+    finally:
+        STREAM.clear()
+    assert gen.state == ERROR and "malformed chunk" in str(gen.error) and gen.text == "ok "
+    assert all(assert_inert(page) for page in pages)
+
+
 def inspector_page(shell) -> tuple[str, dict]:
     """The session inspector's saved picture (its ``text/html`` fallback) and widget state."""
     from vllm_mlx_jupyter import _MAGICS

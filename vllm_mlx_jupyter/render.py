@@ -144,7 +144,7 @@ def body_bundle(gen) -> dict:
         source = f"{fence}\n{text}\n{fence}"
     else:
         source = text
-    images = gen.allow_remote_images
+    images = getattr(gen, "allow_remote_images", False)  # views of other handles: links, the safe default
     folded = (f"<details><summary>thinking</summary>{render_markdown(gen.reasoning, images)}</details>"
               if gen.reasoning else "")  # fmt: skip
     markup = folded + render_markdown(source, images) + "".join(

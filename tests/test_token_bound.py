@@ -85,3 +85,21 @@ def test_an_added_token_that_swallows_whitespace_means_no_bound():
 
 def test_something_that_is_not_a_fast_tokenizer_has_no_bound():
     assert token_bound(object()) == TokenBound()
+
+
+def test_the_rendered_text_tokenizes_as_the_template_does(default_tokenizer):
+    """The server renders, checks the length, then encodes: the same ids as the template's own
+    tokenizing (special tokens in the text included)."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from vllm_mlx.chat import template_text, template_token_ids
+
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi <|im_end|> there 🙂"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "  spaces  \n\n and lines"},
+    ]
+    for tokenizer in (default_tokenizer, TokenizerWrapper(default_tokenizer)):
+        text = template_text(tokenizer, messages)
+        assert tokenizer.encode(text, add_special_tokens=False) == template_token_ids(tokenizer, messages)

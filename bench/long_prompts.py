@@ -35,7 +35,8 @@ def free_port() -> int:
 
 
 def start_server(port: int, timeout: float) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "vllm_mlx.entrypoints.cli", "serve", "default", "--port", str(port), "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "vllm_mlx.entrypoints.cli", "serve", "default", "--port", str(port)]
+    cmd += ["--log-level", "warning"]
     log = tempfile.NamedTemporaryFile("w+", prefix="long-prompts-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + timeout

@@ -168,14 +168,17 @@ def test_a_tool_schema_that_is_not_an_object_is_a_400(claude, oai, schema_type):
         tool = {"type": "function", "function": {**WEATHER, "parameters": schema}}
         oai.chat.completions.create(model=MODEL, messages=QUESTION, tools=[tool], tool_choice="required", max_tokens=8)
     with pytest.raises(openai.BadRequestError, match="parameters"):
-        oai.responses.create(model=MODEL, input="Hi", tools=[{**RESPONSES_TOOL, "parameters": schema}], max_output_tokens=8)
+        tools = [{**RESPONSES_TOOL, "parameters": schema}]
+        oai.responses.create(model=MODEL, input="Hi", tools=tools, max_output_tokens=8)
 
 
 def test_a_forced_call_is_an_object_even_when_the_schema_does_not_say_so(oai):
     """A schema without ``type`` is forced as an object: arguments are never a bare string."""
     tool = {"type": "function", "function": {"name": "pick", "parameters": {"enum": ["Oslo", {"city": "Oslo"}]}}}
     named = {"type": "function", "function": {"name": "pick"}}
-    response = oai.chat.completions.create(model=MODEL, messages=QUESTION, tools=[tool], tool_choice=named, max_tokens=16)
+    response = oai.chat.completions.create(
+        model=MODEL, messages=QUESTION, tools=[tool], tool_choice=named, max_tokens=16
+    )
     [call] = response.choices[0].message.tool_calls
     assert json.loads(call.function.arguments) == {"city": "Oslo"}
 

@@ -9,7 +9,8 @@ byte fallbacks) a token's string is at least as long as the text it covers. Adde
 (``<|im_start|>``) are in the vocabulary as their text. So a text of ``n`` characters is at least
 ``ceil(n / max_token_chars)`` tokens. A tokenizer that can drop or merge text (a normalizer that
 strips or composes, a pre-tokenizer that removes whitespace, an added token that swallows the
-whitespace beside it, WordPiece's or a fused ``<unk>`` for a whole unknown word) has no such bound: its prompts are tokenized whatever their length.
+whitespace beside it, WordPiece's or a fused ``<unk>`` for a whole unknown word) has no such
+bound: its prompts are tokenized whatever their length.
 
 Pure Python: read once at startup from the Hugging Face tokenizer's own description.
 """

@@ -428,14 +428,16 @@ class EngineCore:
         self.output_processor.finish_if_done(request_id)  # refused at admission (e.g. prompt too long)
         return request_id
 
-    def compile_constraint(self, params: SamplingParams) -> CompiledGrammar | None:
+    def compile_constraint(self, params: SamplingParams, max_bound: int | None = None) -> CompiledGrammar | None:
         """The compiled grammar of ``params.structured_outputs`` (None without one), from the
         cache when seen before. Thread-safe, no MLX work: call it from any thread.
+        ``max_bound``: the largest repetition bound (``maxItems``, ``{n,m}``...) allowed; None =
+        ``structured.bounds.DEFAULT_MAX_CONSTRAINT_BOUND``.
 
         Raises:
             ConstraintError: An invalid schema, regex or grammar (a ``ValueError``).
         """
-        return self.input_processor.compile_constraint(params)
+        return self.input_processor.compile_constraint(params, max_bound)
 
     @property
     def vocab_size(self) -> int | None:

@@ -288,6 +288,7 @@ def run_server(args: argparse.Namespace, engine_options: dict) -> int:
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         cache_stats_per_request=args.cache_stats_per_request,
         tool_call_parser=args.tool_call_parser,
+        allow_json_whitespace=args.allow_json_whitespace,
     )
     engine = AsyncEngineCore(EngineConfig(model=args.model, **engine_options)).start()
     try:

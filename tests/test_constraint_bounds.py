@@ -290,3 +290,11 @@ def test_the_python_api_refuses_a_huge_bound(tiny_model_dir):
         assert output.outputs[0].text.startswith("[")
     finally:
         llm.shutdown()
+    llm = LLM(str(tiny_model_dir), force_model_takeover=True, max_constraint_bound=20_000)
+    try:  # the limit is an engine option too
+        [output] = llm.generate("Hi", SamplingParams(max_tokens=4), response_format={**SMALL_ARRAY, "maxItems": 20_000})
+        assert output.outputs[0].text.startswith("[")
+        with pytest.raises(ConstraintTooLarge, match="maxItems is 20001, over the limit of 20000"):
+            llm.generate("Hi", SamplingParams(max_tokens=4), response_format={**SMALL_ARRAY, "maxItems": 20_001})
+    finally:
+        llm.shutdown()

@@ -80,7 +80,7 @@ class InputProcessor:
         self.model_config = model_config
         self.vision = vision
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
-        self.grammars = GrammarCompiler(tokenizer, self.eos_token_ids)
+        self.grammars = GrammarCompiler(tokenizer, self.eos_token_ids, max_bound=config.max_constraint_bound)
         self.think_tokens = ThinkTokens.of(tokenizer)
         self._seed_rng = random.Random(config.seed)
 

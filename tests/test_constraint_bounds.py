@@ -298,3 +298,45 @@ def test_the_python_api_refuses_a_huge_bound(tiny_model_dir):
             llm.generate("Hi", SamplingParams(max_tokens=4), response_format={**SMALL_ARRAY, "maxItems": 20_001})
     finally:
         llm.shutdown()
+
+
+def test_compiles_run_at_most_max_workers_at_once_and_the_workers_end_with_the_engine(tokenizer):
+    """Eight threads compiling distinct grammars through a one-worker guard: one worker process,
+    every grammar compiled, and closing the compiler ends the worker."""
+    import threading
+
+    from vllm_mlx.structured.compile_guard import CompileGuard
+    from vllm_mlx.structured.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(tokenizer, tokenizer.eos_token_ids)
+    compiler.ll_tokenizer  # noqa: B018
+    compiler._guard = guard = CompileGuard(compiler._tokenizer_json, compiler.eos_token_ids, max_workers=1)
+    inside, most = 0, 0
+    lock = threading.Lock()
+    original = compiler._build_matcher
+
+    def counting_build(text, kind):  # the in-process compile, which holds the worker's slot
+        nonlocal inside, most
+        with lock:
+            inside += 1
+            most = max(most, inside)
+        try:
+            time.sleep(0.01)
+            return original(text, kind)
+        finally:
+            with lock:
+                inside -= 1
+
+    compiler._build_matcher = counting_build
+    threads = [
+        threading.Thread(target=compiler.compile, args=(StructuredOutputsParams(json={**SMALL_ARRAY, "maxItems": 2 + i}),))
+        for i in range(8)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert compiler.stats()["misses"] == 8 and most == 1
+    [worker] = [w for w in list(guard._idle.queue) if w is not None]
+    compiler.close()
+    assert worker.process.wait(10) is not None

@@ -690,6 +690,7 @@ class EngineCore:
         for request_id in self.output_processor.group_ids:
             self.abort_request(request_id)
         get_registry().release(str(self.model_path), self)
+        self.input_processor.grammars.close()  # the constraint compile workers (compile_guard.py)
         try:
             self._stop_workers()
         finally:

@@ -8,6 +8,10 @@ vLLM and upstream vllm-mlx use.
 ``GrammarCompiler`` is thread-safe and does no MLX work: callers compile on their own thread
 (the server in a worker thread, ``LLM`` on the caller's), and the engine thread only copies a
 compiled grammar's initial matcher for each request (~10 us).
+
+Before anything compiles, ``bounds.py`` refuses bounds that would cost unbounded memory; a
+grammar not in the cache is then proven safe in a capped worker process (``compile_guard.py``)
+before it is compiled here.
 """
 
 from __future__ import annotations

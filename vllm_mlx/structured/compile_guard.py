@@ -132,13 +132,13 @@ class CompileGuard:
                 raise CompileRefused(
                     f"compiling it took longer than {self.timeout_s:g} s; the compile was stopped"
                 ) from None
-            except (EOFError, OSError):
+            except (EOFError, OSError):  # the worker died: an allocation over its cap aborts it
                 worker.kill()
                 worker = None
                 elapsed = time.monotonic() - started
                 raise CompileRefused(
-                    f"compiling it needed more than {self.memory_bytes >> 20} MiB of memory "
-                    f"(the compile was stopped after {elapsed:.1f} s)"
+                    f"compiling it needed more than {self.memory_bytes >> 20} MiB of memory, or crashed "
+                    f"(the compile worker died after {elapsed:.1f} s)"
                 ) from None
             yield error
         finally:

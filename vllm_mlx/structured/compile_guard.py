@@ -9,9 +9,9 @@ cross processes). A worker that ran out of memory or time is killed and replaced
 gets a ``ConstraintError`` saying which. At most ``max_workers`` grammars compile at once (in
 the workers and in-process together), so parallel requests cannot multiply the cost.
 
-The price, measured on a 2-core Linux box (docs/structured_outputs.md): ~1 ms more per grammar
-not in the cache (the worker's compile and the round trip), and ~0.5 s once per worker to start
-it (Python, llguidance and the tokenizer).
+The price, measured on a busy 2-core Linux box (docs/structured_outputs.md): ~3-5 ms more per
+grammar not in the cache (the worker's compile and the round trip), and ~1 s once per worker to
+start it (Python, llguidance and the tokenizer). Cache hits never reach the guard.
 """
 
 from __future__ import annotations

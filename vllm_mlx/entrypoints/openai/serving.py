@@ -235,8 +235,8 @@ class OpenAIServing:
         if fmt is not None and fmt.type != "text" and extra is not None:
             raise OpenAIError(400, "Give either response_format or structured_outputs, not both.", param="structured_outputs")
         if extra is not None:
-            if compact and isinstance(extra, dict) and not {"disable_any_whitespace", "whitespace_pattern"} & set(extra):
-                extra = {**extra, "disable_any_whitespace": True}  # ignored by non-JSON kinds
+            if compact and _json_without_whitespace_choice(extra):
+                extra = {**extra, "disable_any_whitespace": True}
             try:
                 return StructuredOutputsParams.from_dict(extra)
             except (TypeError, ValueError) as exc:
@@ -388,6 +388,15 @@ class OpenAIServing:
         merged = self.outputs(streams)
         first = await self.until_disconnected(anext(merged), raw_request)
         return first, merged
+
+
+def _json_without_whitespace_choice(extra: object) -> bool:
+    """A ``structured_outputs`` body asking for JSON without saying what whitespace it allows."""
+    return (
+        isinstance(extra, dict)
+        and ("json" in extra or "json_object" in extra)
+        and not {"disable_any_whitespace", "whitespace_pattern"} & set(extra)
+    )
 
 
 def sse(event: BaseModel) -> str:

@@ -340,3 +340,20 @@ def test_compiles_run_at_most_max_workers_at_once_and_the_workers_end_with_the_e
     [worker] = [w for w in list(guard._idle.queue) if w is not None]
     compiler.close()
     assert worker.process.wait(10) is not None
+
+
+def test_a_blow_up_the_walk_lets_through_is_a_400_and_the_server_goes_on(engine_and_live, client):
+    """The operator raised the limit past what compiles: the 1e9 bound reaches the compile, whose
+    worker dies at its memory cap (1 GiB); the server's process does not grow, and it serves on."""
+    live = live_app(engine_and_live[0], options=ServingOptions(limits=RequestLimits(max_constraint_bound=10**12)))
+    try:
+        permissive = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        chat(permissive, response_format={"type": "json_schema", "json_schema": {"name": "xs", "schema": SMALL_ARRAY}})
+        before = resident_bytes()  # after the compiler's tokenizer and workers are built
+        with pytest.raises(openai.BadRequestError, match="too costly to compile: compiling it needed more than 1024 MiB") as info:
+            chat(permissive, response_format={"type": "json_schema", "json_schema": {"name": "xs", "schema": HUGE_ARRAY}})
+        assert info.value.body["code"] == "constraint_too_large"
+        assert resident_bytes() - before < RSS_GROWTH_LIMIT
+    finally:
+        live.stop()
+    assert chat(client).choices[0].finish_reason in ("stop", "length")

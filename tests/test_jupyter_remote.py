@@ -295,6 +295,22 @@ def test_images_go_inline_to_a_vision_server(ip, server, tiny_qwen2_vl_dir, tmp_
         engine.stop()
 
 
+def test_status_of_a_server_that_discloses_no_hits(ip, engine, server):
+    """A server with the default options shows no prefix-cache counters: the status says so."""
+    default = LiveServer(build_app(engine, served_model_name="tiny", api_key=KEY))
+    try:
+        with capture_output():
+            ip.run_line_magic("vllm_mlx", f"connect {default.url} --api-key {KEY}")
+        with capture_output() as out:
+            ip.run_line_magic("vllm_mlx", "status")
+        text = out.outputs[0].data["text/plain"]
+        assert "prefix cache: not disclosed by the server" in text and "KV usage" in text
+    finally:
+        with capture_output():
+            ip.run_line_magic("vllm_mlx", f"connect {server.url} --api-key {KEY}")
+        default.stop()
+
+
 def test_timeline_needs_the_kernel_engine(ip):
     with pytest.raises(UsageError, match="in-kernel engine"):
         ip.run_line_magic("vllm_mlx", "timeline")

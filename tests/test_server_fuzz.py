@@ -4,6 +4,10 @@
 After every example: no 5xx (the engine never dies of a request, so not even a 503), every error
 is OpenAI's shape, the engine answers ``/health``, and no KV block is held. At the end a normal
 request still gives the same tokens as before the fuzzing.
+
+Then what clients read of the cache: guesses of another tenant's prompt read alike whatever they
+share with it, any ``request_id`` in the blocks view lists nothing of others, and with
+``--api-key`` every path but ``/health`` and ``/version`` needs the key.
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ from hypothesis import strategies as st
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
+from cache_observer import after_guess, differences  # noqa: E402
 from live_server import LiveServer  # noqa: E402
 
 from vllm_mlx.async_engine import AsyncEngineCore  # noqa: E402
+from vllm_mlx.entrypoints.openai.middleware import OPEN_PATHS  # noqa: E402
 from vllm_mlx.entrypoints.openai.server import build_app  # noqa: E402
 
 MAX_MODEL_LEN = 96  # every accepted request is short, so many examples fit in the time bound
@@ -268,3 +274,63 @@ def test_fuzz_constraint_bounds(http, constraint, path):
         event("a bound over the limit")
         assert response.status_code == 400 and response.json()["error"]["code"] == "constraint_too_large", response.text[:500]
         assert time.monotonic() - started < 10  # refused before compiling (a 1e6 compile alone took 9 s)
+
+
+# -- what a client reads of the cache, and who may read it -----------------------------------------
+
+BLOCK = 4  # the engine's block size
+secret_blocks = st.lists(st.lists(st.integers(100, 400), min_size=BLOCK, max_size=BLOCK), min_size=2, max_size=4)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(blocks=secret_blocks, shared=st.integers(0, 4), tail=st.lists(st.integers(1, 60), min_size=1, max_size=5))
+def test_fuzz_prefix_guesses_read_alike(http, blocks, shared, tail):
+    """A guess sharing ``shared`` blocks with another tenant's prompt changes what a client reads
+    exactly as a guess sharing none (the same lengths) does."""
+    secret = [t for block in blocks for t in block] + [61, 62]
+    shared = min(shared, len(blocks))
+    guess = secret[: shared * BLOCK] + [t + 500 for t in secret[shared * BLOCK : len(blocks) * BLOCK]] + tail
+    unrelated = [t + 1000 for t in secret[: len(blocks) * BLOCK]] + tail
+    event(f"{shared} shared blocks")
+    assert differences(after_guess(http, secret, guess), after_guess(http, secret, unrelated)) == {}
+
+
+query_ids = st.lists(st.text(st.characters(blacklist_categories=("Cs",)), max_size=40), max_size=5)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=query_ids)
+def test_fuzz_block_view_request_ids(http, ids):
+    """Any ids a client names: a 200 listing none of them (none is live), never a 5xx."""
+    response = http.get("/v1/cache/blocks", params={"request_id": ids})
+    assert response.status_code == 200, response.text
+    assert response.json()["requests"] == {} and response.json()["blocks"] == {}
+
+
+@pytest.fixture(scope="module")
+def keyed(engine):
+    live = LiveServer(build_app(engine, served_model_name="tiny", api_key="sk-fuzz"))
+    with httpx.Client(base_url=live.url, timeout=60) as client:
+        yield client
+    live.stop()
+
+
+paths = st.one_of(
+    st.sampled_from(["/metrics", "/docs", "/redoc", "/openapi.json", "/health", "/version", "/health/", "/v1/models"]),
+    st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E, blacklist_characters="?#"), max_size=30).map(
+        lambda text: "/" + text
+    ),
+)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=paths, method=st.sampled_from(["GET", "POST", "DELETE"]))
+def test_fuzz_paths_need_the_key(keyed, path, method):
+    """With ``--api-key``, every path a client can send but the probes answers 401 without it."""
+    response = keyed.request(method, path)
+    sent = response.request.url.raw_path.decode()
+    if sent in OPEN_PATHS:
+        assert response.status_code in (200, 405), (sent, response.status_code)
+    else:
+        assert response.status_code == 401, (sent, response.status_code, response.text[:200])
+

@@ -24,6 +24,7 @@ from vllm_mlx.block_pool import CacheBlock
 from vllm_mlx.paged_cache import PagedCacheManager
 from vllm_mlx.prefix_cache import BlockAwarePrefixCache
 from vllm_mlx.request import Request
+from vllm_mlx.tenant_stats import TenantCacheCounters
 
 
 @dataclass
@@ -46,6 +47,8 @@ class KVCacheManager:
         self.blocks = blocks
         self.block_size = blocks.block_size
         self.prefix_cache = BlockAwarePrefixCache(blocks, namespace, enable_caching)
+        self.tenants = TenantCacheCounters()
+        """Prefix-cache counters per ``cache_salt`` (disclosed only where the operator allows)."""
 
     # ---- admission and growth ----------------------------------------------------------------
 
@@ -59,11 +62,16 @@ class KVCacheManager:
         the blocks its sliding windows no longer reach."""
         if computed is None:
             self.blocks.free_out_of_window(request.request_id, request.num_computed_tokens)
-        return self.blocks.allocate_slots(request.request_id, num_tokens_total, computed) is not None
+        new_ids = self.blocks.allocate_slots(request.request_id, num_tokens_total, computed)
+        if new_ids is None:
+            return False
+        self.tenants.record_allocations(request.cache_salt, len(new_ids))
+        return True
 
     def record_admission(self, request: Request, num_hit_tokens: int) -> None:
         if self.prefix_cache.enabled:
             self.prefix_cache.record_query(request.num_tokens, num_hit_tokens)
+            self.tenants.record_query(request.cache_salt, request.num_tokens, num_hit_tokens)
 
     def cut_at_checkpoint(self, request: Request, start: int, num_new: int) -> int:
         """With state checkpoints, end the chunk from ``start`` at the first of the request's

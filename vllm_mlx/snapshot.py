@@ -22,7 +22,8 @@ class CacheSnapshotter:
     ``mllm`` (``{"entries": [...], "stats": {...}}`` from ``mllm_snapshot``) and ``kv_groups``:
     one dict per layer group (``kind``, ``window``, ``layers``, ``bytes_per_token``, ``dtype``,
     ``num_blocks``; see ``kv_spec.GroupLayout``), fixed for the engine's life; ``block_groups``:
-    per block group (``kv_spec.BlockGroups``) its window and the blocks its tables hold now."""
+    per block group (``kv_spec.BlockGroups``) its window and the blocks its tables hold now.
+    ``stats["prefix_cache_tenants"]``: prefix-cache counters per tenant (``tenant_stats.py``)."""
 
     def __init__(
         self,
@@ -55,6 +56,7 @@ class CacheSnapshotter:
         stats.update(self.scheduler.stats())
         stats.pop("kv_cache", None)
         stats["prefix_cache"] = self.scheduler.prefix_cache.stats().to_dict()
+        stats["prefix_cache_tenants"] = self.scheduler.kv.tenants.to_dict()
         return {
             "block_size": kv["block_size"],
             "blocks": kv["blocks"],

@@ -116,11 +116,15 @@ class Generation(LiveViews):
         interval: float = MIN_INTERVAL,
         reader: OutputReader | None = None,
         chat=None,
+        allow_remote_images: bool = False,
     ) -> None:
         self.name = name
         self.request_id = name
         self.params = params
         self.format = format
+        self.allow_remote_images = allow_remote_images
+        """Markdown images from URLs are loaded (by default they show as links: see
+        ``model_markdown.py``)."""
         self.state = QUEUED
         self.output = None
         self.error: BaseException | None = None

@@ -25,7 +25,6 @@ Synced state (small, binary where it is per block; little-endian):
 
 from __future__ import annotations
 
-import html
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -35,6 +34,8 @@ import anywidget
 import numpy as np
 import traitlets
 from ipywidgets.widgets.trait_types import bytes_serialization
+
+from vllm_mlx_jupyter.markup import as_float, as_int, escape
 
 STATIC = Path(__file__).parent / "static"
 STATE_CODES = {"null": 0, "free": 1, "cached": 2, "used": 3}
@@ -70,9 +71,9 @@ def encode_snapshot(snapshot: dict, rows: Iterable[dict] = (), colors: dict[str,
         "num_blocks": len(snapshot["blocks"]),
         "block_size": snapshot["block_size"],
         "block_state": bytes(np.fromiter((STATE_CODES[b["state"]] for b in blocks), "u1", n)),
-        "block_ref": bytes(np.fromiter((min(b["ref_cnt"], 255) for b in blocks), "u1", n)),
+        "block_ref": bytes(np.fromiter((_clamp(b["ref_cnt"], 255) for b in blocks), "u1", n)),
         "block_owner": owner.tobytes(),
-        "block_tokens": bytes(np.fromiter((b["num_tokens"] for b in blocks), "<u2", n)),
+        "block_tokens": bytes(np.fromiter((_clamp(b["num_tokens"], 65535) for b in blocks), "<u2", n)),
         "block_evict": evict.tobytes(),
         "block_info": {str(b["id"]): [b["hash"] or "", b.get("text") or ""] for b in blocks if b["num_tokens"]},
         "requests": requests,
@@ -82,6 +83,11 @@ def encode_snapshot(snapshot: dict, rows: Iterable[dict] = (), colors: dict[str,
         "kv_groups": [dict(group, label=group_label(group)) for group in snapshot.get("kv_groups", [])]
         + _block_group_lines(snapshot.get("block_groups", [])),
     }
+
+
+def _clamp(count: int, most: int) -> int:
+    """``count`` within 0..``most``, the range of its array's dtype (numpy refuses the rest)."""
+    return min(max(count, 0), most)
 
 
 def _block_group_lines(block_groups: list[dict]) -> list[dict]:
@@ -292,10 +298,10 @@ class CacheInspector(WidgetFallbacks, anywidget.AnyWidget):
         s = self.stats
         if not s:
             return f"CacheInspector ({self.engine_state})"
-        return (f"KV cache: {s.get('num_used_blocks', 0)} used, {s.get('num_cached_free_blocks', 0)} cached, "
-                f"{s.get('num_free_blocks', 0)} free of {s.get('num_blocks', 0)} blocks; "
-                f"hit rate {s.get('hit_rate', 0):.0%}, {s.get('tokens_saved', 0)} tokens saved, "
-                f"{s.get('evictions', 0)} evictions; {len(self.requests)} requests")  # fmt: skip
+        return (f"KV cache: {as_int(s.get('num_used_blocks'))} used, {as_int(s.get('num_cached_free_blocks'))} cached, "
+                f"{as_int(s.get('num_free_blocks'))} free of {as_int(s.get('num_blocks'))} blocks; "
+                f"hit rate {as_float(s.get('hit_rate')):.0%}, {as_int(s.get('tokens_saved'))} tokens saved, "
+                f"{as_int(s.get('evictions'))} evictions; {len(self.requests)} requests")  # fmt: skip
 
     def _repr_html_(self) -> str:
         return static_html(self.get_state())
@@ -305,31 +311,34 @@ _FALLBACK_COLORS = {0: "#555", 1: "#e8e8e8", 2: "#b9dcb9"}
 
 
 def static_html(state: dict, max_blocks: int = 2048) -> str:
-    """A static HTML picture of the widget state (for nbconvert, GitHub, ...)."""
+    """A static HTML picture of the widget state (for nbconvert, GitHub, ...). Every value is
+    escaped or coerced (``markup``): connected, the counts and names come from a server."""
     data = decode_state(state)
     requests = data.get("requests", [])
     cells = []
     for i, code in enumerate(data.get("block_state", [])[:max_blocks]):
         owner, ref = data["block_owner"][i], data["block_ref"][i]
         color = (
-            PALETTE[requests[owner]["color"]]
+            PALETTE[as_int(requests[owner].get("color")) % len(PALETTE)]
             if code == 3 and 0 <= owner < len(requests)
             else _FALLBACK_COLORS.get(code, "#ccc")
         )
         border = "outline:1px solid #000;" if ref > 1 else ""
-        cells.append(f'<span title="block {i}: {STATE_NAMES[code]}, ref {ref}" style="display:inline-block;'
+        cells.append(f'<span title="block {i}: {STATE_NAMES.get(code, "?")}, ref {ref}" style="display:inline-block;'
                      f'width:9px;height:9px;margin:1px;background:{color};{border}"></span>')  # fmt: skip
     rows = "".join(
-        f"<tr><td>{html.escape(r['name'])}</td><td>{html.escape(r['status'])}</td><td>{r['prompt_tokens']}</td>"
-        f"<td>{r['cached_tokens']}</td><td>{r['output_tokens']}</td><td>{r['num_blocks']}</td></tr>"
+        f"<tr><td>{escape(r.get('name', ''))}</td><td>{escape(r.get('status', ''))}</td>"
+        + "".join(f"<td>{as_int(r.get(key))}</td>" for key in ("prompt_tokens", "cached_tokens", "output_tokens",
+                                                               "num_blocks"))  # fmt: skip
+        + "</tr>"
         for r in requests
     )
     s = data.get("stats", {})
-    head = (f"KV cache — usage {s.get('usage', 0):.0%} of {s.get('num_blocks', 0)} blocks, "
-            f"hit rate {s.get('hit_rate', 0):.0%}, {s.get('tokens_saved', 0)} tokens saved, "
-            f"{s.get('evictions', 0)} evictions")  # fmt: skip
+    head = (f"KV cache — usage {as_float(s.get('usage')):.0%} of {as_int(s.get('num_blocks'))} blocks, "
+            f"hit rate {as_float(s.get('hit_rate')):.0%}, {as_int(s.get('tokens_saved'))} tokens saved, "
+            f"{as_int(s.get('evictions'))} evictions")  # fmt: skip
     table = ("<table><tr><th>name</th><th>status</th><th>prompt</th><th>cached</th><th>generated</th>"
              f"<th>blocks</th></tr>{rows}</table>") if rows else ""  # fmt: skip
-    groups = "".join(f"<div>{html.escape(g['label'])}</div>" for g in data.get("kv_groups", []))
+    groups = "".join(f"<div>{escape(g.get('label', ''))}</div>" for g in data.get("kv_groups", []))
     grid = f'<div style="max-width:640px">{"".join(cells)}</div>'
-    return f'<div class="vllm-mlx-inspector-static"><div>{html.escape(head)}</div>{groups}{grid}{table}</div>'
+    return f'<div class="vllm-mlx-inspector-static"><div>{escape(head)}</div>{groups}{grid}{table}</div>'

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import codecs
 import collections
-import html
 import os
 import shlex
 from pathlib import Path
@@ -22,13 +21,15 @@ from traitlets import Bool, Dict, Enum, Float, Int, Unicode, default, validate
 
 from vllm_mlx.cpu_backend import warn_reference_blas
 from vllm_mlx_jupyter.constraints import compile_check, response_format, variable
+from vllm_mlx_jupyter.markup import as_float, as_int, escape
 from vllm_mlx_jupyter.prompt import interpolate
 from vllm_mlx_jupyter.session import Session, SessionError
 from vllm_mlx_jupyter.token_view import TOKENS, TokenLog
 
 MODEL_ENV = "VLLM_MLX_JUPYTER_MODEL"
 FORMATS = ("markdown", "text", "code")
-_NOT_PYTHON_OPTIONS = frozenset({"over", "out", "resume", "chat", "tools", "tool_call_parser", "tool_choice"})
+_NOT_PYTHON_OPTIONS = frozenset({"over", "out", "resume", "chat", "tools", "tool_call_parser", "tool_choice",
+                                 "allow_remote_images"})  # fmt: skip
 
 USAGE = """\
 %vllm_mlx COMMAND [ARGS]
@@ -67,6 +68,9 @@ class GenerateMagics(Magics):
     tool_call_parser = Unicode(
         None, allow_none=True, help="Default --tool-call-parser (None: from the chat template)."
     ).tag(config=True)
+    allow_remote_images = Bool(
+        False, help="Load the images of Markdown answers that come from URLs (default: shown as links)."
+    ).tag(config=True)
 
     @default("model")
     def _default_model(self) -> str:
@@ -100,6 +104,8 @@ class GenerateMagics(Magics):
               help="an image before the text: a notebook variable (PIL image, bytes, path) or a path/URL (repeatable)")  # fmt: skip
     @argument("--wait", action="store_true", help="block until done (an interrupt aborts)")
     @argument("--format", choices=FORMATS, help="how to show the text")
+    @argument("--allow-remote-images", action="store_true",
+              help="load the Markdown answer's images from their URLs (default: shown as links, fetched on click)")  # fmt: skip
     @argument("--raw-braces", action="store_true", help="no {name} interpolation")
     @argument("--schema", metavar="VAR", help="constrain to a Pydantic model or JSON Schema dict (.parsed)")
     @argument("--json", action="store_true", help="constrain to any JSON object (.parsed)")
@@ -157,7 +163,7 @@ class GenerateMagics(Magics):
                 format=TOKENS if args.logprobs is not None else args.format or self.format,
                 interval=self.update_interval, images=images,
                 response_format=fmt, tools=tools, tool_parser=args.tool_call_parser or self.tool_call_parser,
-                tool_choice=args.tool_choice,
+                tool_choice=args.tool_choice, allow_remote_images=args.allow_remote_images or self.allow_remote_images,
             )  # fmt: skip
         except SessionError as exc:
             raise UsageError(str(exc)) from None
@@ -446,35 +452,39 @@ def _note(text: str, error: bool = False) -> dict:
     color = "#e53935" if error else "#666"
     return {
         "text/plain": text,
-        "text/html": f'<div style="font:12px monospace;color:{color}">{html.escape(text)}</div>',
+        "text/html": f'<div style="font:12px monospace;color:{color}">{escape(text)}</div>',
     }
 
 
 def _status_bundle(status: dict) -> dict:
+    """The status table. Connected, the counts are a server's: coerced to numbers here."""
     if not status.get("loaded"):
         text = "no model loaded (run %vllm_mlx load, or just %%generate)"
-        return {"text/plain": text, "text/html": f"<div>{html.escape(text)}</div>"}
-    prefix = status["prefix_cache"]
+        return {"text/plain": text, "text/html": f"<div>{escape(text)}</div>"}
+    prefix = status.get("prefix_cache")  # a server shows none unless its operator discloses hits
+    count = {key: as_int(status.get(key)) for key in
+             ("num_used_blocks", "num_blocks", "num_cached_free_blocks", "num_free_blocks", "evictions", "running",
+              "waiting")}  # fmt: skip
     kv = (
-        f"{status.get('usage', 0):.0%} ({status.get('num_used_blocks', 0)} of {status.get('num_blocks', 0)} blocks "
-        f"in use; {status.get('num_cached_free_blocks', 0)} cached, {status.get('num_free_blocks', 0)} free)"
+        f"{as_float(status.get('usage')):.0%} ({count['num_used_blocks']} of {count['num_blocks']} blocks "
+        f"in use; {count['num_cached_free_blocks']} cached, {count['num_free_blocks']} free)"
     )
-    hits = (
-        f"hit rate {prefix.get('hit_rate', 0):.0%}, {prefix.get('tokens_saved', 0)} tokens saved, "
-        f"{status.get('evictions', 0)} evictions"
+    hits = "not disclosed by the server" if not isinstance(prefix, dict) else (
+        f"hit rate {as_float(prefix.get('hit_rate')):.0%}, {as_int(prefix.get('tokens_saved'))} tokens saved, "
+        f"{count['evictions']} evictions"
     )
     rows = [
         ("model", status["model"]),
         ("server", status["server"]) if "server" in status else ("backend", status.get("backend", "")),
-        ("requests", f"{status.get('running', 0)} running, {status.get('waiting', 0)} waiting"),
+        ("requests", f"{count['running']} running, {count['waiting']} waiting"),
         ("KV usage", kv),
         ("prefix cache", hits),
         ("active", ", ".join(status["active"]) or "none"),
     ]
     text = "\n".join(f"{k:>13}: {v}" for k, v in rows)
     cells = "".join(
-        f"<tr><th style='text-align:right'>{html.escape(k)}</th>"
-        f"<td style='text-align:left'>{html.escape(str(v))}</td></tr>"
+        f"<tr><th style='text-align:right'>{escape(k)}</th>"
+        f"<td style='text-align:left'>{escape(v)}</td></tr>"
         for k, v in rows
     )
     return {"text/plain": text, "text/html": f"<table>{cells}</table>"}

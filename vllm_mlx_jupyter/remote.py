@@ -40,10 +40,11 @@ import httpx
 
 from vllm_mlx.async_engine import EngineDeadError, RequestStream
 from vllm_mlx.tool_parsers.base import ToolCall
+from vllm_mlx_jupyter.markup import as_float, as_int
+from vllm_mlx_jupyter.server_view import numbers, snapshot_from_view
 from vllm_mlx_jupyter.token_view import Alternative, TokenInfo
 
 CONNECT_TIMEOUT = 10.0
-STATE_NAMES = {"n": "null", "f": "free", "c": "cached", "u": "used"}
 # SamplingParams fields with their OpenAI (or vLLM extension) names; the others are sent below.
 _SAMPLING_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
@@ -194,9 +195,12 @@ class RemoteEngine:
         return snapshot_from_view(response.json(), {server: ours for ours, server in ids.items()})
 
     def get_stats(self) -> dict:
+        """``/v1/cache/stats``; its ``stats`` (what ``%vllm_mlx status`` shows) as numbers only."""
         response = self._http.get("/v1/cache/stats")
         _raise_for(response)
-        return response.json()
+        body = response.json()
+        body = body if isinstance(body, dict) else {}
+        return {**body, "stats": numbers(body.get("stats"))}
 
     def reset_prefix_cache(self) -> bool:
         response = self._http.delete("/v1/cache")
@@ -237,13 +241,17 @@ class RemoteEngine:
             state = _finished(state, "abort")
         except (httpx.HTTPError, ValueError) as exc:
             state = _finished(state, "error", error=f"{type(exc).__name__}: {exc}")
+        except (TypeError, KeyError, AttributeError) as exc:  # a chunk of the wrong shape
+            state = _finished(state, "error", error=f"the server sent a malformed chunk ({type(exc).__name__}: {exc})")
         finally:
             stream.put(state if state.finished else _finished(state, "error", error="no answer"))
 
     def _apply(self, state: RemoteOutput, chunk: dict) -> RemoteOutput:
         """``state`` after one SSE chunk (text delta, finish reason, usage or error)."""
-        if "error" in chunk:
-            return _finished(state, "error", error=chunk["error"].get("message", str(chunk["error"])))
+        if "error" in chunk:  # OpenAI's {"message": ...}, or whatever else a server sends
+            error = chunk["error"]
+            message = error.get("message", error) if isinstance(error, dict) else error
+            return _finished(state, "error", error=str(message))
         if state.server_id is None and chunk.get("id"):
             with self._lock:
                 self._server_ids[state.request_id] = chunk["id"]
@@ -254,8 +262,9 @@ class RemoteEngine:
         usage = chunk.get("usage")
         if usage:
             details = usage.get("prompt_tokens_details") or {}
-            changes.update(num_prompt_tokens=usage["prompt_tokens"], num_completion_tokens=usage["completion_tokens"],
-                           num_cached_tokens=details.get("cached_tokens", 0))  # fmt: skip
+            changes.update(num_prompt_tokens=as_int(usage.get("prompt_tokens")),
+                           num_completion_tokens=as_int(usage.get("completion_tokens")),
+                           num_cached_tokens=as_int(details.get("cached_tokens")))  # fmt: skip
         return dataclasses.replace(state, **changes)
 
     def _forget(self, request_id: str) -> None:
@@ -327,18 +336,30 @@ def joined_calls(calls: tuple[ToolCall, ...], pieces: list[dict]) -> tuple[ToolC
 
 def token_infos(logprobs: dict) -> tuple[TokenInfo, ...]:
     """One chunk's ``logprobs`` as ``TokenInfo``s: chat's ``content`` list, or completions'
-    parallel lists (``tokens``, ``token_logprobs``, ``top_logprobs`` as token -> logprob)."""
+    parallel lists (``tokens``, ``token_logprobs``, ``top_logprobs`` as token -> logprob).
+    Texts are made ``str`` and logprobs finite floats (``-inf`` when not a number): a server's
+    values are shown, never trusted to have the right types."""
     if "content" in logprobs:
         return tuple(
-            TokenInfo(entry["token"], -1, entry["logprob"],
-                      tuple(Alternative(top["token"], -1, top["logprob"]) for top in entry.get("top_logprobs") or ()))
+            TokenInfo(_token_text(entry["token"]), -1, _logprob(entry["logprob"]),
+                      tuple(Alternative(_token_text(top["token"]), -1, _logprob(top["logprob"]))
+                            for top in entry.get("top_logprobs") or ()))
             for entry in logprobs["content"] or ()
         )  # fmt: skip
     tops = logprobs.get("top_logprobs") or [None] * len(logprobs["tokens"])
     return tuple(
-        TokenInfo(token, -1, logprob, tuple(Alternative(text, -1, lp) for text, lp in (top or {}).items()))
+        TokenInfo(_token_text(token), -1, _logprob(logprob),
+                  tuple(Alternative(_token_text(text), -1, _logprob(lp)) for text, lp in (top or {}).items()))
         for token, logprob, top in zip(logprobs["tokens"], logprobs["token_logprobs"], tops)
-    )
+    )  # fmt: skip
+
+
+def _token_text(value: object) -> str:
+    return value if isinstance(value, str) else str(value)
+
+
+def _logprob(value: object) -> float:
+    return min(as_float(value, float("-inf")), 0.0)
 
 
 def remote_messages(messages: list[dict]) -> list[dict]:
@@ -373,26 +394,6 @@ def _constraint_dict(constraint) -> dict:
 
 def _plain(value):
     return list(value) if isinstance(value, tuple) else value
-
-
-def snapshot_from_view(view: dict, ours: dict[str, str]) -> dict:
-    """``/v1/cache/blocks`` as an engine ``cache_snapshot()`` (``ours``: server id -> our id).
-
-    Blocks nobody here holds have no token or reference counts on the wire: a used one counts
-    one reference, and none has a hash or text.
-    """
-    held = view["blocks"]
-    blocks = []
-    for block_id, letter in enumerate(view["block_states"]):
-        state = STATE_NAMES[letter]
-        info = held.get(str(block_id), {})
-        blocks.append({"id": block_id, "state": state, "ref_cnt": info.get("ref_cnt", int(state == "used")),
-                       "owners": [], "hash": None, "num_tokens": info.get("num_tokens", 0), "text": ""})  # fmt: skip
-    requests = {ours.get(rid, rid): dict(request, num_computed_tokens=0, num_preemptions=0)
-                for rid, request in view["requests"].items()}  # fmt: skip
-    return {"block_size": view["block_size"], "blocks": blocks, "requests": requests, "free_queue": view["free_queue"],
-            "stats": view["stats"], "mllm": {"entries": []}, "kv_groups": view.get("kv_groups", []),
-            "block_groups": view.get("block_groups", [])}  # fmt: skip
 
 
 def _finished(state: RemoteOutput, reason: str, error: str | None = None) -> RemoteOutput:

@@ -9,12 +9,12 @@ button, and its last finished rows instead of the text.
 
 from __future__ import annotations
 
-import functools
-import html
 import re
 import time
 
 from vllm_mlx_jupyter.generation import ABORTED, DONE, ERROR, GENERATING, PREFILLING, QUEUED
+from vllm_mlx_jupyter.markup import escape
+from vllm_mlx_jupyter.model_markdown import render_markdown
 from vllm_mlx_jupyter.over import OverGeneration
 from vllm_mlx_jupyter.token_view import TOKENS, tokens_bundle
 
@@ -76,9 +76,9 @@ def _tokens_per_second(out, n: int) -> float | None:
 def status_bundle(gen) -> dict:
     parts = over_status_parts(gen) if isinstance(gen, OverGeneration) else status_parts(gen)
     color = _COLORS.get(gen.state, "#9e9e9e")
-    text = " · ".join(html.escape(p) for p in parts)
+    text = " · ".join(escape(p) for p in parts)
     markup = (
-        f'<div class="vllm-mlx-status" data-state="{gen.state}" '
+        f'<div class="vllm-mlx-status" data-state="{escape(gen.state)}" '
         f'style="font:12px/1.6 var(--jp-code-font-family, monospace);color:#666">'
         f'<span style="color:{color}">●</span> {text}</div>'
     )
@@ -120,8 +120,9 @@ def body_bundle(gen) -> dict:
     """The text in the generation's format: markdown, text, or a code block.
 
     Model text is untrusted, yet it lands in a trusted output area, where JupyterLab runs the HTML
-    in ``text/markdown`` and ``text/html`` as is. So Markdown is rendered here, by a renderer that
-    escapes raw HTML and leaves ``javascript:`` links as text, and sent as ``text/html``; no
+    in ``text/markdown`` and ``text/html`` as is. So Markdown is rendered here
+    (``model_markdown.py``: raw HTML escaped, ``javascript:`` links left as text, images from
+    URLs shown as links unless ``gen.allow_remote_images``) and sent as ``text/html``; no
     ``text/markdown`` is ever sent. ``<img onerror=...>`` in an answer shows as text.
 
     ``--logprobs`` generations show the token view instead (``token_view.py``).
@@ -143,9 +144,11 @@ def body_bundle(gen) -> dict:
         source = f"{fence}\n{text}\n{fence}"
     else:
         source = text
-    folded = f"<details><summary>thinking</summary>{_markdown()(gen.reasoning)}</details>" if gen.reasoning else ""
-    markup = folded + _markdown()(source) + "".join(
-        f'<div class="vllm-mlx-tool-call" style="font-family:monospace">&#128295; {html.escape(call)}</div>'
+    images = getattr(gen, "allow_remote_images", False)  # views of other handles: links, the safe default
+    folded = (f"<details><summary>thinking</summary>{render_markdown(gen.reasoning, images)}</details>"
+              if gen.reasoning else "")  # fmt: skip
+    markup = folded + render_markdown(source, images) + "".join(
+        f'<div class="vllm-mlx-tool-call" style="font-family:monospace">&#128295; {escape(call)}</div>'
         for call in calls
     )
     return {"text/html": f'<div class="vllm-mlx-text">{markup}</div>', "text/plain": plain}
@@ -159,7 +162,7 @@ def over_body_bundle(gen: OverGeneration) -> dict:
     lines += [f"#{index} error: {_one_line(message)}" for index, message in errors[:SHOWN_ERRORS]]
     if len(errors) > SHOWN_ERRORS:
         lines.append(f"… {len(errors) - SHOWN_ERRORS} more errors in .errors")
-    rows = "".join(f"<div>{html.escape(line)}</div>" for line in lines)
+    rows = "".join(f"<div>{escape(line)}</div>" for line in lines)
     markup = f'<div class="vllm-mlx-rows" style="font:12px monospace">{rows}</div>'
     return {"text/plain": "\n".join(lines), "text/html": markup}
 
@@ -167,14 +170,6 @@ def over_body_bundle(gen: OverGeneration) -> dict:
 def _one_line(text: str) -> str:
     flat = " ".join(text.split())
     return flat if len(flat) <= RECENT_CHARS else flat[: RECENT_CHARS - 1] + "…"
-
-
-@functools.cache
-def _markdown():
-    """CommonMark (plus tables and strikethrough) with raw HTML escaped, not passed through."""
-    from markdown_it import MarkdownIt
-
-    return MarkdownIt("commonmark", {"html": False}).enable(["table", "strikethrough"]).render
 
 
 def _longest_backtick_run(text: str) -> int:

@@ -206,6 +206,7 @@ class Session:
         tools: ToolSet | None = None,
         tool_parser: str | None = None,
         tool_choice: str | None = None,
+        allow_remote_images: bool = False,
     ) -> Generation:
         """Submit a prompt (with ``images`` for a vision-language model: paths, URLs, bytes or
         PIL images, placed before the text); returns its started ``Generation`` at once.
@@ -215,6 +216,8 @@ class Session:
         them for later turns; connected, the server does both); ``tool_choice`` is ``auto``
         (default), ``none``, ``required`` or a function's name (the last two are enforced by a
         constraint, on any model). An empty ``prompt`` continues a chat after tool results.
+        ``allow_remote_images`` loads the images of the Markdown answer that come from URLs
+        (otherwise shown as links).
         """
         engine = self.require_engine()
         self.check_params(params)
@@ -240,7 +243,8 @@ class Session:
         if parser is not None:
             build = self._reading_with(build, reader, parser_for)
         gen = Generation(name, engine, params, build, after=after, on_finish=on_finish,
-                         format=format, interval=interval, reader=reader, chat=session)  # fmt: skip
+                         format=format, interval=interval, reader=reader, chat=session,
+                         allow_remote_images=allow_remote_images)  # fmt: skip
         gen.start()
         self.register(gen)
         if session is not None:

@@ -20,7 +20,6 @@ give both widgets the same ``colors`` dict and a request has one colour in both.
 
 from __future__ import annotations
 
-import html
 import threading
 import time
 from collections.abc import Iterable
@@ -30,6 +29,7 @@ import traitlets
 
 from vllm_mlx.outputs import StepRecord
 from vllm_mlx_jupyter.inspector import PALETTE, STATIC, WidgetFallbacks, color_slot
+from vllm_mlx_jupyter.markup import as_float, as_int, escape
 
 MAX_RECORDS = 256  # per push: a burst of steps between two polls is cut to the newest
 MAX_COLUMNS = 400
@@ -165,22 +165,24 @@ class SchedulerTimeline(WidgetFallbacks, anywidget.AnyWidget):
 
 def static_html(steps: list[dict], height: int = 60) -> str:
     """A static HTML picture of encoded steps (for nbconvert, GitHub, ...): one column per
-    step, stacked per request (prefill solid, decode faded), a red top on preemption."""
+    step, stacked per request (prefill solid, decode faded), a red top on preemption. Values
+    go in escaped, and numbers coerced (``markup``), like every HTML builder's."""
     columns = []
     for s in steps:
-        budget = max(s["budget"], s["used"], 1)
+        used, budget = as_int(s.get("used")), as_int(s.get("budget"))
+        scale = max(budget, used, 1)
         parts = []
-        for q in reversed(s["reqs"]):  # the first request at the bottom
-            for tokens, opacity in ((q["decode"], 0.5), (q["prefill"], 1.0)):
-                if tokens:
-                    px = max(1, round(tokens / budget * height))
-                    parts.append(f'<div style="height:{px}px;background:{PALETTE[q["color"] % len(PALETTE)]};'
-                                 f'opacity:{opacity}"></div>')  # fmt: skip
-        top = "border-top:2px solid #e53935;" if s["preempted"] else ""
-        title = html.escape(f"step {s['step']}: {s['used']}/{s['budget']} tokens, {s['ms']:.1f} ms, "
-                            f"{len(s['reqs'])} requests", quote=True)  # fmt: skip
+        for q in reversed(s.get("reqs", [])):  # the first request at the bottom
+            color = PALETTE[as_int(q.get("color")) % len(PALETTE)]
+            for tokens, opacity in ((as_int(q.get("decode")), 0.5), (as_int(q.get("prefill")), 1.0)):
+                if tokens > 0:
+                    px = max(1, round(tokens / scale * height))
+                    parts.append(f'<div style="height:{px}px;background:{color};opacity:{opacity}"></div>')
+        top = "border-top:2px solid #e53935;" if s.get("preempted") else ""
+        title = escape(f"step {as_int(s.get('step'))}: {used}/{budget} tokens, {as_float(s.get('ms')):.1f} ms, "
+                       f"{len(s.get('reqs', []))} requests")  # fmt: skip
         columns.append(f'<div title="{title}" style="display:flex;flex-direction:column;justify-content:flex-end;'
                        f'width:5px;height:{height}px;margin-right:1px;{top}">{"".join(parts)}</div>')  # fmt: skip
     head = f"Scheduler timeline — {len(steps)} steps" if steps else "Scheduler timeline — no steps yet"
-    return (f'<div class="vllm-mlx-timeline-static"><div>{html.escape(head)}</div>'
+    return (f'<div class="vllm-mlx-timeline-static"><div>{escape(head)}</div>'
             f'<div style="display:flex;align-items:flex-end">{"".join(columns)}</div></div>')  # fmt: skip

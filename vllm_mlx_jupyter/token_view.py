@@ -7,11 +7,12 @@ output: every piece of it is HTML-escaped, and nothing here emits a tag from it.
 
 from __future__ import annotations
 
-import html
 import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from vllm_mlx_jupyter.markup import escape
 
 TOKENS = "tokens"  # the generation format that renders the token view
 
@@ -103,12 +104,12 @@ def _span(token: TokenInfo) -> str:
     shade = 0.6 * (1.0 - token.prob)  # a sure token stays clear; an unlikely one turns red
     alts = "\n".join(
         f'<span class="{"vllm-mlx-alt-sampled" if _same(alt, token) else ""}">'
-        f"{alt.prob:6.1%}  {html.escape(_visible(alt.text))}</span>"
+        f"{alt.prob:6.1%}  {escape(_visible(alt.text))}</span>"
         for alt in token.top
     )
     head = f"{token.prob:.1%} (logprob {token.logprob:.3f})"
     return (f'<span class="vllm-mlx-tok" style="background:rgba(229,57,53,{shade:.2f})">'
-            f'{html.escape(token.text)}<span class="vllm-mlx-alts">{html.escape(head)}\n{alts}</span></span>')  # fmt: skip
+            f'{escape(token.text)}<span class="vllm-mlx-alts">{escape(head)}\n{alts}</span></span>')  # fmt: skip
 
 
 def _visible(text: str) -> str:
@@ -120,7 +121,7 @@ def tokens_bundle(gen) -> dict:
     """The body of a ``--logprobs`` generation: the token view, and the text as plain text."""
     tokens = gen.tokens
     if not tokens:  # before the first token, or no token log attached
-        return {"text/html": f'<div class="vllm-mlx-tokens">{html.escape(gen.text)}</div>', "text/plain": gen.text}
+        return {"text/html": f'<div class="vllm-mlx-tokens">{escape(gen.text)}</div>', "text/plain": gen.text}
     return {"text/html": token_html(tokens), "text/plain": gen.text}
 
 

@@ -51,8 +51,8 @@ class AnthropicServing:
 
     async def create(self, req: MessagesRequest, raw_request=None) -> MessagesResponse | AsyncIterator[str]:
         """A message, or (``stream=True``) its server-sent events."""
-        result = await self.chat.generate(chat_request(req), raw_request)
         message_id = new_id("msg").replace("-", "_")
+        result = await self.chat.generate(chat_request(req), raw_request, request_id=message_id)
         if isinstance(result, ChatCompletionResponse):
             return self._message(result, message_id)
         return self._events(result, message_id)

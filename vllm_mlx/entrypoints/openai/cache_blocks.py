@@ -3,8 +3,11 @@
 A notebook connected to a server (``%vllm_mlx connect``) draws the server's blocks from this.
 What it shows, and why each part is safe to show any client:
 
-- ``block_states``: one letter per block id (``n`` null, ``f`` free, ``c`` cached, ``u`` used)
-  and ``free_queue`` (eviction order): the same facts ``/v1/cache/stats`` counts, per block. No
+- ``block_states``: one letter per block id (``n`` null, ``f`` free, ``c`` cached, ``u`` used),
+  ``free_queue`` (eviction order) and ``stats``. Which blocks are cached, the queue's order and
+  the counters all move with prefix hits, so by default (``disclose_hits`` off) the grid shows
+  only lengths: the null block, as many ``u`` as the running requests' lengths fill, then ``f``;
+  the queue is empty and the stats are ``cache_disclosure.public_stats`` (see there). No
   hashes, token ids or text, ever.
 - ``requests``: only the requests whose ids the caller names (``?request_id=...``, repeatable).
   A request id is the response ``id`` its client got (a random uuid), so only that client knows
@@ -12,10 +15,11 @@ What it shows, and why each part is safe to show any client:
 - ``blocks``: reference and token counts of the blocks those requests hold, nothing of others'.
   Reference counts are those requests' own holds: a count above that would tell that another
   tenant holds the same prefix.
-- Prefix hits (``num_cached_tokens``, and which block ids a table shares) tell whether another
-  tenant's prompt began the same way; they are disclosed only where the operator allows
-  (``enable_prompt_tokens_details`` or ``cache_stats_per_request``). Otherwise the tables are
-  left out (``tables_disclosed: false``) and cached-token counts are 0.
+- Prefix hits (``num_cached_tokens``, which block ids a table shares, the grid's real states)
+  tell whether another tenant's prompt began the same way; they are disclosed only where the
+  operator allows (``ServingOptions.discloses_prefix_hits``). Otherwise the tables are left out
+  (``tables_disclosed: false``) and cached-token counts are 0.
+- The per-tenant counters only with ``per_tenant`` (``--enable-cache-stats-disclosure``).
 - The multimodal cache (image thumbnails) is never shown.
 """
 
@@ -23,12 +27,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from vllm_mlx.entrypoints.openai.cache_disclosure import public_block_states, public_stats, visible_stats
+
 STATE_LETTERS = {"null": "n", "free": "f", "cached": "c", "used": "u"}
 _REQUEST_FIELDS = ("status", "num_prompt_tokens", "num_output_tokens")
 
 
 def block_view(
-    snapshot: dict, request_ids: Iterable[str], *, per_request: bool = False, disclose_hits: bool = False
+    snapshot: dict,
+    request_ids: Iterable[str],
+    *,
+    per_request: bool = False,
+    disclose_hits: bool = False,
+    per_tenant: bool = False,
 ) -> dict:
     """The endpoint's body for an engine ``cache_snapshot()`` (see the module docstring)."""
     live = snapshot["requests"]
@@ -37,15 +48,24 @@ def block_view(
     requests = {rid: _request(live[rid], tables) for rid in wanted}
     return {
         "block_size": snapshot["block_size"],
-        "block_states": "".join(STATE_LETTERS[block["state"]] for block in snapshot["blocks"]),
-        "free_queue": snapshot["free_queue"],
+        "block_states": _grid(snapshot) if tables else _public_grid(snapshot),
+        "free_queue": snapshot["free_queue"] if tables else [],
         "requests": requests,
         "blocks": _held_blocks(snapshot["blocks"], requests, real_refs=per_request),
         "tables_disclosed": tables,
-        "stats": snapshot["stats"],
+        "stats": visible_stats(snapshot["stats"], live, disclose=tables, per_tenant=per_tenant),
         "kv_groups": snapshot.get("kv_groups", []),
-        "block_groups": snapshot.get("block_groups", []),
+        "block_groups": snapshot.get("block_groups", []) if tables else [],  # distinct blocks held: shared ones once
     }
+
+
+def _grid(snapshot: dict) -> str:
+    return "".join(STATE_LETTERS[block["state"]] for block in snapshot["blocks"])
+
+
+def _public_grid(snapshot: dict) -> str:
+    used = public_stats(snapshot["stats"], snapshot["requests"])["num_used_blocks"]
+    return public_block_states(len(snapshot["blocks"]), used)
 
 
 def _request(view: dict, tables: bool) -> dict:

@@ -22,7 +22,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser, parse_bytes) -> None:
     server.add_argument(
         "--api-key",
         default=os.environ.get("VLLM_MLX_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 (default: $VLLM_MLX_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on every path but /health and /version (default: $VLLM_MLX_API_KEY)",
     )
     server.add_argument(
         "--max-body-size", type=parse_bytes, default=DEFAULT_MAX_BODY_BYTES, help="request body limit, e.g. 4M"
@@ -37,6 +37,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser, parse_bytes) -> None:
         "--cache-stats-per-request",
         action="store_true",
         help="list live requests (ids, token counts) in /v1/cache/stats (default: aggregates only)",
+    )
+    server.add_argument(
+        "--enable-cache-stats-disclosure",
+        action="store_true",
+        help="show prefix-cache counters (hits, cached tokens, allocations; also per cache_salt) in /v1/cache/stats, "
+        "/v1/cache/blocks and /metrics (they tell clients about other tenants' prompts)",
     )
     server.add_argument(
         "--tool-call-parser",

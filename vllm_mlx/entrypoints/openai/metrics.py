@@ -2,9 +2,15 @@
 
 Counters and latency histograms are fed by the serving code as outputs arrive (``track()``);
 the engine's gauges (requests running/waiting, KV usage, prefix-cache hit rate) are read from
-``AsyncEngineCore.get_stats()`` at scrape time, so they are never stale. Names follow vLLM's
+the engine's stats at scrape time, so they are never stale. Names follow vLLM's
 (``vllm:...``) so existing dashboards work. A per-app registry (not the global one) lets several
 apps live in one process, as they do in the tests.
+
+Prefix-cache series (hit rate, queries, hits, cached prompt tokens) are exported only where the
+operator discloses hits (``disclose_hits``), and KV usage is otherwise counted from the running
+requests' lengths (``cache_disclosure.public_stats``): every one of those numbers moves with a
+prefix hit. The per-tenant series (``vllm_mlx:tenant_...``, label ``tenant``) need
+``per_tenant`` (``--enable-cache-stats-disclosure``).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from vllm_mlx.entrypoints.openai.cache_disclosure import TENANTS_KEY, visible_stats
 from vllm_mlx.request import RequestOutput
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -22,55 +29,80 @@ TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 
 E2E_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
+TENANT_COUNTERS = (
+    ("queries", "vllm_mlx:tenant_prefix_cache_lookups", "Prefix-cache lookups (request admissions) of the tenant."),
+    ("query_tokens", "vllm_mlx:tenant_prefix_cache_queries", "Prompt tokens of the tenant looked up in the prefix cache."),
+    ("hits", "vllm_mlx:tenant_prefix_cache_lookup_hits", "Lookups of the tenant that found at least one cached block."),
+    ("hit_tokens", "vllm_mlx:tenant_prefix_cache_hits", "Prompt tokens of the tenant found in the prefix cache."),
+    ("allocations", "vllm_mlx:tenant_kv_block_allocations", "KV blocks taken for the tenant's new content."),
+)
+
+
 class EngineStatsCollector(Collector):
     """Gauges and counters read from the engine's stats when Prometheus scrapes."""
 
-    def __init__(self, engine, model_name: str) -> None:
+    def __init__(self, engine, model_name: str, disclose_hits: bool = False, per_tenant: bool = False) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.disclose_hits = disclose_hits
+        self.per_tenant = per_tenant
 
     def collect(self):
         try:
-            stats = self.engine.get_stats()
+            snapshot = self.engine.cache_snapshot(include_blocks=False)
         except Exception:  # a dead engine: /health says so; the scrape still succeeds
             return
-        sched, kv = stats["scheduler"], stats["kv_cache"]
-        for name, doc, value in (
-            ("vllm:num_requests_running", "Requests in the running batch.", sched["running"]),
-            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", sched["waiting"]),
-            ("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", kv["usage"]),
-            (
-                "vllm:prefix_cache_hit_rate",
-                "Prompt tokens found in the prefix cache / looked up.",
-                kv["prefix_hit_rate"],
-            ),
-        ):
+        stats = visible_stats(
+            snapshot["stats"], snapshot["requests"], disclose=self.disclose_hits, per_tenant=self.per_tenant
+        )
+        gauges = [
+            ("vllm:num_requests_running", "Requests in the running batch.", stats["running"]),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats["waiting"]),
+            ("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", stats["usage"]),
+        ]
+        counters = [("vllm:num_preemptions", "Requests preempted (KV blocks ran out).", stats["preemptions"])]
+        if self.disclose_hits:
+            hit_rate = "Prompt tokens found in the prefix cache / looked up."
+            gauges.append(("vllm:prefix_cache_hit_rate", hit_rate, stats["prefix_hit_rate"]))
+            counters += [
+                ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats["prefix_queries"]),
+                ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats["prefix_hits"]),
+            ]
+        for name, doc, value in gauges:
             yield self._family(GaugeMetricFamily, name, doc, value)
-        for name, doc, value in (
-            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv["prefix_queries"]),
-            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv["prefix_hits"]),
-            ("vllm:num_preemptions", "Requests preempted (KV blocks ran out).", sched["preemptions"]),
-        ):
+        for name, doc, value in counters:
             yield self._family(CounterMetricFamily, name, doc, value)
+        if TENANTS_KEY in stats:
+            yield from self._tenant_families(stats[TENANTS_KEY])
 
     def _family(self, cls, name: str, doc: str, value: float):
         family = cls(name, doc, labels=["model_name"])
         family.add_metric([self.model_name], value)
         return family
 
+    def _tenant_families(self, tenants: dict[str, dict]):
+        for key, name, doc in TENANT_COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=["model_name", "tenant"])
+            for tenant, counters in tenants.items():
+                family.add_metric([self.model_name, tenant], counters[key])
+            yield family
+
 
 class ServerMetrics:
     """Everything ``GET /metrics`` exports for one app."""
 
-    def __init__(self, engine, model_name: str) -> None:
+    def __init__(self, engine, model_name: str, disclose_hits: bool = False, per_tenant: bool = False) -> None:
+        """``disclose_hits``, ``per_tenant``: the prefix-cache series (module docstring)."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
         r = self.registry
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", labels, registry=r)
-        self.cached_tokens = Counter(
-            "vllm:prompt_cached_tokens", "Prompt tokens served from the prefix cache.", labels, registry=r
-        )
+        self.cached_tokens = None
+        if disclose_hits:
+            self.cached_tokens = Counter(
+                "vllm:prompt_cached_tokens", "Prompt tokens served from the prefix cache.", labels, registry=r
+            )
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels, registry=r)
         self.request_aborted = Counter(
             "vllm:request_aborted", "Requests aborted before they finished (client disconnects).", labels, registry=r
@@ -99,7 +131,7 @@ class ServerMetrics:
             buckets=E2E_BUCKETS,
             registry=r,
         )
-        self.registry.register(EngineStatsCollector(engine, model_name))
+        self.registry.register(EngineStatsCollector(engine, model_name, disclose_hits, per_tenant))
 
     def track(self) -> RequestTracker:
         """A tracker for one engine request, started now (just after it was submitted)."""
@@ -147,5 +179,6 @@ class RequestTracker:
     def _count_tokens(self) -> None:
         m, label = self.metrics, self.metrics.model_name
         m.prompt_tokens.labels(label).inc(self.prompt_tokens)
-        m.cached_tokens.labels(label).inc(self.cached_tokens)
+        if m.cached_tokens is not None:
+            m.cached_tokens.labels(label).inc(self.cached_tokens)
         m.generation_tokens.labels(label).inc(self.num_tokens)

@@ -40,17 +40,23 @@ async def send_error(
     await send({"type": "http.response.body", "body": body})
 
 
-class ApiKeyMiddleware:
-    """Require the key on ``/v1/...``: ``Authorization: Bearer <key>`` (OpenAI's clients) or
-    ``x-api-key: <key>`` (Anthropic's), compared in constant time."""
+OPEN_PATHS = frozenset({"/health", "/version"})
+"""Paths answered without the key: probes (liveness, the version) that tell nothing of requests."""
 
-    def __init__(self, app, api_key: str, prefix: str = "/v1") -> None:
+
+class ApiKeyMiddleware:
+    """Require the key on every path but ``open_paths`` (``/docs``, ``/openapi.json`` and
+    ``/metrics`` included: the API's shape and the server's traffic are the operator's):
+    ``Authorization: Bearer <key>`` (OpenAI's clients) or ``x-api-key: <key>`` (Anthropic's),
+    compared in constant time. An allow-list, so a route added later is protected by default."""
+
+    def __init__(self, app, api_key: str, open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.app = app
         self.key = api_key.encode()
-        self.prefix = prefix
+        self.open_paths = open_paths
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith(self.prefix):
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in self.open_paths:
             headers = dict(scope["headers"])
             bearer, x_api_key = headers.get(b"authorization"), headers.get(b"x-api-key")
             if not (self._matches(bearer, b"Bearer ") or self._matches(x_api_key)):

@@ -37,6 +37,7 @@ from vllm_mlx.engine_core import EngineConfig
 from vllm_mlx.entrypoints.anthropic.protocol import MessagesInput, MessagesRequest, error_body, is_messages_path
 from vllm_mlx.entrypoints.anthropic.serving import AnthropicServing
 from vllm_mlx.entrypoints.openai.cache_blocks import block_view
+from vllm_mlx.entrypoints.openai.cache_disclosure import visible_stats
 from vllm_mlx.entrypoints.openai.cli_args import request_limits, serve_media_policy
 from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
 from vllm_mlx.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware, BodySizeLimitMiddleware
@@ -88,7 +89,9 @@ def build_app(
     options = options or ServingOptions()
     info = ModelInfo.read(engine)
     name = served_model_name or Path(info.path).name
-    metrics = ServerMetrics(engine, name)
+    metrics = ServerMetrics(
+        engine, name, disclose_hits=options.discloses_prefix_hits, per_tenant=options.enable_cache_stats_disclosure
+    )
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-mlx-tokenize")
     chat = ChatServing(engine, name, metrics, info, pool, options, media_policy=media_policy)
     completion = CompletionServing(engine, name, metrics, info, pool, options)
@@ -152,13 +155,15 @@ def build_app(
 
     @app.get("/v1/cache/stats")
     async def cache_stats() -> dict:
-        return summarize_snapshot(await engine_call(engine.cache_snapshot), options.cache_stats_per_request)
+        return summarize_snapshot(await engine_call(engine.cache_snapshot), options)
 
     @app.get("/v1/cache/blocks")
     async def cache_blocks(request_id: Annotated[list[str] | None, Query()] = None) -> dict:
         snapshot = await engine_call(engine.cache_snapshot)
-        per_request, hits = options.cache_stats_per_request, options.enable_prompt_tokens_details
-        return block_view(snapshot, request_id or [], per_request=per_request, disclose_hits=hits)
+        return block_view(
+            snapshot, request_id or [], per_request=options.cache_stats_per_request,
+            disclose_hits=options.discloses_prefix_hits, per_tenant=options.enable_cache_stats_disclosure,
+        )  # fmt: skip
 
     @app.delete("/v1/cache")
     async def reset_cache() -> dict:
@@ -181,21 +186,33 @@ async def _respond(pending) -> Response:
     return SSEResponse(result, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def summarize_snapshot(snapshot: dict, per_request: bool = False) -> dict:
+def summarize_snapshot(snapshot: dict, options: ServingOptions | None = None) -> dict:
     """The stats endpoint's view of ``cache_snapshot()``: counts, not the block list.
 
-    Requests appear as counts by status; with ``per_request`` (an operator's switch) also one
-    entry per live request (its id and token counts, which other clients must not see).
+    Requests appear as counts by status; with ``options.cache_stats_per_request`` (an operator's
+    switch) also one entry per live request (its id and token counts, which other clients must
+    not see). Numbers that move with prefix hits (counters, cached blocks, the free queue) only
+    where ``options.discloses_prefix_hits`` (see ``cache_disclosure``).
     """
-    views = snapshot["requests"]
+    options = options or ServingOptions()
+    views, disclose = snapshot["requests"], options.discloses_prefix_hits
+    stats = visible_stats(snapshot["stats"], views, disclose=disclose, per_tenant=options.enable_cache_stats_disclosure)
+    if disclose:
+        block_states = dict(Counter(block["state"] for block in snapshot["blocks"]))
+        free_queue_length = len(snapshot["free_queue"])
+    else:
+        used, free = stats["num_used_blocks"], stats["num_free_blocks"]
+        block_states = {state: count for state, count in (("null", 1), ("used", used), ("free", free)) if count}
+        free_queue_length = free
     summary = {
         "block_size": snapshot["block_size"],
-        "stats": snapshot["stats"],
-        "block_states": dict(Counter(block["state"] for block in snapshot["blocks"])),
-        "free_queue_length": len(snapshot["free_queue"]),
+        "stats": stats,
+        "block_states": block_states,
+        "free_queue_length": free_queue_length,
         "request_states": dict(Counter(view["status"] for view in views.values())),
+        "cache_stats_disclosed": disclose,
     }
-    if per_request:
+    if options.cache_stats_per_request:
         summary["requests"] = {
             request_id: {**{k: v for k, v in view.items() if k != "block_ids"}, "num_blocks": len(view["block_ids"])}
             for request_id, view in views.items()
@@ -287,6 +304,7 @@ def run_server(args: argparse.Namespace, engine_options: dict) -> int:
         limits=request_limits(args),
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         cache_stats_per_request=args.cache_stats_per_request,
+        enable_cache_stats_disclosure=args.enable_cache_stats_disclosure,
         tool_call_parser=args.tool_call_parser,
         allow_json_whitespace=args.allow_json_whitespace,
     )

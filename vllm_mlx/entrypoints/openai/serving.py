@@ -67,6 +67,10 @@ class ServingOptions:
     count tells a client whether another tenant's prompt began like its own."""
     cache_stats_per_request: bool = False
     """``/v1/cache/stats`` lists live requests (ids, token counts); off = aggregates only."""
+    enable_cache_stats_disclosure: bool = False
+    """``/v1/cache/stats``, ``/v1/cache/blocks`` and ``/metrics`` show the prefix-cache counters
+    (hits, cached tokens, allocations, the real block grid), also per tenant (``cache_salt``).
+    Off by default: they tell a client whether its guess of another tenant's prompt was right."""
     tool_call_parser: str | None = None
     """The model's tool-call format (``--tool-call-parser``); None = read from the chat template."""
     allow_json_whitespace: bool = False
@@ -74,6 +78,13 @@ class ServingOptions:
     ``disable_any_whitespace`` or ``whitespace_pattern``) allow free whitespace between tokens
     (``--allow-json-whitespace``). Off: compact JSON, as tool calls are, because a sampling model
     otherwise fills ``max_tokens`` with newlines and spaces and never closes the document."""
+
+    @property
+    def discloses_prefix_hits(self) -> bool:
+        """Whether callers may read prefix-cache hits in the stats, the block grid and the
+        metrics. Each switch hands a caller hit counts (its own, or every request's), so with any
+        of them on, hiding the aggregate counters would protect nothing."""
+        return self.enable_prompt_tokens_details or self.cache_stats_per_request or self.enable_cache_stats_disclosure
 
 
 @dataclass(frozen=True)

@@ -75,10 +75,13 @@ class ChatServing(OpenAIServing):
         return result if isinstance(result, ChatCompletionResponse) else _sse_lines(result)
 
     async def generate(
-        self, req: ChatCompletionRequest, raw_request=None
+        self, req: ChatCompletionRequest, raw_request=None, request_id: str | None = None
     ) -> ChatCompletionResponse | AsyncIterator[ChatCompletionChunk]:
         """Run one chat request: the response, or (``stream=True``) its chunks. Errors before
-        the first output raise ``OpenAIError``; the chunk iterator raises it for later ones."""
+        the first output raise ``OpenAIError``; the chunk iterator raises it for later ones.
+        ``request_id``: the engine's id for it, which must be the id its client sees (the
+        Anthropic and Responses APIs give theirs; ``/v1/cache/blocks`` finds requests by it);
+        None = a new ``chatcmpl-...``."""
         plan, prompt = await self.render(req)
         token_ids = prompt.token_ids if isinstance(prompt, PreparedPrompt) else prompt
         parser = self._output_parser(plan, token_ids)
@@ -88,7 +91,7 @@ class ChatServing(OpenAIServing):
         if parser.needs_special_tokens and "skip_special_tokens" not in req.model_fields_set:
             params = params.clone(skip_special_tokens=False)
         constraint = await self.compile_constraint(params, req)
-        request_id = new_id("chatcmpl")
+        request_id = request_id or new_id("chatcmpl")
         streams = self.submit([prompt], [params], request_id, req.cache_salt, constraint)
         if req.stream:
             first, rest = await self.first_output(streams, raw_request)

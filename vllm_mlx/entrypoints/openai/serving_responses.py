@@ -59,8 +59,8 @@ class ResponsesServing:
 
     async def create(self, req: ResponsesRequest, raw_request=None) -> ResponseObject | AsyncIterator[str]:
         """A response, or (``stream=True``) its server-sent events."""
-        result = await self.chat.generate(chat_request(req), raw_request)
         shell = self._shell(req)
+        result = await self.chat.generate(chat_request(req), raw_request, request_id=shell.id)
         if isinstance(result, ChatCompletionResponse):
             choice = result.choices[0]
             return finished(shell, blocks_of(choice.message), choice.finish_reason, result.usage)

@@ -1,0 +1,60 @@
+"""What of the engine's cache numbers a caller may read: no prefix-cache oracle by default.
+
+A prefix hit moves many numbers: the hit counters and hit rate, cached-token counts, block
+allocations (a hit takes no new block), the count of cached blocks and their letters in the
+block grid, the free queue's order (a hit takes its block from the middle, a miss from the
+head), physical usage while the blocks are shared with a running request, even the step count
+(fewer prefill chunks). Each of them tells a caller whether its guess of the start of another
+tenant's prompt (same ``cache_salt``, or none) was right, one block at a time.
+
+So unless the operator discloses hits (``ServingOptions.discloses_prefix_hits``), a caller reads
+only numbers that follow from the live requests' statuses and lengths (``public_stats``): the
+pool's size, running and waiting counts, preemptions, recurrent-state slots, and the blocks in
+use counted as the running requests' lengths (prompt + output tokens) rounded up to whole
+blocks, as if no block were shared. The block grid is that count of ``u`` after the null block,
+then ``f`` (``public_block_states``): lengths to the nearest block, no positions.
+
+Disclosed, the engine's stats go out as they are; the per-tenant counters
+(``stats["prefix_cache_tenants"]``, see ``vllm_mlx/tenant_stats.py``) only with ``per_tenant``
+(``--enable-cache-stats-disclosure``), since they also tell of other tenants' traffic.
+"""
+
+from __future__ import annotations
+
+TENANTS_KEY = "prefix_cache_tenants"
+_PUBLIC_KEYS = ("num_blocks", "block_size", "running", "waiting", "preemptions", "num_state_slots",
+                "num_used_state_slots")  # fmt: skip
+
+
+def visible_stats(stats: dict, requests: dict, *, disclose: bool, per_tenant: bool = False) -> dict:
+    """The stats a caller reads: the engine's own (``disclose``), else ``public_stats``."""
+    if not disclose:
+        return public_stats(stats, requests)
+    shown = dict(stats)
+    if not per_tenant:
+        shown.pop(TENANTS_KEY, None)
+    return shown
+
+
+def public_stats(stats: dict, requests: dict) -> dict:
+    """Numbers no prefix hit changes (module docstring); ``requests``: the snapshot's."""
+    num_blocks = stats["num_blocks"]
+    used = logical_used_blocks(requests, stats["block_size"], num_blocks)
+    public = {key: stats[key] for key in _PUBLIC_KEYS if key in stats}
+    usage = used / num_blocks if num_blocks else 0.0
+    public.update(num_used_blocks=used, num_free_blocks=num_blocks - used, usage=usage)
+    return public
+
+
+def logical_used_blocks(requests: dict, block_size: int, num_blocks: int) -> int:
+    """Whole blocks the running requests' tokens fill, each counted alone (none shared)."""
+    running = [view for view in requests.values() if view["status"] == "RUNNING"]
+    lengths = (view["num_prompt_tokens"] + view["num_output_tokens"] for view in running)
+    return min(num_blocks, sum(-(-length // block_size) for length in lengths))
+
+
+def public_block_states(num_grid_blocks: int, num_used: int) -> str:
+    """A grid of ``num_grid_blocks`` letters (the null block first) without positions: the
+    null block, ``num_used`` used blocks, the rest free."""
+    num_used = min(num_used, max(num_grid_blocks - 1, 0))
+    return ("n" + "u" * num_used).ljust(num_grid_blocks, "f")[:num_grid_blocks]

@@ -50,6 +50,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser, parse_bytes) -> None:
         choices=sorted([*PARSER_NAMES, *ALIASES]),
         help="the model's output format for tool calls (and gpt-oss's Harmony channels); default: recognised from the chat template",
     )
+    server.add_argument(
+        "--allow-json-whitespace",
+        action="store_true",
+        help="let JSON constraints (response_format; structured_outputs json without disable_any_whitespace) "
+        "have free whitespace between tokens (default: compact JSON, which sampling models finish)",
+    )
     _add_limit_arguments(parser.add_argument_group("request limits (raise them for trusted clients)"))
     # Engine flags shared with other commands come from cli.add_model_arguments; this one is the
     # server's own (``generate`` uses --seed for its sampling).

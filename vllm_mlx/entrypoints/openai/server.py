@@ -306,6 +306,7 @@ def run_server(args: argparse.Namespace, engine_options: dict) -> int:
         cache_stats_per_request=args.cache_stats_per_request,
         enable_cache_stats_disclosure=args.enable_cache_stats_disclosure,
         tool_call_parser=args.tool_call_parser,
+        allow_json_whitespace=args.allow_json_whitespace,
     )
     engine = AsyncEngineCore(EngineConfig(model=args.model, **engine_options)).start()
     try:

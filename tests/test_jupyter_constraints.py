@@ -172,9 +172,11 @@ def test_regex_and_choice_hold(ip):
     ("--tools weather_tools --tool-call-parser nope", "nope"),
     ("--tools weather_tools --tool-choice set_light", "not in tools"),
     ("--tools weather_tools --tool-choice required --regex a", "give no other"),
+    ("--schema huge_schema", "--schema: maxItems is 1000000000, over the limit of 10000"),  # not compiled at all
 ])  # fmt: skip
 def test_bad_constraints_and_tools_are_usage_errors(ip, line, message):
     ip.user_ns.update(verdict_schema=VERDICT_SCHEMA, colors=["red", "green"], weather_tools=[get_weather])
+    ip.user_ns["huge_schema"] = {"type": "array", "items": {"type": "integer"}, "maxItems": 10**9}
     with pytest.raises(UsageError, match=re.escape(message)):
         generate(ip, line)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 
 import pytest
@@ -293,6 +294,67 @@ def test_fuzz_a_lone_surrogate_in_any_field_of_any_api(http, case):
     else:
         assert error["type"] == "invalid_request_error" and error["param"] == where.split(".")[0]
     assert where in error["message"] and "Unicode" in error["message"], error
+
+
+# -- constraints with large bounds (structured/bounds.py): refused at once, or compiled ------------
+
+LIMIT = 10_000  # RequestLimits.max_constraint_bound's default
+bounds = st.one_of(st.integers(0, 50), st.integers(LIMIT - 1, LIMIT + 1), st.sampled_from([10**6, 10**9, 2**63, 1e9, 1e300]))
+BOUND_KEYS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties")
+bound_keys = st.sampled_from(BOUND_KEYS)
+schemas = st.recursive(
+    st.sampled_from([{"type": "integer"}, {"type": "string"}, {"type": "boolean"}]),
+    lambda inner: st.one_of(
+        st.builds(lambda items, key, n: {"type": "array", "items": items, key: n}, inner, bound_keys, bounds),
+        st.builds(lambda props: {"type": "object", "properties": props}, st.dictionaries(st.sampled_from("abc"), inner, max_size=3)),
+        st.builds(lambda n: {"type": "string", "pattern": f"^a{{{n}}}$"}, bounds),
+        st.builds(lambda items, n: {"type": "array", "prefixItems": [items] * n}, inner, st.sampled_from([1, 3, LIMIT + 1])),
+    ),
+    max_leaves=5,
+)
+constraints = st.one_of(
+    schemas.map(lambda s: {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}}),
+    schemas.map(lambda s: {"structured_outputs": {"json": s}}),
+    schemas.map(lambda s: {"structured_outputs": {"grammar": f"start: %json {json.dumps(s)}"}}),
+    bounds.map(lambda n: {"structured_outputs": {"regex": f"(ab){{{n}}}"}}),
+)
+
+
+def largest_bound(value) -> float:
+    """The largest bound the generators above put in ``value`` (an oracle independent of the
+    server's walk)."""
+    if isinstance(value, list):
+        return max(map(largest_bound, value), default=0)
+    if not isinstance(value, dict):
+        return 0
+    found = [0.0]
+    for key, item in value.items():
+        if key in BOUND_KEYS:
+            found.append(item)
+        elif key == "prefixItems":
+            found.append(len(item))
+        elif key in ("pattern", "regex"):
+            found += [int(n) for n in re.findall(r"\{(\d+)\}", item)]
+        elif key == "grammar":
+            found.append(largest_bound(json.loads(item.removeprefix("start: %json "))))
+        found.append(largest_bound(item))
+    return max(found)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(constraint=constraints, path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
+def test_fuzz_constraint_bounds(http, constraint, path):
+    """A bound over the limit is a 400 ``constraint_too_large`` at once; the rest compile or are
+    400s; the server stays healthy (``check``)."""
+    body = {"model": "tiny", "max_tokens": 4, **constraint}
+    body.update({"messages": [{"role": "user", "content": "Hi"}]} if "chat" in path else {"prompt": "Hi"})
+    started = time.monotonic()
+    response = send(http, path, body)
+    check(http, response)
+    if largest_bound(constraint) > LIMIT:
+        event("a bound over the limit")
+        assert response.status_code == 400 and response.json()["error"]["code"] == "constraint_too_large", response.text[:500]
+        assert time.monotonic() - started < 10  # refused before compiling (a 1e6 compile alone took 9 s)
 
 
 # -- what a client reads of the cache, and who may read it -----------------------------------------

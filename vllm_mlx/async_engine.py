@@ -326,7 +326,7 @@ class AsyncEngineCore:
             raise self._dead_error(self._error)
         return engine.prepare_prompt(prompt, images, media_policy=media_policy)
 
-    def compile_constraint(self, params: SamplingParams) -> CompiledGrammar | None:
+    def compile_constraint(self, params: SamplingParams, max_bound: int | None = None) -> CompiledGrammar | None:
         """``EngineCore.compile_constraint`` on the calling thread (llguidance only, no MLX);
         None when ``params`` has no ``structured_outputs``.
 
@@ -339,7 +339,7 @@ class AsyncEngineCore:
         engine = self.engine
         if engine is None or not self.is_running:
             raise self._dead_error(self._error)
-        return engine.compile_constraint(params)
+        return engine.compile_constraint(params, max_bound)
 
     def generate(
         self, prompt: str | list[int], sampling_params: SamplingParams | None = None, **kwargs

@@ -58,6 +58,7 @@ from vllm_mlx.rank_watchdog import (
 from vllm_mlx.request import Request, RequestOutput, RequestStatus, SamplingParams
 from vllm_mlx.scheduler import Scheduler, SchedulerConfig
 from vllm_mlx.snapshot import CacheSnapshotter
+from vllm_mlx.structured.bounds import DEFAULT_MAX_CONSTRAINT_BOUND
 from vllm_mlx.structured.grammar import CompiledGrammar
 from vllm_mlx.validation import parse_bytes, parse_memory
 
@@ -129,6 +130,10 @@ class EngineConfig:
     loading and checking the model, then the start message) may take before this process gives
     up on the other ranks and exits (``rank_watchdog.startup_deadline``). It must exceed the
     slowest rank's load."""
+    max_constraint_bound: int = DEFAULT_MAX_CONSTRAINT_BOUND
+    """The largest repetition bound (``maxItems``, a regex's ``{n,m}``...) a structured-output
+    constraint may hold; all of one constraint's bounds may add up to 10 times it
+    (``structured/bounds.py``). The server passes its own ``--max-constraint-bound``."""
 
     def normalize(self) -> None:
         """Accept every option in the forms the CLI takes (``kv_cache_memory="512M"`` or
@@ -139,7 +144,7 @@ class EngineConfig:
                 setattr(self, name, parse(getattr(self, name)))
             except ValueError as exc:
                 raise ValueError(f"{name}: {exc}") from None
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_constraint_bound"):
             _check_int_option(name, getattr(self, name), minimum=1)
         for name in ("num_kv_blocks", "max_model_len"):
             if getattr(self, name) is not None:
@@ -428,14 +433,16 @@ class EngineCore:
         self.output_processor.finish_if_done(request_id)  # refused at admission (e.g. prompt too long)
         return request_id
 
-    def compile_constraint(self, params: SamplingParams) -> CompiledGrammar | None:
+    def compile_constraint(self, params: SamplingParams, max_bound: int | None = None) -> CompiledGrammar | None:
         """The compiled grammar of ``params.structured_outputs`` (None without one), from the
         cache when seen before. Thread-safe, no MLX work: call it from any thread.
+        ``max_bound``: the largest repetition bound (``maxItems``, ``{n,m}``...) allowed; None =
+        ``structured.bounds.DEFAULT_MAX_CONSTRAINT_BOUND``.
 
         Raises:
             ConstraintError: An invalid schema, regex or grammar (a ``ValueError``).
         """
-        return self.input_processor.compile_constraint(params)
+        return self.input_processor.compile_constraint(params, max_bound)
 
     @property
     def vocab_size(self) -> int | None:
@@ -683,6 +690,7 @@ class EngineCore:
         for request_id in self.output_processor.group_ids:
             self.abort_request(request_id)
         get_registry().release(str(self.model_path), self)
+        self.input_processor.grammars.close()  # the constraint compile workers (compile_guard.py)
         try:
             self._stop_workers()
         finally:

@@ -80,7 +80,7 @@ class InputProcessor:
         self.model_config = model_config
         self.vision = vision
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
-        self.grammars = GrammarCompiler(tokenizer, self.eos_token_ids)
+        self.grammars = GrammarCompiler(tokenizer, self.eos_token_ids, max_bound=config.max_constraint_bound)
         self.think_tokens = ThinkTokens.of(tokenizer)
         self._seed_rng = random.Random(config.seed)
 
@@ -154,12 +154,13 @@ class InputProcessor:
             return None
         return ReasoningGate(think, think.prompt_opens(prompt_token_ids), params.max_thinking_tokens)
 
-    def compile_constraint(self, params: SamplingParams) -> CompiledGrammar | None:
-        """``params.structured_outputs`` compiled (None without one; cached by content).
+    def compile_constraint(self, params: SamplingParams, max_bound: int | None = None) -> CompiledGrammar | None:
+        """``params.structured_outputs`` compiled (None without one; cached by content);
+        ``max_bound``: the largest repetition bound allowed (None: the compiler's default).
         Thread-safe, no MLX work; raises ``ConstraintError`` (a ``ValueError``)."""
         if params.structured_outputs is None:
             return None
-        return self.grammars.compile(params.structured_outputs)
+        return self.grammars.compile(params.structured_outputs, max_bound)
 
     def prepare_prompt(
         self,

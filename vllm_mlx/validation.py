@@ -67,6 +67,11 @@ class RequestLimits:
     max_stop_strings: int = field(default=32, metadata={"help": "stop strings per request"})
     max_stop_string_length: int = field(default=1024, metadata={"help": "characters in one stop string"})
     max_stop_token_ids: int = field(default=256, metadata={"help": "stop token ids per request"})
+    max_constraint_bound: int = field(
+        default=10_000,
+        metadata={"help": "largest repetition bound in a structured-output constraint (maxItems, regex {n,m}, ...); "
+                  "all of one constraint's bounds may add up to 10 times it"},
+    )  # fmt: skip  -- structured/bounds.py DEFAULT_MAX_CONSTRAINT_BOUND
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

@@ -6,7 +6,8 @@ the finished text becomes ``.parsed``.
     --regex PATTERN      the whole output matches                       (.parsed: None)
     --choice TEXT ...    exactly one of these (repeatable, or one VAR holding a list)
     --grammar VAR|TEXT   a Lark or GBNF grammar (a variable holding it, or the text itself)
-    --compact-json       with --schema/--json: no whitespace between JSON tokens
+    --compact-json       with --schema/--json: no whitespace between JSON tokens (the default
+                         now: ``ResponseFormat.of`` is compact; kept for existing cells)
 
 At most one per cell. Everything here runs on the kernel thread, before the request is queued:
 a constraint that cannot be compiled is the cell's ``UsageError``, never the engine's error.

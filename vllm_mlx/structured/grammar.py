@@ -8,6 +8,10 @@ vLLM and upstream vllm-mlx use.
 ``GrammarCompiler`` is thread-safe and does no MLX work: callers compile on their own thread
 (the server in a worker thread, ``LLM`` on the caller's), and the engine thread only copies a
 compiled grammar's initial matcher for each request (~10 us).
+
+Before anything compiles, ``bounds.py`` refuses bounds that would cost unbounded memory; a
+grammar not in the cache is then proven safe in a capped worker process (``compile_guard.py``)
+before it is compiled here.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from vllm_mlx.structured.bounds import DEFAULT_MAX_CONSTRAINT_BOUND, BoundExceeded, check_bounds
+from vllm_mlx.structured.compile_guard import CompileGuard, CompileRefused
 from vllm_mlx.structured.params import StructuredOutputsParams
 
 DEFAULT_CACHE_SIZE = 256
@@ -29,6 +35,11 @@ DEFAULT_CACHE_SIZE = 256
 class ConstraintError(ValueError):
     """A constraint that cannot be compiled (a bad schema, regex or grammar); the message says
     what is wrong in one line."""
+
+
+class ConstraintTooLarge(ConstraintError):
+    """A constraint too costly to compile: a bound over the limit (``bounds.py``), or a compile
+    that ran out of memory or time in the guard's worker (``compile_guard.py``)."""
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
@@ -113,15 +124,31 @@ class GrammarCompiler:
         eos_token_ids: Every token that ends a completion: the constraint allows them exactly
             where the output is complete.
         cache_size: Compiled grammars kept.
+        max_bound: The largest repetition bound a constraint may hold (``bounds.py``); ``compile``
+            may be given another.
+        isolate: Prove each grammar not in the cache safe in a worker process first
+            (``compile_guard.py``); off only where the caller trusts every constraint.
     """
 
-    def __init__(self, tokenizer, eos_token_ids, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        eos_token_ids,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+        *,
+        max_bound: int = DEFAULT_MAX_CONSTRAINT_BOUND,
+        isolate: bool = True,
+    ) -> None:
         self._hf_tokenizer = getattr(tokenizer, "_tokenizer", tokenizer)
         self.eos_token_ids = sorted(eos_token_ids)
         self.cache_size = cache_size
+        self.max_bound = max_bound
+        self.isolate = isolate
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self._ll_tokenizer = None
+        self._tokenizer_json: str | None = None
+        self._guard: CompileGuard | None = None
         self.hits = self.misses = 0
 
     @property
@@ -141,19 +168,43 @@ class GrammarCompiler:
         backend = copy.copy(backend)  # serialized without padding or truncation, which llguidance must not see
         backend.no_padding()
         backend.no_truncation()
-        return llguidance.LLTokenizer(backend.to_str(), eos_token=self.eos_token_ids or None)
+        self._tokenizer_json = backend.to_str()
+        return llguidance.LLTokenizer(self._tokenizer_json, eos_token=self.eos_token_ids or None)
+
+    @property
+    def guard(self) -> CompileGuard:
+        """The worker pool that proves grammars safe (its workers start on first use)."""
+        self.ll_tokenizer  # noqa: B018 -- builds the tokenizer text the workers load
+        with self._lock:
+            if self._guard is None:
+                self._guard = CompileGuard(self._tokenizer_json, self.eos_token_ids)
+            return self._guard
+
+    def close(self) -> None:
+        """Stop the guard's workers (they also exit with this process)."""
+        with self._lock:
+            guard = self._guard
+        if guard is not None:
+            guard.close()
 
     @property
     def vocab_size(self) -> int:
         """Tokens the matchers know (bitmask width = ceil(vocab_size / 32) words)."""
         return self.ll_tokenizer.vocab_size
 
-    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+    def compile(self, params: StructuredOutputsParams, max_bound: int | None = None) -> CompiledGrammar:
         """The compiled grammar of ``params``, from the cache when the same constraint was seen.
+        ``max_bound``: the largest repetition bound allowed (None: this compiler's).
 
         Raises:
+            ConstraintTooLarge: A bound over the limit, or a compile that ran out of memory or
+                time in the guard's worker.
             ConstraintError: The schema, regex or grammar is invalid (the message says why).
         """
+        try:
+            check_bounds(params, self.max_bound if max_bound is None else max_bound)
+        except BoundExceeded as exc:
+            raise ConstraintTooLarge(str(exc)) from None
         text = grammar_text(params)
         key = hashlib.sha256(text.encode()).hexdigest()
         with self._lock:
@@ -171,6 +222,17 @@ class GrammarCompiler:
         return compiled
 
     def _new_matcher(self, text: str, kind: str):
+        if not self.isolate:
+            return self._build_matcher(text, kind)
+        try:
+            with self.guard.checked(text) as error:
+                if error is not None:
+                    raise ConstraintError(f"invalid {_KIND_NAMES[kind]}: {compact_error(error)}")
+                return self._build_matcher(text, kind)
+        except CompileRefused as exc:
+            raise ConstraintTooLarge(f"the {_KIND_NAMES[kind]} is too costly to compile: {exc}") from None
+
+    def _build_matcher(self, text: str, kind: str):
         import llguidance
 
         matcher = llguidance.LLMatcher(self.ll_tokenizer, text, log_level=0)  # never raises

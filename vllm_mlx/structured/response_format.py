@@ -3,7 +3,10 @@
     llm.chat(messages, params, response_format=City)   # outputs[0].parsed is a City
 
 The constraint makes the text a prefix of a valid document; ``parse`` validates the whole text
-(a completion cut short by ``max_tokens`` does not parse, and its ``parsed`` stays None).
+(a completion cut short by ``max_tokens`` does not parse, and its ``parsed`` stays None). The
+JSON is compact (``disable_any_whitespace``): with free whitespace a sampling model often fills
+``max_tokens`` with newlines; for whitespace, give ``SamplingParams(structured_outputs=
+StructuredOutputsParams(json=..., disable_any_whitespace=False))`` instead.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ class ResponseFormat:
         """
         if isinstance(response_format, type) and hasattr(response_format, "model_json_schema"):
             schema = response_format.model_json_schema()
-            return cls(StructuredOutputsParams(json=schema), response_format.model_validate_json)
+            return cls(StructuredOutputsParams(json=schema, disable_any_whitespace=True), response_format.model_validate_json)
         if not isinstance(response_format, dict):
             raise ValueError(
                 "response_format must be a Pydantic model class or a JSON Schema dict, got "
@@ -42,13 +45,13 @@ class ResponseFormat:
             )
         kind = response_format.get("type")
         if kind == "json_object":
-            return cls(StructuredOutputsParams(json_object=True), _json_parser({"type": "object"}))
+            return cls(StructuredOutputsParams(json_object=True, disable_any_whitespace=True), _json_parser({"type": "object"}))
         if kind == "json_schema" and isinstance(response_format.get("json_schema"), dict):
             schema = response_format["json_schema"].get("schema")
             if not isinstance(schema, dict):
                 raise ValueError("response_format.json_schema.schema must be a JSON Schema object")
-            return cls(StructuredOutputsParams(json=schema), _json_parser(schema))
-        return cls(StructuredOutputsParams(json=response_format), _json_parser(response_format))
+            return cls(StructuredOutputsParams(json=schema, disable_any_whitespace=True), _json_parser(schema))
+        return cls(StructuredOutputsParams(json=response_format, disable_any_whitespace=True), _json_parser(response_format))
 
     def parsed(self, text: str) -> object:
         """The validated object of ``text``, or None when it does not parse or validate."""

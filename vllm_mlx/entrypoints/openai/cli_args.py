@@ -54,6 +54,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser, parse_bytes) -> None:
         "--tokenizer-threads", type=_positive_int, default=4, metavar="N",
         help="prompts tokenized at once (default: 4); a prompt too long for the context is refused before",
     )  # fmt: skip
+    server.add_argument(
+        "--allow-json-whitespace",
+        action="store_true",
+        help="let JSON constraints (response_format; structured_outputs json without disable_any_whitespace) "
+        "have free whitespace between tokens (default: compact JSON, which sampling models finish)",
+    )
     _add_limit_arguments(parser.add_argument_group("request limits (raise them for trusted clients)"))
     # Engine flags shared with other commands come from cli.add_model_arguments; this one is the
     # server's own (``generate`` uses --seed for its sampling).

@@ -312,6 +312,7 @@ def run_server(args: argparse.Namespace, engine_options: dict) -> int:
         enable_cache_stats_disclosure=args.enable_cache_stats_disclosure,
         tool_call_parser=args.tool_call_parser,
         tokenizer_threads=args.tokenizer_threads,
+        allow_json_whitespace=args.allow_json_whitespace,
     )
     engine = AsyncEngineCore(EngineConfig(model=args.model, **engine_options)).start()
     try:

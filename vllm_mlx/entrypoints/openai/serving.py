@@ -28,7 +28,7 @@ from vllm_mlx.entrypoints.openai.protocol import PromptTokensDetails, SamplingFi
 from vllm_mlx.input_processor import PreparedPrompt
 from vllm_mlx.rank_watchdog import RankLostError
 from vllm_mlx.request import RequestOutput, SamplingParams
-from vllm_mlx.structured.grammar import CompiledGrammar, ConstraintError
+from vllm_mlx.structured.grammar import CompiledGrammar, ConstraintError, ConstraintTooLarge
 from vllm_mlx.structured.matcher import ERROR_PREFIX as CONSTRAINT_ERROR_PREFIX
 from vllm_mlx.structured.params import StructuredOutputsParams
 from vllm_mlx.token_bound import TokenBound, token_bound
@@ -77,6 +77,11 @@ class ServingOptions:
     tokenizer_threads: int = 4
     """Prompts tokenized at once (``--tokenizer-threads``; ``TokenizePool``): long prompts hold
     at most all but one thread, so short ones never wait behind them."""
+    allow_json_whitespace: bool = False
+    """JSON constraints (``response_format``; ``structured_outputs`` json that does not set
+    ``disable_any_whitespace`` or ``whitespace_pattern``) allow free whitespace between tokens
+    (``--allow-json-whitespace``). Off: compact JSON, as tool calls are, because a sampling model
+    otherwise fills ``max_tokens`` with newlines and spaces and never closes the document."""
 
     @property
     def discloses_prefix_hits(self) -> bool:
@@ -254,13 +259,16 @@ class OpenAIServing:
             )
         return params
 
-    @staticmethod
-    def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
-        """The request's constraint: OpenAI's ``response_format`` or vLLM's ``structured_outputs``."""
+    def structured_outputs(self, req: SamplingFields) -> StructuredOutputsParams | None:
+        """The request's constraint: OpenAI's ``response_format`` or vLLM's ``structured_outputs``
+        (JSON ones compact unless the request or ``allow_json_whitespace`` says otherwise)."""
         fmt, extra = req.response_format, req.structured_outputs
+        compact = not self.options.allow_json_whitespace
         if fmt is not None and fmt.type != "text" and extra is not None:
             raise OpenAIError(400, "Give either response_format or structured_outputs, not both.", param="structured_outputs")
         if extra is not None:
+            if compact and _json_without_whitespace_choice(extra):
+                extra = {**extra, "disable_any_whitespace": True}
             try:
                 return StructuredOutputsParams.from_dict(extra)
             except (TypeError, ValueError) as exc:
@@ -268,7 +276,7 @@ class OpenAIServing:
         if fmt is None or fmt.type == "text":
             return None
         if fmt.type == "json_object":
-            return StructuredOutputsParams(json_object=True)
+            return StructuredOutputsParams(json_object=True, disable_any_whitespace=compact)
         if fmt.type != "json_schema":
             raise OpenAIError(
                 400,
@@ -277,7 +285,7 @@ class OpenAIServing:
             )
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
             raise OpenAIError(400, "response_format.json_schema.schema is required.", param="response_format")
-        return StructuredOutputsParams(json=fmt.json_schema.schema_)
+        return StructuredOutputsParams(json=fmt.json_schema.schema_, disable_any_whitespace=compact)
 
     async def compile_constraint(self, params: SamplingParams, req: SamplingFields) -> CompiledGrammar | None:
         """Compile the request's constraint in a worker thread (never on the event loop or the
@@ -285,12 +293,15 @@ class OpenAIServing:
         if params.structured_outputs is None:
             return None
         try:
-            return await asyncio.to_thread(self.engine.compile_constraint, params)
+            return await asyncio.to_thread(
+                self.engine.compile_constraint, params, self.options.limits.max_constraint_bound
+            )
         except ConstraintError as exc:
             param = "structured_outputs" if req.structured_outputs is not None else "response_format"
             if req.structured_outputs is None and (req.response_format is None or req.response_format.type == "text"):
                 param = "tools"  # the constraint is the one tool_choice made from the tools' schemas
-            raise OpenAIError(400, f"Invalid {param}: {exc}", param=param, code="invalid_constraint") from None
+            code = "constraint_too_large" if isinstance(exc, ConstraintTooLarge) else "invalid_constraint"
+            raise OpenAIError(400, f"Invalid {param}: {exc}", param=param, code=code) from None
         except EngineDeadError as exc:
             raise engine_dead(exc.__cause__) from None
 
@@ -409,6 +420,15 @@ class OpenAIServing:
         merged = self.outputs(streams)
         first = await self.until_disconnected(anext(merged), raw_request)
         return first, merged
+
+
+def _json_without_whitespace_choice(extra: object) -> bool:
+    """A ``structured_outputs`` body asking for JSON without saying what whitespace it allows."""
+    return (
+        isinstance(extra, dict)
+        and ("json" in extra or "json_object" in extra)
+        and not {"disable_any_whitespace", "whitespace_pattern"} & set(extra)
+    )
 
 
 def sse(event: BaseModel) -> str:

@@ -1,5 +1,6 @@
 """Fuzzing the live server: random and adversarial bodies against ``/v1/completions`` and
-``/v1/chat/completions`` on 127.0.0.1 (hypothesis, bounded in examples and time).
+``/v1/chat/completions`` on 127.0.0.1 (hypothesis, bounded in examples and time), and a lone
+surrogate in any string field of any API (Responses and Anthropic Messages too).
 
 After every example: no 5xx (the engine never dies of a request, so not even a 503), every error
 is OpenAI's shape, the engine answers ``/health``, and no KV block is held. At the end a normal
@@ -213,6 +214,86 @@ def test_numbers_json_cannot_carry_are_400s(http):
     for value in (math.nan, math.inf, -math.inf):
         response = send(http, "/v1/completions", {"prompt": "Hi", "temperature": value})
         assert response.status_code == 400, response.text
+
+
+# -- a lone surrogate in any field of any API -----------------------------------------------------
+
+TOOL_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "description": "A city."}}}
+ECHOING_BODIES = {
+    "/v1/chat/completions": {
+        "model": "tiny", "max_tokens": 2, "user": "u", "cache_salt": "s", "stop": ["x"],
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}], "name": "ann"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "content": "ok", "tool_call_id": "c1"},
+        ],
+        "tools": [{"type": "function", "function": {"name": "f", "description": "d", "parameters": TOOL_SCHEMA}}],
+        "tool_choice": "none",
+        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "description": "d", "schema": TOOL_SCHEMA}},
+    },
+    "/v1/completions": {"model": "tiny", "prompt": ["Hi", "there"], "max_tokens": 2, "stop": "x", "user": "u"},
+    "/v1/responses": {
+        "model": "tiny", "max_output_tokens": 2, "instructions": "Be brief.", "user": "u", "metadata": {"k": "v"},
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+        ],
+        "tools": [{"type": "function", "name": "f", "description": "d", "parameters": TOOL_SCHEMA}],
+        "tool_choice": {"type": "function", "name": "f", "extra": "e"},
+        "text": {"format": {"type": "json_schema", "name": "n", "description": "d", "schema": TOOL_SCHEMA}},
+    },
+    "/v1/messages": {
+        "model": "tiny", "max_tokens": 2, "system": [{"type": "text", "text": "Be brief."}],
+        "stop_sequences": ["x"], "metadata": {"user_id": "u"},
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {"city": "Oslo"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "ok"}]}]},
+        ],
+        "tools": [{"name": "f", "description": "d", "input_schema": TOOL_SCHEMA}],
+        "tool_choice": {"type": "tool", "name": "f"},
+    },
+}  # fmt: skip
+
+
+def string_paths(value, path: tuple = ()) -> list[tuple]:
+    """The path of every string in a JSON value."""
+    if isinstance(value, str):
+        return [path]
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else []
+    return [found for key, item in items for found in string_paths(item, (*path, key))]
+
+
+@st.composite
+def lone_surrogate_bodies(draw):
+    """``(route, body, dotted path)``: a valid body of some API with one string, anywhere in it,
+    holding a lone surrogate."""
+    route = draw(st.sampled_from(sorted(ECHOING_BODIES)))
+    body = json.loads(json.dumps(ECHOING_BODIES[route]))  # no shared parts (deepcopy keeps them shared)
+    path = draw(st.sampled_from(string_paths(body)))
+    holder = body
+    for key in path[:-1]:
+        holder = holder[key]
+    holder[path[-1]] = draw(st.text(max_size=4)) + draw(surrogate_text) + draw(st.text(max_size=4))
+    body["stream"] = draw(st.booleans())
+    return route, body, ".".join(map(str, path))
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=lone_surrogate_bodies())
+def test_fuzz_a_lone_surrogate_in_any_field_of_any_api(http, case):
+    route, body, where = case
+    response = send(http, route, body)
+    assert response.status_code == 400, response.text[:500]
+    error = response.json()["error"]
+    if route == "/v1/messages":
+        assert response.json()["type"] == "error" and error["type"] == "invalid_request_error"
+    else:
+        assert error["type"] == "invalid_request_error" and error["param"] == where.split(".")[0]
+    assert where in error["message"] and "Unicode" in error["message"], error
 
 
 # -- constraints with large bounds (structured/bounds.py): refused at once, or compiled ------------

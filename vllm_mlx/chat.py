@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from vllm_mlx.images import ImageSource
 
-__all__ = ["ChatPrompt", "split_chat_images", "template_token_ids"]
+__all__ = ["ChatPrompt", "split_chat_images", "template_text", "template_token_ids"]
 
 
 @dataclass
@@ -82,6 +82,17 @@ def template_token_ids(
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return [int(t) for t in ids]
+
+
+def template_text(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+) -> str:
+    """The prompt ``template_token_ids`` tokenizes, as text (special tokens written out): its
+    token ids are ``tokenizer.encode(text, add_special_tokens=False)``, as transformers and
+    mlx-lm tokenize a rendered template."""
+    messages = [_template_tool_calls(m) for m in messages]
+    extra = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra)
 
 
 def _template_tool_calls(message: dict) -> dict:

@@ -36,6 +36,27 @@ def is_encodable(text: str) -> bool:
     return True
 
 
+def unencodable_path(value: object, path: str = "") -> str | None:
+    """The dotted path (``messages.0.content``) of the first string in ``value`` (JSON data:
+    dicts, lists, strings, numbers) that is not valid UTF-8; a bad dict key gives its dict's
+    path (``body`` at the top). None when every string encodes."""
+    if isinstance(value, str):
+        return None if is_encodable(value) else path or "body"
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        if isinstance(key, str) and not is_encodable(key):
+            return path or "body"
+        found = unencodable_path(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """Per-request caps an operator sets (``vllm-mlx serve --max-...``); the defaults are

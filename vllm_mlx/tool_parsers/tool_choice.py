@@ -39,7 +39,8 @@ class ToolChoice:
 
 def check_tools(tools: object) -> list[dict]:
     """OpenAI function tools, checked: a list of ``{"type": "function", "function": {"name": ...}}``
-    with distinct names and object ``parameters``.
+    with distinct names and ``parameters`` that describe an object (a call's arguments are one:
+    a schema of another ``type`` is refused, as OpenAI and Anthropic refuse it).
 
     Raises:
         ValueError: The first problem, naming the tool.
@@ -59,6 +60,10 @@ def check_tools(tools: object) -> list[dict]:
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
             raise ValueError(f"tools[{i}].function.parameters must be a JSON Schema object")
+        if parameters and parameters.get("type", "object") != "object":
+            raise ValueError(
+                f"tools[{i}].function.parameters must be a JSON Schema of type 'object', got {parameters['type']!r}"
+            )
         names.add(name)
     return tools
 
@@ -124,8 +129,9 @@ def forced_call_constraint(
 
 
 def _parameters(tool: dict) -> dict:
-    """A function's parameters schema; a function without one takes any object."""
-    return tool["function"].get("parameters") or {"type": "object"}
+    """A function's parameters schema, always of an object (a schema without ``type``, such as
+    ``{"enum": [...]}``, could otherwise force a string); a function without one takes any object."""
+    return {"type": "object", **(tool["function"].get("parameters") or {})}
 
 
 class ForcedCallStream:

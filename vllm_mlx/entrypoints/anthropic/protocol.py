@@ -1,21 +1,22 @@
 """The Anthropic Messages wire format: request and response models (pydantic) and the error shape.
 
-Requests are validated as strictly as the OpenAI ones (unknown fields are ignored, as Anthropic's
-clients send beta fields freely). Value ranges are left to ``SamplingParams``. Beyond Anthropic's
-fields, vLLM's ``structured_outputs`` (a constraint object) is accepted, as on chat completions.
+Requests are validated as strictly as the OpenAI ones (``request_model.RequestBody``: strict types,
+strings that encode; unknown fields are ignored, as Anthropic's clients send beta fields freely).
+A tool's ``input_schema`` must be an object schema (``"type": "object"``), as Anthropic requires:
+a ``tool_use`` block's ``input`` is always an object. Value ranges are left to ``SamplingParams``.
+Beyond Anthropic's fields, vLLM's ``structured_outputs`` (a constraint object) is accepted, as on chat completions.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field, field_validator
+
+from vllm_mlx.entrypoints.request_model import RequestBody
+from vllm_mlx.entrypoints.request_model import StrictModel as _Strict
 
 MESSAGES_PATH = "/v1/messages"
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
 
 
 # -- requests ---------------------------------------------------------------------------------
@@ -81,6 +82,13 @@ class Tool(_Strict):
     input_schema: dict
     type: Literal["custom"] | None = None
 
+    @field_validator("input_schema")
+    @classmethod
+    def _object_schema(cls, schema: dict) -> dict:
+        if schema.get("type") != "object":
+            raise ValueError(f"must be a JSON Schema with \"type\": \"object\" (got type {schema.get('type')!r})")
+        return schema
+
 
 class ToolChoice(_Strict):
     type: Literal["auto", "any", "tool", "none"]
@@ -88,7 +96,7 @@ class ToolChoice(_Strict):
     disable_parallel_tool_use: bool = False
 
 
-class MessagesInput(_Strict):
+class MessagesInput(RequestBody):
     """What a prompt is made of: the body of ``count_tokens``, and of ``messages`` with more."""
 
     model: str | None = None

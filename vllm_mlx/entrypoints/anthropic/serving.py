@@ -9,7 +9,9 @@ completions; the answer is translated back. Block by block:
   -> ``tool_calls``; a user's ``tool_result`` -> a ``tool`` message; ``thinking`` is dropped.
 - ``tool_choice`` ``auto``/``any``/``tool``/``none`` -> ``auto``/``required``/named/``none``.
 - The answer: reasoning -> ``thinking``, content -> ``text``, calls -> ``tool_use`` blocks;
-  the engine's matched stop string gives ``stop_sequence``.
+  the engine's matched stop string gives ``stop_sequence``. A forced call cut by ``max_tokens``
+  is a ``tool_use`` with ``input: {}`` and ``stop_reason: "max_tokens"`` (as Anthropic answers;
+  streamed, its ``partial_json`` deltas are what was written).
 """
 
 from __future__ import annotations
@@ -232,7 +234,16 @@ def content_block(block: Block) -> ContentBlock:
         return ThinkingContent(thinking=block.text)
     if block.type == "text":
         return TextContent(text=block.text)
-    return ToolUseContent(id=block.call_id, name=block.name, input=json.loads(block.text or "{}"))
+    return ToolUseContent(id=block.call_id, name=block.name, input=tool_input(block.text))
+
+
+def tool_input(arguments: str) -> dict:
+    """A call's JSON arguments as a ``tool_use`` input: ``{}`` for arguments cut short."""
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def block_event(event: BlockEvent) -> str:

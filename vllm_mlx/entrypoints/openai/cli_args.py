@@ -51,6 +51,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser, parse_bytes) -> None:
         help="the model's output format for tool calls (and gpt-oss's Harmony channels); default: recognised from the chat template",
     )
     server.add_argument(
+        "--tokenizer-threads", type=_positive_int, default=4, metavar="N",
+        help="prompts tokenized at once (default: 4); a prompt too long for the context is refused before",
+    )  # fmt: skip
+    server.add_argument(
         "--allow-json-whitespace",
         action="store_true",
         help="let JSON constraints (response_format; structured_outputs json without disable_any_whitespace) "

@@ -1,7 +1,7 @@
 """The OpenAI wire format: request and response models (pydantic) and the error shape.
 
-Requests are validated strictly (``"stream": "yes"`` or ``"n": 1.5`` is a 400, not a silent
-coercion); unknown fields are ignored, as OpenAI does. Value ranges that ``SamplingParams``
+Requests are validated strictly, and every string must encode (``request_model.RequestBody``);
+unknown fields are ignored, as OpenAI does. Value ranges that ``SamplingParams``
 already checks (temperature, top_p, penalties, ...) are left to it, so one place owns them.
 Fields beyond OpenAI's (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``, ``cache_salt``,
@@ -13,15 +13,12 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from vllm_mlx.validation import is_encodable
+from vllm_mlx.entrypoints.request_model import RequestBody
+from vllm_mlx.entrypoints.request_model import StrictModel as _Strict
 
 MAX_LOGPROBS = 20
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
 
 
 # -- errors -----------------------------------------------------------------------------------
@@ -65,12 +62,10 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
-class SamplingFields(_Strict):
+class SamplingFields(RequestBody):
     """Fields shared by chat and text completions (vLLM's names where OpenAI has none).
 
-    Every string anywhere in the request must encode as UTF-8: JSON allows unpaired surrogates
-    (``"\\ud800"``), which the tokenizer, block hashes and error messages cannot carry. The
-    operator's caps (``n``, stop strings, prompts) are checked by the server (``RequestLimits``).
+    The operator's caps (``n``, stop strings, prompts) are checked by the server (``RequestLimits``).
     """
 
     model: str | None = None
@@ -101,33 +96,6 @@ class SamplingFields(_Strict):
     structured_outputs: dict | None = None
     """vLLM's constraint object (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``,
     ...); checked by ``StructuredOutputsParams.from_dict``."""
-
-    @model_validator(mode="after")
-    def _strings_encode(self):
-        path = _unencodable_path(self.model_dump(exclude_defaults=True))
-        if path is not None:
-            raise ValueError(f"{path or 'body'} is not valid Unicode (it contains an unpaired surrogate)")
-        return self
-
-
-def _unencodable_path(value, path: str = "") -> str | None:
-    """The dotted path of the first string (or dict key) in ``value`` that is not valid UTF-8."""
-    if isinstance(value, str):
-        return None if is_encodable(value) else path
-    if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, (list, tuple)):
-        items = enumerate(value)
-    else:
-        return None
-    for key, item in items:
-        where = f"{path}.{key}" if path else str(key)
-        if isinstance(key, str) and not is_encodable(key):
-            return path or "body"
-        found = _unencodable_path(item, where)
-        if found is not None:
-            return found
-    return None
 
 
 class TextPart(_Strict):

@@ -1,7 +1,9 @@
 """The OpenAI Responses wire format (``POST /v1/responses``): request, response and item models.
 
 Only what a stateless server can honour: function tools, text/image input, ``text.format``.
-Input messages may omit ``"type": "message"`` (the SDK's "easy" input messages).
+Input messages may omit ``"type": "message"`` (the SDK's "easy" input messages). Requests are
+checked as the other APIs' (``request_model.RequestBody``): the response echoes ``text.format``,
+``tool_choice`` and the tools, so a string that cannot encode is a 400 before anything runs.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag
 
-from vllm_mlx.entrypoints.openai.protocol import _Strict
+from vllm_mlx.entrypoints.request_model import RequestBody
+from vllm_mlx.entrypoints.request_model import StrictModel as _Strict
 
 # -- requests ---------------------------------------------------------------------------------
 
@@ -90,7 +93,7 @@ class TextConfig(_Strict):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(RequestBody):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None

@@ -17,7 +17,6 @@ import logging
 import sys
 import threading
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated
@@ -53,6 +52,8 @@ from vllm_mlx.entrypoints.openai.serving import (
 from vllm_mlx.entrypoints.openai.serving_chat import ChatServing
 from vllm_mlx.entrypoints.openai.serving_completion import CompletionServing
 from vllm_mlx.entrypoints.openai.serving_responses import ResponsesServing
+from vllm_mlx.entrypoints.openai.tokenize_pool import TokenizePool
+from vllm_mlx.entrypoints.request_model import UNENCODABLE
 from vllm_mlx.media_policy import MediaPolicy
 from vllm_mlx.rank_watchdog import RankLostError
 
@@ -92,7 +93,7 @@ def build_app(
     metrics = ServerMetrics(
         engine, name, disclose_hits=options.discloses_prefix_hits, per_tenant=options.enable_cache_stats_disclosure
     )
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-mlx-tokenize")
+    pool = TokenizePool(options.tokenizer_threads)
     chat = ChatServing(engine, name, metrics, info, pool, options, media_policy=media_policy)
     completion = CompletionServing(engine, name, metrics, info, pool, options)
     messages, responses = AnthropicServing(chat), ResponsesServing(chat)
@@ -100,7 +101,7 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        pool.shutdown(wait=False, cancel_futures=True)
+        pool.shutdown()
         if owns_engine:  # here, not after uvicorn returns: it re-raises SIGTERM/SIGINT on exit
             await run_in_threadpool(engine.stop)
 
@@ -273,6 +274,10 @@ def validation_to_openai(errors) -> OpenAIError:
     if any(e.get("type") == "json_invalid" for e in errors):
         detail = next(e for e in errors if e.get("type") == "json_invalid").get("ctx", {}).get("error", "")
         return OpenAIError(400, f"Malformed JSON body: {detail}".rstrip(": "), code="invalid_json")
+    unencodable = next((e for e in errors if e.get("type") == UNENCODABLE), None)
+    if unencodable is not None:  # the whole body's check: its path, not the body's, names the field
+        param = unencodable["ctx"]["path"].split(".")[0]
+        return OpenAIError(400, f"Invalid request: {unencodable['msg']}", param=param, code="invalid_request")
     parts, param = [], None
     for error in errors[:3]:
         loc = [str(x) for x in error.get("loc", ()) if x != "body"]
@@ -306,6 +311,7 @@ def run_server(args: argparse.Namespace, engine_options: dict) -> int:
         cache_stats_per_request=args.cache_stats_per_request,
         enable_cache_stats_disclosure=args.enable_cache_stats_disclosure,
         tool_call_parser=args.tool_call_parser,
+        tokenizer_threads=args.tokenizer_threads,
         allow_json_whitespace=args.allow_json_whitespace,
     )
     engine = AsyncEngineCore(EngineConfig(model=args.model, **engine_options)).start()

@@ -16,14 +16,14 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from pydantic import BaseModel
 
 from vllm_mlx.async_engine import AsyncEngineCore, EngineDeadError, RequestStream
 from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
+from vllm_mlx.entrypoints.openai.tokenize_pool import TokenizePool
 from vllm_mlx.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from vllm_mlx.input_processor import PreparedPrompt
 from vllm_mlx.rank_watchdog import RankLostError
@@ -31,6 +31,7 @@ from vllm_mlx.request import RequestOutput, SamplingParams
 from vllm_mlx.structured.grammar import CompiledGrammar, ConstraintError, ConstraintTooLarge
 from vllm_mlx.structured.matcher import ERROR_PREFIX as CONSTRAINT_ERROR_PREFIX
 from vllm_mlx.structured.params import StructuredOutputsParams
+from vllm_mlx.token_bound import TokenBound, token_bound
 from vllm_mlx.validation import LimitExceeded, RequestLimits
 
 DISCONNECT_POLL_S = 0.25
@@ -73,6 +74,9 @@ class ServingOptions:
     Off by default: they tell a client whether its guess of another tenant's prompt was right."""
     tool_call_parser: str | None = None
     """The model's tool-call format (``--tool-call-parser``); None = read from the chat template."""
+    tokenizer_threads: int = 4
+    """Prompts tokenized at once (``--tokenizer-threads``; ``TokenizePool``): long prompts hold
+    at most all but one thread, so short ones never wait behind them."""
     allow_json_whitespace: bool = False
     """JSON constraints (``response_format``; ``structured_outputs`` json that does not set
     ``disable_any_whitespace`` or ``whitespace_pattern``) allow free whitespace between tokens
@@ -97,6 +101,8 @@ class ModelInfo:
     path: str
     thinks: bool = False
     """The tokenizer has single-token ``<think>``/``</think>``: constraints start after the reasoning."""
+    token_bound: TokenBound = TokenBound()
+    """The fewest tokens a text's length allows: a text too long to fit is refused untokenized."""
 
     @classmethod
     def read(cls, engine: AsyncEngineCore) -> ModelInfo:
@@ -106,7 +112,8 @@ class ModelInfo:
                 core.think_tokens is not None,
             )  # fmt: skip
 
-        return engine.call(info)
+        read = engine.call(info)
+        return replace(read, token_bound=token_bound(read.tokenizer))  # off the engine thread
 
 
 class OpenAIServing:
@@ -118,7 +125,7 @@ class OpenAIServing:
         model_name: str,
         metrics: ServerMetrics,
         info: ModelInfo | None = None,
-        tokenize_pool: ThreadPoolExecutor | None = None,
+        tokenize_pool: TokenizePool | None = None,
         options: ServingOptions | None = None,
     ) -> None:
         self.engine = engine
@@ -127,12 +134,12 @@ class OpenAIServing:
         self.options = options or ServingOptions()
         self.info = info or ModelInfo.read(engine)
         self.tokenizer = self.info.tokenizer
-        # One thread tokenizes (off the event loop, never two encodes at once); share it.
-        self.tokenize_pool = tokenize_pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-mlx-tokenize")
+        # Tokenizing runs off the event loop, in a pool the servings of one app share.
+        self.tokenize_pool = tokenize_pool or TokenizePool(self.options.tokenizer_threads)
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
 
     def close(self) -> None:
-        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.tokenize_pool.shutdown()
 
     # -- checks and translation ---------------------------------------------------------------
 
@@ -145,14 +152,28 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    async def run_tokenizer(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
+    async def run_tokenizer(self, fn, *args, chars: int = 0):
+        """``fn(*args)`` off the event loop; ``chars``: the length of the text it tokenizes."""
+        return await self.tokenize_pool.run(fn, *args, chars=chars)
 
     def check_num_prompts(self, num_prompts: int) -> None:
         try:
             self.options.limits.check_num_prompts(num_prompts)
         except LimitExceeded as exc:
             raise limit_exceeded(exc) from None
+
+    def check_text_fits(self, text: str, param: str = "prompt") -> None:
+        """Refuse, from its length alone, a text that cannot fit the context (before it is
+        tokenized: megabytes take a tokenizer thread seconds)."""
+        limit, at_least = self.info.max_model_len, self.info.token_bound.min_tokens(len(text))
+        if at_least >= limit:
+            raise OpenAIError(
+                400,
+                f"The prompt has at least {at_least} tokens ({len(text)} characters) but the limit is {limit} "
+                f"(prompt + completion must fit the context length / KV cache capacity of {limit} tokens).",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def check_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
         limit = self.info.max_model_len

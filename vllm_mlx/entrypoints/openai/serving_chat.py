@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from vllm_mlx.chat import ChatPrompt, split_chat_images, template_token_ids
+from vllm_mlx.chat import ChatPrompt, split_chat_images, template_text
 from vllm_mlx.entrypoints.openai.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -108,8 +108,9 @@ class ChatServing(OpenAIServing):
         plan = _tool_plan(req)
         chat = self._split_images(req)
         token_ids = await self.run_tokenizer(
-            self._apply_template, chat.messages, req.add_generation_prompt, plan.template_tools
-        )
+            self._apply_template, chat.messages, req.add_generation_prompt, plan.template_tools,
+            chars=_text_chars(chat.messages),
+        )  # fmt: skip
         prompt = await self._with_images(token_ids, chat.images) if chat.images else token_ids
         self.check_prompt(prompt.token_ids if isinstance(prompt, PreparedPrompt) else prompt, param="messages")
         return plan, prompt
@@ -165,12 +166,15 @@ class ChatServing(OpenAIServing):
         return prepared
 
     def _apply_template(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> list[int]:
+        """The prompt's token ids; a rendered prompt too long to fit is refused untokenized."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise OpenAIError(400, "This model has no chat template; use /v1/completions.", param="messages")
         try:
-            return template_token_ids(self.tokenizer, messages, add_generation_prompt, tools)
+            text = template_text(self.tokenizer, messages, add_generation_prompt, tools)
         except Exception as exc:  # a template that rejects the conversation (e.g. role order)
             raise OpenAIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
+        self.check_text_fits(text, param="messages")
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     async def _chunks(self, req, request_id, top_k, parser, first, rest) -> AsyncIterator[ChatCompletionChunk]:
         created = int(time.time())
@@ -264,6 +268,18 @@ async def _sse_lines(chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterato
     finally:
         await chunks.aclose()
     yield "data: [DONE]\n\n"
+
+
+def _text_chars(messages: list[dict]) -> int:
+    """The length of the messages' text (the template adds little): how long tokenizing takes."""
+    total = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
+    return total
 
 
 def _tool_plan(req: ChatCompletionRequest) -> ToolPlan:

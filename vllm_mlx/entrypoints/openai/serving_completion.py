@@ -61,8 +61,12 @@ class CompletionServing(OpenAIServing):
         self.check_num_prompts(len(prompt))
         if isinstance(prompt[0], list):
             return [list(p) for p in prompt]
+        for i, text in enumerate(prompt):
+            self.check_text_fits(text, param="prompt" if len(prompt) == 1 else f"prompt.{i}")
         return await self.run_tokenizer(
-            lambda texts: [list(self.tokenizer.encode(t, add_special_tokens=True)) for t in texts], prompt
+            lambda texts: [list(self.tokenizer.encode(t, add_special_tokens=True)) for t in texts],
+            prompt,
+            chars=sum(map(len, prompt)),
         )
 
     async def _stream(self, req, request_id, first, rest) -> AsyncIterator[str]:

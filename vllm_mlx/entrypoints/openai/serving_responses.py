@@ -88,22 +88,23 @@ def finished(shell: ResponseObject, blocks: list[Block], finish: str | None, usa
     return shell.model_copy(
         update={
             "status": "incomplete" if cut else "completed",
-            "output": [output_item(shell.id, b) for b in blocks],
+            "output": [output_item(shell.id, b, cut=cut and b is blocks[-1]) for b in blocks],
             "incomplete_details": IncompleteDetails(reason="max_output_tokens") if cut else None,
             "usage": _usage(usage) if usage else None,
         }
     )
 
 
-def output_item(response_id: str, block: Block, done: bool = True) -> OutputItem:
-    """The item of ``block``; ``done=False``: as first announced (empty, in progress)."""
+def output_item(response_id: str, block: Block, done: bool = True, cut: bool = False) -> OutputItem:
+    """The item of ``block``; ``done=False``: as first announced (empty, in progress); ``cut``:
+    the item ``max_output_tokens`` ended (``incomplete``: a call's arguments may be partial JSON)."""
     item_id = f"{ITEM_ID_PREFIX[block.type]}_{response_id.removeprefix('resp_')}_{block.index}"
     text = block.text if done else ""
+    status = ("incomplete" if cut else "completed") if done else "in_progress"
     if block.type == "reasoning":
         return ReasoningItem(id=item_id, content=[ReasoningText(text=text)] if done else [])
     if block.type == "text":
-        return OutputMessage(id=item_id, content=[OutputText(text=text)] if done else [], status="completed" if done else "in_progress")
-    status = "completed" if done else "in_progress"
+        return OutputMessage(id=item_id, content=[OutputText(text=text)] if done else [], status=status)
     return FunctionCallOutput(id=item_id, call_id=block.call_id, name=block.name, arguments=text, status=status)
 
 
@@ -119,6 +120,8 @@ class _Events:
     def __init__(self, shell: ResponseObject) -> None:
         self.shell = shell
         self.sequence = itertools.count()
+        self.cut = False
+        """The output ended at ``max_output_tokens``: the block closed last is incomplete."""
 
     def event(self, kind: str, **fields) -> str:
         return named_sse(kind, {"type": kind, "sequence_number": next(self.sequence), **fields})
@@ -132,6 +135,7 @@ class _Events:
                 for event in stream.feed(chunk):
                     for line in self.block_event(event):
                         yield line
+            self.cut = stream.finish_reason == "length"
             for event in stream.close():
                 for line in self.block_event(event):
                     yield line
@@ -171,7 +175,7 @@ class _Events:
                 self.event(kind, **where, content_index=0, text=block.text, **extra),
                 self.event("response.content_part.done", **where, content_index=0, part=part(text=block.text).model_dump()),
             ]
-        item = output_item(self.shell.id, block).model_dump(mode="json")
+        item = output_item(self.shell.id, block, cut=self.cut).model_dump(mode="json")
         return [*lines, self.event("response.output_item.done", output_index=block.index, item=item)]
 
 

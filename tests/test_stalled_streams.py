@@ -11,18 +11,16 @@ counted directly: the ``RequestOutput`` objects alive in this process (the serve
 from __future__ import annotations
 
 import gc
-import json
 import socket
 import time
 from contextlib import contextmanager
-from urllib.parse import urlsplit
 
 import pytest
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from live_server import LiveServer  # noqa: E402
+from live_server import LiveServer, raw_request, read_response  # noqa: E402
 
 from vllm_mlx.async_engine import AsyncEngineCore  # noqa: E402
 from vllm_mlx.entrypoints.openai.server import build_app  # noqa: E402
@@ -62,21 +60,6 @@ def server(engine, stall_timeout: float | None):
         live.stop()
 
 
-def stalled_client(url: str, path: str, body: dict) -> socket.socket:
-    """Send a streamed request from a client that never reads (until the test does)."""
-    address = urlsplit(url)
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SMALL_BUFFER)  # before connect: the window
-    sock.connect((address.hostname, address.port))
-    payload = json.dumps(body).encode()
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: {address.netloc}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(payload)}\r\n\r\n"
-    )
-    sock.sendall(head.encode() + payload)
-    return sock
-
-
 def scheduler(engine) -> dict:
     return engine.get_stats()["scheduler"]
 
@@ -105,7 +88,7 @@ def test_a_stalled_n16_stream_holds_a_bounded_number_of_outputs(engine):
     the connection then aborts the request and frees its blocks."""
     with server(engine, stall_timeout=0) as url:
         start = scheduler(engine)["steps"]
-        client = stalled_client(url, "/v1/completions", STALLED)
+        client = raw_request(url, "/v1/completions", STALLED, SMALL_BUFFER)
         try:
             held = []
             for steps in (60, 250):
@@ -127,7 +110,7 @@ def test_the_stall_timeout_aborts_the_request_and_the_engine_serves_others(engin
     with server(engine, stall_timeout=0.5) as url:
         start = scheduler(engine)["steps"]
         body = {k: v for k, v in STALLED.items() if k != "prompt"} | {"messages": [{"role": "user", "content": "Hi"}]}
-        client = stalled_client(url, "/v1/chat/completions", body)
+        client = raw_request(url, "/v1/chat/completions", body, SMALL_BUFFER)
         try:
             wait_for(lambda: scheduler(engine)["running"] == N, "the request running")
             wait_for(lambda: idle(engine), "the abort of the stalled request")
@@ -136,10 +119,9 @@ def test_the_stall_timeout_aborts_the_request_and_the_engine_serves_others(engin
             with httpx.Client(base_url=url, timeout=60) as http:
                 response = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0})
                 assert response.status_code == 200, response.text
-            client.settimeout(TIMEOUT)
-            received = b"".join(iter(lambda: client.recv(1 << 16), b""))  # to EOF: the server closed it
+            status, received, complete = read_response(client, TIMEOUT)  # to the end: the server closed it
         finally:
             client.close()
-    assert received.startswith(b"HTTP/1.1 200") and b"data: {" in received
-    assert b"[DONE]" not in received
+    assert status == 200 and received.startswith(b"data: {")
+    assert not complete and b"[DONE]" not in received
     assert idle(engine)

@@ -62,8 +62,8 @@ class RequestStream:
     cumulative snapshots, so one that arrives before the previous was read replaces it (its
     ``new_token_ids``/``new_text`` joined to the replaced one's, ``RequestOutput.absorb_unread``).
     A consumer that reads every step sees every output; a slow one skips to the latest. The
-    final output and an error are never dropped: the final output replaces nothing after it,
-    and an error is raised after the unread output (if any) has been read.
+    final output and an error are never dropped: nothing follows the final output, and an
+    error is raised once the unread output (if any) has been read.
     """
 
     def __init__(self, request_id: str, engine: AsyncEngineCore) -> None:
@@ -79,7 +79,8 @@ class RequestStream:
 
     # engine thread side
     def put(self, item: RequestOutput | BaseException) -> bool:
-        """Hand an output or an error to the consumer; False when its event loop is closed."""
+        """Hand an output (it replaces an unread one) or an error to the consumer; False when
+        the consumer's event loop is closed."""
         with self._lock:
             if isinstance(item, BaseException):
                 self._error = self._error or item

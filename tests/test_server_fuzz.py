@@ -333,10 +333,11 @@ def streamed_choices(path: str, events: list[dict]) -> dict[int, tuple[str, list
     for event in events:
         for c in event["choices"]:
             i = c["index"]
+            logprobs = c.get("logprobs") or {}
             if path == "/v1/completions":
-                piece, lp = c["text"], (c.get("logprobs") or {}).get("tokens", [])
+                piece, lp = c["text"], logprobs.get("tokens", [])
             else:
-                piece, lp = c["delta"].get("content") or "", [t["token"] for t in ((c.get("logprobs") or {}).get("content") or [])]
+                piece, lp = c["delta"].get("content") or "", [t["token"] for t in logprobs.get("content") or []]
             texts[i] = texts.get(i, "") + piece
             tokens.setdefault(i, []).extend(lp)
     return {i: (texts[i], tokens[i]) for i in texts}

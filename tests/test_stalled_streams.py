@@ -52,7 +52,8 @@ def engine(tiny_model_dir):
 def server(engine, stall_timeout: float | None):
     """The app on 127.0.0.1 with ``--stream-stall-timeout stall_timeout``; its connections get a
     small send buffer (accepted sockets inherit the listening socket's)."""
-    live = LiveServer(build_app(engine, served_model_name="tiny", options=ServingOptions(stream_stall_timeout=stall_timeout)))
+    options = ServingOptions(stream_stall_timeout=stall_timeout)
+    live = LiveServer(build_app(engine, served_model_name="tiny", options=options))
     live.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SMALL_BUFFER)
     try:
         yield live.url
@@ -79,7 +80,8 @@ def held_outputs() -> int:
 
 def idle(engine) -> bool:
     stats = engine.get_stats()
-    return stats["scheduler"]["running"] + stats["scheduler"]["waiting"] == 0 and not stats["kv_cache"]["num_used_blocks"]
+    requests = stats["scheduler"]["running"] + stats["scheduler"]["waiting"]
+    return requests == 0 and stats["kv_cache"]["num_used_blocks"] == 0
 
 
 def test_a_stalled_n16_stream_holds_a_bounded_number_of_outputs(engine):
@@ -125,3 +127,16 @@ def test_the_stall_timeout_aborts_the_request_and_the_engine_serves_others(engin
     assert status == 200 and received.startswith(b"data: {")
     assert not complete and b"[DONE]" not in received
     assert idle(engine)
+
+
+def test_the_stall_timeout_flag(capsys):
+    """``serve --stream-stall-timeout``: 60 s by default, 0 turns it off, a negative is refused."""
+    from vllm_mlx.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).stream_stall_timeout == ServingOptions().stream_stall_timeout == 60.0
+    assert parser.parse_args(["serve", "--stream-stall-timeout", "0"]).stream_stall_timeout == 0.0
+    for bad in ("-1", "nan"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--stream-stall-timeout", bad])
+        assert "--stream-stall-timeout: must be >= 0" in capsys.readouterr().err

@@ -287,6 +287,57 @@ def test_a_stream_whose_event_loop_closed_is_aborted(make_engine):
     asyncio.run(agen.aclose())
 
 
+# -- bounded streams --------------------------------------------------------------------------
+
+SAMPLED_N = SamplingParams(n=3, max_tokens=24, temperature=0.8, seed=5, ignore_eos=True, logprobs=2)
+
+
+def completions(output) -> list[tuple]:
+    return [(c.token_ids, c.text, c.logprobs, c.cumulative_logprob, c.finish_reason) for c in output.outputs]
+
+
+def test_an_unread_stream_holds_only_its_latest_output(make_engine):
+    """A stream nobody reads while its request runs to the end keeps one snapshot, not one per
+    step: read afterwards it gives the final output alone, equal (every choice, logprobs too) to
+    the final output of a stream read step by step, its deltas joined over the skipped steps."""
+    engine = make_engine()
+    read_along = bounded(lambda: list(engine.add_request(PROMPTS[1], SAMPLED_N)))
+    assert len(read_along) > 1
+    stream = engine.add_request(PROMPTS[1], SAMPLED_N, request_id="unread")
+    wait_until(lambda: idle_and_freed(engine), what="the unread request to finish")
+    [final] = bounded(lambda: list(stream))
+    assert final.finished and completions(final) == completions(read_along[-1])
+    assert final.new_token_ids == final.token_ids and final.new_text == final.text
+
+
+def test_an_async_consumer_that_lags_skips_to_the_latest_output(make_engine, solo):
+    engine = make_engine()
+
+    async def main():
+        outputs = engine.generate(PROMPTS[1], GREEDY, request_id="lagging")
+        first = await anext(outputs)
+        await asyncio.to_thread(wait_until, lambda: idle_and_freed(engine), TIMEOUT, "the request to finish")
+        return [first] + [out async for out in outputs]
+
+    first, final = bounded(lambda: asyncio.run(main()))
+    assert not first.finished and final.finished
+    assert (final.token_ids, final.text) == solo[PROMPTS[1]]
+    assert first.new_token_ids + final.new_token_ids == final.token_ids
+    assert first.new_text + final.new_text == final.text
+
+
+def test_an_unread_stream_keeps_its_final_abort_output(tiny_model_dir):
+    """stop() with a stream unread: the stream holds one output, the final "abort" one."""
+    engine = bounded(AsyncEngineCore(model=str(tiny_model_dir), force_model_takeover=True).start)
+    try:
+        stream = engine.add_request(PROMPTS[1], LONG, request_id="unread-stopped")
+        wait_until(lambda: steps_with(engine, "unread-stopped") >= 5, what="the request running")
+    finally:
+        bounded(engine.stop)
+    [final] = bounded(lambda: list(stream))
+    assert final.finish_reason == "abort" and len(final.new_token_ids) == len(final.token_ids) >= 5
+
+
 # -- failures -------------------------------------------------------------------------------
 
 

@@ -4,7 +4,9 @@ surrogate in any string field of any API (Responses and Anthropic Messages too).
 
 After every example: no 5xx (the engine never dies of a request, so not even a 503), every error
 is OpenAI's shape, the engine answers ``/health``, and no KV block is held. At the end a normal
-request still gives the same tokens as before the fuzzing.
+request still gives the same tokens as before the fuzzing. Streams are also read by clients that
+pause or stop reading (small socket buffers, so the server's sends block): one that resumes gets
+what a non-streamed request gets; one that leaves frees its blocks.
 
 Then what clients read of the cache: guesses of another tenant's prompt read alike whatever they
 share with it, any ``request_id`` in the blocks view lists nothing of others, and with
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import socket
 import time
 
 import pytest
@@ -26,7 +29,7 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 from cache_observer import after_guess, differences  # noqa: E402
-from live_server import LiveServer  # noqa: E402
+from live_server import LiveServer, raw_request, read_response  # noqa: E402
 
 from vllm_mlx.async_engine import AsyncEngineCore  # noqa: E402
 from vllm_mlx.entrypoints.openai.middleware import OPEN_PATHS  # noqa: E402
@@ -182,6 +185,11 @@ def check(http, response: httpx.Response) -> None:
         for data in events[:-1]:
             payload = json.loads(data)
             assert payload.get("error", {}).get("type") != "server_error", payload
+    assert_idle(http)
+
+
+def assert_idle(http) -> None:
+    """The engine answers ``/health`` and holds no KV block (within 5 s)."""
     assert http.get("/health").status_code == 200
     deadline = time.monotonic() + 5
     while http.get("/v1/cache/stats").json()["stats"]["num_used_blocks"]:
@@ -415,3 +423,100 @@ def test_fuzz_paths_need_the_key(keyed, path, method):
     else:
         assert response.status_code == 401, (sent, response.status_code, response.text[:200])
 
+
+# -- stalled readers ------------------------------------------------------------------------------
+
+SMALL_BUFFER = 4096  # bytes, both ends: the server's sends block after a few KiB unread
+
+
+@pytest.fixture(scope="module")
+def stalling(engine, http):
+    """The app again, its connections with a small send buffer (inherited from the listener)."""
+    live = LiveServer(build_app(engine, served_model_name="tiny"))
+    live.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SMALL_BUFFER)
+    yield live.url
+    live.stop()
+
+
+short_text = st.text(st.characters(codec="utf-8"), min_size=1, max_size=20)
+streamed = st.fixed_dictionaries(
+    {"model": st.just("tiny"), "max_tokens": st.one_of(st.just(40), st.integers(1, 40)), "n": st.integers(1, 4),
+     "temperature": st.sampled_from([0, 0.8]), "seed": st.integers(0, 1000), "ignore_eos": st.booleans()},
+    optional={"stop": st.lists(stop_texts, max_size=2)},
+)  # fmt: skip
+streamed_requests = st.one_of(
+    st.tuples(st.just("/v1/completions"), streamed, st.fixed_dictionaries(
+        {"prompt": short_text}, optional={"logprobs": st.integers(0, 20)})),
+    st.tuples(st.just("/v1/chat/completions"), streamed, st.fixed_dictionaries(
+        {"messages": short_text.map(lambda t: [{"role": "user", "content": t}])},
+        optional={"logprobs": st.just(True), "top_logprobs": st.integers(0, 20)})),
+).map(lambda t: (t[0], {**t[1], **t[2]}))  # fmt: skip
+readers = st.fixed_dictionaries(
+    {"read_first": st.integers(0, 20_000), "pause": st.sampled_from([0.0, 0.05, 0.3]),
+     "resume": st.sampled_from([True, True, False])}
+)
+
+
+def choices_of(path: str, response: dict) -> dict[int, tuple[str, list[str]]]:
+    """choice index -> (text, logprob tokens) of a non-streamed response."""
+    out = {}
+    for c in response["choices"]:
+        if path == "/v1/completions":
+            out[c["index"]] = (c["text"], (c["logprobs"] or {}).get("tokens", []))
+        else:
+            tokens = [t["token"] for t in ((c["logprobs"] or {}).get("content") or [])]
+            out[c["index"]] = (c["message"]["content"] or "", tokens)
+    return out
+
+
+def streamed_choices(path: str, events: list[dict]) -> dict[int, tuple[str, list[str]]]:
+    """The same, joined from a stream's events."""
+    texts: dict[int, str] = {}
+    tokens: dict[int, list[str]] = {}
+    for event in events:
+        for c in event["choices"]:
+            i = c["index"]
+            logprobs = c.get("logprobs") or {}
+            if path == "/v1/completions":
+                piece, lp = c["text"], logprobs.get("tokens", [])
+            else:
+                piece, lp = c["delta"].get("content") or "", [t["token"] for t in logprobs.get("content") or []]
+            texts[i] = texts.get(i, "") + piece
+            tokens.setdefault(i, []).extend(lp)
+    return {i: (texts[i], tokens[i]) for i in texts}
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(request=streamed_requests, reader=readers)
+def test_fuzz_stalled_readers(http, stalling, request, reader):
+    """A client pauses (or stops) reading its stream: if it comes back it gets everything a
+    non-streamed request gets, whatever the server coalesced meanwhile; if it leaves, its blocks
+    are freed."""
+    path, body = request
+    sock = raw_request(stalling, path, {**body, "stream": True}, SMALL_BUFFER)
+    try:
+        sock.settimeout(60)
+        head = sock.recv(reader["read_first"]) if reader["read_first"] else b""
+        time.sleep(reader["pause"])
+        if not reader["resume"]:
+            event("left")
+            sock.close()
+            assert_idle(http)
+            return
+        status, text, complete = read_response(sock, already=head)
+    finally:
+        sock.close()
+    expected = http.post(path, json=body)
+    event(f"status {status}")
+    assert status == expected.status_code, (text[:2000], expected.text[:2000])
+    if status != 200:
+        assert status == 400 and json.loads(text)["error"]["type"] == "invalid_request_error"
+        return
+    data = [line[6:] for line in text.decode().splitlines() if line.startswith("data: ")]
+    assert complete and data[-1] == "[DONE]"
+    events = [json.loads(d) for d in data[:-1]]
+    assert not any("error" in e for e in events), events
+    assert streamed_choices(path, events) == choices_of(path, expected.json())
+    pieces = sum(len(e["choices"]) for e in events) - body["n"]  # less the role chunks (chat) or so
+    event("fewer pieces than tokens" if pieces < expected.json()["usage"]["completion_tokens"] else "a piece per token")
+    assert_idle(http)

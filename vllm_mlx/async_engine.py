@@ -11,6 +11,8 @@ Guarantees:
   its own error through its stream and leaves the others running;
 - a consumer that stops early (breaks out, is cancelled, drops the stream unread) aborts its
   request, which frees its KV blocks;
+- a stream holds at most one unread output (the latest snapshot; see ``RequestStream``), so a
+  consumer that stalls costs memory bounded by one output, not by the number of steps;
 - ``stop()`` aborts what is running (those streams end with a ``finish_reason == "abort"``
   output), joins the thread and releases the model; requests and calls submitted after the
   engine stopped or failed raise ``EngineDeadError``, they never hang.
@@ -55,38 +57,51 @@ class RequestStream:
     Iterate it (blocking, any thread) or ``async for`` it (any loop); both end after the final
     output (``finished=True``) and raise the request's or the engine's error. Leaving the
     iteration early, or dropping the stream unread, aborts the request.
+
+    A stream holds at most one unread output, whatever its consumer does: outputs are
+    cumulative snapshots, so one that arrives before the previous was read replaces it (its
+    ``new_token_ids``/``new_text`` joined to the replaced one's, ``RequestOutput.absorb_unread``).
+    A consumer that reads every step sees every output; a slow one skips to the latest. The
+    final output and an error are never dropped: nothing follows the final output, and an
+    error is raised once the unread output (if any) has been read.
     """
 
     def __init__(self, request_id: str, engine: AsyncEngineCore) -> None:
         self.request_id = request_id
         self._engine = engine
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._async_queue: asyncio.Queue | None = None
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)  # blocking consumers wait on it
+        self._unread: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wakeup: asyncio.Event | None = None  # the async consumer's; set on its loop
         self.finished = False
 
     # engine thread side
     def put(self, item: RequestOutput | BaseException) -> bool:
-        """Hand an output or an error to the consumer; False when its event loop is closed."""
+        """Hand an output (it replaces an unread one) or an error to the consumer; False when
+        the consumer's event loop is closed."""
         with self._lock:
+            if isinstance(item, BaseException):
+                self._error = self._error or item
+            elif isinstance(self._unread, RequestOutput) and isinstance(item, RequestOutput):
+                self._unread = item.absorb_unread(self._unread)
+            else:  # nothing unread, or snapshots without deltas (the notebook's remote ones)
+                self._unread = item
+            self._arrived.notify()
             if self._loop is None:
-                self._queue.put(item)
                 return True
             try:
-                self._loop.call_soon_threadsafe(self._async_queue.put_nowait, item)
+                self._loop.call_soon_threadsafe(self._wakeup.set)
             except RuntimeError:  # the consumer's loop is closed: nobody will read this
                 return False
             return True
 
     # consumer side
-    def _bind_loop(self) -> None:
-        with self._lock:
-            if self._loop is None:
-                self._loop = asyncio.get_running_loop()
-                self._async_queue = asyncio.Queue()
-                while not self._queue.empty():  # outputs that arrived before the first await
-                    self._async_queue.put_nowait(self._queue.get())
+    def _take(self) -> RequestOutput | BaseException | None:
+        """The unread output, else the error, else None (nothing yet). Call under the lock."""
+        item, self._unread = self._unread, None
+        return item if item is not None else self._error
 
     def _unwrap(self, item: RequestOutput | BaseException) -> RequestOutput:
         if isinstance(item, BaseException):
@@ -96,18 +111,34 @@ class RequestStream:
             self.finished = True
         return item
 
+    def _next_blocking(self) -> RequestOutput | BaseException:
+        with self._arrived:
+            while (item := self._take()) is None:
+                self._arrived.wait()
+            return item
+
+    async def _next(self) -> RequestOutput | BaseException:
+        while True:
+            with self._lock:
+                if (item := self._take()) is not None:
+                    return item
+                self._wakeup.clear()  # under the lock: a put after this sets it again
+            await self._wakeup.wait()
+
     def __iter__(self) -> Iterator[RequestOutput]:
         try:
             while not self.finished:
-                yield self._unwrap(self._queue.get())
+                yield self._unwrap(self._next_blocking())
         finally:
             self._abort_if_unfinished()
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        self._bind_loop()
+        with self._lock:
+            if self._loop is None:
+                self._loop, self._wakeup = asyncio.get_running_loop(), asyncio.Event()
         try:
             while not self.finished:
-                yield self._unwrap(await self._async_queue.get())
+                yield self._unwrap(await self._next())
         finally:
             self._abort_if_unfinished()
 
@@ -432,8 +463,13 @@ class AsyncEngineCore:
     def _serve(self) -> None:
         """Apply commands and step until asked to stop; block on the queue when idle."""
         while self._drain_commands(block=not self.engine.has_unfinished_requests()):
-            for output in self.engine.step():
-                self._deliver(output)
+            self._deliver_all(self.engine.step())
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        # A function of its own: a loop variable in ``_serve`` would keep the last output (all
+        # its tokens) alive while the engine waits idle.
+        for output in outputs:
+            self._deliver(output)
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one when idle); False once asked to stop. A

@@ -381,8 +381,9 @@ class RequestOutput:
     """A snapshot of a request's progress, delivered after each engine step.
 
     ``outputs`` hold the full text and tokens so far; ``new_token_ids`` and
-    ``new_text`` are what is new since the previous snapshot of ``outputs[0]``
-    (streaming). The last snapshot has ``finished=True``; ``error`` is set when
+    ``new_text`` are what is new since the previous snapshot of ``outputs[0]`` the
+    consumer received (streaming; a ``RequestStream`` joins the deltas of snapshots
+    it coalesced). The last snapshot has ``finished=True``; ``error`` is set when
     the request failed alone.
     """
 
@@ -439,3 +440,13 @@ class RequestOutput:
         if self.arrival_time is None or self.finish_time is None:
             return None
         return self.finish_time - self.arrival_time
+
+    def absorb_unread(self, unread: RequestOutput) -> RequestOutput:
+        """This snapshot standing in for the older ``unread`` too (a stream keeps only the latest one
+        its consumer has not read): everything is cumulative except ``new_token_ids`` and
+        ``new_text``, which become ``unread``'s followed by this one's. Takes over ``unread``'s
+        delta list (extended in place: joining stays linear however long the consumer lags)."""
+        unread.new_token_ids.extend(self.new_token_ids)
+        self.new_token_ids = unread.new_token_ids
+        self.new_text = unread.new_text + self.new_text
+        return self

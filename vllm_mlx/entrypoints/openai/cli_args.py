@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import os
 
-from vllm_mlx.entrypoints.openai import DEFAULT_MAX_BODY_BYTES
+from vllm_mlx.entrypoints.openai import DEFAULT_MAX_BODY_BYTES, DEFAULT_STREAM_STALL_TIMEOUT_S
 from vllm_mlx.media_policy import SERVER_MAX_IMAGES, SERVER_MAX_PIXELS, MediaPolicy, parse_limit_mm_per_prompt
 from vllm_mlx.tool_parsers.registry import ALIASES, PARSER_NAMES
 from vllm_mlx.validation import RequestLimits
@@ -60,6 +60,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser, parse_bytes) -> None:
         help="let JSON constraints (response_format; structured_outputs json without disable_any_whitespace) "
         "have free whitespace between tokens (default: compact JSON, which sampling models finish)",
     )
+    server.add_argument(
+        "--stream-stall-timeout", type=_non_negative_float, default=DEFAULT_STREAM_STALL_TIMEOUT_S, metavar="SECONDS",
+        help="abort a streamed request whose client reads nothing for this long, freeing its KV blocks "
+        f"(0 = never; default: {DEFAULT_STREAM_STALL_TIMEOUT_S:g})",
+    )
     _add_limit_arguments(parser.add_argument_group("request limits (raise them for trusted clients)"))
     # Engine flags shared with other commands come from cli.add_model_arguments; this one is the
     # server's own (``generate`` uses --seed for its sampling).
@@ -94,6 +99,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 

@@ -23,7 +23,7 @@ from typing import Annotated
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
@@ -54,22 +54,11 @@ from vllm_mlx.entrypoints.openai.serving_completion import CompletionServing
 from vllm_mlx.entrypoints.openai.serving_responses import ResponsesServing
 from vllm_mlx.entrypoints.openai.tokenize_pool import TokenizePool
 from vllm_mlx.entrypoints.request_model import UNENCODABLE
+from vllm_mlx.entrypoints.openai.sse_response import SSEResponse
 from vllm_mlx.media_policy import MediaPolicy
 from vllm_mlx.rank_watchdog import RankLostError
 
 logger = logging.getLogger(__name__)
-
-
-class SSEResponse(StreamingResponse):
-    """Server-sent events; the generator is always closed, so a disconnect aborts its requests."""
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
 
 
 def build_app(
@@ -136,19 +125,19 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _respond(chat.create(body, request))
+        return await _respond(chat.create(body, request), options.stream_stall_timeout)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _respond(completion.create(body, request))
+        return await _respond(completion.create(body, request), options.stream_stall_timeout)
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
-        return await _respond(responses.create(body, request))
+        return await _respond(responses.create(body, request), options.stream_stall_timeout)
 
     @app.post("/v1/messages")
     async def create_message(body: MessagesRequest, request: Request) -> Response:
-        return await _respond(messages.create(body, request))
+        return await _respond(messages.create(body, request), options.stream_stall_timeout)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: MessagesInput) -> dict:
@@ -177,14 +166,16 @@ def build_app(
     return app
 
 
-async def _respond(pending) -> Response:
+async def _respond(pending, stall_timeout: float | None) -> Response:
+    """The JSON response, or the SSE stream (given up after ``stall_timeout`` s without a read)."""
     try:
         result = await pending
     except ClientDisconnected:
         return Response(status_code=499)  # nobody is listening; the requests were aborted
     if isinstance(result, BaseModel):
         return JSONResponse(result.model_dump(mode="json"))
-    return SSEResponse(result, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return SSEResponse(result, stall_timeout=stall_timeout, headers=headers)
 
 
 def summarize_snapshot(snapshot: dict, options: ServingOptions | None = None) -> dict:
@@ -313,6 +304,7 @@ def run_server(args: argparse.Namespace, engine_options: dict) -> int:
         tool_call_parser=args.tool_call_parser,
         tokenizer_threads=args.tokenizer_threads,
         allow_json_whitespace=args.allow_json_whitespace,
+        stream_stall_timeout=args.stream_stall_timeout,
     )
     engine = AsyncEngineCore(EngineConfig(model=args.model, **engine_options)).start()
     try:

@@ -25,6 +25,7 @@ from vllm_mlx.async_engine import AsyncEngineCore, EngineDeadError, RequestStrea
 from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
 from vllm_mlx.entrypoints.openai.tokenize_pool import TokenizePool
 from vllm_mlx.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
+from vllm_mlx.entrypoints.openai import DEFAULT_STREAM_STALL_TIMEOUT_S
 from vllm_mlx.input_processor import PreparedPrompt
 from vllm_mlx.rank_watchdog import RankLostError
 from vllm_mlx.request import RequestOutput, SamplingParams
@@ -82,6 +83,9 @@ class ServingOptions:
     ``disable_any_whitespace`` or ``whitespace_pattern``) allow free whitespace between tokens
     (``--allow-json-whitespace``). Off: compact JSON, as tool calls are, because a sampling model
     otherwise fills ``max_tokens`` with newlines and spaces and never closes the document."""
+    stream_stall_timeout: float | None = DEFAULT_STREAM_STALL_TIMEOUT_S
+    """Seconds a streamed response waits for its client to read before its requests are aborted
+    (``--stream-stall-timeout``; ``sse_response``); None or 0 = wait for ever."""
 
     @property
     def discloses_prefix_hits(self) -> bool:
@@ -357,17 +361,21 @@ class OpenAIServing:
 
         Raises ``OpenAIError`` for a request that failed (before or after it started). Closing
         the iterator early aborts the requests still running.
+
+        Bounded whatever the consumer does: the queue holds at most one item per stream and a
+        pump waits for room before reading its stream again, so while the consumer lags each
+        stream coalesces its outputs into its latest snapshot (``RequestStream``).
         """
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
         trackers = [self.metrics.track() for _ in streams]
 
         async def pump(index: int, stream: RequestStream) -> None:
             try:
                 async for output in stream:
-                    queue.put_nowait((index, output))
+                    await queue.put((index, output))
             except Exception as exc:  # delivered to the consumer, in order
-                queue.put_nowait((index, exc))
-            queue.put_nowait((index, None))
+                await queue.put((index, exc))
+            await queue.put((index, None))
 
         tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
         try:

@@ -4,15 +4,17 @@ match the sequential reference whatever the chunks."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from test_scheduler import FakeRunner, make_request, make_scheduler, reference_output, run_all, step
 
 from vllm_mlx.prefill_budget import PrefillCost
 
 
-def chunk_cost(n: int, p: int, attention_tokens: int) -> float:
+def chunk_cost(n: int, p: int, attention_tokens: int) -> int:
     """The documented price, written out independently of ``PrefillCost``."""
-    return n * (1 + (p + n / 2) / attention_tokens)
+    return n + math.floor(n * (p + n / 2) / attention_tokens)
 
 
 def prefill_beside_a_stream(attention_tokens: int, steps: int) -> list[tuple[int, int]]:
@@ -34,15 +36,15 @@ def prefill_beside_a_stream(attention_tokens: int, steps: int) -> list[tuple[int
 
 def test_prefill_chunks_shrink_as_the_context_grows():
     chunks = prefill_beside_a_stream(2048, 6)
-    assert chunks == [(0, 459), (459, 387), (846, 341), (1187, 308), (1495, 283), (1778, 264)]
+    assert chunks == [(0, 460), (460, 388), (848, 341), (1189, 309), (1498, 284), (1782, 264)]
     for position, n in chunks:  # each is the longest chunk the 511 units left by the decode buy
         assert chunk_cost(n, position, 2048) <= 511 < chunk_cost(n + 1, position, 2048)
 
 
 def test_deep_in_a_long_prompt_a_chunk_is_a_quarter_of_the_budget():
     cost = PrefillCost(2048)
-    assert cost.fit(511, 7000, 400) == 114
-    assert chunk_cost(114, 7000, 2048) <= 511 < chunk_cost(115, 7000, 2048)
+    assert cost.fit(511, 7000, 400) == 115
+    assert chunk_cost(115, 7000, 2048) <= 511 < chunk_cost(116, 7000, 2048)
     assert cost.fit(511, 7300, 100) == 100  # the rest of the prompt, when it fits
 
 
@@ -52,7 +54,7 @@ def test_zero_charges_tokens_only_as_before():
 
 
 def test_a_prefill_always_moves_while_budget_is_left():
-    assert PrefillCost(2048).fit(0.5, 7000, 400) == 1
+    assert PrefillCost(2048).fit(1, 7000, 400) == 1
     assert PrefillCost(2048).fit(0, 7000, 400) == 0
 
 
@@ -62,6 +64,12 @@ def test_without_chunked_prefill_a_prompt_costs_its_tokens():
     sched.add_request(make_request("whole", 60))
     out, _ = step(sched, FakeRunner(sched.kv_cache))
     assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("whole", 60)]
+
+
+def test_short_contexts_cost_exactly_their_tokens():
+    cost = PrefillCost(1024)
+    assert cost.cost(8, 0) == 8 and cost.fit(8, 0, 20) == 8  # attention adds under a unit
+    assert cost.cost(16, 100) == 17 and cost.fit(16, 100, 100) == 15
 
 
 def test_negative_is_refused():

@@ -9,7 +9,7 @@ carried one slow, and a stream decoding beside it waited that long for each toke
 
 ``PrefillCost`` charges a chunk of ``n`` tokens starting at context position ``p``
 
-    n * (1 + (p + n / 2) / attention_tokens)
+    n + floor(n * (p + n / 2) / attention_tokens)
 
 budget units: one per token for its weights, plus its attention, which grows with the keys it
 reads (``p + n / 2`` on average) and equals the weights' cost at ``attention_tokens`` keys.
@@ -38,23 +38,25 @@ class PrefillCost:
     """Keys at which a token's attention costs as much as its pass through the weights; 0 =
     a chunk costs its token count."""
 
-    def cost(self, num_tokens: int, position: int) -> float:
-        """Budget units of a chunk of ``num_tokens`` tokens whose first is at ``position``."""
+    def cost(self, num_tokens: int, position: int) -> int:
+        """Budget units of a chunk of ``num_tokens`` tokens whose first is at ``position``: the
+        formula above, its attention part rounded down to whole units (so short contexts, where
+        attention adds less than a token's worth, cost exactly their tokens)."""
         if not self.attention_tokens:
-            return float(num_tokens)
-        return num_tokens * (1 + (position + num_tokens / 2) / self.attention_tokens)
+            return num_tokens
+        return num_tokens + num_tokens * (2 * position + num_tokens) // (2 * self.attention_tokens)
 
-    def fit(self, budget: float, position: int, remaining: int) -> int:
+    def fit(self, budget: int, position: int, remaining: int) -> int:
         """The longest chunk, up to ``remaining`` tokens, at ``position`` that costs at most
         ``budget``, but at least 1 token while any budget is left (so a prefill always moves)."""
         if budget <= 0 or remaining <= 0:
             return 0
         if not self.attention_tokens:
-            return min(remaining, math.floor(budget))
-        # n^2 / (2L) + n (1 + p / L) - budget = 0, the positive root, then exact integer checks
+            return min(remaining, budget)
+        # n^2 / (2L) + n (1 + p / L) = budget: its positive root, then exact integer steps
         scale = 1 + position / self.attention_tokens
         root = self.attention_tokens * (math.sqrt(scale * scale + 2 * budget / self.attention_tokens) - scale)
-        num_tokens = min(remaining, max(1, math.floor(root)))
+        num_tokens = max(1, min(remaining, math.floor(root)))
         while num_tokens > 1 and self.cost(num_tokens, position) > budget:
             num_tokens -= 1
         while num_tokens < remaining and self.cost(num_tokens + 1, position) <= budget:

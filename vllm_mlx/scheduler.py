@@ -201,7 +201,7 @@ class Scheduler:
             return True
         return not self.kv.has_room_for(min(request.num_tokens, self.config.max_num_batched_tokens))
 
-    def _schedule_running(self, output: SchedulerOutput, budget: float) -> float:
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -218,16 +218,16 @@ class Scheduler:
                 i += 1
         return budget
 
-    def _chunk(self, remaining: int, position: int, budget: float) -> int:
+    def _chunk(self, remaining: int, position: int, budget: int) -> int:
         """How many of a request's ``remaining`` tokens, the first at ``position``, fit in
         ``budget`` (at least 1 while any is left)."""
         return self.prefill_cost.fit(budget, position, remaining)
 
-    def _charge(self, num_new: int, position: int) -> float:
+    def _charge(self, num_new: int, position: int) -> int:
         """Budget units of a row: one for a single token (a decode), else the chunk's cost."""
-        return 1.0 if num_new == 1 else self.prefill_cost.cost(num_new, position)
+        return 1 if num_new == 1 else self.prefill_cost.cost(num_new, position)
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: float) -> None:
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         load = Counter(r.fairness_key for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek(load)

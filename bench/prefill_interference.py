@@ -10,7 +10,12 @@ long prompt's time to first token:
 The two policies run on one engine, alternating, ``--repeats`` times each; figures are medians
 over the repeats (the machine may be shared: say so when you quote them).
 
+``--chunk-sweep 128,512`` measures instead what the cost model is fitted to: the long prompt
+alone, prefilled in chunks of each size (tokens-only policy), and each step's time by the
+context position where its chunk starts.
+
     python bench/prefill_interference.py [--model default] [--prompt-tokens 7000] [--repeats 3]
+    python bench/prefill_interference.py --chunk-sweep 128,512 --prompt-tokens 7400
 """
 
 from __future__ import annotations
@@ -72,6 +77,21 @@ def run_once(engine, prompt: list[int], attention_tokens: int, tag: str) -> Run:
     return Run(max(gaps), p95(gaps), ttft, len(engine.step_records) - first_step)
 
 
+def chunk_sweep(engine, prompt: list[int], chunk: int) -> list[tuple[int, int, float]]:
+    """(position, chunk, seconds) of each step prefilling ``prompt`` alone in ``chunk``-token chunks."""
+    from vllm_mlx import SamplingParams
+    from vllm_mlx.prefill_budget import PrefillCost
+
+    engine.scheduler.prefill_cost = PrefillCost(0)
+    engine.scheduler.config.max_num_batched_tokens = chunk
+    first_step = len(engine.step_records)
+    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0), request_id=f"sweep-{chunk}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    return [(r.requests[0].num_computed_tokens, r.num_new_tokens[0], r.wall_time)
+            for r in list(engine.step_records)[first_step:]]  # fmt: skip
+
+
 def main() -> None:
     from vllm_mlx.engine_core import EngineCore
     from vllm_mlx.prefill_budget import DEFAULT_PREFILL_ATTENTION_TOKENS
@@ -82,11 +102,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--prefill-attention-tokens", type=int, default=DEFAULT_PREFILL_ATTENTION_TOKENS)
+    parser.add_argument("--chunk-sweep", default="", help="comma-separated chunk sizes: measure step times instead")
     args = parser.parse_args()
 
     engine = EngineCore(model=args.model, max_model_len=args.prompt_tokens + 4096, enable_prefix_caching=False,
                         max_num_batched_tokens=args.max_num_batched_tokens, force_model_takeover=True)  # fmt: skip
     prompt = long_prompt(engine.tokenizer, args.prompt_tokens)
+    if args.chunk_sweep:
+        print(f"{'chunk':>6s} {'position':>9s} {'step (s)':>9s}")
+        for chunk in map(int, args.chunk_sweep.split(",")):
+            for position, num_tokens, seconds in chunk_sweep(engine, prompt, chunk):
+                print(f"{num_tokens:6d} {position:9d} {seconds:9.3f}", flush=True)
+        engine.shutdown()
+        return
     policies = {"cost units": args.prefill_attention_tokens, "tokens (old)": 0}
     runs: dict[str, list[Run]] = {name: [] for name in policies}
     run_once(engine, prompt[:600], 0, "warm-up")
@@ -99,11 +127,11 @@ def main() -> None:
     engine.shutdown()
     print(f"\n{args.prompt_tokens}-token prompt beside a decoding stream, max_num_batched_tokens "
           f"{args.max_num_batched_tokens}, medians of {args.repeats}:")  # fmt: skip
-    print(f"{'policy':14s} {'max gap (s)':>12s} {'p95 gap (s)':>12s} {'long TTFT (s)':>14s} {'steps':>6s}")
+    print(f"{'policy':18s} {'max gap (s)':>12s} {'p95 gap (s)':>12s} {'long TTFT (s)':>14s} {'steps':>6s}")
     for name, attention_tokens in policies.items():
         r = runs[name]
         label = f"{name} ({attention_tokens})" if attention_tokens else name
-        print(f"{label:14s} {statistics.median(x.max_gap for x in r):12.2f} {statistics.median(x.p95_gap for x in r):12.2f} "
+        print(f"{label:18s} {statistics.median(x.max_gap for x in r):12.2f} {statistics.median(x.p95_gap for x in r):12.2f} "
               f"{statistics.median(x.ttft for x in r):14.1f} {statistics.median(x.steps for x in r):6.0f}")  # fmt: skip
 
 

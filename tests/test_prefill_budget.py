@@ -87,3 +87,14 @@ def test_outputs_equal_the_sequential_reference_whatever_the_chunks(attention_to
     run_all(sched, FakeRunner(sched.kv_cache))
     for request in requests:
         assert request.output_token_ids == reference_output(request, sched.max_model_len)[0]
+
+
+def test_engine_config_checks_the_option():
+    from vllm_mlx.engine_core import EngineConfig
+
+    for bad in (-1, 1.5, True, "1024"):
+        with pytest.raises(ValueError, match="prefill_attention_tokens must be an int >= 0"):
+            EngineConfig(prefill_attention_tokens=bad).normalize()
+    config = EngineConfig(prefill_attention_tokens=0)
+    config.normalize()
+    assert config.scheduler_config(64, None).prefill_attention_tokens == 0

@@ -86,9 +86,15 @@ def form_group(strict: bool = True, attempts: int = FORM_ATTEMPTS) -> mx.distrib
             logger.warning("rank %s: the ring did not form (%s); trying again (%d of %d)",
                            os.environ["MLX_RANK"], exc, attempt + 1, attempts)  # fmt: skip
             time.sleep(RETRY_PAUSE_S)
-    if group.size() > 1:
+    if group.size() > 1 and not _nonce_checked:
         check_launch_nonce(group)
     return group
+
+
+_nonce_checked = False
+"""MLX forms the group once per process and hands the same one to every later ``init``; the
+check is a collective, so it runs once too (a rank may ask for the group more than once: ``serve``
+forms it, then rank 0's engine asks again, while the workers do not)."""
 
 
 def formation_failure(exc: Exception, attempts: int) -> str:
@@ -117,6 +123,8 @@ def check_launch_nonce(group: mx.distributed.Group, nonce: str | None = None) ->
     foreign = [rank for rank in range(group.size()) if not (gathered[rank] == mine).all()]
     if foreign:
         raise ForeignRankError(foreign_message(group.rank(), group.size(), foreign))
+    global _nonce_checked
+    _nonce_checked = True
 
 
 def foreign_message(rank: int, size: int, foreign: list[int]) -> str:

@@ -336,3 +336,22 @@ def test_cache_snapshot_without_blocks_is_requests_and_stats(engine_factory):
     assert light["blocks"] == [] and light["free_queue"] == []
     assert light["requests"] == full["requests"]
     assert light["stats"] == full["stats"]
+
+
+def test_prefill_charged_for_attention_keeps_greedy_output(engine_factory):
+    """Chunks cut by their attention cost (``prefill_attention_tokens``; 8 makes them shrink fast)
+    change how prompts are split, never what is generated: batched with staggered arrivals
+    equals solo with the policy off."""
+    expected = solo_tokens(lambda: engine_factory(prefill_attention_tokens=0), PROMPTS)
+    engine = engine_factory(max_num_batched_tokens=16, prefill_attention_tokens=8)
+    ids, final = [], {}
+    for step in range(2000):
+        if step % 2 == 0 and len(ids) < len(PROMPTS):
+            ids.append(engine.add_request(PROMPTS[len(ids)], GREEDY))
+        elif not engine.has_unfinished_requests():
+            break
+        final.update((out.request_id, out) for out in engine.step() if out.finished)
+    assert [final[i].outputs[0].token_ids for i in ids] == expected
+    chunks = [q.num_new_tokens for r in engine.step_records for q in r.requests if not q.is_decode]
+    assert max(chunks) < 16  # cut below the token budget (policy off: prompts of 16+ tokens take 16)
+    assert engine.kv_cache.stats().num_used_blocks == 0

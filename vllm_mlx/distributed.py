@@ -54,6 +54,7 @@ from vllm_mlx.rank_watchdog import (
     startup_deadline,
 )
 from vllm_mlx.request import Request, SamplingParams
+from vllm_mlx.ring_formation import form_group
 
 logger = logging.getLogger(__name__)
 
@@ -365,9 +366,11 @@ def shard_model(model, config: dict, model_path: Path, group: mx.distributed.Gro
 
 
 def init_group(strict: bool = True) -> mx.distributed.Group:
-    """The world group (``mlx.launch`` sets up the backend's environment)."""
+    """The world group (``mlx.launch`` or ``rank_supervisor`` sets up the backend's environment),
+    formed and checked by ``ring_formation.form_group``: retried when the ring fails to form, and
+    every member holding this launch's nonce (``RingFormationError`` otherwise)."""
     try:
-        group = mx.distributed.init(strict=strict)
+        group = form_group(strict=strict)
     except RuntimeError as exc:
         raise TensorParallelError(
             f"tensor parallelism found no distributed backend ({exc}); launch the ranks with "

@@ -46,6 +46,7 @@ from vllm_mlx.model_registry import get_registry
 from vllm_mlx.output_processor import OutputProcessor
 from vllm_mlx.outputs import ModelRunnerOutput, SchedulerOutput, StepRecord
 from vllm_mlx.paged_cache import PagedCacheManager
+from vllm_mlx.prefill_budget import DEFAULT_PREFILL_ATTENTION_TOKENS
 from vllm_mlx.rank_watchdog import (
     DEFAULT_STARTUP_TIMEOUT_S,
     STARTUP,
@@ -90,6 +91,11 @@ class EngineConfig:
     """Longest prompt + output; None = the model's context length."""
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    prefill_attention_tokens: int = DEFAULT_PREFILL_ATTENTION_TOKENS
+    """Charge each prefill chunk for its attention in the step's budget
+    (``prefill_budget.PrefillCost``): the context length at which a token's attention costs as
+    much as its weights, so chunks shrink as a long prompt's context grows and a concurrent
+    stream's gap between tokens stays bounded; 0 = a chunk costs its token count (the old policy)."""
     max_state_checkpoints: int | None = None
     """Models with recurrent layers: how many recurrent states at block boundaries to keep for
     prefix hits (their bytes come out of the KV budget); None = ``2 * max_num_seqs``, at most
@@ -149,6 +155,7 @@ class EngineConfig:
         for name in ("num_kv_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 _check_int_option(name, getattr(self, name), minimum=1)
+        _check_int_option("prefill_attention_tokens", self.prefill_attention_tokens, minimum=0)
         if self.max_state_checkpoints is not None:
             _check_int_option("max_state_checkpoints", self.max_state_checkpoints, minimum=0)
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "force_model_takeover", "enable_mllm_cache",
@@ -171,6 +178,7 @@ class EngineConfig:
             block_size=self.block_size,
             num_blocks=num_blocks,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            prefill_attention_tokens=self.prefill_attention_tokens,
             enable_prefix_caching=self.enable_prefix_caching,
             max_model_len=min(limits) if limits else None,
         )

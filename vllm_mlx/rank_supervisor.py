@@ -14,6 +14,8 @@ Invariants:
   its engine down, which sends the other ranks "stop").
 - When ``supervise`` returns, no rank is alive: the group is killed with SIGKILL on the way out,
   whatever happened (a bounded grace period first, none when rank 0 failed).
+- Every rank of one start gets the same random nonce (``ring_formation.LAUNCH_NONCE_ENV``), which
+  the ranks compare right after their group forms: a process of another launch is refused.
 - Each rank knows the supervisor's pid (``SUPERVISOR_ENV``) and ends itself if the supervisor
   disappears (``watch_supervisor``), the one case the group kill above cannot cover (SIGKILL).
 """
@@ -30,6 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from vllm_mlx.ring_formation import LAUNCH_NONCE_ENV, new_launch_nonce
 from vllm_mlx.ring_launch import free_port_run
 
 SUPERVISOR_ENV = "VLLM_MLX_SUPERVISOR_PID"
@@ -80,7 +83,8 @@ def start_ranks(command: list[str], count: int) -> RankGroup:
     """Start ``command`` ``count`` times as the ranks of a loopback ring, in a new process group."""
     hostfile = ring_hostfile(count)
     processes: list[subprocess.Popen] = []
-    base = {**os.environ, "MLX_HOSTFILE": hostfile, SUPERVISOR_ENV: str(os.getpid())}
+    base = {**os.environ, "MLX_HOSTFILE": hostfile, SUPERVISOR_ENV: str(os.getpid()),
+            LAUNCH_NONCE_ENV: new_launch_nonce()}  # fmt: skip
     try:
         for rank in range(count):
             group = processes[0].pid if processes else 0  # rank 0 leads a new group (same session)

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from vllm_mlx.ring_formation import LAUNCH_NONCE_ENV, new_launch_nonce
+
 
 class LaunchError(RuntimeError):
     """``mlx.launch`` is missing, or no free ports were found."""
@@ -58,7 +60,8 @@ def launch_ring(script: str, args: list[str], *, ranks: int = 2, timeout: float,
     path = os.pathsep.join([*pythonpath, os.environ.get("PYTHONPATH", "")])
     command = [
         launcher, "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_port_run(ranks)),
-        "--env", f"PYTHONPATH={path}", "--python", sys.executable, script, *args,
+        "--env", f"PYTHONPATH={path}", "--env", f"{LAUNCH_NONCE_ENV}={new_launch_nonce()}",
+        "--python", sys.executable, script, *args,
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     timed_out = False

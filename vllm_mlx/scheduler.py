@@ -17,6 +17,7 @@ from vllm_mlx.errors import internal_error_message
 from vllm_mlx.kv_cache_manager import KVCacheManager
 from vllm_mlx.outputs import Admission, ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from vllm_mlx.paged_cache import PagedCacheManager
+from vllm_mlx.prefill_budget import PrefillCost
 from vllm_mlx.request import Request, RequestStatus
 from vllm_mlx.waiting_queue import WaitingQueue
 
@@ -46,6 +47,10 @@ class SchedulerConfig:
     """Reuse computed full blocks across requests with the same prefix."""
     max_model_len: int | None = None
     """Longest prompt + output a request may reach (the model's context); None = unlimited."""
+    prefill_attention_tokens: int = 0
+    """Charge prefill chunks for their attention (``prefill_budget.PrefillCost``): the context
+    length at which a token's attention costs as much as its weights; 0 = a chunk costs its
+    token count. Only with chunked prefill (a whole prompt cannot be cut to its cost)."""
 
 
 class Scheduler:
@@ -74,6 +79,11 @@ class Scheduler:
     * ``num_tokens < max_model_len`` for every unfinished request, where ``max_model_len`` is
       the *effective* limit (see ``__init__``), so any request can always finish alone.
 
+    Prefill chunks are charged for their attention (``prefill_budget.PrefillCost``, with
+    ``prefill_attention_tokens``): a chunk deep in a long prompt costs more budget than one at
+    its start, so each step costs about the same and decoding requests keep a bounded gap
+    between tokens. A row of one token (a decode) costs 1.
+
     Hybrid models (recurrent layers) resume a prefix only where a state checkpoint was kept:
     prefill chunks are cut where the KV manager keeps one (``KVCacheManager.cut_at_checkpoint``).
     """
@@ -98,6 +108,7 @@ class Scheduler:
         if not config.enable_chunked_prefill:
             limits.append(config.max_num_batched_tokens + 1)
         self.max_model_len = min(limits)
+        self.prefill_cost = PrefillCost(config.prefill_attention_tokens if config.enable_chunked_prefill else 0)
 
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
@@ -194,7 +205,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, request.num_computed_tokens, budget)
             num_new = self.kv.cut_at_checkpoint(request, request.num_computed_tokens, num_new)
             while not self.kv.allocate_slots(request, request.num_computed_tokens + num_new):
                 victim = self.running.pop()  # the tail: most recently admitted
@@ -202,10 +213,19 @@ class Scheduler:
                 if victim is request:
                     break
             else:
+                budget -= self._charge(num_new, request.num_computed_tokens)
                 output.scheduled.append(self._scheduled(request, num_new))
-                budget -= num_new
                 i += 1
         return budget
+
+    def _chunk(self, remaining: int, position: int, budget: int) -> int:
+        """How many of a request's ``remaining`` tokens, the first at ``position``, fit in
+        ``budget`` (at least 1 while any is left)."""
+        return self.prefill_cost.fit(budget, position, remaining)
+
+    def _charge(self, num_new: int, position: int) -> int:
+        """Budget units of a row: one for a single token (a decode), else the chunk's cost."""
+        return 1 if num_new == 1 else self.prefill_cost.cost(num_new, position)
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         load = Counter(r.fairness_key for r in self.running)
@@ -216,7 +236,7 @@ class Scheduler:
             num_new = request.num_tokens - num_hit
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
-            num_new = self.kv.cut_at_checkpoint(request, num_hit, min(num_new, budget))
+            num_new = self.kv.cut_at_checkpoint(request, num_hit, self._chunk(num_new, num_hit, budget))
             if not self.kv.allocate_slots(request, num_hit + num_new, hits):
                 break
             self.waiting.pop(request)
@@ -224,7 +244,7 @@ class Scheduler:
             output.admitted.append(Admission(request.request_id, num_hit, resumed=request.num_preemptions > 0))
             self._admit(request, num_hit)
             output.scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
+            budget -= self._charge(num_new, num_hit)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -392,6 +412,8 @@ def _check_config(config: SchedulerConfig, kv_cache: PagedCacheManager) -> None:
     for name in ("max_num_seqs", "max_num_batched_tokens"):
         if getattr(config, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
+    if config.prefill_attention_tokens < 0:
+        raise ValueError(f"prefill_attention_tokens must be >= 0, got {config.prefill_attention_tokens}")
     if config.max_model_len is not None and config.max_model_len < 1:
         raise ValueError(f"max_model_len must be >= 1, got {config.max_model_len}")
     if config.block_size != kv_cache.block_size:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from vllm_mlx import __version__, validation
 from vllm_mlx.entrypoints.openai.cli_args import add_serve_arguments, serve_engine_options
 from vllm_mlx.errors import VllmMlxError
+from vllm_mlx.prefill_budget import DEFAULT_PREFILL_ATTENTION_TOKENS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +78,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="reuse KV blocks of repeated prefixes (default: on)")
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                         help="prefill long prompts in chunks between decode steps (default: on)")
+    engine.add_argument("--prefill-attention-tokens", type=int, default=None,
+                        help="charge prefill chunks for attention: the context length at which a token's attention "
+                        "costs as much as its weights (default: %d; 0: chunks cost their token count)"
+                        % DEFAULT_PREFILL_ATTENTION_TOKENS)  # fmt: skip
     engine.add_argument("--max-state-checkpoints", type=int, default=None,
                         help="hybrid models: recurrent states kept at block boundaries for prefix hits "
                         "(default: 2 x max-num-seqs, at most half the KV budget; 0: no prefix hits)")  # fmt: skip
@@ -103,7 +108,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         "enable_mllm_cache": args.enable_mllm_cache,
         "trust_remote_code": args.trust_remote_code,
     }
-    for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len", "mllm_cache_memory", "max_state_checkpoints"):
+    for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len", "mllm_cache_memory", "max_state_checkpoints",
+                 "prefill_attention_tokens"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     return options

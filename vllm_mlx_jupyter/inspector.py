@@ -170,7 +170,8 @@ def color_slot(colors: dict[str, int], request_id: str) -> int:
 
 
 def _stats(stats: dict) -> dict:
-    prefix = stats.get("prefix_cache", {})
+    prefix = stats.get("prefix_cache")
+    prefix = prefix if isinstance(prefix, dict) else {}  # a server may send none, or a number
     out = {k: stats[k] for k in _STAT_KEYS if k in stats}
     out.update(hit_rate=prefix.get("hit_rate", 0.0), queries=prefix.get("queries", 0), hits=prefix.get("hits", 0),
                tokens_saved=prefix.get("tokens_saved", 0), prefix_evictions=prefix.get("evictions", 0))  # fmt: skip

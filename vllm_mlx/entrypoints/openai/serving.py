@@ -22,10 +22,10 @@ from functools import lru_cache
 from pydantic import BaseModel
 
 from vllm_mlx.async_engine import AsyncEngineCore, EngineDeadError, RequestStream
-from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
-from vllm_mlx.entrypoints.openai.tokenize_pool import TokenizePool
-from vllm_mlx.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from vllm_mlx.entrypoints.openai import DEFAULT_STREAM_STALL_TIMEOUT_S
+from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
+from vllm_mlx.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
+from vllm_mlx.entrypoints.openai.tokenize_pool import TokenizePool
 from vllm_mlx.input_processor import PreparedPrompt
 from vllm_mlx.rank_watchdog import RankLostError
 from vllm_mlx.request import RequestOutput, SamplingParams

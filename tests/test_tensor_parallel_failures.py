@@ -93,12 +93,12 @@ def test_a_rank_lost_mid_generation_fails_the_waiting_requests(tiny_model_dir, t
     assert len(result["requests"]) == REQUESTS
     reason = "rank is gone" if mode == "die" else "stopped answering"
     _check_failed_server(result, reason)
-    # Noticed within the timeout: the errors came at most TIMEOUT_S (+ slack for 2 busy cores)
-    # after the last token any client received.
+    # Noticed within the timeout: the errors came at most the watchdog's deadline (measured by the
+    # driver from its warm-up; + slack for 2 busy cores) after the last token any client received.
     last_token = max(seen["last_chunk_at"] for seen in result["requests"].values())
     for seen in result["requests"].values():
-        assert seen["ended_at"] - last_token < TIMEOUT_S + 3
-        if mode == "die":  # a dead peer is noticed at once, not at the deadline
+        assert seen["ended_at"] - last_token < result["timeout_s"] + 3
+        if mode == "die":  # a dead peer is noticed at once (its liveness link closed), not at a deadline
             assert seen["ended_at"] - last_token < TIMEOUT_S
 
 
@@ -109,7 +109,7 @@ def test_a_rank_that_hangs_while_idle_is_found_by_the_heartbeat(tiny_model_dir, 
 
     result = _launch(tiny_model_dir, tmp_path, "idle-hang")
     assert result["health_after"]["status"] == 503 and "the idle heartbeat did not finish" in result["health_after"]["body"]
-    assert result["noticed_after_s"] < 2 * HEARTBEAT_PERIOD_S + TIMEOUT_S + 5
+    assert result["noticed_after_s"] < 2 * HEARTBEAT_PERIOD_S + result["timeout_s"] + 5
     assert "503" in result["request_after"]["error"]
 
 
@@ -141,7 +141,7 @@ def test_a_sync_engine_without_a_handler_is_never_left_blocked():
         "from vllm_mlx.engine_core import EngineCore\n"
         "from vllm_mlx.rank_watchdog import CollectiveWatchdog\n"
         "engine = EngineCore.__new__(EngineCore)\n"
-        "engine.on_rank_lost, engine.rank_failure = None, None\n"
+        "engine.on_rank_lost, engine.rank_failure, engine._rank_failure_lock = None, None, threading.Lock()\n"
         "engine.watchdog = CollectiveWatchdog(0.3, engine._rank_hung, 2)\n"
         "with engine._waiting_on_ranks('step 9'):\n"
         "    threading.Event().wait()  # a collective that never returns\n"

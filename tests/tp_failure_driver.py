@@ -26,7 +26,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-TIMEOUT_S = 8.0  # the engine's distributed_timeout_s (the first steps compile CPU kernels)
+TIMEOUT_S = 8.0
+"""The floor of the watchdog's deadline once warm; the driver raises it to 3x the slowest warm-up
+batch (``measured_timeout``) so that a healthy step on a busy machine is never taken for a hang."""
+WARM_UP_TIMEOUT_S = 120.0  # while the first steps compile CPU kernels
 REQUESTS = 3
 WARM_UP_REQUESTS = REQUESTS * (REQUESTS + 1) // 2  # batches of 1, 2, ... REQUESTS
 FAIL_AT = 4  # rank 1 fails at its 4th step once every request has arrived
@@ -99,20 +102,26 @@ def serve_and_watch(model_dir: str, mode: str) -> dict:
     from vllm_mlx.async_engine import AsyncEngineCore
     from vllm_mlx.entrypoints.openai.server import build_app
 
+    warm_up = mode != "idle-hang"  # idle-hang: rank 1 stops at the first idle heartbeat, no request ever runs
     engine = AsyncEngineCore(
-        model=model_dir, tensor_parallel=True, distributed_timeout_s=TIMEOUT_S, force_model_takeover=True,
-        block_size=4, seed=0,
+        model=model_dir, tensor_parallel=True, distributed_timeout_s=WARM_UP_TIMEOUT_S if warm_up else TIMEOUT_S,
+        force_model_takeover=True, block_size=4, seed=0,
     ).start()  # fmt: skip
     server = LiveServer(build_app(engine, served_model_name="m"))
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
-    for batch in range(1, REQUESTS + 1 if mode != "idle-hang" else 1):  # warm up: compile each batch size's kernels
+    slowest = 0.0
+    for batch in range(1, REQUESTS + 1 if warm_up else 1):  # warm up: compile each batch size's kernels
         threads = [threading.Thread(target=client.completions.create, kwargs={
             "model": "m", "prompt": "warm up", "max_tokens": 3}) for _ in range(batch)]  # fmt: skip
+        batch_started = time.monotonic()
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(60)
-    result = {"health_before": health(server.url)}
+        slowest = max(slowest, time.monotonic() - batch_started)
+    timeout = measured_timeout(slowest)
+    engine.engine.watchdog.timeout_s = timeout  # read at each watch(): the next step on
+    result = {"health_before": health(server.url), "timeout_s": timeout}
     seen: dict[int, dict] = {}
     started = time.monotonic()
     if mode != "idle-hang":
@@ -138,6 +147,12 @@ def serve_and_watch(model_dir: str, mode: str) -> dict:
     engine.stop()
     result["stop_s"] = time.monotonic() - stop_started
     return result
+
+
+def measured_timeout(slowest_batch_s: float) -> float:
+    """The watchdog's deadline once warm: a whole warm-up batch (prefill and three decode steps,
+    kernels compiled by the batch before) three times over, at least ``TIMEOUT_S``."""
+    return max(TIMEOUT_S, 3 * slowest_batch_s)
 
 
 STARTUP_TIMEOUT_S = 6.0  # the start-up deadline of the startup-hang mode (rank 0 loads in ~2 s)

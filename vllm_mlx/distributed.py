@@ -26,8 +26,9 @@ first. A step that fails is survived (rank 0 re-runs it request by request and p
 those too) only when it fails alike on every rank before its first collective; a failure inside
 a forward leaves the ranks out of step.
 
-A rank that dies or hangs ends the engine, never silently: a dead peer makes the ring's
-collectives raise, which every message sent or received turns into ``RankLostError``; a hung one
+A rank that dies or hangs ends the engine, never silently: a dead peer closes its liveness
+connection to rank 0 (``rank_liveness.py``: the ring's collectives raise only sometimes, and may
+block instead), and a ring error in a message sent or received becomes ``RankLostError``; a hung one
 is caught by rank 0's ``CollectiveWatchdog`` (``rank_watchdog.py``: a deadline on every step,
 heartbeat and stop message). Rank 0's engine then fails its requests with that error; a worker
 whose rank 0 is gone raises it and exits.
@@ -46,6 +47,7 @@ import numpy as np
 
 from vllm_mlx.kv_sizing import MemoryNeeds
 from vllm_mlx.outputs import ScheduledRequest, SchedulerOutput
+from vllm_mlx.rank_liveness import LivenessAddress, connect_to_rank_zero
 from vllm_mlx.rank_watchdog import (
     DEFAULT_STARTUP_TIMEOUT_S,
     STARTUP,
@@ -532,7 +534,11 @@ def worker_loop(
         prepared.loaded.model, sizing["num_blocks"], sizing["block_size"], None, sizing["num_state_slots"],
         prepared.state_layout, block_groups=prepared.block_groups,
     )  # fmt: skip
+    # Held open for this process's life: its end tells rank 0 at once that this rank is gone.
+    liveness = connect_to_rank_zero(LivenessAddress.from_dict(sizing.get("liveness")), group.rank())
     try:
         return Worker(runner, group).run()
     finally:
         runner.release()
+        if liveness is not None:
+            liveness.close()

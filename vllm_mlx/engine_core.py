@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -47,6 +48,7 @@ from vllm_mlx.output_processor import OutputProcessor
 from vllm_mlx.outputs import ModelRunnerOutput, SchedulerOutput, StepRecord
 from vllm_mlx.paged_cache import PagedCacheManager
 from vllm_mlx.prefill_budget import DEFAULT_PREFILL_ATTENTION_TOKENS
+from vllm_mlx.rank_liveness import LivenessMonitor
 from vllm_mlx.rank_watchdog import (
     DEFAULT_STARTUP_TIMEOUT_S,
     STARTUP,
@@ -319,6 +321,9 @@ class EngineCore:
         thread in the collective stays blocked). None: log it and exit the process, since the
         blocked caller can never return (``AsyncEngineCore`` sets it to fail its requests)."""
         self.watchdog = None
+        self.liveness: LivenessMonitor | None = None
+        """With tensor parallelism: finds a rank whose process ended at once (``rank_liveness.py``)."""
+        self._rank_failure_lock = threading.Lock()
         self.rank_failure: RankLostError | None = None
         """Why the ranks are out of reach (set once; no collective is issued after it)."""
         with startup_deadline(self.tp_group, config.distributed_startup_timeout_s, STARTUP):
@@ -355,7 +360,9 @@ class EngineCore:
         if self.tp_group is not None:
             from vllm_mlx.distributed import StepEncoder, StepMessage, send_message
 
-            sizing = {"num_blocks": num_blocks, "block_size": config.block_size, "num_state_slots": states.num_slots}
+            self.liveness = LivenessMonitor.start(self.tp_group.size(), self._rank_hung)
+            sizing = {"num_blocks": num_blocks, "block_size": config.block_size, "num_state_slots": states.num_slots,
+                      "liveness": self.liveness.address.to_dict() if self.liveness is not None else None}  # fmt: skip
             with startup_deadline(self.tp_group, config.distributed_startup_timeout_s, "the start message"):
                 send_message(self.tp_group, StepMessage("start", start=sizing))
             self.step_encoder = StepEncoder()
@@ -570,8 +577,12 @@ class EngineCore:
             raise
 
     def _rank_hung(self, error: RankLostError) -> None:
-        """The watchdog's verdict (its thread): hand it on, or end a process that would hang."""
-        self.rank_failure = error
+        """The watchdog's or the liveness monitor's verdict (their threads; the first one counts):
+        hand it on, or end a process that would hang."""
+        with self._rank_failure_lock:
+            if self.rank_failure is not None and self.rank_failure is not error:
+                return
+            self.rank_failure = error
         if self.on_rank_lost is not None:
             self.on_rank_lost(error)
             return
@@ -707,6 +718,8 @@ class EngineCore:
     def _stop_workers(self) -> None:
         """With tensor parallelism: send "stop" (the workers return), unless the ranks are
         already lost; a rank lost now is logged (the engine is ending anyway)."""
+        if self.liveness is not None:
+            self.liveness.close()  # the workers' exits are expected from here on
         if self.watchdog is None or self.runner.model is None:
             return
         if self.rank_failure is None:

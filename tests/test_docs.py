@@ -225,6 +225,15 @@ def test_every_page_is_on_the_home_table():
     assert not missing, f"API pages missing from api/index.md: {sorted(missing)}"
 
 
+def test_installation_lists_every_extra():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    rows = table_after("installation.md", "Extras add the optional parts:")
+    documented = sorted(code_spans(row["extra"])[0] for row in rows)
+    assert documented == sorted(extras), f"installation.md's extras {documented} != pyproject's {sorted(extras)}"
+
+
 UNFINISHED = re.compile(r"\bin progress\b|\bcoming soon\b|\bwork in progress\b|\bTODO\b", re.I)
 """Words no page may use: whatever the docs describe is either shipped or named as missing."""
 

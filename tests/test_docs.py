@@ -234,6 +234,78 @@ def test_installation_lists_every_extra():
     assert documented == sorted(extras), f"installation.md's extras {documented} != pyproject's {sorted(extras)}"
 
 
+GENERATED = {"notebooks/quickstart.executed.ipynb"}  # written by `vllm-mlx demo`, not in the repository
+
+
+def documented_texts() -> list[tuple[Path, str]]:
+    return [(path, path.read_text()) for path in [ROOT / "README.md", *doc_pages()]]
+
+
+REPOSITORY_PATH = re.compile(r"(?<![\w/.-])((?:vllm_mlx|vllm_mlx_jupyter|tests|bench|notebooks|\.ci)/[\w./-]*\w)")
+
+
+def test_repository_paths_the_docs_name_exist():
+    """Files and folders the docs point at (``vllm_mlx/kv_spec.py``, ``bench/limits.py``, a test
+    file by name) exist: a module or test that moved shows here, not in a reader's terminal."""
+    tests = {path.name for path in (ROOT / "tests").rglob("test_*.py")}
+    missing = []
+    for path, text in documented_texts():
+        for name in REPOSITORY_PATH.findall(text):
+            if name not in GENERATED and not (ROOT / name).exists():
+                missing.append(f"{path.relative_to(ROOT)}: {name}")
+        for name in re.findall(r"(?<![\w/])(test_\w+\.py)", text):
+            if name not in tests:
+                missing.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not missing, "the docs name files that do not exist:\n" + "\n".join(sorted(set(missing)))
+
+
+def module_file(parts: list[str]) -> Path | None:
+    """The source file of the module ``parts`` names in this repository, or None."""
+    path = ROOT.joinpath(*parts)
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def resolve_dotted(name: str) -> str | None:
+    """Why the dotted ``name`` (``vllm_mlx.x.y``) does not resolve, or None when it does: its
+    longest prefix that is a module of the repository must be below the package (or be
+    ``vllm_mlx`` with a public name), and what follows an attribute chain of it."""
+    import importlib
+
+    parts = name.split(".")
+    i = max(n for n in range(1, len(parts) + 1) if n == 1 or module_file(parts[:n]) is not None)
+    module, attributes = ".".join(parts[:i]), parts[i:]
+    if not attributes:
+        return None
+    if module in ("vllm_mlx", "vllm_mlx_jupyter"):
+        import vllm_mlx
+
+        public = [*vllm_mlx.__all__, "__all__", "LLM"] if module == "vllm_mlx" else []
+        return None if attributes[0] in public else f"no module or public name {attributes[0]}"
+    source = module_file(parts[:i]).read_text()
+    if re.search(r"^\s*(?:import|from) (?:vllm|torch)\b(?!_mlx)", source, flags=re.M):
+        # The plugin's modules import vLLM (a minute to import): read their top-level names instead.
+        tree = ast.parse(source)
+        defined = {n.name for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+        defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+        return None if attributes[0] in defined else f"{module} has no {attributes[0]}"
+    obj = importlib.import_module(module)
+    for attribute in attributes:
+        if not hasattr(obj, attribute):
+            return f"{module} has no {'.'.join(attributes)}"
+        obj = getattr(obj, attribute)
+    return None
+
+
+def test_dotted_names_the_docs_give_exist():
+    """Every ``vllm_mlx.x.y`` the README and the docs name (prose and code) imports as written."""
+    names = {name for _, text in documented_texts() for name in re.findall(r"\bvllm_mlx(?:_jupyter)?(?:\.\w+)+", text)}
+    problems = [f"{name}: {why}" for name in sorted(names) if (why := resolve_dotted(name))]
+    assert not problems, "the docs name what the code does not have:\n" + "\n".join(problems)
+
+
 UNFINISHED = re.compile(r"\bin progress\b|\bcoming soon\b|\bwork in progress\b|\bTODO\b", re.I)
 """Words no page may use: whatever the docs describe is either shipped or named as missing."""
 
@@ -292,7 +364,7 @@ def test_no_shipped_feature_is_called_unfinished():
     for pattern, evidence in SHIPPED.items():
         assert shipped(evidence), f"SHIPPED names {evidence} for {pattern!r}, which is gone: update the table"
     found = []
-    for path in [ROOT / "README.md", *doc_pages()]:
+    for path, _ in documented_texts():
         for sentence in prose_sentences(path):
             where = f"{path.relative_to(ROOT)}: {sentence[:160]}"
             if UNFINISHED.search(sentence):

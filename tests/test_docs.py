@@ -167,6 +167,214 @@ def test_benchmarks_page_is_in_the_nav():
     assert "benchmarks.md" in nav
 
 
+# -- every page can be found, and none calls a shipped feature unfinished ------------------------
+
+
+def mkdocs_config() -> dict:
+    """``mkdocs.yml`` as data (its ``!!python/name:`` tags read as their names)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("tag:yaml.org,2002:python/", lambda loader, suffix, node: suffix)
+    return yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=Loader)
+
+
+def nav_pages(entries) -> list[str]:
+    pages = []
+    for entry in entries:
+        value = next(iter(entry.values())) if isinstance(entry, dict) else entry
+        pages += nav_pages(value) if isinstance(value, list) else [value]
+    return pages
+
+
+def page_names(folder: Path) -> set[str]:
+    return {page.relative_to(DOCS).as_posix() for page in folder.glob("*.md")}
+
+
+def linked_pages(page: Path, rows_under: str | None = None) -> set[str]:
+    """The ``.md`` pages ``page`` links to (anchors dropped), relative to ``docs/``; with
+    ``rows_under``, only those in the table rows of that section."""
+    text = page.read_text()
+    if rows_under is not None:
+        section = text.split(rows_under, 1)[1].split("\n#", 1)[0]
+        text = "\n".join(line for line in section.splitlines() if line.startswith("|"))
+    targets = re.findall(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)", text)
+    return {(page.parent / target).resolve().relative_to(DOCS.resolve()).as_posix() for target in targets}
+
+
+def test_every_page_is_in_the_nav_and_an_omitted_one_fails_the_build():
+    config = mkdocs_config()
+    assert config["strict"] is True
+    assert config["validation"]["nav"]["omitted_files"] == "warn"  # strict: a page left out fails
+    listed = nav_pages(config["nav"])
+    assert len(listed) == len(set(listed)), "a page is in the nav twice"
+    assert set(listed) == {page.relative_to(DOCS).as_posix() for page in doc_pages()}
+
+
+def test_every_page_is_on_the_home_table():
+    """The home page's table leads to every guide (and the API overview, which leads to the
+    API pages): a new page that is not there is a page nobody finds."""
+    home = linked_pages(DOCS / "index.md", rows_under="## Where to go next")
+    pages = page_names(DOCS) - {"index.md"} | {"api/index.md"}
+    assert not pages - home, f"pages missing from the home page's table: {sorted(pages - home)}"
+    assert home <= pages, f"the home page's table links elsewhere: {sorted(home - pages)}"
+    api_pages = page_names(DOCS / "api") - {"api/index.md"}
+    missing = api_pages - linked_pages(DOCS / "api" / "index.md")
+    assert not missing, f"API pages missing from api/index.md: {sorted(missing)}"
+
+
+def test_installation_lists_every_extra():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    rows = table_after("installation.md", "Extras add the optional parts:")
+    documented = sorted(code_spans(row["extra"])[0] for row in rows)
+    assert documented == sorted(extras), f"installation.md's extras {documented} != pyproject's {sorted(extras)}"
+
+
+GENERATED = {"notebooks/quickstart.executed.ipynb"}  # written by `vllm-mlx demo`, not in the repository
+
+
+def documented_texts() -> list[tuple[Path, str]]:
+    return [(path, path.read_text()) for path in [ROOT / "README.md", *doc_pages()]]
+
+
+REPOSITORY_PATH = re.compile(r"(?<![\w/.-])((?:vllm_mlx|vllm_mlx_jupyter|tests|bench|notebooks|\.ci)/[\w./-]*\w)")
+
+
+def test_repository_paths_the_docs_name_exist():
+    """Files and folders the docs point at (``vllm_mlx/kv_spec.py``, ``bench/limits.py``, a test
+    file by name) exist: a module or test that moved shows here, not in a reader's terminal."""
+    tests = {path.name for path in (ROOT / "tests").rglob("test_*.py")}
+    missing = []
+    for path, text in documented_texts():
+        for name in REPOSITORY_PATH.findall(text):
+            if name not in GENERATED and not (ROOT / name).exists():
+                missing.append(f"{path.relative_to(ROOT)}: {name}")
+        for name in re.findall(r"(?<![\w/])(test_\w+\.py)", text):
+            if name not in tests:
+                missing.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not missing, "the docs name files that do not exist:\n" + "\n".join(sorted(set(missing)))
+
+
+def module_file(parts: list[str]) -> Path | None:
+    """The source file of the module ``parts`` names in this repository, or None."""
+    path = ROOT.joinpath(*parts)
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def resolve_dotted(name: str) -> str | None:
+    """Why the dotted ``name`` (``vllm_mlx.x.y``) does not resolve, or None when it does: its
+    longest prefix that is a module of the repository must be below the package (or be
+    ``vllm_mlx`` with a public name), and what follows an attribute chain of it."""
+    import importlib
+
+    parts = name.split(".")
+    i = max(n for n in range(1, len(parts) + 1) if n == 1 or module_file(parts[:n]) is not None)
+    module, attributes = ".".join(parts[:i]), parts[i:]
+    if not attributes:
+        return None
+    if module in ("vllm_mlx", "vllm_mlx_jupyter"):
+        import vllm_mlx
+
+        public = [*vllm_mlx.__all__, "__all__", "LLM"] if module == "vllm_mlx" else []
+        return None if attributes[0] in public else f"no module or public name {attributes[0]}"
+    source = module_file(parts[:i]).read_text()
+    if re.search(r"^\s*(?:import|from) (?:vllm|torch)\b(?!_mlx)", source, flags=re.M):
+        # The plugin's modules import vLLM (a minute to import): read their top-level names instead.
+        tree = ast.parse(source)
+        defined = {n.name for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+        defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+        return None if attributes[0] in defined else f"{module} has no {attributes[0]}"
+    obj = importlib.import_module(module)
+    for attribute in attributes:
+        if not hasattr(obj, attribute):
+            return f"{module} has no {'.'.join(attributes)}"
+        obj = getattr(obj, attribute)
+    return None
+
+
+def test_dotted_names_the_docs_give_exist():
+    """Every ``vllm_mlx.x.y`` the README and the docs name (prose and code) imports as written."""
+    names = {name for _, text in documented_texts() for name in re.findall(r"\bvllm_mlx(?:_jupyter)?(?:\.\w+)+", text)}
+    problems = [f"{name}: {why}" for name in sorted(names) if (why := resolve_dotted(name))]
+    assert not problems, "the docs name what the code does not have:\n" + "\n".join(problems)
+
+
+UNFINISHED = re.compile(r"\bin progress\b|\bcoming soon\b|\bwork in progress\b|\bTODO\b", re.I)
+"""Words no page may use: whatever the docs describe is either shipped or named as missing."""
+
+NOT_YET = re.compile(r"\bnot yet\b|\b(?:no|not|n't|never|nothing)\b[^.;:]*\byet\b", re.I)
+
+REFUSAL = re.compile(r"\brefus|\bdoes not support\b|\bnot supported\b", re.I)
+"""A sentence that names what the code refuses states a limitation, not an unfinished feature."""
+
+SHIPPED = {
+    # what the docs call it -> the code that ships it ("module" or "module:attribute")
+    r"notebook|jupyter|%%generate": "vllm_mlx_jupyter",
+    r"tool[- ]call|tool use|\btools\b|tool_choice": "vllm_mlx.tool_parsers",
+    r"anthropic|/v1/messages|/v1/responses|responses api": "vllm_mlx.entrypoints.anthropic",
+    r"\bimages?\b|vision|multimodal|mllm": "vllm_mlx.mllm_cache",
+    r"vllm plugin|platform plugin|vllm serve|vllm\.LLM": "vllm_mlx.vllm_platform",
+    r"structured output|json schema|response_format|grammar": "vllm_mlx.structured",
+    r"tensor[- ]parallel": "vllm_mlx.engine_core:EngineConfig.tensor_parallel",
+    r"pipeline[- ]parallel": "vllm_mlx.engine_core:EngineConfig.pipeline_parallel",
+    r"sliding[- ]window": "vllm_mlx.kv_spec:SlidingWindowSpec",
+    r"prefix (?:reuse|hits?|is resumed)|resum\w* (?:a|the) prefix|state checkpoint": (
+        "vllm_mlx.engine_core:EngineConfig.max_state_checkpoints"
+    ),
+}
+
+
+def shipped(evidence: str) -> bool:
+    import importlib
+    import importlib.util
+
+    module, _, attributes = evidence.partition(":")
+    if importlib.util.find_spec(module) is None:
+        return False
+    obj = importlib.import_module(module) if attributes else None
+    for name in attributes.split(".") if attributes else []:
+        if not hasattr(obj, name):
+            return False
+        obj = getattr(obj, name)
+    return True
+
+
+def prose_sentences(path: Path) -> list[str]:
+    """The sentences of a page outside code blocks (each table row one sentence or more)."""
+    text = re.sub(r"^(`{3,}|~{3,}).*?^\1", "", path.read_text(), flags=re.S | re.M)
+    sentences = []
+    for paragraph in re.split(r"\n\s*\n", text):
+        lines = paragraph.splitlines() if paragraph.lstrip().startswith("|") else [paragraph]
+        for line in lines:
+            sentences += re.split(r"(?<=[.!?])\s+(?=[A-Z`*\[])", " ".join(line.split()))
+    return sentences
+
+
+def test_no_shipped_feature_is_called_unfinished():
+    """README and docs never call a page or feature "in progress" (or "coming soon"), and a "not
+    yet" never names a feature the code ships (the home page once called the notebook front end
+    "in progress"; the README said Qwen3.5 had "no prefix reuse yet" after checkpoints gave it)."""
+    for pattern, evidence in SHIPPED.items():
+        assert shipped(evidence), f"SHIPPED names {evidence} for {pattern!r}, which is gone: update the table"
+    found = []
+    for path, _ in documented_texts():
+        for sentence in prose_sentences(path):
+            where = f"{path.relative_to(ROOT)}: {sentence[:160]}"
+            if UNFINISHED.search(sentence):
+                found.append(where)
+            elif NOT_YET.search(sentence) and not REFUSAL.search(sentence):
+                if any(re.search(pattern, sentence, re.I) for pattern in SHIPPED):
+                    found.append(where)
+    assert not found, "shipped features called unfinished:\n" + "\n".join(found)
+
+
 # -- code blocks ----------------------------------------------------------------------------------
 
 

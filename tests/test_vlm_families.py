@@ -6,8 +6,9 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
 * Qwen3-VL: deepstack (vision-block features added to the first text layers' hidden states at
   the image positions) and interleaved multi-axis rotary positions.
 * Qwen3.5: Qwen3-VL's vision side without deepstack and a hybrid text model: gated delta-net
-  layers whose state lives in the engine's state pool (rows of one call right-padded), so no
-  prefix is resumed yet (no state checkpoints) and a repeated image comes from the MLLM cache.
+  layers whose state lives in the engine's state pool (rows of one call right-padded), so a
+  prefix resumes only where a state checkpoint was kept, and a repeated image after a new branch
+  comes from the MLLM cache.
 * Gemma 3: an image framed by ``<start_of_image>`` / ``<end_of_image>`` and newlines, features
   scaled on the way in, and a text model alternating sliding-window (here 8 tokens, shorter
   than every prompt) and global layers: the paged caches must apply the window.

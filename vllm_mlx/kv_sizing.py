@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from vllm_mlx.engine_core import EngineConfig
+    from vllm_mlx.config import EngineConfig
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
 

@@ -6,6 +6,15 @@ import argparse
 import dataclasses
 import os
 
+from vllm_mlx.config import (
+    DISTRIBUTED_GROUP,
+    SERVE,
+    EngineConfig,
+    add_arguments,
+    argparse_type,
+    options_from_args,
+    parse_seconds,
+)
 from vllm_mlx.entrypoints.openai import DEFAULT_MAX_BODY_BYTES, DEFAULT_STREAM_STALL_TIMEOUT_S
 from vllm_mlx.media_policy import SERVER_MAX_IMAGES, SERVER_MAX_PIXELS, MediaPolicy, parse_limit_mm_per_prompt
 from vllm_mlx.tool_parsers.registry import ALIASES, PARSER_NAMES
@@ -61,16 +70,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser, parse_bytes) -> None:
         "have free whitespace between tokens (default: compact JSON, which sampling models finish)",
     )
     server.add_argument(
-        "--stream-stall-timeout", type=_non_negative_float, default=DEFAULT_STREAM_STALL_TIMEOUT_S, metavar="SECONDS",
+        "--stream-stall-timeout", type=argparse_type(parse_seconds), default=DEFAULT_STREAM_STALL_TIMEOUT_S, metavar="SECONDS",
         help="abort a streamed request whose client reads nothing for this long, freeing its KV blocks "
         f"(0 = never; default: {DEFAULT_STREAM_STALL_TIMEOUT_S:g})",
     )
     _add_limit_arguments(parser.add_argument_group("request limits (raise them for trusted clients)"))
-    # Engine flags shared with other commands come from cli.add_model_arguments; this one is the
-    # server's own (``generate`` uses --seed for its sampling).
-    parser.add_argument("--seed", type=int, default=None, help="seed drawn from for requests that bring none")
     _add_media_arguments(parser.add_argument_group("media inputs (none from outside the request by default)"))
-    _add_distributed_arguments(parser.add_argument_group("tensor and pipeline parallelism (docs/distributed.md)"))
+    _add_distributed_arguments(parser.add_argument_group(DISTRIBUTED_GROUP))
+    # Engine flags shared with other commands come from cli.add_model_arguments; these are the
+    # server's own (``generate`` uses --seed for its sampling): --seed and the distributed timeouts.
+    add_arguments(parser, EngineConfig, SERVE)
 
 
 def _add_distributed_arguments(group) -> None:
@@ -87,25 +96,12 @@ def _add_distributed_arguments(group) -> None:
     group.add_argument("--pipeline-parallel", action="store_true",
                        help="with --distributed: every rank holds a stage of the model's layers instead of "
                        "a shard of every layer (give it to every rank)")  # fmt: skip
-    group.add_argument("--distributed-timeout", type=float, default=None, metavar="SECONDS",
-                       help="how long a step may wait on the other ranks before one is declared hung "
-                       "and the server unhealthy (default: 120)")  # fmt: skip
-    group.add_argument("--distributed-startup-timeout", type=float, default=None, metavar="SECONDS",
-                       help="how long start-up (every rank loading the model) may take before a rank "
-                       "gives up on the others and exits (default: 600)")  # fmt: skip
 
 
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
@@ -123,9 +119,7 @@ def request_limits(args: argparse.Namespace) -> RequestLimits:
 
 def serve_engine_options(args: argparse.Namespace) -> dict:
     """The ``EngineConfig`` fields set by the flags above."""
-    flags = {"seed": args.seed, "distributed_timeout_s": args.distributed_timeout,
-             "distributed_startup_timeout_s": args.distributed_startup_timeout}  # fmt: skip
-    return {name: value for name, value in flags.items() if value is not None}
+    return options_from_args(args, EngineConfig, SERVE)
 
 
 def _add_media_arguments(group) -> None:

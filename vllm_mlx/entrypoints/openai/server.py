@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm_mlx import __version__
 from vllm_mlx.async_engine import AsyncEngineCore, EngineDeadError
 from vllm_mlx.cpu_backend import backend_summary, warn_reference_blas
-from vllm_mlx.engine_core import EngineConfig
+from vllm_mlx.config import EngineConfig
 from vllm_mlx.entrypoints.anthropic.protocol import MessagesInput, MessagesRequest, error_body, is_messages_path
 from vllm_mlx.entrypoints.anthropic.serving import AnthropicServing
 from vllm_mlx.entrypoints.openai.cache_blocks import block_view

@@ -1,0 +1,537 @@
+"""Every engine option, declared once: ``EngineConfig`` and what each of its fields means.
+
+A field is declared with ``option(default, help=..., ...)``: its name, type (the annotation),
+default, unit, help and the surfaces that show it live on the field (``Option`` in its
+metadata). Everything else is read from there:
+
+- the CLI flags of ``vllm-mlx generate``/``serve``/``bench`` (``add_arguments``) and the values
+  they set (``options_from_args``);
+- the notebook's ``%vllm_mlx load --flag`` (``vllm_mlx_jupyter/options.py``);
+- the checks of ``LLM(...)``/``EngineCore(...)`` keywords (``apply_options``: an unknown name
+  is a ``TypeError`` naming the close ones) and of values (``EngineConfig.normalize``);
+- the configuration tables of the docs (``markdown_tables``; ``python -m vllm_mlx.config
+  --markdown`` prints them, ``--write docs/configuration.md`` puts them in place).
+
+Sizes (``512M``) and durations are parsed here and nowhere else. Pure Python: no MLX, and no
+import of the engine (``vllm_mlx.engine_core`` re-exports ``EngineConfig`` from here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm_mlx.kv_sizing import DEFAULT_KV_CACHE_MEMORY
+from vllm_mlx.prefill_budget import DEFAULT_PREFILL_ATTENTION_TOKENS
+from vllm_mlx.rank_watchdog import DEFAULT_STARTUP_TIMEOUT_S
+from vllm_mlx.structured.bounds import DEFAULT_MAX_CONSTRAINT_BOUND
+
+if TYPE_CHECKING:
+    from vllm_mlx.media_policy import MediaPolicy
+    from vllm_mlx.scheduler import SchedulerConfig
+
+DEFAULT_MLLM_CACHE_MEMORY = 512 << 20  # 512 MiB
+
+# Surfaces: where an option shows besides ``EngineConfig(...)``/``LLM(...)``.
+ENGINE = "engine"
+"""The engine flags ``vllm-mlx generate`` and ``serve`` share."""
+SERVE = "serve"
+"""Flags of ``vllm-mlx serve`` only."""
+BENCH = "bench"
+"""Flags of ``vllm-mlx bench``."""
+NOTEBOOK = "notebook"
+"""``%vllm_mlx load --flag`` in a notebook."""
+
+ENGINE_GROUP = "engine"
+DISTRIBUTED_GROUP = "tensor and pipeline parallelism (docs/distributed.md)"
+
+# Units: how a value given as text (a flag, ``LLM(kv_cache_memory="512M")``) is read.
+BYTES = "bytes"
+"""A size: an int of bytes or text like ``512M`` (``parse_bytes``)."""
+MEMORY = "memory"
+"""A size, or a fraction of the available memory (``parse_memory``)."""
+SECONDS = "seconds"
+"""A duration in seconds (``parse_seconds``)."""
+
+_SAME = "same as the field"  # Option.cli_default when the flag's default is the field's
+
+
+@dataclass(frozen=True)
+class Option:
+    """How one config field shows on every surface. Lives in the field's metadata (``option``)."""
+
+    help: str
+    """The flag's ``--help`` text (``%%`` for a literal percent sign, as argparse wants)."""
+    doc: str = ""
+    """The meaning in the docs' tables (Markdown); empty = ``help``."""
+    surfaces: frozenset[str] = frozenset()
+    unit: str = ""
+    minimum: int | float | None = None
+    """Values below are refused by ``normalize`` (for ``SECONDS``: values not above it)."""
+    flag: str = ""
+    """The flag when it is not ``--field-name``."""
+    cli_default: Any = _SAME
+    """The flag's default when not the field's: None = unset, the config keeps its default."""
+    choices: tuple[str, ...] = ()
+    metavar: str | None = None
+    group: str | None = ENGINE_GROUP
+    """The ``--help`` section of the flag (None: the command's own options)."""
+    doc_flag: str = ""
+    """The docs' "CLI flag" cell when the generated one would not say it all."""
+
+
+def option(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING,
+           surfaces: tuple[str, ...] = (), **details: Any) -> Any:  # fmt: skip
+    """A dataclass field declared with its ``Option`` (see there for ``details``)."""
+    meta = {"option": Option(help=help, surfaces=frozenset(surfaces), **details)}
+    return field(default=default, default_factory=default_factory, metadata=meta)
+
+
+def options_of(cls) -> list[tuple[dataclasses.Field, Option]]:
+    """The declared fields of a config dataclass, in order."""
+    return [(f, f.metadata["option"]) for f in dataclasses.fields(cls) if "option" in f.metadata]
+
+
+def field_default(f: dataclasses.Field) -> Any:
+    return f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+
+
+# -- sizes and durations: parsed here only -----------------------------------------------------
+
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(value: str | int) -> int:
+    """A size: an int of bytes, or text like ``"512M"``, ``"2G"``, ``"1.5GB"``, ``"4096"``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"not a size: {value!r} (e.g. 512M, 2G, or an int of bytes)")
+    text = value.strip().upper().removesuffix("B")
+    try:
+        if text[-1:] in _UNITS:
+            return int(float(text[:-1]) * _UNITS[text[-1]])
+        return int(text)
+    except ValueError:
+        raise ValueError(f"not a size: {value!r} (e.g. 512M, 2G, or an int of bytes)") from None
+
+
+def parse_memory(value: str | int | float) -> int | float:
+    """A memory budget: a size (see ``parse_bytes``) or a fraction of available memory
+    (a float, or text like ``"0.3"``)."""
+    if isinstance(value, float):
+        return value
+    if isinstance(value, str) and "." in value and not value.strip()[-1:].isalpha():
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return parse_bytes(value)
+
+
+def parse_seconds(text: str) -> float:
+    """A duration given as text: a number of seconds >= 0 (``"0.5"``, ``"60"``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"not a number of seconds: {text!r}") from None
+    if not value >= 0:  # also refuses nan
+        raise ValueError(f"must be >= 0, got {text}")
+    return value
+
+
+def is_seconds(value: object, minimum: float = 0) -> bool:
+    """A duration as the config holds it: a number (not a bool) above ``minimum``."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and value > minimum
+
+
+def argparse_type(parse):
+    """``parse`` as an argparse ``type``: its ``ValueError`` becomes argparse's usage error."""
+
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = parse.__name__  # argparse names the type in "invalid ... value"
+    convert.__doc__ = parse.__doc__
+    return convert
+
+
+_TEXT_PARSERS = {BYTES: parse_bytes, MEMORY: parse_memory, SECONDS: parse_seconds}
+
+
+# -- EngineConfig ------------------------------------------------------------------------------
+
+
+@dataclass
+class EngineConfig:
+    """Everything needed to build an engine; CLI flags and ``LLM(**options)`` map onto it.
+
+    Each field is declared once, with its help and where it shows (``option``); see the module."""
+
+    model: str = option(
+        "default", surfaces=(ENGINE, BENCH), group=None, help="MLX directory, .gguf file, hub id or 'default'",
+        doc="model source: an MLX model directory, a `.gguf` file, a Hugging Face repo id, or `\"default\"` "
+        "(the built-in SmolLM2-135M-Instruct)",
+        doc_flag="`--model` (or `MODEL` for `serve`)",
+    )  # fmt: skip
+    max_num_seqs: int = option(
+        32, surfaces=(ENGINE, BENCH, NOTEBOOK), minimum=1, help="most requests in one batch",
+        doc="most requests running in one batch",
+    )  # fmt: skip
+    max_num_batched_tokens: int = option(
+        512, surfaces=(ENGINE, BENCH, NOTEBOOK), minimum=1, help="token budget of one step",
+        doc="token budget of one step: prefill chunks plus one token per decoding request",
+    )  # fmt: skip
+    block_size: int = option(16, surfaces=(ENGINE, NOTEBOOK), minimum=1, help="tokens per KV block")
+    num_kv_blocks: int | None = option(
+        None, surfaces=(ENGINE, NOTEBOOK), minimum=1, help="KV blocks (overrides --kv-cache-memory)",
+        doc="blocks in the KV pool; `None` sizes the pool from `kv_cache_memory`",
+    )  # fmt: skip
+    kv_cache_memory: int | float = option(
+        DEFAULT_KV_CACHE_MEMORY, surfaces=(ENGINE, NOTEBOOK), unit=MEMORY, cli_default=None,
+        help="KV pool size: bytes (512M, 2G) or a fraction of available memory (0.3)",
+        doc="KV pool budget when `num_kv_blocks` is `None`: bytes (an `int`; the default is 1 GiB) or a fraction "
+        "in (0, 1] of the memory available when the engine starts (a `float`)",
+    )  # fmt: skip
+    max_model_len: int | None = option(
+        None, surfaces=(ENGINE, NOTEBOOK), minimum=1, help="longest prompt + output (default: the model's)",
+        doc="longest prompt + output; `None` = the model's context length (`max_position_embeddings`)",
+    )  # fmt: skip
+    enable_prefix_caching: bool = option(
+        True, surfaces=(ENGINE, NOTEBOOK), help="reuse KV blocks of repeated prefixes (default: on)",
+        doc="reuse the KV blocks of repeated prefixes ([Caching explained](caching.md))",
+    )  # fmt: skip
+    enable_chunked_prefill: bool = option(
+        True, surfaces=(ENGINE, NOTEBOOK), help="prefill long prompts in chunks between decode steps (default: on)",
+        doc="prefill long prompts in chunks between decode steps",
+    )  # fmt: skip
+    prefill_attention_tokens: int = option(
+        DEFAULT_PREFILL_ATTENTION_TOKENS, surfaces=(ENGINE, NOTEBOOK), minimum=0, cli_default=None,
+        help="charge prefill chunks for attention: the context length at which a token's attention costs as much "
+        f"as its weights (default: {DEFAULT_PREFILL_ATTENTION_TOKENS}; 0: chunks cost their token count)",
+        doc="charge each prefill chunk for its attention in the step's budget (`prefill_budget.PrefillCost`): a "
+        "chunk of `n` tokens starting at context position `p` costs `n * (1 + (p + n/2) / "
+        "prefill_attention_tokens)` of `max_num_batched_tokens`, so chunks shrink as a long prompt's context grows "
+        "and a stream decoding beside it keeps a bounded gap between tokens; decode rows cost 1; `0` = a chunk "
+        "costs its token count (the old policy); only with chunked prefill "
+        "([Benchmarks](benchmarks.md#prefill-beside-a-decoding-stream-benchprefill_interferencepy))",
+    )  # fmt: skip
+    max_state_checkpoints: int | None = option(
+        None, surfaces=(ENGINE, NOTEBOOK), minimum=0,
+        help="hybrid models: recurrent states kept at block boundaries for prefix hits "
+        "(default: 2 x max-num-seqs, at most half the KV budget; 0: no prefix hits)",
+        doc="hybrid models: recurrent states kept at block boundaries for prefix hits, paid out of the KV budget; "
+        "`None` = `2 * max_num_seqs`, at most half of the budget left after the running requests' states; "
+        "`0` = no prefix hits ([Caching explained](caching.md#recurrent-layers))",
+    )  # fmt: skip
+    seed: int | None = option(
+        None, surfaces=(SERVE, NOTEBOOK), group=None, help="seed drawn from for requests that bring none",
+        doc="seeds the per-request seeds drawn for requests that bring none (`None` = random)",
+        doc_flag="`--seed` (`serve` only)",
+    )  # fmt: skip
+    weight_format: str = option(
+        "auto", surfaces=(ENGINE, BENCH, NOTEBOOK), choices=("auto", "quantized", "float32"),
+        help="auto: quantized on Metal/CUDA, float32 on the CPU backend",
+        doc="`\"auto\"`, `\"quantized\"` or `\"float32\"`; auto keeps quantized weights on Metal and CUDA, and runs "
+        "float32 weights on the CPU backend, where they run faster ([why](installation.md#linux-cpu))",
+    )  # fmt: skip
+    force_model_takeover: bool = option(
+        False, surfaces=(NOTEBOOK,),
+        help="take the model over from another live engine instead of raising ModelOwnershipError",
+        doc="take the model over from another live engine instead of raising `ModelOwnershipError` "
+        "([Troubleshooting](troubleshooting.md#model-ownership))",
+    )  # fmt: skip
+    enable_mllm_cache: bool = option(
+        True, surfaces=(ENGINE, NOTEBOOK),
+        help="vision-language models: reuse vision-encoder outputs of repeated images (default: on)",
+        doc="vision-language models: keep vision-encoder outputs by image content hash, so the same image in a "
+        "later request skips the encoder ([Images](images.md))",
+    )  # fmt: skip
+    mllm_cache_memory: int = option(
+        DEFAULT_MLLM_CACHE_MEMORY, surfaces=(ENGINE, NOTEBOOK), unit=BYTES, cli_default=None,
+        help="bytes of vision-encoder outputs the MLLM cache may hold (default: 512M)",
+        doc="bytes of vision-encoder outputs the MLLM cache may hold (512 MiB); the least recently used go first",
+    )  # fmt: skip
+    trust_remote_code: bool = option(
+        False, surfaces=(ENGINE, NOTEBOOK),
+        help="load a model whose configs name Python code to run (model_file, auto_map), and fetch *.py files "
+        "from the hub",
+        doc="load a model whose configs name Python code to run (`model_file`, `auto_map`); otherwise it is "
+        "refused, and hub downloads skip `*.py` ([Model code](serving.md#model-code))",
+    )  # fmt: skip
+    media_policy: MediaPolicy | None = option(
+        None, help="which image paths and URLs prompts may use",
+        doc="which image paths and URLs prompts may use; `None` = `MediaPolicy.operator()`: any local regular "
+        "file, public http(s) URLs ([Media inputs](serving.md#media-inputs)). The server loads request images "
+        "under its own policy (`MediaPolicy.server()`), built from its flags",
+        doc_flag="— (`serve`: the media flags)",
+    )  # fmt: skip
+    tensor_parallel: bool = option(
+        False, surfaces=(NOTEBOOK,), help="split the model over the ranks of mx.distributed (this process: rank 0)",
+        doc="split the model over the ranks of `mx.distributed`: this process must be rank 0 of ranks launched "
+        "with `mlx.launch`, the others run `vllm_mlx.distributed.worker_loop` with the same model and "
+        "`weight_format` ([Distributed](distributed.md))",
+    )  # fmt: skip
+    pipeline_parallel: bool = option(
+        False, surfaces=(NOTEBOOK,),
+        help="split the model's layers into stages over the ranks of mx.distributed (this process: rank 0)",
+        doc="split the model's layers into stages over the ranks of `mx.distributed` (mlx-lm's `pipeline()`): "
+        "launched as with `tensor_parallel`, the others run `worker_loop(..., pipeline_parallel=True)`; not with "
+        "`tensor_parallel` ([Distributed](distributed.md#pipeline-parallelism))",
+    )  # fmt: skip
+    distributed_timeout_s: float = option(
+        120.0, surfaces=(SERVE, NOTEBOOK), unit=SECONDS, minimum=0, flag="--distributed-timeout",
+        cli_default=None, metavar="SECONDS", group=DISTRIBUTED_GROUP,
+        help="how long a step may wait on the other ranks before one is declared hung and the server unhealthy "
+        "(default: 120)",
+        doc="with `tensor_parallel` or `pipeline_parallel`: how long a step (or the idle heartbeat) may wait on "
+        "the other ranks before rank 0 declares one hung and the engine failed (`rank_watchdog.py`); it must "
+        "exceed the slowest legitimate step, the largest prefill chunk on this hardware "
+        "([Distributed](distributed.md#when-a-rank-dies-or-hangs))",
+    )  # fmt: skip
+    distributed_startup_timeout_s: float = option(
+        DEFAULT_STARTUP_TIMEOUT_S, surfaces=(SERVE, NOTEBOOK), unit=SECONDS, minimum=0,
+        flag="--distributed-startup-timeout", cli_default=None, metavar="SECONDS", group=DISTRIBUTED_GROUP,
+        help="how long start-up (every rank loading the model) may take before a rank gives up on the others "
+        f"and exits (default: {DEFAULT_STARTUP_TIMEOUT_S:g})",
+        doc="with `tensor_parallel` or `pipeline_parallel`: how long start-up (every rank loading and checking "
+        "the model, then the start message) may take before a rank gives up on the others and exits with "
+        "status 1; it must exceed the slowest rank's load ([Distributed](distributed.md#when-a-rank-dies-or-hangs))",
+    )  # fmt: skip
+    max_constraint_bound: int = option(
+        DEFAULT_MAX_CONSTRAINT_BOUND, surfaces=(NOTEBOOK,), minimum=1,
+        help="largest repetition bound in a structured-output constraint (maxItems, regex {n,m}, ...)",
+        doc="the largest repetition bound (`maxItems`, `maxLength`, a regex's `{n,m}`, ...) a structured-output "
+        "constraint may hold; all of one constraint's bounds may add up to 10 times it "
+        "([Structured outputs](structured_outputs.md#limits))",
+        doc_flag="— (`serve`: `--max-constraint-bound`, the server's own)",
+    )  # fmt: skip
+
+    def normalize(self) -> None:
+        """Accept every option in the forms the CLI takes (``kv_cache_memory="512M"`` or
+        ``"0.3"``, ``mllm_cache_memory="256M"``) and check types and ranges, so that
+        ``LLM(...)``, notebooks and the CLI agree. Raises ``ValueError`` naming the option."""
+        for f, opt in options_of(EngineConfig):
+            setattr(self, f.name, _checked(f, opt, getattr(self, f.name)))
+        if self.tensor_parallel and self.pipeline_parallel:
+            raise ValueError("tensor_parallel and pipeline_parallel are exclusive: choose one way to split the model")
+
+    def scheduler_config(self, num_blocks: int, context_len: int | None) -> SchedulerConfig:
+        """The scheduler's limits for a pool of ``num_blocks`` and a model context of ``context_len``."""
+        from vllm_mlx.scheduler import SchedulerConfig
+
+        limits = [n for n in (self.max_model_len, context_len) if n]
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            block_size=self.block_size,
+            num_blocks=num_blocks,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            prefill_attention_tokens=self.prefill_attention_tokens,
+            enable_prefix_caching=self.enable_prefix_caching,
+            max_model_len=min(limits) if limits else None,
+        )
+
+
+def _checked(f: dataclasses.Field, opt: Option, value: Any) -> Any:
+    """``value`` of field ``f`` in its canonical form (sizes parsed), or ``ValueError`` naming it."""
+    name, kind = f.name, str(f.type)
+    if opt.unit in (BYTES, MEMORY):
+        try:
+            return _TEXT_PARSERS[opt.unit](value)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+    if value is None and kind.endswith("| None"):
+        return value
+    if opt.unit == SECONDS:
+        if not is_seconds(value, opt.minimum or 0):
+            raise ValueError(f"{name} must be a number of seconds > {opt.minimum or 0:g}, got {value!r}")
+    elif kind == "bool":
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+    elif kind.startswith("int") and opt.minimum is not None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < opt.minimum:
+            raise ValueError(f"{name} must be an int >= {opt.minimum}, got {value!r}")
+    return value
+
+
+def apply_options(config, overrides: dict, what: str = "engine option") -> None:
+    """Set ``overrides`` (field name -> value) on the dataclass ``config``; an unknown name is a
+    ``TypeError`` naming the close ones (``max_num_seq`` -> ``max_num_seqs``)."""
+    names = [f.name for f in dataclasses.fields(config)]
+    for name, value in overrides.items():
+        if name not in names:
+            raise TypeError(unknown_option_message(name, names, what))
+        setattr(config, name, value)
+
+
+def unknown_option_message(name: str, known: list[str], what: str = "engine option") -> str:
+    close = difflib.get_close_matches(name, known, n=3)
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    return f"unknown {what} {name!r}{hint}"
+
+
+# -- argparse: flags from the declarations ------------------------------------------------------
+
+
+def flag_of(f: dataclasses.Field, opt: Option) -> str:
+    return opt.flag or "--" + f.name.replace("_", "-")
+
+
+def cli_default(f: dataclasses.Field, opt: Option) -> Any:
+    return field_default(f) if opt.cli_default is _SAME else opt.cli_default
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls, surface: str) -> None:
+    """Add a flag for every option of ``cls`` shown on ``surface``, each in its ``--help``
+    section (``Option.group``). Bools default on get ``--x/--no-x``; bools default off, ``--x``."""
+    for f, opt in options_of(cls):
+        if surface in opt.surfaces:
+            target = parser if opt.group is None else argument_group(parser, opt.group)
+            target.add_argument(flag_of(f, opt), dest=f.name, **_argparse_kwargs(f, opt))
+
+
+def _argparse_kwargs(f: dataclasses.Field, opt: Option) -> dict:
+    default = cli_default(f, opt)
+    kwargs: dict[str, Any] = {"default": default, "help": opt.help.replace("%", "%%")}
+    if str(f.type) == "bool":
+        kwargs["action"] = argparse.BooleanOptionalAction if default else "store_true"
+        return kwargs
+    if opt.unit:
+        kwargs["type"] = argparse_type(_TEXT_PARSERS[opt.unit])
+    elif str(f.type).startswith("int"):
+        kwargs["type"] = int
+    if opt.choices:
+        kwargs["choices"] = list(opt.choices)
+    if opt.metavar:
+        kwargs["metavar"] = opt.metavar
+    return kwargs
+
+
+def argument_group(parser: argparse.ArgumentParser, title: str):
+    """The parser's ``--help`` section called ``title``, made on first use."""
+    for group in parser._action_groups:
+        if group.title == title:
+            return group
+    return parser.add_argument_group(title)
+
+
+def options_from_args(args: argparse.Namespace, cls, surface: str) -> dict:
+    """The fields of ``cls`` that ``surface``'s flags set (a flag left unset keeps the default)."""
+    values = {f.name: getattr(args, f.name) for f, opt in options_of(cls) if surface in opt.surfaces}
+    return {name: value for name, value in values.items() if value is not None}
+
+
+# -- the docs' tables ---------------------------------------------------------------------------
+
+
+def _code(value: Any) -> str:
+    text = f'"{value}"' if isinstance(value, str) else repr(value)
+    return f"`{text}`"
+
+
+def _meaning(opt: Option) -> str:
+    return opt.doc or opt.help
+
+
+def _flag_cell(f: dataclasses.Field, opt: Option) -> str:
+    if opt.doc_flag:
+        return opt.doc_flag
+    if not opt.surfaces & {ENGINE, SERVE}:
+        return "—"
+    flag = flag_of(f, opt)
+    if str(f.type) == "bool" and field_default(f):
+        return f"`{flag}` / `--no-{flag[2:]}`"
+    return f"`{flag}`" if ENGINE in opt.surfaces else f"`{flag}` (`serve` only)"
+
+
+def config_table(cls) -> list[str]:
+    """The docs' table of a config dataclass: field, type, default, CLI flag, meaning."""
+    rows = ["| field | type | default | CLI flag | meaning |", "| --- | --- | --- | --- | --- |"]
+    for f, opt in options_of(cls):
+        rows.append(f"| `{f.name}` | `{f.type}` | {_code(field_default(f))} | {_flag_cell(f, opt)} | {_meaning(opt)} |")
+    return rows
+
+
+def flags_table(cls, surface: str) -> list[str]:
+    """The docs' table of ``surface``'s flags: flag, default, meaning (as ``--help`` says it)."""
+    rows = ["| flag | default | meaning |", "| --- | --- | --- |"]
+    for f, opt in options_of(cls):
+        if surface not in opt.surfaces:
+            continue
+        flag, default = flag_of(f, opt), cli_default(f, opt)
+        names = f"`{flag}` / `--no-{flag[2:]}`" if str(f.type) == "bool" and default else f"`{flag}`"
+        meaning = opt.help
+        if default is None and field_default(f) is not None and "default" not in meaning:
+            meaning += f" (unset: `EngineConfig`'s {_code(field_default(f))})"
+        rows.append(f"| {names} | {_code(default)} | {meaning} |")
+    return rows
+
+
+GENERATED_TABLES = {
+    "engine-config": lambda: config_table(EngineConfig),
+    "engine-flags": lambda: flags_table(EngineConfig, ENGINE),
+}
+"""The docs' generated tables by name: ``<!-- generated: NAME -->`` ... ``<!-- end generated -->``
+in a page holds ``GENERATED_TABLES[NAME]()``."""
+
+
+def markdown_tables() -> dict[str, str]:
+    """Every generated table, as Markdown text, by name."""
+    return {name: "\n".join(make()) for name, make in GENERATED_TABLES.items()}
+
+
+def replace_tables(page: str) -> str:
+    """``page`` (Markdown) with every generated table rewritten from the declarations."""
+    lines, out, skipping = page.splitlines(), [], False
+    tables = markdown_tables()
+    for line in lines:
+        if line.startswith("<!-- generated: "):
+            name = line.removeprefix("<!-- generated: ").removesuffix(" -->")
+            out += [line, tables[name]]
+            skipping = True
+        elif line == "<!-- end generated -->":
+            out.append(line)
+            skipping = False
+        elif not skipping:
+            out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vllm_mlx.config", description="The generated docs tables.")
+    parser.add_argument("--markdown", action="store_true", help="print every generated table")
+    parser.add_argument("--write", metavar="PAGE", nargs="*", default=[], help="rewrite the tables in these pages")
+    args = parser.parse_args(argv)
+    for page in args.write:
+        from pathlib import Path
+
+        Path(page).write_text(replace_tables(Path(page).read_text()))
+    if args.markdown or not args.write:
+        for name, table in markdown_tables().items():
+            print(f"<!-- generated: {name} -->\n{table}\n<!-- end generated -->\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+__all__ = [
+    "DEFAULT_MLLM_CACHE_MEMORY",
+    "EngineConfig",
+    "Option",
+    "add_arguments",
+    "apply_options",
+    "option",
+    "options_from_args",
+    "parse_bytes",
+    "parse_memory",
+    "parse_seconds",
+]

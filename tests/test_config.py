@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from vllm_mlx import config
-from vllm_mlx.config import BENCH, ENGINE, NOTEBOOK, SERVE, EngineConfig, options_of
+from vllm_mlx.config import BENCH, ENGINE, NOTEBOOK, SERVE, EngineConfig, ServingOptions, options_of
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -27,8 +27,8 @@ def actions_by_dest(parser: argparse.ArgumentParser) -> dict[str, argparse.Actio
     return {action.dest: action for action in parser._actions}
 
 
-def declared(surface: str) -> list[tuple[dataclasses.Field, config.Option]]:
-    return [(f, opt) for f, opt in options_of(EngineConfig) if surface in opt.surfaces]
+def declared(surface: str, cls=EngineConfig) -> list[tuple[dataclasses.Field, config.Option]]:
+    return [(f, opt) for f, opt in options_of(cls) if surface in opt.surfaces]
 
 
 def test_every_engine_config_field_is_declared():
@@ -41,14 +41,15 @@ def test_every_engine_config_field_is_declared():
 )
 def test_cli_flags_are_the_declared_options(command, surfaces):
     actions = actions_by_dest(subparser(command))
+    classes = [EngineConfig, ServingOptions] if command == "serve" else [EngineConfig]
     for surface in surfaces:
-        for f, opt in declared(surface):
+        for f, opt in (item for cls in classes for item in declared(surface, cls)):
             action = actions[f.name]
             assert action.option_strings[0] == config.flag_of(f, opt)
             assert action.default == config.cli_default(f, opt), f.name
             assert action.help == opt.help.replace("%", "%%"), f.name
             if opt.choices:
-                assert list(action.choices) == list(opt.choices)
+                assert list(action.choices) == list(opt.choices() if callable(opt.choices) else opt.choices)
     # The other way round: every flag in the engine section is a declared option.
     parser = subparser(command)
     engine_group = next(g for g in parser._action_groups if g.title == config.ENGINE_GROUP)
@@ -75,6 +76,21 @@ def test_cli_flag_names_and_defaults_are_unchanged():
     assert options["enable_prefix_caching"] is False and options["seed"] == 7
     assert (options["distributed_timeout_s"], options["distributed_startup_timeout_s"]) == (30.0, 90.0)
     assert serve.parse_args(["--kv-cache-memory", "0.3"]).kv_cache_memory == 0.3
+
+
+def test_serve_builds_its_serving_options_from_the_declared_flags():
+    from vllm_mlx.entrypoints.openai.cli_args import serving_options
+
+    assert serving_options(subparser("serve").parse_args([])) == ServingOptions()
+    argv = ["--tokenizer-threads", "3", "--stream-stall-timeout", "0", "--tool-call-parser", "hermes",
+            "--enable-cache-stats-disclosure", "--allow-json-whitespace", "--max-n", "4"]  # fmt: skip
+    options = serving_options(subparser("serve").parse_args(argv))
+    assert (options.tokenizer_threads, options.stream_stall_timeout, options.tool_call_parser) == (3, 0.0, "hermes")
+    assert options.enable_cache_stats_disclosure and options.allow_json_whitespace and options.limits.max_n == 4
+    assert not options.enable_prompt_tokens_details and options.discloses_prefix_hits
+    for bad in (["--tokenizer-threads", "0"], ["--tool-call-parser", "nope"], ["--stream-stall-timeout", "-1"]):
+        with pytest.raises(SystemExit):
+            subparser("serve").parse_args(bad)
 
 
 def test_bench_flags_are_the_declared_options():

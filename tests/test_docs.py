@@ -374,7 +374,8 @@ def subcommands() -> dict:
     "command, headings",
     [
         ("generate", ["### Engine flags (`generate` and `serve`)", "### `vllm-mlx generate`"]),
-        ("serve", ["### Engine flags (`generate` and `serve`)", "### `vllm-mlx serve`"]),
+        ("serve", ["### Engine flags (`generate` and `serve`)", "### `vllm-mlx serve`",
+                   "#### Serving options (`ServingOptions`) and the engine's `serve`-only flags"]),  # fmt: skip
         ("pull", ["### `vllm-mlx pull`"]),
         ("demo", ["### `vllm-mlx demo`"]),
         ("models", ["### `vllm-mlx models`"]),

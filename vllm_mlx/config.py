@@ -28,6 +28,7 @@ from vllm_mlx.kv_sizing import DEFAULT_KV_CACHE_MEMORY
 from vllm_mlx.prefill_budget import DEFAULT_PREFILL_ATTENTION_TOKENS
 from vllm_mlx.rank_watchdog import DEFAULT_STARTUP_TIMEOUT_S
 from vllm_mlx.structured.bounds import DEFAULT_MAX_CONSTRAINT_BOUND
+from vllm_mlx.validation import RequestLimits
 
 if TYPE_CHECKING:
     from vllm_mlx.media_policy import MediaPolicy
@@ -75,10 +76,13 @@ class Option:
     """The flag when it is not ``--field-name``."""
     cli_default: Any = _SAME
     """The flag's default when not the field's: None = unset, the config keeps its default."""
-    choices: tuple[str, ...] = ()
+    choices: tuple[str, ...] | Any = ()
+    """The values allowed, or a function that returns them (read when a parser is built)."""
     metavar: str | None = None
     group: str | None = ENGINE_GROUP
     """The ``--help`` section of the flag (None: the command's own options)."""
+    parse: Any = None
+    """How the flag's text is read when the type and unit do not say (e.g. ``parse_count``)."""
     doc_flag: str = ""
     """The docs' "CLI flag" cell when the generated one would not say it all."""
 
@@ -140,6 +144,17 @@ def parse_seconds(text: str) -> float:
         raise ValueError(f"not a number of seconds: {text!r}") from None
     if not value >= 0:  # also refuses nan
         raise ValueError(f"must be >= 0, got {text}")
+    return value
+
+
+def parse_count(text: str) -> int:
+    """A count given as text: an int >= 1 (``"4"``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"not an int: {text!r}") from None
+    if value < 1:
+        raise ValueError(f"must be >= 1, got {value}")
     return value
 
 
@@ -339,6 +354,86 @@ class EngineConfig:
         )
 
 
+# -- ServingOptions: the server's own decisions (``vllm-mlx serve``) ---------------------------
+
+DEFAULT_STREAM_STALL_TIMEOUT_S = 60.0  # a streamed response whose client reads nothing this long is aborted
+SERVER_GROUP = "server"
+
+
+def tool_parser_names() -> tuple[str, ...]:
+    """The ``--tool-call-parser`` names (read when a parser is built: the registry loads them)."""
+    from vllm_mlx.tool_parsers.registry import ALIASES, PARSER_NAMES
+
+    return tuple(sorted([*PARSER_NAMES, *ALIASES]))
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    """What the operator decides about serving (``vllm-mlx serve`` flags); safe defaults.
+
+    ``limits`` come from ``RequestLimits``' own declared fields (``--max-...``); the others are
+    declared here, each once (``option``)."""
+
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    enable_prompt_tokens_details: bool = option(
+        False, surfaces=(SERVE,), group=SERVER_GROUP,
+        help="report usage.prompt_tokens_details.cached_tokens (tells clients about other tenants' prompts)",
+        doc="report `usage.prompt_tokens_details.cached_tokens` (vLLM's flag); off by default: the count tells a "
+        "client whether other tenants' prompts began like its own",
+    )  # fmt: skip
+    cache_stats_per_request: bool = option(
+        False, surfaces=(SERVE,), group=SERVER_GROUP,
+        help="list live requests (ids, token counts) in /v1/cache/stats (default: aggregates only)",
+        doc="list live requests (ids, token counts) in `/v1/cache/stats`; unset: aggregates only",
+    )  # fmt: skip
+    enable_cache_stats_disclosure: bool = option(
+        False, surfaces=(SERVE,), group=SERVER_GROUP,
+        help="show prefix-cache counters (hits, cached tokens, allocations; also per cache_salt) in /v1/cache/stats, "
+        "/v1/cache/blocks and /metrics (they tell clients about other tenants' prompts)",
+        doc="show the prefix-cache counters (hits, cached tokens, allocations, the real block grid) in "
+        "`/v1/cache/stats`, `/v1/cache/blocks` and `/metrics`, also per tenant (`cache_salt`); unset: only numbers "
+        "no prefix hit changes, since they tell a client whether its guess of another tenant's prompt was right "
+        "([Serving](serving.md#tenants))",
+    )  # fmt: skip
+    tool_call_parser: str | None = option(
+        None, surfaces=(SERVE,), group=SERVER_GROUP, choices=tool_parser_names,
+        help="the model's output format for tool calls (and gpt-oss's Harmony channels); default: recognised from "
+        "the chat template",
+        doc="the model's output format for tool calls with `tool_choice: auto`, and gpt-oss's Harmony channels "
+        "(`hermes`, `qwen3_coder`, `llama3_json`, `mistral`, `harmony`; unset: recognised from the chat template)",
+    )  # fmt: skip
+    tokenizer_threads: int = option(
+        4, surfaces=(SERVE,), group=SERVER_GROUP, minimum=1, parse=parse_count, metavar="N",
+        help="prompts tokenized at once (default: 4); a prompt too long for the context is refused before",
+        doc="prompts tokenized at once, off the event loop (`TokenizePool`); long prompts hold at most all but one "
+        "thread, so short ones never wait behind them, and one too long for the context is refused from its "
+        "length before ([Serving](serving.md#fair-service))",
+    )  # fmt: skip
+    allow_json_whitespace: bool = option(
+        False, surfaces=(SERVE,), group=SERVER_GROUP,
+        help="let JSON constraints (response_format; structured_outputs json without disable_any_whitespace) "
+        "have free whitespace between tokens (default: compact JSON, which sampling models finish)",
+        doc="let JSON constraints (`response_format`; `structured_outputs` json without `disable_any_whitespace` "
+        "or `whitespace_pattern`) put free whitespace between tokens; unset: compact JSON, as tool calls are, "
+        "because a sampling model otherwise fills `max_tokens` with newlines and spaces and never closes the "
+        "document ([Structured outputs](structured_outputs.md#compact-json))",
+    )  # fmt: skip
+    stream_stall_timeout: float | None = option(
+        DEFAULT_STREAM_STALL_TIMEOUT_S, surfaces=(SERVE,), group=SERVER_GROUP, unit=SECONDS, metavar="SECONDS",
+        help="abort a streamed request whose client reads nothing for this long, freeing its KV blocks "
+        f"(0 = never; default: {DEFAULT_STREAM_STALL_TIMEOUT_S:g})",
+        doc="seconds a streamed response waits for its client to read before its requests are aborted and their "
+        "KV blocks freed (`sse_response`; `0` or `None`: wait for ever; [Slow readers](serving.md#slow-readers))",
+    )  # fmt: skip
+
+    @property
+    def discloses_prefix_hits(self) -> bool:
+        """Whether callers may read prefix-cache hits in the stats, the block grid and the
+        metrics. Each switch hands a caller hit counts (its own, or every request's), so with any
+        of them on, hiding the aggregate counters would protect nothing."""
+        return self.enable_prompt_tokens_details or self.cache_stats_per_request or self.enable_cache_stats_disclosure
+
+
 def _checked(f: dataclasses.Field, opt: Option, value: Any) -> Any:
     """``value`` of field ``f`` in its canonical form (sizes parsed), or ``ValueError`` naming it."""
     name, kind = f.name, str(f.type)
@@ -403,12 +498,14 @@ def _argparse_kwargs(f: dataclasses.Field, opt: Option) -> dict:
     if str(f.type) == "bool":
         kwargs["action"] = argparse.BooleanOptionalAction if default else "store_true"
         return kwargs
-    if opt.unit:
+    if opt.parse:
+        kwargs["type"] = argparse_type(opt.parse)
+    elif opt.unit:
         kwargs["type"] = argparse_type(_TEXT_PARSERS[opt.unit])
     elif str(f.type).startswith("int"):
         kwargs["type"] = int
     if opt.choices:
-        kwargs["choices"] = list(opt.choices)
+        kwargs["choices"] = list(opt.choices() if callable(opt.choices) else opt.choices)
     if opt.metavar:
         kwargs["metavar"] = opt.metavar
     return kwargs
@@ -459,24 +556,30 @@ def config_table(cls) -> list[str]:
     return rows
 
 
-def flags_table(cls, surface: str) -> list[str]:
-    """The docs' table of ``surface``'s flags: flag, default, meaning (as ``--help`` says it)."""
+def flags_table(classes: list, surface: str, meaning: str = "help") -> list[str]:
+    """The docs' table of ``surface``'s flags declared on ``classes``: flag, default, meaning
+    (the ``--help`` text, or with ``meaning="doc"`` the docs' longer one)."""
     rows = ["| flag | default | meaning |", "| --- | --- | --- |"]
-    for f, opt in options_of(cls):
-        if surface not in opt.surfaces:
-            continue
-        flag, default = flag_of(f, opt), cli_default(f, opt)
-        names = f"`{flag}` / `--no-{flag[2:]}`" if str(f.type) == "bool" and default else f"`{flag}`"
-        meaning = opt.help
-        if default is None and field_default(f) is not None and "default" not in meaning:
-            meaning += f" (unset: `EngineConfig`'s {_code(field_default(f))})"
-        rows.append(f"| {names} | {_code(default)} | {meaning} |")
+    for cls in classes:
+        for f, opt in options_of(cls):
+            if surface in opt.surfaces:
+                rows.append(_flag_row(cls, f, opt, meaning))
     return rows
+
+
+def _flag_row(cls, f: dataclasses.Field, opt: Option, meaning: str) -> str:
+    flag, default = flag_of(f, opt), cli_default(f, opt)
+    names = f"`{flag}` / `--no-{flag[2:]}`" if str(f.type) == "bool" and default else f"`{flag}`"
+    text = opt.doc or opt.help if meaning == "doc" else opt.help
+    if default is None and field_default(f) is not None and "default" not in text:
+        text += f" (unset: `{cls.__name__}.{f.name}`, {_code(field_default(f))})"
+    return f"| {names} | {_code(default)} | {text} |"
 
 
 GENERATED_TABLES = {
     "engine-config": lambda: config_table(EngineConfig),
-    "engine-flags": lambda: flags_table(EngineConfig, ENGINE),
+    "engine-flags": lambda: flags_table([EngineConfig], ENGINE),
+    "serve-options": lambda: flags_table([ServingOptions, EngineConfig], SERVE, meaning="doc"),
 }
 """The docs' generated tables by name: ``<!-- generated: NAME -->`` ... ``<!-- end generated -->``
 in a page holds ``GENERATED_TABLES[NAME]()``."""

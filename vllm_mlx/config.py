@@ -24,7 +24,6 @@ import difflib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm_mlx.kv_sizing import DEFAULT_KV_CACHE_MEMORY
 from vllm_mlx.prefill_budget import DEFAULT_PREFILL_ATTENTION_TOKENS
 from vllm_mlx.rank_watchdog import DEFAULT_STARTUP_TIMEOUT_S
 from vllm_mlx.structured.bounds import DEFAULT_MAX_CONSTRAINT_BOUND
@@ -34,6 +33,7 @@ if TYPE_CHECKING:
     from vllm_mlx.media_policy import MediaPolicy
     from vllm_mlx.scheduler import SchedulerConfig
 
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
 DEFAULT_MLLM_CACHE_MEMORY = 512 << 20  # 512 MiB
 
 # Surfaces: where an option shows besides ``EngineConfig(...)``/``LLM(...)``.

@@ -164,3 +164,16 @@ def test_docs_tables_are_the_generated_ones():
         found |= {line.removeprefix("<!-- generated: ").removesuffix(" -->")
                   for line in text.splitlines() if line.startswith("<!-- generated: ")}  # fmt: skip
     assert found == set(config.GENERATED_TABLES)
+
+
+def test_notebook_engine_options_are_checked_at_config():
+    pytest.importorskip("IPython")
+    from traitlets import TraitError
+
+    from vllm_mlx_jupyter.magics import GenerateMagics
+
+    magics = GenerateMagics(shell=None)
+    magics.engine_options = {"num_kv_blocks": 64, "kv_cache_memory": "8M"}
+    with pytest.raises(TraitError, match="did you mean 'max_num_seqs'"):
+        magics.engine_options = {"max_num_seq": 4}
+    assert magics.engine_options == {"num_kv_blocks": 64, "kv_cache_memory": "8M"}

@@ -459,11 +459,17 @@ def _checked(f: dataclasses.Field, opt: Option, value: Any) -> Any:
 def apply_options(config, overrides: dict, what: str = "engine option") -> None:
     """Set ``overrides`` (field name -> value) on the dataclass ``config``; an unknown name is a
     ``TypeError`` naming the close ones (``max_num_seq`` -> ``max_num_seqs``)."""
-    names = [f.name for f in dataclasses.fields(config)]
+    check_option_names(type(config), overrides, what)
     for name, value in overrides.items():
-        if name not in names:
-            raise TypeError(unknown_option_message(name, names, what))
         setattr(config, name, value)
+
+
+def check_option_names(cls, names, what: str = "engine option") -> None:
+    """``TypeError`` for the first of ``names`` that is not a field of ``cls``, naming the close ones."""
+    known = [f.name for f in dataclasses.fields(cls)]
+    for name in names:
+        if name not in known:
+            raise TypeError(unknown_option_message(name, known, what))
 
 
 def unknown_option_message(name: str, known: list[str], what: str = "engine option") -> str:

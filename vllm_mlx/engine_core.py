@@ -51,9 +51,7 @@ from vllm_mlx.model_registry import get_registry
 from vllm_mlx.output_processor import OutputProcessor
 from vllm_mlx.outputs import ModelRunnerOutput, SchedulerOutput, StepRecord
 from vllm_mlx.paged_cache import PagedCacheManager
-from vllm_mlx.prefill_budget import DEFAULT_PREFILL_ATTENTION_TOKENS
 from vllm_mlx.rank_watchdog import (
-    DEFAULT_STARTUP_TIMEOUT_S,
     STARTUP,
     CollectiveWatchdog,
     RankLostError,
@@ -62,9 +60,8 @@ from vllm_mlx.rank_watchdog import (
     startup_deadline,
 )
 from vllm_mlx.request import Request, RequestOutput, RequestStatus, SamplingParams
-from vllm_mlx.scheduler import Scheduler, SchedulerConfig
+from vllm_mlx.scheduler import Scheduler
 from vllm_mlx.snapshot import CacheSnapshotter
-from vllm_mlx.structured.bounds import DEFAULT_MAX_CONSTRAINT_BOUND
 from vllm_mlx.structured.grammar import CompiledGrammar
 
 if TYPE_CHECKING:

@@ -19,7 +19,6 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 from traitlets import Bool, Dict, Enum, Float, Int, TraitError, Unicode, default, validate
 
-from vllm_mlx.config import EngineConfig, check_option_names
 from vllm_mlx.cpu_backend import warn_reference_blas
 from vllm_mlx_jupyter.constraints import compile_check, response_format, variable
 from vllm_mlx_jupyter.markup import as_float, as_int, escape
@@ -85,6 +84,8 @@ class GenerateMagics(Magics):
     def _check_engine_options(self, proposal) -> dict:
         """Names are ``EngineConfig``'s declared fields: a typo fails at ``%config``, naming the
         close ones, not at the next load."""
+        from vllm_mlx.config import EngineConfig, check_option_names  # here: %load_ext stays light
+
         try:
             check_option_names(EngineConfig, proposal["value"])
         except TypeError as exc:

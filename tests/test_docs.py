@@ -393,7 +393,7 @@ def test_bench_flags_table():
     from vllm_mlx.entrypoints.bench import build_parser
 
     actual = parser_flags(build_parser())
-    documented = documented_flags("### `vllm-mlx bench`")
+    documented = documented_flags("### `vllm-mlx bench`", "#### Engine flags of `bench`")
     assert documented == actual
 
 

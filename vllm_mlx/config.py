@@ -586,6 +586,7 @@ GENERATED_TABLES = {
     "engine-config": lambda: config_table(EngineConfig),
     "engine-flags": lambda: flags_table([EngineConfig], ENGINE),
     "serve-options": lambda: flags_table([ServingOptions, EngineConfig], SERVE, meaning="doc"),
+    "bench-flags": lambda: flags_table([EngineConfig], BENCH),
 }
 """The docs' generated tables by name: ``<!-- generated: NAME -->`` ... ``<!-- end generated -->``
 in a page holds ``GENERATED_TABLES[NAME]()``."""

@@ -111,7 +111,8 @@ def test_notebook_load_flags_are_the_declared_options():
 
     actions = actions_by_dest(load_parser())
     assert {f.name for f, _ in declared(NOTEBOOK)} == set(actions) - {"model"}
-    model, options = parse_load(["m", "--kv-cache-memory", "512M", "--max-num-seqs", "4", "--no-enable-prefix-caching"])
+    argv = ["m", "--kv-cache-memory", "512M", "--max-num-seqs", "4", "--no-enable-prefix-caching"]
+    model, options = parse_load(argv)
     assert model == "m"
     config_ = EngineConfig(**options)
     config_.normalize()

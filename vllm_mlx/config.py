@@ -1,4 +1,5 @@
-"""Every engine option, declared once: ``EngineConfig`` and what each of its fields means.
+"""Every engine and server option, declared once: ``EngineConfig``, ``ServingOptions`` and what
+each of their fields means.
 
 A field is declared with ``option(default, help=..., ...)``: its name, type (the annotation),
 default, unit, help and the surfaces that show it live on the field (``Option`` in its
@@ -6,7 +7,9 @@ metadata). Everything else is read from there:
 
 - the CLI flags of ``vllm-mlx generate``/``serve``/``bench`` (``add_arguments``) and the values
   they set (``options_from_args``);
-- the notebook's ``%vllm_mlx load --flag`` (``vllm_mlx_jupyter/options.py``);
+- the server's ``ServingOptions`` from its flags (``cli_args.serving_options``);
+- the notebook's ``%vllm_mlx load --flag`` (``vllm_mlx_jupyter/options.py``) and the names
+  ``%config GenerateMagics.engine_options`` accepts;
 - the checks of ``LLM(...)``/``EngineCore(...)`` keywords (``apply_options``: an unknown name
   is a ``TypeError`` naming the close ones) and of values (``EngineConfig.normalize``);
 - the configuration tables of the docs (``markdown_tables``; ``python -m vllm_mlx.config
@@ -65,7 +68,7 @@ class Option:
     """How one config field shows on every surface. Lives in the field's metadata (``option``)."""
 
     help: str
-    """The flag's ``--help`` text (``%%`` for a literal percent sign, as argparse wants)."""
+    """The flag's ``--help`` text (plain text: a ``%`` is escaped for argparse here)."""
     doc: str = ""
     """The meaning in the docs' tables (Markdown); empty = ``help``."""
     surfaces: frozenset[str] = frozenset()

@@ -1,4 +1,4 @@
-"""Every engine option is declared once (``vllm_mlx/config.py``): the CLI flags, the notebook's
+"""Every engine and server option is declared once (``vllm_mlx/config/``): the CLI flags, the notebook's
 ``%vllm_mlx load`` flags, the keyword checks and the docs' tables are generated from the
 declarations, and agree with them."""
 
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mlx import config
+from vllm_mlx.config import options as config
+from vllm_mlx.config import tables
 from vllm_mlx.config import BENCH, ENGINE, NOTEBOOK, SERVE, EngineConfig, ServingOptions, options_of
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -161,10 +162,10 @@ def test_docs_tables_are_the_generated_ones():
         text = page.read_text()
         if "<!-- generated: " not in text:
             continue
-        assert text == config.replace_tables(text), f"{page.name}: run python -m vllm_mlx.config --write {page}"
+        assert text == tables.replace_tables(text), f"{page.name}: run python -m vllm_mlx.config --write {page}"
         found |= {line.removeprefix("<!-- generated: ").removesuffix(" -->")
                   for line in text.splitlines() if line.startswith("<!-- generated: ")}  # fmt: skip
-    assert found == set(config.GENERATED_TABLES)
+    assert found == set(tables.GENERATED_TABLES)
 
 
 def test_notebook_engine_options_are_checked_at_config():

@@ -26,11 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vllm_mlx.config import (  # noqa: F401 (re-exported: EngineConfig is public API here)
-    DEFAULT_MLLM_CACHE_MEMORY,
-    EngineConfig,
-    apply_options,
-)
+from vllm_mlx.config import DEFAULT_MLLM_CACHE_MEMORY, EngineConfig  # noqa: F401 (re-exported: public API here)
+from vllm_mlx.config.options import apply_options
 from vllm_mlx.errors import VllmMlxError, internal_error_message
 from vllm_mlx.images import ImageSource
 from vllm_mlx.input_processor import InputProcessor, PreparedPrompt

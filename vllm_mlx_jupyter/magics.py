@@ -84,7 +84,8 @@ class GenerateMagics(Magics):
     def _check_engine_options(self, proposal) -> dict:
         """Names are ``EngineConfig``'s declared fields: a typo fails at ``%config``, naming the
         close ones, not at the next load."""
-        from vllm_mlx.config import EngineConfig, check_option_names  # here: %load_ext stays light
+        from vllm_mlx.config import EngineConfig  # here: %load_ext stays light
+        from vllm_mlx.config.options import check_option_names
 
         try:
             check_option_names(EngineConfig, proposal["value"])

@@ -1,6 +1,6 @@
 """Engine options on a magic line: ``%vllm_mlx load [MODEL] [--num-kv-blocks 256 ...]``.
 
-The flags are ``EngineConfig``'s options declared for the notebook (``vllm_mlx/config.py``:
+The flags are ``EngineConfig``'s options declared for the notebook (``vllm_mlx/config/``:
 ``--max-num-seqs``, ``--block-size``, ``--kv-cache-memory 512M``, ``--no-enable-prefix-caching``,
 ...), so new engine options appear here without changes. Every flag takes ``VALUE`` as text and
 ``EngineConfig.normalize`` reads it (sizes like ``512M``, numbers, names); bools are
@@ -31,7 +31,8 @@ def parse_value(text: str) -> int | float | str:
 
 
 def load_parser() -> argparse.ArgumentParser:
-    from vllm_mlx.config import NOTEBOOK, EngineConfig, options_of
+    from vllm_mlx.config import EngineConfig
+    from vllm_mlx.config.options import NOTEBOOK, options_of
 
     parser = _Parser(prog="%vllm_mlx load", add_help=False,
                      description="Load a model (default: the configured one) and start the engine.")  # fmt: skip

@@ -22,7 +22,8 @@ import subprocess
 import sys
 import time
 
-from vllm_mlx import config
+from vllm_mlx.config import BENCH, EngineConfig
+from vllm_mlx.config.options import add_arguments, options_from_args
 
 
 def corpus_text() -> str:
@@ -73,7 +74,7 @@ def run_ours(args, prompts, arrivals) -> dict:
     from vllm_mlx import SamplingParams
     from vllm_mlx.engine_core import EngineCore
 
-    engine = EngineCore(**config.options_from_args(args, config.EngineConfig, config.BENCH))
+    engine = EngineCore(**options_from_args(args, EngineConfig, BENCH))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     warm = engine.add_request(prompts[0][:8], SamplingParams(max_tokens=2, ignore_eos=True))
     while engine.has_unfinished_requests():
@@ -169,7 +170,7 @@ ARGV: list[str] = []
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    config.add_arguments(parser, config.EngineConfig, config.BENCH)  # --model and the engine's flags
+    add_arguments(parser, EngineConfig, BENCH)  # --model and the engine's flags
     parser.add_argument("--scenario", choices=["together", "staggered", "both"], default="both")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)

@@ -10,7 +10,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from vllm_mlx import __version__, config
+from vllm_mlx import __version__
+from vllm_mlx.config import ENGINE, EngineConfig
+from vllm_mlx.config.options import add_arguments, argparse_type, options_from_args
+from vllm_mlx.config.options import parse_bytes as _parse_bytes
+from vllm_mlx.config.options import parse_memory as _parse_memory
 from vllm_mlx.entrypoints.openai.cli_args import add_serve_arguments, serve_engine_options
 from vllm_mlx.errors import VllmMlxError
 
@@ -64,20 +68,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Model and engine options shared by the commands that run the engine (declared on
-    ``EngineConfig``'s fields: ``vllm_mlx/config.py``)."""
-    config.add_arguments(parser, config.EngineConfig, config.ENGINE)
+    ``EngineConfig``'s fields: ``vllm_mlx/config/``)."""
+    add_arguments(parser, EngineConfig, ENGINE)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The ``EngineConfig`` fields set by ``add_model_arguments`` (unset ones keep their defaults)."""
-    options = config.options_from_args(args, config.EngineConfig, config.ENGINE)
+    options = options_from_args(args, EngineConfig, ENGINE)
     options.pop("model")  # the commands pass it on their own (``serve`` also takes it as MODEL)
     return options
 
 
-parse_memory = config.argparse_type(config.parse_memory)
+parse_memory = argparse_type(_parse_memory)
 """A KV budget: a size like 512M / 2G, or a fraction of available memory like 0.3."""
-parse_bytes = config.argparse_type(config.parse_bytes)
+parse_bytes = argparse_type(_parse_bytes)
 """A size like 512M / 2G / 4096."""
 
 

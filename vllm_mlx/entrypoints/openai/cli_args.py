@@ -6,12 +6,10 @@ import argparse
 import dataclasses
 import os
 
-from vllm_mlx.config import (
+from vllm_mlx.config import SERVER_GROUP, EngineConfig, ServingOptions
+from vllm_mlx.config.options import (
     DISTRIBUTED_GROUP,
     SERVE,
-    SERVER_GROUP,
-    EngineConfig,
-    ServingOptions,
     add_arguments,
     argparse_type,
     options_from_args,

@@ -582,7 +582,8 @@ def subcommands() -> dict:
     "command, headings",
     [
         ("generate", ["### Engine flags (`generate` and `serve`)", "### `vllm-mlx generate`"]),
-        ("serve", ["### Engine flags (`generate` and `serve`)", "### `vllm-mlx serve`"]),
+        ("serve", ["### Engine flags (`generate` and `serve`)", "### `vllm-mlx serve`",
+                   "#### Serving options (`ServingOptions`) and the engine's `serve`-only flags"]),  # fmt: skip
         ("pull", ["### `vllm-mlx pull`"]),
         ("demo", ["### `vllm-mlx demo`"]),
         ("models", ["### `vllm-mlx models`"]),
@@ -600,7 +601,7 @@ def test_bench_flags_table():
     from vllm_mlx.entrypoints.bench import build_parser
 
     actual = parser_flags(build_parser())
-    documented = documented_flags("### `vllm-mlx bench`")
+    documented = documented_flags("### `vllm-mlx bench`", "#### Engine flags of `bench`")
     assert documented == actual
 
 

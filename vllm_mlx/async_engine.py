@@ -30,7 +30,8 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from vllm_mlx.engine_core import EngineConfig, EngineCore
+from vllm_mlx.config import EngineConfig
+from vllm_mlx.engine_core import EngineCore
 from vllm_mlx.errors import VllmMlxError
 from vllm_mlx.images import ImageSource
 from vllm_mlx.input_processor import PreparedPrompt

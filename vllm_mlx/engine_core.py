@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vllm_mlx.config import DEFAULT_MLLM_CACHE_MEMORY, EngineConfig  # noqa: F401 (re-exported: public API here)
+from vllm_mlx.config.options import apply_options
 from vllm_mlx.errors import VllmMlxError, internal_error_message
 from vllm_mlx.images import ImageSource
 from vllm_mlx.input_processor import InputProcessor, PreparedPrompt
@@ -47,10 +49,8 @@ from vllm_mlx.model_registry import get_registry
 from vllm_mlx.output_processor import OutputProcessor
 from vllm_mlx.outputs import ModelRunnerOutput, SchedulerOutput, StepRecord
 from vllm_mlx.paged_cache import PagedCacheManager
-from vllm_mlx.prefill_budget import DEFAULT_PREFILL_ATTENTION_TOKENS
 from vllm_mlx.rank_liveness import LivenessMonitor
 from vllm_mlx.rank_watchdog import (
-    DEFAULT_STARTUP_TIMEOUT_S,
     STARTUP,
     CollectiveWatchdog,
     RankLostError,
@@ -59,11 +59,9 @@ from vllm_mlx.rank_watchdog import (
     startup_deadline,
 )
 from vllm_mlx.request import Request, RequestOutput, RequestStatus, SamplingParams
-from vllm_mlx.scheduler import Scheduler, SchedulerConfig
+from vllm_mlx.scheduler import Scheduler
 from vllm_mlx.snapshot import CacheSnapshotter
-from vllm_mlx.structured.bounds import DEFAULT_MAX_CONSTRAINT_BOUND
 from vllm_mlx.structured.grammar import CompiledGrammar
-from vllm_mlx.validation import parse_bytes, parse_memory
 
 if TYPE_CHECKING:
     from vllm_mlx.kv_spec import BlockGroups, KVLayout
@@ -71,120 +69,6 @@ if TYPE_CHECKING:
     from vllm_mlx.state_pool import StateLayout
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MLLM_CACHE_MEMORY = 512 << 20  # 512 MiB
-
-
-@dataclass
-class EngineConfig:
-    """Everything needed to build an engine; CLI flags and ``LLM(**options)`` map onto it."""
-
-    model: str = "default"
-    """Model source: MLX directory, .gguf file, hub id, or 'default'."""
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    """KV blocks in the pool; None = as many as ``kv_cache_memory`` holds."""
-    kv_cache_memory: int | float = DEFAULT_KV_CACHE_MEMORY
-    """KV pool size when ``num_kv_blocks`` is None: bytes (an int), or a fraction in (0, 1] of
-    the memory available when the engine starts (a float)."""
-    max_model_len: int | None = None
-    """Longest prompt + output; None = the model's context length."""
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    prefill_attention_tokens: int = DEFAULT_PREFILL_ATTENTION_TOKENS
-    """Charge each prefill chunk for its attention in the step's budget
-    (``prefill_budget.PrefillCost``): the context length at which a token's attention costs as
-    much as its weights, so chunks shrink as a long prompt's context grows and a concurrent
-    stream's gap between tokens stays bounded; 0 = a chunk costs its token count (the old policy)."""
-    max_state_checkpoints: int | None = None
-    """Models with recurrent layers: how many recurrent states at block boundaries to keep for
-    prefix hits (their bytes come out of the KV budget); None = ``2 * max_num_seqs``, at most
-    half of the budget left after the running requests' states; 0 = no prefix hits."""
-    seed: int | None = None
-    """Seed for the per-request seeds drawn when a request brings none (None = random)."""
-    weight_format: str = "auto"
-    """"auto", "quantized" or "float32". Auto keeps quantized weights on Metal/CUDA and
-    dequantizes to float32 on the CPU backend, where they run faster (cpu_backend.py)."""
-    force_model_takeover: bool = False
-    """Take the model over from another live engine instead of raising ModelOwnershipError."""
-    enable_mllm_cache: bool = True
-    """Vision-language models: keep vision-encoder outputs by image content hash, so the same
-    image in a later request skips the encoder."""
-    mllm_cache_memory: int = DEFAULT_MLLM_CACHE_MEMORY
-    """Bytes of vision-encoder outputs the MLLM cache may hold (least recently used go first)."""
-    trust_remote_code: bool = False
-    """Load a model directory that names Python code to run (``model_file``, ``auto_map``);
-    otherwise it is refused, and hub downloads skip ``*.py`` files."""
-    media_policy: MediaPolicy | None = None
-    """Which image paths and URLs prompts may use; None = ``MediaPolicy.operator()`` (any local
-    file, public http(s) URLs). The server passes its own (``MediaPolicy.server()``)."""
-    tensor_parallel: bool = False
-    """Split the model over the ranks of ``mx.distributed`` (launched with ``mlx.launch``): this
-    process must be rank 0; the other ranks run ``vllm_mlx.distributed.worker_loop`` with the
-    same model and ``weight_format`` (``distributed.py``)."""
-    pipeline_parallel: bool = False
-    """Split the model's layers into stages over the ranks of ``mx.distributed`` (mlx-lm's
-    ``pipeline()``; ``pipeline_parallel.py``): launched as ``tensor_parallel`` is, with
-    ``worker_loop(..., pipeline_parallel=True)`` on the other ranks. Not with ``tensor_parallel``."""
-    distributed_timeout_s: float = 120.0
-    """With ``tensor_parallel`` or ``pipeline_parallel``: the longest a step (or the idle
-    heartbeat) may wait on the other ranks before rank 0 declares one of them hung and the engine
-    failed (``rank_watchdog.py``). It must exceed the slowest legitimate step (the largest
-    prefill chunk on this hardware)."""
-    distributed_startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
-    """With ``tensor_parallel`` or ``pipeline_parallel``: the longest start-up (every rank
-    loading and checking the model, then the start message) may take before this process gives
-    up on the other ranks and exits (``rank_watchdog.startup_deadline``). It must exceed the
-    slowest rank's load."""
-    max_constraint_bound: int = DEFAULT_MAX_CONSTRAINT_BOUND
-    """The largest repetition bound (``maxItems``, a regex's ``{n,m}``...) a structured-output
-    constraint may hold; all of one constraint's bounds may add up to 10 times it
-    (``structured/bounds.py``). The server passes its own ``--max-constraint-bound``."""
-
-    def normalize(self) -> None:
-        """Accept every option in the forms the CLI takes (``kv_cache_memory="512M"`` or
-        ``"0.3"``, ``mllm_cache_memory="256M"``) and check types and ranges, so that
-        ``LLM(...)``, notebooks and the CLI agree. Raises ``ValueError`` naming the option."""
-        for name, parse in (("kv_cache_memory", parse_memory), ("mllm_cache_memory", parse_bytes)):
-            try:
-                setattr(self, name, parse(getattr(self, name)))
-            except ValueError as exc:
-                raise ValueError(f"{name}: {exc}") from None
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_constraint_bound"):
-            _check_int_option(name, getattr(self, name), minimum=1)
-        for name in ("num_kv_blocks", "max_model_len"):
-            if getattr(self, name) is not None:
-                _check_int_option(name, getattr(self, name), minimum=1)
-        _check_int_option("prefill_attention_tokens", self.prefill_attention_tokens, minimum=0)
-        if self.max_state_checkpoints is not None:
-            _check_int_option("max_state_checkpoints", self.max_state_checkpoints, minimum=0)
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "force_model_takeover", "enable_mllm_cache",
-                     "tensor_parallel", "pipeline_parallel"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.tensor_parallel and self.pipeline_parallel:
-            raise ValueError("tensor_parallel and pipeline_parallel are exclusive: choose one way to split the model")
-        for name in ("distributed_timeout_s", "distributed_startup_timeout_s"):
-            timeout = getattr(self, name)
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-                raise ValueError(f"{name} must be a number of seconds > 0, got {timeout!r}")
-
-    def scheduler_config(self, num_blocks: int, context_len: int | None) -> SchedulerConfig:
-        """The scheduler's limits for a pool of ``num_blocks`` and a model context of ``context_len``."""
-        limits = [n for n in (self.max_model_len, context_len) if n]
-        return SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            block_size=self.block_size,
-            num_blocks=num_blocks,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            prefill_attention_tokens=self.prefill_attention_tokens,
-            enable_prefix_caching=self.enable_prefix_caching,
-            max_model_len=min(limits) if limits else None,
-        )
-
 
 def _rank_zero_group():
     """The distributed group, checked: this process must be its rank 0 (the engine)."""
@@ -266,11 +150,6 @@ def _split_model(config: EngineConfig, loaded: LoadedModel, specs: list, group) 
     return layer_specs(loaded.model, loaded.config.get("model_type"))
 
 
-def _check_int_option(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
 @dataclass
 class _Siblings:
     """The ``n > 1`` completions held back until their leader has prefilled the shared prompt
@@ -309,10 +188,7 @@ class EngineCore:
         from vllm_mlx.model_runner import MLXModelRunner
 
         config = config or EngineConfig()
-        for name, value in overrides.items():
-            if not hasattr(config, name):
-                raise TypeError(f"unknown engine option {name!r}")
-            setattr(config, name, value)
+        apply_options(config, overrides)
         config.normalize()
         self.config = config
         self.tp_group = _rank_zero_group() if config.tensor_parallel or config.pipeline_parallel else None

@@ -29,7 +29,7 @@ from vllm_mlx.structured.reasoning_gate import ReasoningGate, ThinkTokens
 from vllm_mlx.validation import check_encodable
 
 if TYPE_CHECKING:
-    from vllm_mlx.engine_core import EngineConfig
+    from vllm_mlx.config import EngineConfig
     from vllm_mlx.vlm_models import VisionLanguageModel
 
 

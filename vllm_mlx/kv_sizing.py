@@ -13,10 +13,10 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from vllm_mlx.engine_core import EngineConfig
+from vllm_mlx.config import DEFAULT_KV_CACHE_MEMORY  # noqa: F401 (re-exported: declared with its option)
 
-DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
+if TYPE_CHECKING:
+    from vllm_mlx.config import EngineConfig
 
 
 def available_memory() -> int:

@@ -115,36 +115,3 @@ class LimitExceeded(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
-
-
-# -- option values: the same forms in the CLI, EngineConfig, LLM(...) and the notebook ---------
-
-_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_bytes(value: str | int) -> int:
-    """A size: an int of bytes, or text like ``"512M"``, ``"2G"``, ``"1.5GB"``, ``"4096"``."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if not isinstance(value, str):
-        raise ValueError(f"not a size: {value!r} (e.g. 512M, 2G, or an int of bytes)")
-    text = value.strip().upper().removesuffix("B")
-    try:
-        if text[-1:] in _UNITS:
-            return int(float(text[:-1]) * _UNITS[text[-1]])
-        return int(text)
-    except ValueError:
-        raise ValueError(f"not a size: {value!r} (e.g. 512M, 2G, or an int of bytes)") from None
-
-
-def parse_memory(value: str | int | float) -> int | float:
-    """A memory budget: a size (see ``parse_bytes``) or a fraction of available memory
-    (a float, or text like ``"0.3"``)."""
-    if isinstance(value, float):
-        return value
-    if isinstance(value, str) and "." in value and not value.strip()[-1:].isalpha():
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    return parse_bytes(value)

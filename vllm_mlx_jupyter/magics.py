@@ -17,7 +17,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
-from traitlets import Bool, Dict, Enum, Float, Int, Unicode, default, validate
+from traitlets import Bool, Dict, Enum, Float, Int, TraitError, Unicode, default, validate
 
 from vllm_mlx.cpu_backend import warn_reference_blas
 from vllm_mlx_jupyter.constraints import compile_check, response_format, variable
@@ -79,6 +79,19 @@ class GenerateMagics(Magics):
     @validate("update_interval")
     def _check_interval(self, proposal) -> float:
         return max(float(proposal["value"]), 0.1)
+
+    @validate("engine_options")
+    def _check_engine_options(self, proposal) -> dict:
+        """Names are ``EngineConfig``'s declared fields: a typo fails at ``%config``, naming the
+        close ones, not at the next load."""
+        from vllm_mlx.config import EngineConfig  # here: %load_ext stays light
+        from vllm_mlx.config.options import check_option_names
+
+        try:
+            check_option_names(EngineConfig, proposal["value"])
+        except TypeError as exc:
+            raise TraitError(str(exc)) from None
+        return proposal["value"]
 
     def __init__(self, shell=None, **kwargs) -> None:
         super().__init__(shell=shell, **kwargs)

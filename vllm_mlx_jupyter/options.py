@@ -1,19 +1,17 @@
 """Engine options on a magic line: ``%vllm_mlx load [MODEL] [--num-kv-blocks 256 ...]``.
 
-Flags are derived from ``EngineConfig``'s fields (``--max-num-seqs``, ``--block-size``,
-``--kv-cache-memory 512M``, ``--no-enable-prefix-caching``, ...), so new engine options appear
-here without changes. Values parse as int, then float, then a size (``512M``, ``2G``), then text.
+The flags are ``EngineConfig``'s options declared for the notebook (``vllm_mlx/config/``:
+``--max-num-seqs``, ``--block-size``, ``--kv-cache-memory 512M``, ``--no-enable-prefix-caching``,
+...), so new engine options appear here without changes. Every flag takes ``VALUE`` as text and
+``EngineConfig.normalize`` reads it (sizes like ``512M``, numbers, names); bools are
+``--x/--no-x``.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import typing
 
 from IPython.core.error import UsageError
-
-_SIZES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -22,35 +20,33 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_value(text: str) -> int | float | str:
+    """A flag's text as the config takes it: an int, else a float, else the text itself
+    (sizes such as ``512M`` stay text: ``EngineConfig.normalize`` parses them)."""
     for convert in (int, float):
         try:
             return convert(text)
-        except ValueError:
-            pass
-    unit = text.strip().upper().removesuffix("B")
-    if unit[-1:] in _SIZES:
-        try:
-            return int(float(unit[:-1]) * _SIZES[unit[-1]])
         except ValueError:
             pass
     return text
 
 
 def load_parser() -> argparse.ArgumentParser:
-    from vllm_mlx.engine_core import EngineConfig
+    from vllm_mlx.config import EngineConfig
+    from vllm_mlx.config.options import NOTEBOOK, options_of
 
     parser = _Parser(prog="%vllm_mlx load", add_help=False,
                      description="Load a model (default: the configured one) and start the engine.")  # fmt: skip
     parser.add_argument("model", nargs="?", help="MLX directory, .gguf file, hub id or 'default'")
-    hints = typing.get_type_hints(EngineConfig)
-    for field in dataclasses.fields(EngineConfig):
-        if field.name == "model":
+    for field, option in options_of(EngineConfig):
+        if NOTEBOOK not in option.surfaces:
             continue
         flag = "--" + field.name.replace("_", "-")
-        if hints[field.name] is bool:
-            parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None)
+        if str(field.type) == "bool":
+            parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None,
+                                help=option.help)  # fmt: skip
         else:
-            parser.add_argument(flag, dest=field.name, type=parse_value, default=None, metavar="VALUE")
+            parser.add_argument(flag, dest=field.name, type=parse_value, default=None, metavar="VALUE",
+                                help=option.help)  # fmt: skip
     return parser
 
 

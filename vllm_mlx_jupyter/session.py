@@ -68,7 +68,7 @@ class Session:
         engine in the background and re-raises.
         """
         from vllm_mlx.async_engine import AsyncEngineCore
-        from vllm_mlx.engine_core import EngineConfig
+        from vllm_mlx.config import EngineConfig
 
         self.shutdown()
         options = dict(options or {})

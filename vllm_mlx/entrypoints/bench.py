@@ -22,6 +22,9 @@ import subprocess
 import sys
 import time
 
+from vllm_mlx.config import BENCH, EngineConfig
+from vllm_mlx.config.options import add_arguments, options_from_args
+
 
 def corpus_text() -> str:
     """Prompt material: English prose that ships with the package (its module docstrings)."""
@@ -71,7 +74,7 @@ def run_ours(args, prompts, arrivals) -> dict:
     from vllm_mlx import SamplingParams
     from vllm_mlx.engine_core import EngineCore
 
-    engine = EngineCore(model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, weight_format=args.weight_format)
+    engine = EngineCore(**options_from_args(args, EngineConfig, BENCH))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     warm = engine.add_request(prompts[0][:8], SamplingParams(max_tokens=2, ignore_eos=True))
     while engine.has_unfinished_requests():
@@ -167,16 +170,13 @@ ARGV: list[str] = []
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="default")
+    add_arguments(parser, EngineConfig, BENCH)  # --model and the engine's flags
     parser.add_argument("--scenario", choices=["together", "staggered", "both"], default="both")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--min-prompt", type=int, default=16)
     parser.add_argument("--max-prompt", type=int, default=256)
     parser.add_argument("--arrival-rate", type=float, default=1.0, help="requests per second (staggered)")
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--weight-format", default="auto", help="auto, quantized or float32 (both sides)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--side", choices=["ours", "mlx-lm"], help=argparse.SUPPRESS)
     return parser

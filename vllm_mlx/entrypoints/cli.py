@@ -10,10 +10,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from vllm_mlx import __version__, validation
+from vllm_mlx import __version__
+from vllm_mlx.config import ENGINE, EngineConfig
+from vllm_mlx.config.options import add_arguments, argparse_type, options_from_args
+from vllm_mlx.config.options import parse_bytes as _parse_bytes
+from vllm_mlx.config.options import parse_memory as _parse_memory
 from vllm_mlx.entrypoints.openai.cli_args import add_serve_arguments, serve_engine_options
 from vllm_mlx.errors import VllmMlxError
-from vllm_mlx.prefill_budget import DEFAULT_PREFILL_ATTENTION_TOKENS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,71 +67,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """Model and engine options shared by the commands that run the engine."""
-    parser.add_argument("--model", default="default", help="MLX directory, .gguf file, hub id or 'default'")
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--max-num-seqs", type=int, default=32, help="most requests in one batch")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
-    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    engine.add_argument("--kv-cache-memory", type=parse_memory, default=None,
-                        help="KV pool size: bytes (512M, 2G) or a fraction of available memory (0.3)")
-    engine.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
-    engine.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
-    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                        help="reuse KV blocks of repeated prefixes (default: on)")
-    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                        help="prefill long prompts in chunks between decode steps (default: on)")
-    engine.add_argument("--prefill-attention-tokens", type=int, default=None,
-                        help="charge prefill chunks for attention: the context length at which a token's attention "
-                        "costs as much as its weights (default: %d; 0: chunks cost their token count)"
-                        % DEFAULT_PREFILL_ATTENTION_TOKENS)  # fmt: skip
-    engine.add_argument("--max-state-checkpoints", type=int, default=None,
-                        help="hybrid models: recurrent states kept at block boundaries for prefix hits "
-                        "(default: 2 x max-num-seqs, at most half the KV budget; 0: no prefix hits)")  # fmt: skip
-    engine.add_argument("--weight-format", default="auto", choices=["auto", "quantized", "float32"],
-                        help="auto: quantized on Metal/CUDA, float32 on the CPU backend")  # fmt: skip
-    engine.add_argument("--enable-mllm-cache", action=argparse.BooleanOptionalAction, default=True,
-                        help="vision-language models: reuse vision-encoder outputs of repeated images (default: on)")
-    engine.add_argument("--mllm-cache-memory", type=parse_bytes, default=None,
-                        help="bytes of vision-encoder outputs the MLLM cache may hold (default: 512M)")
-    engine.add_argument("--trust-remote-code", action="store_true",
-                        help="load a model whose configs name Python code to run (model_file, auto_map), "
-                        "and fetch *.py files from the hub")  # fmt: skip
+    """Model and engine options shared by the commands that run the engine (declared on
+    ``EngineConfig``'s fields: ``vllm_mlx/config/``)."""
+    add_arguments(parser, EngineConfig, ENGINE)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The ``EngineConfig`` fields set by ``add_model_arguments`` (unset ones keep their defaults)."""
-    options = {
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "block_size": args.block_size,
-        "enable_prefix_caching": args.enable_prefix_caching,
-        "enable_chunked_prefill": args.enable_chunked_prefill,
-        "weight_format": args.weight_format,
-        "enable_mllm_cache": args.enable_mllm_cache,
-        "trust_remote_code": args.trust_remote_code,
-    }
-    for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len", "mllm_cache_memory", "max_state_checkpoints",
-                 "prefill_attention_tokens"):
-        if getattr(args, name) is not None:
-            options[name] = getattr(args, name)
+    options = options_from_args(args, EngineConfig, ENGINE)
+    options.pop("model")  # the commands pass it on their own (``serve`` also takes it as MODEL)
     return options
 
 
-def parse_memory(text: str) -> int | float:
-    """A KV budget: a size like 512M / 2G, or a fraction of available memory like 0.3."""
-    try:
-        return validation.parse_memory(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def parse_bytes(text: str) -> int:
-    """A size like 512M / 2G / 4096."""
-    try:
-        return validation.parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+parse_memory = argparse_type(_parse_memory)
+"""A KV budget: a size like 512M / 2G, or a fraction of available memory like 0.3."""
+parse_bytes = argparse_type(_parse_bytes)
+"""A size like 512M / 2G / 4096."""
 
 
 def run_generate(args: argparse.Namespace) -> int:

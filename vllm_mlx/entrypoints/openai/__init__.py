@@ -10,5 +10,6 @@ Importing this package is cheap; FastAPI and uvicorn load with ``server`` (``pip
 'vllm-mlx[server]'``).
 """
 
+from vllm_mlx.config import DEFAULT_STREAM_STALL_TIMEOUT_S  # noqa: F401 (declared with its option)
+
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB: the request-body limit (413 above it)
-DEFAULT_STREAM_STALL_TIMEOUT_S = 60.0  # a streamed response whose client reads nothing this long is aborted

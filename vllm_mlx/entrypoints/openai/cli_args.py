@@ -6,16 +6,24 @@ import argparse
 import dataclasses
 import os
 
-from vllm_mlx.entrypoints.openai import DEFAULT_MAX_BODY_BYTES, DEFAULT_STREAM_STALL_TIMEOUT_S
+from vllm_mlx.config import SERVER_GROUP, EngineConfig, ServingOptions
+from vllm_mlx.config.options import (
+    DISTRIBUTED_GROUP,
+    SERVE,
+    add_arguments,
+    argparse_type,
+    options_from_args,
+    parse_count,
+)
+from vllm_mlx.entrypoints.openai import DEFAULT_MAX_BODY_BYTES
 from vllm_mlx.media_policy import SERVER_MAX_IMAGES, SERVER_MAX_PIXELS, MediaPolicy, parse_limit_mm_per_prompt
-from vllm_mlx.tool_parsers.registry import ALIASES, PARSER_NAMES
 from vllm_mlx.validation import RequestLimits
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser, parse_bytes) -> None:
     """Server flags and the engine/cache flags beyond the shared ``add_model_arguments``."""
     parser.add_argument("model_arg", nargs="?", metavar="MODEL", help="model to serve (same as --model)")
-    server = parser.add_argument_group("server")
+    server = parser.add_argument_group(SERVER_GROUP)
     server.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     server.add_argument("--port", type=int, default=8000)
     server.add_argument("--served-model-name", default=None, help="the model id clients send (default: from MODEL)")
@@ -28,56 +36,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser, parse_bytes) -> None:
         "--max-body-size", type=parse_bytes, default=DEFAULT_MAX_BODY_BYTES, help="request body limit, e.g. 4M"
     )
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    server.add_argument(
-        "--enable-prompt-tokens-details",
-        action="store_true",
-        help="report usage.prompt_tokens_details.cached_tokens (tells clients about other tenants' prompts)",
-    )
-    server.add_argument(
-        "--cache-stats-per-request",
-        action="store_true",
-        help="list live requests (ids, token counts) in /v1/cache/stats (default: aggregates only)",
-    )
-    server.add_argument(
-        "--enable-cache-stats-disclosure",
-        action="store_true",
-        help="show prefix-cache counters (hits, cached tokens, allocations; also per cache_salt) in /v1/cache/stats, "
-        "/v1/cache/blocks and /metrics (they tell clients about other tenants' prompts)",
-    )
-    server.add_argument(
-        "--tool-call-parser",
-        default=None,
-        choices=sorted([*PARSER_NAMES, *ALIASES]),
-        help="the model's output format for tool calls (and gpt-oss's Harmony channels); default: recognised from the chat template",
-    )
-    server.add_argument(
-        "--tokenizer-threads", type=_positive_int, default=4, metavar="N",
-        help="prompts tokenized at once (default: 4); a prompt too long for the context is refused before",
-    )  # fmt: skip
-    server.add_argument(
-        "--allow-json-whitespace",
-        action="store_true",
-        help="let JSON constraints (response_format; structured_outputs json without disable_any_whitespace) "
-        "have free whitespace between tokens (default: compact JSON, which sampling models finish)",
-    )
-    server.add_argument(
-        "--stream-stall-timeout", type=_non_negative_float, default=DEFAULT_STREAM_STALL_TIMEOUT_S, metavar="SECONDS",
-        help="abort a streamed request whose client reads nothing for this long, freeing its KV blocks "
-        f"(0 = never; default: {DEFAULT_STREAM_STALL_TIMEOUT_S:g})",
-    )
+    add_arguments(parser, ServingOptions, SERVE)  # ServingOptions' declared flags, in this group
     _add_limit_arguments(parser.add_argument_group("request limits (raise them for trusted clients)"))
-    # Engine flags shared with other commands come from cli.add_model_arguments; this one is the
-    # server's own (``generate`` uses --seed for its sampling).
-    parser.add_argument("--seed", type=int, default=None, help="seed drawn from for requests that bring none")
     _add_media_arguments(parser.add_argument_group("media inputs (none from outside the request by default)"))
-    _add_distributed_arguments(parser.add_argument_group("tensor and pipeline parallelism (docs/distributed.md)"))
+    _add_distributed_arguments(parser.add_argument_group(DISTRIBUTED_GROUP))
+    # Engine flags shared with other commands come from cli.add_model_arguments; these are the
+    # server's own (``generate`` uses --seed for its sampling): --seed and the distributed timeouts.
+    add_arguments(parser, EngineConfig, SERVE)
+
+
+_count = argparse_type(parse_count)
 
 
 def _add_distributed_arguments(group) -> None:
-    group.add_argument("--tensor-parallel-size", type=_positive_int, default=None, metavar="N",
+    group.add_argument("--tensor-parallel-size", type=_count, default=None, metavar="N",
                        help="split the model over N processes on this machine (a loopback ring); "
                        "this process supervises them (default: 1, no split)")  # fmt: skip
-    group.add_argument("--pipeline-parallel-size", type=_positive_int, default=None, metavar="N",
+    group.add_argument("--pipeline-parallel-size", type=_count, default=None, metavar="N",
                        help="split the model's layers into N stages, one per process on this machine "
                        "(a loopback ring; architectures with mlx-lm's pipeline()); "
                        "not with --tensor-parallel-size")  # fmt: skip
@@ -87,26 +62,6 @@ def _add_distributed_arguments(group) -> None:
     group.add_argument("--pipeline-parallel", action="store_true",
                        help="with --distributed: every rank holds a stage of the model's layers instead of "
                        "a shard of every layer (give it to every rank)")  # fmt: skip
-    group.add_argument("--distributed-timeout", type=float, default=None, metavar="SECONDS",
-                       help="how long a step may wait on the other ranks before one is declared hung "
-                       "and the server unhealthy (default: 120)")  # fmt: skip
-    group.add_argument("--distributed-startup-timeout", type=float, default=None, metavar="SECONDS",
-                       help="how long start-up (every rank loading the model) may take before a rank "
-                       "gives up on the others and exits (default: 600)")  # fmt: skip
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
 
 
 def _add_limit_arguments(group) -> None:
@@ -121,11 +76,14 @@ def request_limits(args: argparse.Namespace) -> RequestLimits:
     return RequestLimits(**{limit.name: getattr(args, limit.name) for limit in dataclasses.fields(RequestLimits)})
 
 
+def serving_options(args: argparse.Namespace) -> ServingOptions:
+    """The ``ServingOptions`` set by the flags above."""
+    return ServingOptions(limits=request_limits(args), **options_from_args(args, ServingOptions, SERVE))
+
+
 def serve_engine_options(args: argparse.Namespace) -> dict:
     """The ``EngineConfig`` fields set by the flags above."""
-    flags = {"seed": args.seed, "distributed_timeout_s": args.distributed_timeout,
-             "distributed_startup_timeout_s": args.distributed_startup_timeout}  # fmt: skip
-    return {name: value for name, value in flags.items() if value is not None}
+    return options_from_args(args, EngineConfig, SERVE)
 
 
 def _add_media_arguments(group) -> None:

@@ -32,12 +32,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm_mlx import __version__
 from vllm_mlx.async_engine import AsyncEngineCore, EngineDeadError
 from vllm_mlx.cpu_backend import backend_summary, warn_reference_blas
-from vllm_mlx.engine_core import EngineConfig
+from vllm_mlx.config import EngineConfig
 from vllm_mlx.entrypoints.anthropic.protocol import MessagesInput, MessagesRequest, error_body, is_messages_path
 from vllm_mlx.entrypoints.anthropic.serving import AnthropicServing
 from vllm_mlx.entrypoints.openai.cache_blocks import block_view
 from vllm_mlx.entrypoints.openai.cache_disclosure import visible_stats
-from vllm_mlx.entrypoints.openai.cli_args import request_limits, serve_media_policy
+from vllm_mlx.entrypoints.openai.cli_args import serve_media_policy, serving_options
 from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
 from vllm_mlx.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware, BodySizeLimitMiddleware
 from vllm_mlx.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -296,16 +296,7 @@ def run_server(args: argparse.Namespace, engine_options: dict) -> int:
     import uvicorn
 
     media_policy = serve_media_policy(args)  # a bad flag fails before the model loads
-    options = ServingOptions(
-        limits=request_limits(args),
-        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-        cache_stats_per_request=args.cache_stats_per_request,
-        enable_cache_stats_disclosure=args.enable_cache_stats_disclosure,
-        tool_call_parser=args.tool_call_parser,
-        tokenizer_threads=args.tokenizer_threads,
-        allow_json_whitespace=args.allow_json_whitespace,
-        stream_stall_timeout=args.stream_stall_timeout,
-    )
+    options = serving_options(args)
     engine = AsyncEngineCore(EngineConfig(model=args.model, **engine_options)).start()
     try:
         name = args.served_model_name or served_name(args.model, engine.call(lambda e: e.model_path))

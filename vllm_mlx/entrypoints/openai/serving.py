@@ -16,13 +16,13 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from pydantic import BaseModel
 
 from vllm_mlx.async_engine import AsyncEngineCore, EngineDeadError, RequestStream
-from vllm_mlx.entrypoints.openai import DEFAULT_STREAM_STALL_TIMEOUT_S
+from vllm_mlx.config import ServingOptions  # noqa: F401 (re-exported: the server's options, declared in config)
 from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
 from vllm_mlx.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from vllm_mlx.entrypoints.openai.tokenize_pool import TokenizePool
@@ -33,7 +33,7 @@ from vllm_mlx.structured.grammar import CompiledGrammar, ConstraintError, Constr
 from vllm_mlx.structured.matcher import ERROR_PREFIX as CONSTRAINT_ERROR_PREFIX
 from vllm_mlx.structured.params import StructuredOutputsParams
 from vllm_mlx.token_bound import TokenBound, token_bound
-from vllm_mlx.validation import LimitExceeded, RequestLimits
+from vllm_mlx.validation import LimitExceeded
 
 DISCONNECT_POLL_S = 0.25
 ENGINE_DEAD_MESSAGE = "The engine is not running; see the server log."
@@ -57,42 +57,6 @@ class OpenAIError(Exception):
 
 class ClientDisconnected(Exception):
     """The HTTP client went away before the response was ready."""
-
-
-@dataclass(frozen=True)
-class ServingOptions:
-    """What the operator decides about serving (``vllm-mlx serve`` flags); safe defaults."""
-
-    limits: RequestLimits = field(default_factory=RequestLimits)
-    enable_prompt_tokens_details: bool = False
-    """Report ``usage.prompt_tokens_details.cached_tokens`` (vLLM's flag). Off by default: the
-    count tells a client whether another tenant's prompt began like its own."""
-    cache_stats_per_request: bool = False
-    """``/v1/cache/stats`` lists live requests (ids, token counts); off = aggregates only."""
-    enable_cache_stats_disclosure: bool = False
-    """``/v1/cache/stats``, ``/v1/cache/blocks`` and ``/metrics`` show the prefix-cache counters
-    (hits, cached tokens, allocations, the real block grid), also per tenant (``cache_salt``).
-    Off by default: they tell a client whether its guess of another tenant's prompt was right."""
-    tool_call_parser: str | None = None
-    """The model's tool-call format (``--tool-call-parser``); None = read from the chat template."""
-    tokenizer_threads: int = 4
-    """Prompts tokenized at once (``--tokenizer-threads``; ``TokenizePool``): long prompts hold
-    at most all but one thread, so short ones never wait behind them."""
-    allow_json_whitespace: bool = False
-    """JSON constraints (``response_format``; ``structured_outputs`` json that does not set
-    ``disable_any_whitespace`` or ``whitespace_pattern``) allow free whitespace between tokens
-    (``--allow-json-whitespace``). Off: compact JSON, as tool calls are, because a sampling model
-    otherwise fills ``max_tokens`` with newlines and spaces and never closes the document."""
-    stream_stall_timeout: float | None = DEFAULT_STREAM_STALL_TIMEOUT_S
-    """Seconds a streamed response waits for its client to read before its requests are aborted
-    (``--stream-stall-timeout``; ``sse_response``); None or 0 = wait for ever."""
-
-    @property
-    def discloses_prefix_hits(self) -> bool:
-        """Whether callers may read prefix-cache hits in the stats, the block grid and the
-        metrics. Each switch hands a caller hit counts (its own, or every request's), so with any
-        of them on, hiding the aggregate counters would protect nothing."""
-        return self.enable_prompt_tokens_details or self.cache_stats_per_request or self.enable_cache_stats_disclosure
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,9 @@ class KVCacheCoordinator:
         self.groups: list[FullAttentionManager] = [
             block_group_manager(self.pool, g, w) for g, w in enumerate(self.group_windows)
         ]
-        self.state = RecurrentStateManager(num_state_slots, num_state_checkpoints, enable_caching) if num_state_slots else None
+        self.state: RecurrentStateManager | None = None
+        if num_state_slots:
+            self.state = RecurrentStateManager(num_state_slots, num_state_checkpoints, enable_caching)
         self.pool.on_evict = self.state.drop_checkpoint if self.state else None
         self.requests: dict[str, RequestCache] = {}
         self.prefix_queries = 0  # tokens looked up in the prefix cache
@@ -194,8 +196,9 @@ class KVCacheCoordinator:
                 return None
             self.state.take_slot(request_id, computed[-1].block_hash if computed else None)
 
-        record = self.requests.pop(request_id, None) or RequestCache(request_id)
-        self.requests[request_id] = record  # holders in the order they took their blocks
+        if is_new:  # holders stay in the order they took their first blocks
+            record = self.requests.pop(request_id, None) or RequestCache(request_id)
+            self.requests[request_id] = record
         record.tables = tables
         if computed or is_new:
             record.num_cached_tokens = len(computed) * self.block_size
@@ -219,7 +222,9 @@ class KVCacheCoordinator:
         tables = self._tables(request_id)
         return sum(group.remove_skipped_blocks(table, num_computed_tokens) for group, table in zip(self.groups, tables))
 
-    def cache_full_blocks(self, request_id: str, block_hashes: list[bytes], token_ids: list[int], num_full_blocks: int) -> None:
+    def cache_full_blocks(
+        self, request_id: str, block_hashes: list[bytes], token_ids: list[int], num_full_blocks: int
+    ) -> None:
         """Register the request's first ``num_full_blocks`` blocks for prefix reuse, in every
         group (see ``FullAttentionManager.cache_blocks``)."""
         if not self.enable_caching:
@@ -296,7 +301,9 @@ class KVCacheCoordinator:
             return False
         return all(group.hit_table(block_hashes) is not None for group in self.groups[1:])
 
-    def _hit_tables(self, request_id: str, table: list[CacheBlock], computed: list[CacheBlock]) -> list[list[CacheBlock]]:
+    def _hit_tables(
+        self, request_id: str, table: list[CacheBlock], computed: list[CacheBlock]
+    ) -> list[list[CacheBlock]]:
         """Per group, the blocks a hit on ``computed`` (group 0's) puts at the head of the
         request's tables: the null block before a sliding window's reach."""
         if not computed:
@@ -320,7 +327,8 @@ class KVCacheCoordinator:
         for block in computed:
             if block.block_hash is None or self.pool.cached[0].get(block.block_hash) is not block:
                 raise ValueError(f"block {block.block_id} is not a cached block")
-        if self.state is not None and self.state.checkpoints is not None and not self.state.has_checkpoint(computed[-1].block_hash):
+        keeps_checkpoints = self.state is not None and self.state.checkpoints is not None
+        if keeps_checkpoints and not self.state.has_checkpoint(computed[-1].block_hash):
             raise ValueError(f"no state checkpoint at the end of block {computed[-1].block_id}")
 
     def _note_tokens(self, record: RequestCache, num_tokens: int) -> None:

@@ -50,7 +50,9 @@ class FullAttentionManager:
         the null block in ``table``); how many."""
         return 0
 
-    def cache_blocks(self, table: list[CacheBlock], block_hashes: list[bytes], token_ids: list[int], num_full: int) -> None:
+    def cache_blocks(
+        self, table: list[CacheBlock], block_hashes: list[bytes], token_ids: list[int], num_full: int
+    ) -> None:
         """Register the first ``num_full`` blocks of ``table``. Already hashed ones (hits, or
         registered before) are skipped; a block whose hash another block carries already stays
         unhashed (a duplicate costs memory, never correctness)."""
@@ -66,7 +68,8 @@ class FullAttentionManager:
         for block in table:
             _require(block is self.pool.blocks[block.block_id], f"request {request_id!r} holds a foreign block")
         num_null = sum(b.is_null for b in table)
-        _require(num_null == 0 or self.window is not None, f"request {request_id!r} has a null block in full group {self.group}")
+        full = self.window is None
+        _require(num_null == 0 or not full, f"request {request_id!r} has a null block in full group {self.group}")
         _require(all(b.is_null for b in table[:num_null]), f"request {request_id!r}: null block after a live one")
 
 

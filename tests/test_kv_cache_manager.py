@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 from vllm_mlx.kv_cache_manager import KVCacheManager
+from vllm_mlx.kv_coordinator import KVCacheCoordinator
 from vllm_mlx.paged_cache import PagedCacheManager
+from vllm_mlx.prefix_cache import PrefixCacheManager
 from vllm_mlx.request import Request, SamplingParams
+from vllm_mlx.scheduler import Scheduler, SchedulerConfig
 
 
 def hybrid_manager() -> KVCacheManager:
@@ -75,3 +78,9 @@ def test_room_for_a_first_chunk_counts_the_blocks_of_every_block_group():
     assert not kv.has_room_for(1)
     kv.free(request, finished=True)
     assert kv.has_room_for(16) and kv.stats().num_used_blocks == 0
+
+
+def test_the_scheduler_holds_the_kv_cache_only_through_its_manager():
+    sched = Scheduler(SchedulerConfig(block_size=4), PagedCacheManager(num_blocks=8, block_size=4))
+    parts = [name for name, value in vars(sched).items() if isinstance(value, (KVCacheCoordinator, PrefixCacheManager))]
+    assert parts == [] and isinstance(sched.kv, KVCacheManager)

@@ -84,3 +84,8 @@ def test_the_scheduler_holds_the_kv_cache_only_through_its_manager():
     sched = Scheduler(SchedulerConfig(block_size=4), PagedCacheManager(num_blocks=8, block_size=4))
     parts = [name for name, value in vars(sched).items() if isinstance(value, (KVCacheCoordinator, PrefixCacheManager))]
     assert parts == [] and isinstance(sched.kv, KVCacheManager)
+
+
+def test_stats_count_the_checkpoint_slots_before_any_is_kept():
+    stats = hybrid_manager().stats()
+    assert (stats.num_state_slots, stats.num_state_checkpoints, stats.num_cached_state_checkpoints) == (2, 4, 0)

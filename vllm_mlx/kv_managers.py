@@ -134,7 +134,7 @@ class RecurrentStateManager:
     def read_slot(self, request_id: str) -> int:
         """Where the request's next step reads its state: the checkpoint it resumes from until
         its first step is done, then its own slot."""
-        pinned = self.checkpoints.pinned_slot(request_id) if self.checkpoints else None
+        pinned = self.checkpoints.pinned_slot(request_id) if self.checkpoints is not None else None
         return self.slot(request_id) if pinned is None else pinned
 
     def has_checkpoint(self, block_hash: bytes) -> bool:

@@ -63,9 +63,9 @@ def cache_stats(kv: KVCacheCoordinator) -> CacheStats:
         prefix_hits=kv.prefix_hits,
         num_state_slots=state.slots.num_slots - 1 if state else 0,
         num_used_state_slots=state.slots.num_used if state else 0,
-        num_state_checkpoints=checkpoints.num_slots if checkpoints else 0,
-        num_cached_state_checkpoints=len(checkpoints) if checkpoints else 0,
-        state_checkpoint_evictions=checkpoints.evictions if checkpoints else 0,
+        num_state_checkpoints=checkpoints.num_slots if checkpoints is not None else 0,
+        num_cached_state_checkpoints=len(checkpoints) if checkpoints is not None else 0,
+        state_checkpoint_evictions=checkpoints.evictions if checkpoints is not None else 0,
     )
 
 
@@ -86,7 +86,7 @@ def cache_snapshot(kv: KVCacheCoordinator) -> dict:
         "block_groups": block_group_usage(kv),
         "free_queue": kv.pool.free_queue.block_ids(),  # eviction order, head first
         "state_slots": state.slots.owners() if state else {},
-        "state_checkpoints": state.checkpoints.snapshot() if state and state.checkpoints else None,
+        "state_checkpoints": state.checkpoints.snapshot() if state and state.checkpoints else None,  # None: none kept
         "stats": cache_stats(kv).to_dict(),
     }
 

@@ -54,7 +54,7 @@ def test_a_fault_in_the_forward_pass_fails_only_its_request(engine_factory):
 def test_a_fault_in_the_step_update_fails_only_its_request(engine_factory):
     expected = solo_tokens(engine_factory, PROMPTS[:2])
     engine = engine_factory()
-    cache = engine.scheduler.prefix_cache
+    cache = engine.scheduler.kv.prefix_cache
     cache.cache_computed_blocks = fail_for("bad", cache.cache_computed_blocks)
     ids = [engine.add_request(p, GREEDY, f"good-{i}") for i, p in enumerate(PROMPTS[:2])]
     engine.add_request(PROMPTS[2], GREEDY, "bad")

@@ -65,7 +65,7 @@ def test_the_least_loaded_key_goes_first_and_a_preempted_request_resumes_first()
 
 def test_a_small_request_is_served_within_a_few_steps_of_a_huge_one():
     sched = make_scheduler(num_blocks=256, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
-    runner = FakeRunner(sched.kv_cache)
+    runner = FakeRunner(sched.kv.coordinator)
     huge = [keyed(f"huge-{i}", "huge", max_tokens=20) for i in range(60)]
     for r in huge:
         sched.add_request(r)
@@ -84,12 +84,12 @@ def test_a_small_request_is_served_within_a_few_steps_of_a_huge_one():
         step(sched, runner)
     for r in [*huge, small]:  # fairness changes the order of work, never the outputs
         assert (r.output_token_ids, r.status) == reference_output(r, sched.max_model_len)
-    assert sched.kv_cache.stats().num_used_blocks == 0
+    assert sched.kv.coordinator.stats().num_used_blocks == 0
 
 
 def test_fair_preemption_does_not_thrash_between_equal_keys():
     sched = make_scheduler(num_blocks=256, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
-    runner = FakeRunner(sched.kv_cache)
+    runner = FakeRunner(sched.kv.coordinator)
     for key in ("a", "b"):
         for i in range(6):
             sched.add_request(keyed(f"{key}-{i}", key, max_tokens=6))
@@ -105,7 +105,7 @@ def test_fair_preemption_does_not_thrash_between_equal_keys():
 def test_under_block_pressure_the_small_request_finishes_before_the_heavy_ones():
     # Seats are free but blocks are short: the heavy key's requests preempt each other for them.
     sched = make_scheduler(num_blocks=1 + 12, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
-    runner = FakeRunner(sched.kv_cache)
+    runner = FakeRunner(sched.kv.coordinator)
     heavy = [keyed(f"heavy-{i}", "heavy", prompt=11, max_tokens=12) for i in range(4)]
     for r in heavy:
         sched.add_request(r)
@@ -117,7 +117,7 @@ def test_under_block_pressure_the_small_request_finishes_before_the_heavy_ones()
     assert small.finish_time < min(r.finish_time for r in heavy)
     for r in [*heavy, small]:
         assert (r.output_token_ids, r.status) == reference_output(r, sched.max_model_len)
-    assert sched.kv_cache.stats().num_used_blocks == 0
+    assert sched.kv.coordinator.stats().num_used_blocks == 0
 
 
 def test_n_completions_share_one_key_in_the_engine(tiny_model_dir):

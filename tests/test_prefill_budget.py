@@ -21,7 +21,7 @@ def prefill_beside_a_stream(attention_tokens: int, steps: int) -> list[tuple[int
     """A 7,400-token prompt arriving while a short request decodes, budget 512: the long prompt's
     (context position, chunk) in each of the next ``steps`` steps."""
     sched = make_scheduler(num_blocks=600, max_num_batched_tokens=512, prefill_attention_tokens=attention_tokens)
-    runner = FakeRunner(sched.kv_cache)
+    runner = FakeRunner(sched.kv.coordinator)
     sched.add_request(make_request("stream", 10, max_tokens=500))
     step(sched, runner)  # the stream's prompt: from now on it decodes, one token a step
     sched.add_request(make_request("long", 7400, max_tokens=1))
@@ -62,7 +62,7 @@ def test_without_chunked_prefill_a_prompt_costs_its_tokens():
     sched = make_scheduler(num_blocks=64, max_num_batched_tokens=64, enable_chunked_prefill=False,
                            prefill_attention_tokens=16)  # fmt: skip
     sched.add_request(make_request("whole", 60))
-    out, _ = step(sched, FakeRunner(sched.kv_cache))
+    out, _ = step(sched, FakeRunner(sched.kv.coordinator))
     assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("whole", 60)]
 
 
@@ -84,7 +84,7 @@ def test_outputs_equal_the_sequential_reference_whatever_the_chunks(attention_to
     requests = [make_request(f"r{i}", n, max_tokens=6) for i, n in enumerate((3, 40, 17, 60, 5))]
     for request in requests:
         sched.add_request(request)
-    run_all(sched, FakeRunner(sched.kv_cache))
+    run_all(sched, FakeRunner(sched.kv.coordinator))
     for request in requests:
         assert request.output_token_ids == reference_output(request, sched.max_model_len)[0]
 

@@ -44,7 +44,7 @@ def test_cache_on_equals_cache_off(engine_factory):
     prompts = [DOC + q for q in ("What is a block?", "Why fixed size?", "What is a block?")]
     off = engine_factory(enable_prefix_caching=False, block_size=4)
     expected = [run(off, p).token_ids for p in prompts]
-    assert off.scheduler.prefix_cache.stats().hit_tokens == 0
+    assert off.scheduler.kv.prefix_cache.stats().hit_tokens == 0
     on = engine_factory(block_size=4)
     outs = [run(on, p) for p in prompts]
     assert [o.token_ids for o in outs] == expected
@@ -118,7 +118,7 @@ def test_prefix_stats_add_up(engine_factory):
     prompt = block(0) + block(1) + block(2) + [5]
     run(engine, prompt)
     run(engine, prompt)
-    stats = engine.scheduler.prefix_cache.stats()
+    stats = engine.scheduler.kv.prefix_cache.stats()
     assert (stats.queries, stats.hits, stats.hit_tokens, stats.query_tokens) == (2, 1, 12, 26)
     assert stats.hit_rate == pytest.approx(12 / 26)
     snapshot_stats = engine.cache_snapshot()["stats"]["prefix_cache"]

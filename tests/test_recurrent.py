@@ -316,7 +316,7 @@ def test_random_joins_and_aborts_leak_no_slot_or_block(tmp_path, default_model_d
             assert engine.kv_cache.stats().num_used_state_slots == engine.scheduler.num_running
         finish(engine)
         assert_nothing_held(engine)
-        assert engine.scheduler.prefix_cache.stats().hits > 0  # repeated prompts resumed from checkpoints
+        assert engine.scheduler.kv.prefix_cache.stats().hits > 0  # repeated prompts resumed from checkpoints
     finally:
         engine.shutdown()
 

@@ -103,7 +103,7 @@ def step(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[Re
     out = sched.schedule()
     advanced = sched.update_from_output(out, runner(out))
     sched.check_invariants()
-    sched.kv_cache.check_invariants()
+    sched.kv.coordinator.check_invariants()
     return out, advanced
 
 
@@ -132,7 +132,7 @@ def reference_output(request: Request, max_model_len: int) -> tuple[list[int], R
 
 
 def used_blocks(sched: Scheduler) -> int:
-    return sched.kv_cache.stats().num_used_blocks
+    return sched.kv.coordinator.stats().num_used_blocks
 
 
 # ---- construction and admission ----------------------------------------------------------
@@ -163,7 +163,7 @@ def test_prompt_too_long_errors_alone():
         "prompt has 24 tokens but the limit is 24 (context length / KV cache capacity)"
     )
     assert sched.get_request("long") is None and sched.num_waiting == 1
-    run_all(sched, FakeRunner(sched.kv_cache))
+    run_all(sched, FakeRunner(sched.kv.coordinator))
     assert ok.output_token_ids == reference_output(ok, 24)[0]
     assert ok.status == RequestStatus.FINISHED_LENGTH_CAPPED  # 23 + 1 reaches the limit
     assert ok.num_output_tokens == 1
@@ -191,7 +191,7 @@ def test_chunked_prefill_splits_prompt_and_samples_on_last_chunk():
     sched = make_scheduler(max_num_batched_tokens=32)
     r = make_request("r", 100, max_tokens=3)
     sched.add_request(r)
-    runner = FakeRunner(sched.kv_cache)
+    runner = FakeRunner(sched.kv.coordinator)
     chunks = []
     for _ in range(4):
         out, advanced = step(sched, runner)
@@ -211,7 +211,7 @@ def test_decodes_come_before_a_new_prefill_which_gets_the_leftover_budget():
     a, b = make_request("a", 10, max_tokens=20), make_request("b", 10, max_tokens=20)
     sched.add_request(a)
     sched.add_request(b)
-    runner = FakeRunner(sched.kv_cache)
+    runner = FakeRunner(sched.kv.coordinator)
     out, _ = step(sched, runner)
     assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 10), ("b", 10)]
     c = make_request("c", 100)
@@ -229,7 +229,7 @@ def test_running_prefill_is_capped_and_later_requests_wait_for_budget():
     sched = make_scheduler(max_num_batched_tokens=32)
     sched.add_request(make_request("long", 50))
     sched.add_request(make_request("short", 5))
-    runner = FakeRunner(sched.kv_cache)
+    runner = FakeRunner(sched.kv.coordinator)
     out, _ = step(sched, runner)
     assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("long", 32)]
     out, _ = step(sched, runner)
@@ -241,7 +241,7 @@ def test_max_num_seqs_is_respected():
     reqs = [make_request(f"r{i}", 4, max_tokens=3) for i in range(3)]
     for r in reqs:
         sched.add_request(r)
-    runner = FakeRunner(sched.kv_cache)
+    runner = FakeRunner(sched.kv.coordinator)
     seen_running = []
     while sched.has_unfinished_requests():
         out, _ = step(sched, runner)
@@ -259,7 +259,7 @@ def test_chunked_prefill_off_waits_for_a_step_with_room():
     a, b = make_request("a", 10, max_tokens=5), make_request("b", 10, max_tokens=2)
     sched.add_request(a)
     sched.add_request(b)
-    runner = FakeRunner(sched.kv_cache)
+    runner = FakeRunner(sched.kv.coordinator)
     out, _ = step(sched, runner)
     assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 10)]
     out, _ = step(sched, runner)
@@ -281,7 +281,7 @@ def test_tiny_pool_preempts_most_recent_which_resumes_with_identical_output(pref
     for r in _preemption_requests():
         big.add_request(r)
     expected = {}
-    run_all(big, FakeRunner(big.kv_cache))
+    run_all(big, FakeRunner(big.kv.coordinator))
     assert big.num_preemptions == 0
     for r in big_reqs(big, _preemption_requests()):
         expected[r.request_id] = r.output_token_ids
@@ -291,7 +291,7 @@ def test_tiny_pool_preempts_most_recent_which_resumes_with_identical_output(pref
     a, b = _preemption_requests()
     sched.add_request(a)
     sched.add_request(b)
-    runner = FakeRunner(sched.kv_cache)
+    runner = FakeRunner(sched.kv.coordinator)
     preempted_at = None
     while sched.has_unfinished_requests():
         out, _ = step(sched, runner)
@@ -300,7 +300,7 @@ def test_tiny_pool_preempts_most_recent_which_resumes_with_identical_output(pref
             assert out.preempted_ids == ["b"]
             assert [s.request_id for s in out.scheduled] == ["a"]  # no admission this step
             assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
-            assert sched.waiting[0] is b and sched.kv_cache.get_block_ids("b") == []
+            assert sched.waiting[0] is b and sched.kv.coordinator.get_block_ids("b") == []
         assert sched.step_id < 200
     assert preempted_at is not None
     assert a.num_preemptions == 0 and b.num_preemptions >= 1
@@ -319,11 +319,11 @@ def test_a_step_that_preempts_admits_nobody():
     a, b = make_request("a", 4, max_tokens=12), make_request("b", 4, max_tokens=12)
     sched.add_request(a)
     sched.add_request(b)
-    runner = FakeRunner(sched.kv_cache)
+    runner = FakeRunner(sched.kv.coordinator)
     outs = [step(sched, runner)[0] for _ in range(8)]
     assert runner.steps[5] == [("a", 7, 1, True), ("b", 6, 1, True)]
     assert outs[6].preempted_ids == ["b"] and runner.steps[6] == [("a", 8, 1, True)]
-    assert sched.kv_cache.get_num_free_blocks() == 0  # b took the free block in step 8
+    assert sched.kv.coordinator.get_num_free_blocks() == 0  # b took the free block in step 8
     assert runner.steps[7] == [("a", 9, 1, True), ("b", 0, 2, False)]
     run_all(sched, runner)
     assert a.output_token_ids == reference_output(a, 16)[0]
@@ -335,7 +335,7 @@ def big_reqs(sched: Scheduler, fresh: list[Request]) -> list[Request]:
     for r in fresh:
         solo = make_scheduler(num_blocks=64, block_size=sched.block_size)
         solo.add_request(r)
-        run_all(solo, FakeRunner(solo.kv_cache))
+        run_all(solo, FakeRunner(solo.kv.coordinator))
     return fresh
 
 
@@ -345,7 +345,7 @@ def test_a_lone_request_preempts_itself_and_resumes():
     a, b = make_request("a", 4, max_tokens=11), make_request("b", 4, max_tokens=11)
     sched.add_request(a)
     sched.add_request(b)
-    run_all(sched, FakeRunner(sched.kv_cache))
+    run_all(sched, FakeRunner(sched.kv.coordinator))
     for r in (a, b):
         assert r.output_token_ids == reference_output(r, 16)[0]
     assert b.num_preemptions >= 1 and used_blocks(sched) == 0
@@ -356,7 +356,7 @@ def test_resumed_request_gets_prefix_hits_on_its_own_old_blocks():
     a, b = _preemption_requests()
     sched.add_request(a)
     sched.add_request(b)
-    runner = FakeRunner(sched.kv_cache)
+    runner = FakeRunner(sched.kv.coordinator)
     resumed = None
     while resumed is None:
         was_preempted = b.status == RequestStatus.PREEMPTED
@@ -379,7 +379,7 @@ def test_abort_mid_prefill_frees_blocks():
     sched = make_scheduler(max_num_batched_tokens=32)
     r = make_request("r", 100)
     sched.add_request(r)
-    step(sched, FakeRunner(sched.kv_cache))
+    step(sched, FakeRunner(sched.kv.coordinator))
     assert used_blocks(sched) == 2
     assert sched.abort_request("r") is r
     assert r.status == RequestStatus.FINISHED_ABORTED and r.finish_reason == "abort"
@@ -392,12 +392,12 @@ def test_abort_mid_decode_frees_blocks_and_others_continue():
     a, b = make_request("a", 20, max_tokens=6), make_request("b", 20, max_tokens=6)
     sched.add_request(a)
     sched.add_request(b)
-    runner = FakeRunner(sched.kv_cache)
+    runner = FakeRunner(sched.kv.coordinator)
     step(sched, runner)
     step(sched, runner)
     assert a.num_output_tokens == 2
     sched.abort_request("a")
-    assert sched.kv_cache.get_block_ids("a") == [] and sched.running == [b]
+    assert sched.kv.coordinator.get_block_ids("a") == [] and sched.running == [b]
     run_all(sched, runner)
     assert a.num_output_tokens == 2 and b.output_token_ids == reference_output(b, 10**9)[0]
     assert used_blocks(sched) == 0
@@ -407,7 +407,7 @@ def test_abort_waiting_request():
     sched = make_scheduler(max_num_seqs=1)
     sched.add_request(make_request("a", 4))
     sched.add_request(make_request("b", 4))
-    step(sched, FakeRunner(sched.kv_cache))
+    step(sched, FakeRunner(sched.kv.coordinator))
     assert sched.abort_request("b").status == RequestStatus.FINISHED_ABORTED
     assert sched.num_waiting == 0 and sched.num_running == 1
 
@@ -417,7 +417,7 @@ def test_abort_unknown_or_finished_is_a_noop():
     assert sched.abort_request("nope") is None
     r = make_request("r", 4, max_tokens=1)
     sched.add_request(r)
-    step(sched, FakeRunner(sched.kv_cache))
+    step(sched, FakeRunner(sched.kv.coordinator))
     assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert sched.abort_request("r") is None
     assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED
@@ -428,16 +428,16 @@ def test_abort_between_schedule_and_update_is_skipped():
     a, b = make_request("a", 10), make_request("b", 10)
     sched.add_request(a)
     sched.add_request(b)
-    runner = FakeRunner(sched.kv_cache)
+    runner = FakeRunner(sched.kv.coordinator)
     out = sched.schedule()
     runner_output = runner(out)
     sched.abort_request("a")
     advanced = sched.update_from_output(out, runner_output)
     assert advanced == [b]
     assert a.num_output_tokens == 0 and a.num_computed_tokens == 0
-    assert sched.kv_cache.get_block_ids("a") == []
+    assert sched.kv.coordinator.get_block_ids("a") == []
     sched.check_invariants()
-    sched.kv_cache.check_invariants()
+    sched.kv.coordinator.check_invariants()
 
 
 def test_finish_request_for_stop_strings_and_errors():
@@ -445,7 +445,7 @@ def test_finish_request_for_stop_strings_and_errors():
     a, b = make_request("a", 10), make_request("b", 10)
     sched.add_request(a)
     sched.add_request(b)
-    step(sched, FakeRunner(sched.kv_cache))
+    step(sched, FakeRunner(sched.kv.coordinator))
     sched.finish_request("a", RequestStatus.FINISHED_STOPPED, "###")
     assert a.stop_reason == "###" and a.finish_reason == "stop"
     sched.finish_request("b", RequestStatus.FINISHED_ERROR, "boom")
@@ -465,7 +465,7 @@ def test_missing_sampled_token_errors_that_request_only():
     assert advanced == [a, b]
     assert a.status == RequestStatus.FINISHED_ERROR and "no token" in a.error_message
     assert b.output_token_ids == [11] and sched.running == [b]
-    assert sched.kv_cache.get_block_ids("a") == []
+    assert sched.kv.coordinator.get_block_ids("a") == []
 
 
 # ---- prefix caching -------------------------------------------------------------------------------
@@ -476,10 +476,10 @@ def test_same_prompt_hits_full_blocks_and_starts_after_them():
     prompt = list(range(100, 140))  # 40 tokens: 2 full blocks of 16 + 8
     first = make_request("first", prompt, max_tokens=3)
     sched.add_request(first)
-    runner = FakeRunner(sched.kv_cache)
+    runner = FakeRunner(sched.kv.coordinator)
     step(sched, runner)
-    assert sched.kv_cache.stats().num_cached_blocks == 2
-    first_blocks = sched.kv_cache.get_block_ids("first")
+    assert sched.kv.coordinator.stats().num_cached_blocks == 2
+    first_blocks = sched.kv.coordinator.get_block_ids("first")
 
     second = make_request("second", prompt, max_tokens=3)
     sched.add_request(second)
@@ -489,7 +489,7 @@ def test_same_prompt_hits_full_blocks_and_starts_after_them():
     assert s.block_ids[:2] == first_blocks[:2] and s.block_ids[2] != first_blocks[2]
     assert second.num_cached_tokens == 32
     assert sched.snapshot()["second"]["num_cached_tokens"] == 32
-    kv = sched.kv_cache.stats()
+    kv = sched.kv.coordinator.stats()
     assert (kv.prefix_queries, kv.prefix_hits) == (80, 32)
     run_all(sched, runner)
     assert second.output_token_ids == first.output_token_ids
@@ -500,11 +500,11 @@ def test_hit_after_the_first_request_finished_revives_cached_free_blocks():
     prompt = list(range(100, 140))
     first = make_request("first", prompt, max_tokens=2)
     sched.add_request(first)
-    run_all(sched, FakeRunner(sched.kv_cache))
+    run_all(sched, FakeRunner(sched.kv.coordinator))
     assert used_blocks(sched) == 0
     second = make_request("second", prompt, max_tokens=2)
     sched.add_request(second)
-    out, _ = step(sched, FakeRunner(sched.kv_cache))
+    out, _ = step(sched, FakeRunner(sched.kv.coordinator))
     assert out.scheduled[0].num_computed_tokens == 32 and second.num_cached_tokens == 32
 
 
@@ -512,10 +512,10 @@ def test_prompt_of_exact_blocks_recomputes_its_last_block():
     sched = make_scheduler()
     prompt = list(range(200, 232))  # exactly 32 tokens
     sched.add_request(make_request("first", prompt, max_tokens=2))
-    run_all(sched, FakeRunner(sched.kv_cache))
+    run_all(sched, FakeRunner(sched.kv.coordinator))
     again = make_request("again", prompt, max_tokens=2)
     sched.add_request(again)
-    out, _ = step(sched, FakeRunner(sched.kv_cache))
+    out, _ = step(sched, FakeRunner(sched.kv.coordinator))
     assert (out.scheduled[0].num_computed_tokens, out.scheduled[0].num_new_tokens) == (16, 16)
     assert again.num_cached_tokens == 16
 
@@ -523,7 +523,7 @@ def test_prompt_of_exact_blocks_recomputes_its_last_block():
 def test_cache_salt_separates_prefixes():
     sched = make_scheduler()
     prompt = list(range(100, 140))
-    runner = FakeRunner(sched.kv_cache)
+    runner = FakeRunner(sched.kv.coordinator)
     sched.add_request(make_request("a", prompt, salt="alice", max_tokens=1))
     run_all(sched, runner)
     for rid, salt, hit in (("b", "bob", 0), ("c", None, 0), ("d", "alice", 32)):
@@ -550,13 +550,13 @@ def test_decoded_tokens_fill_and_register_blocks():
     sched = make_scheduler(block_size=4)
     r = make_request("r", 6, max_tokens=10)
     sched.add_request(r)
-    runner = FakeRunner(sched.kv_cache)
+    runner = FakeRunner(sched.kv.coordinator)
     step(sched, runner)  # computes 6 tokens: 1 full block
-    assert sched.kv_cache.stats().num_cached_blocks == 1
+    assert sched.kv.coordinator.stats().num_cached_blocks == 1
     step(sched, runner)  # computes token 7 (the first sampled one): still 1 full block
-    assert r.num_computed_tokens == 7 and sched.kv_cache.stats().num_cached_blocks == 1
+    assert r.num_computed_tokens == 7 and sched.kv.coordinator.stats().num_cached_blocks == 1
     step(sched, runner)  # 8 computed: block 2 full
-    assert sched.kv_cache.stats().num_cached_blocks == 2
+    assert sched.kv.coordinator.stats().num_cached_blocks == 2
 
 
 def test_prefix_caching_disabled_never_hits():
@@ -565,9 +565,9 @@ def test_prefix_caching_disabled_never_hits():
     for rid in ("a", "b"):
         r = make_request(rid, prompt, max_tokens=1)
         sched.add_request(r)
-        run_all(sched, FakeRunner(sched.kv_cache))
+        run_all(sched, FakeRunner(sched.kv.coordinator))
         assert r.num_cached_tokens == 0
-    assert sched.kv_cache.stats().num_cached_blocks == 0
+    assert sched.kv.coordinator.stats().num_cached_blocks == 0
 
 
 # ---- token-level stops ------------------------------------------------------------------------------
@@ -577,7 +577,7 @@ def test_eos_stops_with_no_reason():
     sched = make_scheduler()
     r = make_request("r", 5, max_tokens=10)
     sched.add_request(r)
-    run_all(sched, FakeRunner(sched.kv_cache, lambda ctx: EOS))
+    run_all(sched, FakeRunner(sched.kv.coordinator, lambda ctx: EOS))
     assert r.output_token_ids == [EOS]
     assert r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason is None
 
@@ -586,7 +586,7 @@ def test_min_tokens_suppresses_eos():
     sched = make_scheduler()
     r = make_request("r", 5, max_tokens=10, min_tokens=3)
     sched.add_request(r)
-    run_all(sched, FakeRunner(sched.kv_cache, lambda ctx: EOS))
+    run_all(sched, FakeRunner(sched.kv.coordinator, lambda ctx: EOS))
     # The first three tokens may not stop; the fourth (generated after min_tokens) does.
     assert r.output_token_ids == [EOS] * 4 and r.status == RequestStatus.FINISHED_STOPPED
 
@@ -595,7 +595,7 @@ def test_ignore_eos_runs_to_max_tokens():
     sched = make_scheduler()
     r = make_request("r", 5, max_tokens=4, ignore_eos=True)
     sched.add_request(r)
-    run_all(sched, FakeRunner(sched.kv_cache, lambda ctx: EOS))
+    run_all(sched, FakeRunner(sched.kv.coordinator, lambda ctx: EOS))
     assert r.output_token_ids == [EOS] * 4
     assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED
 
@@ -608,7 +608,7 @@ def test_stop_token_id_finishes_with_it_as_reason():
     sched = make_scheduler()
     r = make_request("r", 5, max_tokens=20, stop_token_ids=[stop_id])
     sched.add_request(r)
-    run_all(sched, FakeRunner(sched.kv_cache))
+    run_all(sched, FakeRunner(sched.kv.coordinator))
     assert r.output_token_ids == natural[: k + 1]
     assert r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason == stop_id
 
@@ -617,7 +617,7 @@ def test_stop_token_id_suppressed_by_min_tokens():
     sched = make_scheduler()
     r = make_request("r", 5, max_tokens=6, min_tokens=2, stop_token_ids=[42])
     sched.add_request(r)
-    run_all(sched, FakeRunner(sched.kv_cache, lambda ctx: 42))
+    run_all(sched, FakeRunner(sched.kv.coordinator, lambda ctx: 42))
     assert r.output_token_ids == [42, 42, 42] and r.stop_reason == 42
 
 
@@ -625,7 +625,7 @@ def test_max_tokens_caps_length():
     sched = make_scheduler()
     r = make_request("r", 5, max_tokens=7)
     sched.add_request(r)
-    run_all(sched, FakeRunner(sched.kv_cache))
+    run_all(sched, FakeRunner(sched.kv.coordinator))
     assert r.num_output_tokens == 7 and r.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert r.finish_reason == "length" and r.stop_reason is None
 
@@ -634,7 +634,7 @@ def test_max_model_len_caps_length():
     sched = make_scheduler(max_model_len=12)
     r = make_request("r", 10, max_tokens=7)
     sched.add_request(r)
-    run_all(sched, FakeRunner(sched.kv_cache))
+    run_all(sched, FakeRunner(sched.kv.coordinator))
     assert r.num_tokens == 12 and r.status == RequestStatus.FINISHED_LENGTH_CAPPED
 
 
@@ -645,7 +645,7 @@ def test_stats_and_snapshot_are_plain_data():
     sched = make_scheduler(max_num_seqs=1)
     sched.add_request(make_request("a", 20))
     sched.add_request(make_request("b", 4))
-    step(sched, FakeRunner(sched.kv_cache))
+    step(sched, FakeRunner(sched.kv.coordinator))
     stats = sched.stats()
     assert {k: stats[k] for k in ("running", "waiting", "preemptions", "steps")} == {
         "running": 1, "waiting": 1, "preemptions": 0, "steps": 1,

@@ -1,15 +1,16 @@
-"""The pieces of the block pool: a block's metadata, the LRU free queue, a logical block table.
+"""The block pool: every block's metadata, the LRU free queue, the hash maps, a logical table.
 
-Pure data structures, no policy: ``PagedCacheManager`` (``paged_cache.py``) decides who holds
-which block.
+No policy about requests: the coordinator (``kv_coordinator.py``) and its managers per kind
+(``kv_managers.py``) decide which request's table holds which block; the pool only hands blocks
+out, takes them back, and keeps the hashes of full blocks for prefix hits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["BlockTable", "CacheBlock", "FreeBlockQueue"]
+__all__ = ["BlockPool", "BlockTable", "CacheBlock", "FreeBlockQueue"]
 
 
 @dataclass(slots=True, eq=False)  # identity equality: two blocks are never "the same" by value
@@ -155,3 +156,93 @@ class BlockTable:
     def slots(self, start: int, end: int) -> list[int]:
         """Physical slots of positions ``start .. end-1``."""
         return [self.slot(pos) for pos in range(start, end)]
+
+
+class BlockPool:
+    """Every block of the cache, one free queue, and one hash map per block group.
+
+    Block 0 is the *null* block (never handed out, never hashed, never queued). Every other
+    block is either in the free queue (``ref_cnt == 0``) or held by tables (``ref_cnt > 0``).
+    A hashed block is in the map of its ``group``; one with ``ref_cnt == 0`` is *cached-free*:
+    a prefix hit revives it (``touch``) until the queue's head reaches it and evicts it
+    (``take``, which calls ``on_evict`` with the evicted hash).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, num_groups: int = 1) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.blocks = [CacheBlock(block_id=i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.is_null = True
+        # Ascending ids at start, so a fresh pool hands out 1, 2, 3, ...
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.cached: list[dict[bytes, CacheBlock]] = [{} for _ in range(num_groups)]
+        self.on_evict: Callable[[bytes], None] | None = None
+        self.allocations = 0  # blocks taken from the free queue for new content
+        self.frees = 0  # blocks returned to the free queue
+        self.evictions = 0  # hashed blocks reclaimed for new content
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks an allocation could take, cached-free ones included."""
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free_queue) / self.num_usable_blocks
+
+    def take(self) -> CacheBlock:
+        """A block for new content from the queue's head (``ref_cnt`` 1), evicting its hash."""
+        block = self.free_queue.popleft()
+        if block.block_hash is not None:
+            # Reusing a cached-free block evicts its cached prefix (and what depends on it).
+            del self.cached[block.group][block.block_hash]
+            if self.on_evict is not None:
+                self.on_evict(block.block_hash)
+            self.evictions += 1
+        block.clear_content()
+        block.ref_cnt = 1
+        self.allocations += 1
+        return block
+
+    def touch(self, block: CacheBlock) -> None:
+        """One more table holds ``block`` (a prefix hit); a cached-free one leaves the queue."""
+        if block.ref_cnt == 0:  # cached-free: revive it before eviction reaches it
+            self.free_queue.remove(block)
+        block.ref_cnt += 1
+
+    def release(self, block: CacheBlock) -> None:
+        """One table fewer holds ``block``; at 0 it goes to the queue's tail (keeping its hash)."""
+        block.ref_cnt -= 1
+        assert block.ref_cnt >= 0, f"block {block.block_id} ref_cnt went negative"
+        if block.ref_cnt == 0:
+            if block.block_hash is None:
+                block.clear_content()
+            self.free_queue.append(block)
+            self.frees += 1
+
+    def cache_block(self, block: CacheBlock, group: int, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
+        """Register the full ``block`` under ``block_hash`` in ``group``'s map."""
+        block.block_hash, block.group = block_hash, group
+        block.token_ids = token_ids
+        block.num_tokens = self.block_size
+        self.cached[group][block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the hashes of every free block (queue order kept); blocks in use keep theirs."""
+        for cached in self.cached:
+            for block_hash, block in list(cached.items()):
+                if block.ref_cnt == 0:
+                    del cached[block_hash]
+                    block.clear_content()
+
+    def num_cached_blocks(self, free_only: bool = False) -> int:
+        """Hashed blocks (all groups); only the cached-free ones with ``free_only``."""
+        return sum(1 for c in self.cached for b in c.values() if not free_only or b.ref_cnt == 0)

@@ -253,7 +253,6 @@ class EngineCore:
         self.think_tokens = self.input_processor.think_tokens
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_request)
         self.snapshotter = CacheSnapshotter(
-            self.kv_cache,
             self.scheduler,
             self.tokenizer,
             self._mllm_snapshot,
@@ -553,7 +552,7 @@ class EngineCore:
         multimodal cache's stats) for a vision-language model."""
         stats = {
             "scheduler": self.scheduler.stats(),
-            "kv_cache": self.kv_cache.stats().to_dict(),
+            "kv_cache": self.scheduler.kv.stats().to_dict(),
             "structured_outputs": self.input_processor.grammars.stats(),
         }
         if self.vision is not None:
@@ -578,7 +577,7 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         """Forget the hashes of unreferenced blocks (blocks in use keep theirs)."""
-        return self.scheduler.prefix_cache.reset()
+        return self.scheduler.kv.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Release the model for other engines; outstanding requests are aborted."""

@@ -18,8 +18,9 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
+from vllm_mlx.block_pool import CacheBlock
 from vllm_mlx.canonical import canonical_bytes
-from vllm_mlx.paged_cache import CacheBlock, PagedCacheManager
+from vllm_mlx.kv_coordinator import KVCacheCoordinator, RequestCache
 from vllm_mlx.request import Request
 
 __all__ = [
@@ -111,14 +112,14 @@ class PrefixCacheStats:
 
 
 class PrefixCacheManager:
-    """Token-level prefix cache over a ``PagedCacheManager``'s hash map.
+    """Token-level prefix cache over a ``PagedCacheManager``'s (a ``KVCacheCoordinator``'s) hash map.
 
     ``lookup`` finds the longest run of cached full blocks for a token sequence; ``register``
     publishes a sequence's computed full blocks. Both work on hashes chained as described in
     the module docstring, with ``namespace`` (the model's identity) in every block's extra keys.
     """
 
-    def __init__(self, kv_cache: PagedCacheManager, namespace: str = "", enabled: bool = True) -> None:
+    def __init__(self, kv_cache: KVCacheCoordinator, namespace: str = "", enabled: bool = True) -> None:
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.namespace = namespace
@@ -148,7 +149,7 @@ class PrefixCacheManager:
 
     def stats(self) -> PrefixCacheStats:
         stats = PrefixCacheStats(**asdict(self._stats))
-        stats.evictions = self.kv_cache.stats().evictions
+        stats.evictions = self.kv_cache.pool.evictions
         return stats
 
     def reset(self) -> bool:
@@ -161,15 +162,11 @@ class BlockAwarePrefixCache(PrefixCacheManager):
     paged blocks.
 
     A hit maps the new request's block table onto the same physical blocks (ref count + 1,
-    zero copy). Each request's block hashes are computed once, incrementally, as blocks fill.
+    zero copy). Each request's block hashes are computed once, incrementally, as blocks fill,
+    and kept in the request's record (``kv_coordinator.RequestCache``) until ``forget``.
     A hit never includes the block holding the request's last known token: at least one token
     is computed (there must be logits to sample), and no request ever writes into a shared block.
     """
-
-    def __init__(self, kv_cache: PagedCacheManager, namespace: str = "", enabled: bool = True) -> None:
-        super().__init__(kv_cache, namespace, enabled)
-        self._hashes: dict[str, list[bytes]] = {}
-        self._branch_points: dict[str, int] = {}
 
     def find_cached_blocks(self, request: Request) -> list[CacheBlock]:
         """The request's cached prefix. With recurrent layers, a hit ends at a state checkpoint;
@@ -178,41 +175,46 @@ class BlockAwarePrefixCache(PrefixCacheManager):
         if not self.enabled:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hashes = self._request_hashes(request)[:max_blocks]
+        hashes = self.request_hashes(request)[:max_blocks]
         hits = self.kv_cache.get_computed_blocks(request.request_id, hashes)
-        if self.kv_cache.checkpoints is not None:
+        state = self.kv_cache.state
+        if state is not None and state.checkpoints is not None:
             num_cached = self.kv_cache.num_cached_blocks(hashes)
             if num_cached > len(hits):
-                self._branch_points[request.request_id] = num_cached * self.block_size
+                self._record(request).branch_point = num_cached * self.block_size
         return hits
 
     def branch_point(self, request: Request) -> int | None:
         """Where the blocks cached at the request's admission ended, past its hit (None if not)."""
-        return self._branch_points.get(request.request_id)
+        record = self.kv_cache.requests.get(request.request_id)
+        return None if record is None else record.branch_point
 
     def cache_computed_blocks(self, request: Request, num_computed_before: int) -> None:
         """Publish the blocks that became full of computed KV since ``num_computed_before``."""
         num_full = request.num_computed_tokens // self.block_size
         if not self.enabled or num_full == num_computed_before // self.block_size:
             return
-        hashes = self._request_hashes(request)
+        hashes = self.request_hashes(request)
         self.kv_cache.cache_full_blocks(request.request_id, hashes, request.all_token_ids, num_full_blocks=num_full)
 
     def publish_state_checkpoint(self, request: Request, moving: bool) -> None:
         """The request's state checkpoint, written by the step just applied, now holds the state
         after its ``num_computed_tokens`` (a block boundary): key it by that block's hash."""
-        key = self._request_hashes(request)[request.num_computed_tokens // self.block_size - 1]
-        self.kv_cache.publish_state_checkpoint(request.request_id, key, moving)
+        key = self.request_hashes(request)[request.num_computed_tokens // self.block_size - 1]
+        self.kv_cache.state.publish_checkpoint(request.request_id, key, moving)
 
     def forget(self, request_id: str) -> None:
-        self._hashes.pop(request_id, None)
-        self._branch_points.pop(request_id, None)
+        self.kv_cache.forget(request_id)
 
-    def _request_hashes(self, request: Request) -> list[bytes]:
-        hashes = self._hashes.setdefault(request.request_id, [])
+    def request_hashes(self, request: Request) -> list[bytes]:
+        """The hashes of the request's full blocks (computed now for blocks filled since)."""
+        hashes = self._record(request).block_hashes
         if len(hashes) < request.num_tokens // self.block_size:  # a block filled up since
             compute_block_hashes(request.all_token_ids, self.block_size, self._block_keys(request), hashes)
         return hashes
+
+    def _record(self, request: Request) -> RequestCache:
+        return self.kv_cache.request_cache(request.request_id)
 
     def _block_keys(self, request: Request) -> tuple | Callable[[int], tuple]:
         """Per-block extra keys: namespace and salt, plus the hashes of the images a block

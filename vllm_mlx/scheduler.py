@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from vllm_mlx.errors import internal_error_message
 from vllm_mlx.kv_cache_manager import KVCacheManager
 from vllm_mlx.outputs import Admission, ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
-from vllm_mlx.paged_cache import PagedCacheManager
+from vllm_mlx.kv_coordinator import KVCacheCoordinator
 from vllm_mlx.prefill_budget import PrefillCost
 from vllm_mlx.request import Request, RequestStatus
 from vllm_mlx.waiting_queue import WaitingQueue
@@ -89,19 +89,19 @@ class Scheduler:
     """
 
     def __init__(
-        self, config: SchedulerConfig, kv_cache: PagedCacheManager, cache_namespace: str = ""
+        self, config: SchedulerConfig, kv_cache: KVCacheCoordinator, cache_namespace: str = ""
     ) -> None:
-        """``max_model_len`` = min(config.max_model_len, pool capacity in tokens), and, with
-        chunked prefill off, at most ``max_num_batched_tokens + 1`` so that a preempted request
-        can always be recomputed in one step. ``cache_namespace`` (model identity) and each
-        request's ``cache_salt`` are folded into its block hashes."""
+        """``kv_cache``: the block bookkeeping (a ``PagedCacheManager``), which the scheduler
+        reaches only through its ``KVCacheManager``, ``self.kv`` (observers too: its read
+        methods). ``max_model_len`` = min(config.max_model_len, pool capacity in tokens), and,
+        with chunked prefill off, at most ``max_num_batched_tokens + 1`` so that a preempted
+        request can always be recomputed in one step. ``cache_namespace`` (model identity) and
+        each request's ``cache_salt`` are folded into its block hashes."""
         _check_config(config, kv_cache)
         self.config = config
-        self.kv_cache = kv_cache  # observers read it; scheduling goes through self.kv
         self.block_size = kv_cache.block_size
         self.cache_namespace = cache_namespace
         self.kv = KVCacheManager(kv_cache, cache_namespace, config.enable_prefix_caching)
-        self.prefix_cache = self.kv.prefix_cache
         limits = [self.kv.token_capacity(config.max_num_batched_tokens)]
         if config.max_model_len is not None:
             limits.append(config.max_model_len)
@@ -361,7 +361,7 @@ class Scheduler:
             "waiting": len(self.waiting),
             "preemptions": self.num_preemptions,
             "steps": self.step_id,
-            "kv_cache": self.kv_cache.stats().to_dict(),
+            "kv_cache": self.kv.stats().to_dict(),
         }
 
     def snapshot(self) -> dict:
@@ -376,7 +376,7 @@ class Scheduler:
             "num_cached_tokens": request.num_cached_tokens,
             "num_output_tokens": request.num_output_tokens,
             "num_preemptions": request.num_preemptions,
-            "block_ids": self.kv_cache.get_block_ids(request.request_id),
+            "block_ids": self.kv.block_ids(request.request_id),
         }
 
     def check_invariants(self) -> None:
@@ -387,28 +387,23 @@ class Scheduler:
         for request in self.waiting:
             _require(request.status in _WAITING_STATES, f"{request.request_id} waits while done")
             _require(request.num_computed_tokens == 0, f"{request.request_id} waits computed")
-            _require(not self.kv_cache.get_block_ids(request.request_id), "a waiter holds blocks")
+            _require(not self.kv.block_ids(request.request_id), "a waiter holds blocks")
         for request in self.running:
             self._check_running(request)
+        self.kv.check_requests(self.running)  # tables cover, no shared partial block
 
     def _check_running(self, request: Request) -> None:
-        rid, bs = request.request_id, self.block_size
+        rid = request.request_id
         _require(request.status == RequestStatus.RUNNING, f"{rid} runs as {request.status.name}")
         _require(request.num_computed_tokens < request.num_tokens, f"{rid} has nothing to do")
         _require(request.num_tokens < self.max_model_len, f"{rid} exceeds max_model_len")
-        block_ids = self.kv_cache.get_block_ids(rid)
-        _require(len(block_ids) * bs >= request.num_computed_tokens, f"{rid} table too short")
-        for bid in set(self.kv.held_block_ids(request)):
-            block = self.kv_cache.blocks[bid]
-            shared_partial = block.ref_cnt > 1 and block.block_hash is None
-            _require(not shared_partial, f"{rid} holds shared partial block {bid}")
 
 
 _WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 
-def _check_config(config: SchedulerConfig, kv_cache: PagedCacheManager) -> None:
+def _check_config(config: SchedulerConfig, kv_cache: KVCacheCoordinator) -> None:
     for name in ("max_num_seqs", "max_num_batched_tokens"):
         if getattr(config, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-from vllm_mlx.paged_cache import PagedCacheManager
 from vllm_mlx.scheduler import Scheduler
 
 MAX_BLOCK_TEXT = 64
@@ -27,13 +26,11 @@ class CacheSnapshotter:
 
     def __init__(
         self,
-        kv_cache: PagedCacheManager,
         scheduler: Scheduler,
         tokenizer,
         mllm_snapshot: Callable[[], dict],
         kv_groups: list[dict] | None = None,
     ) -> None:
-        self.kv_cache = kv_cache
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.mllm_snapshot = mllm_snapshot
@@ -44,19 +41,17 @@ class CacheSnapshotter:
         """The whole view; without ``include_blocks`` only requests and stats (cost independent
         of the pool size: ``blocks`` and ``free_queue`` come back empty)."""
         requests = self.scheduler.snapshot()
+        cache = self.scheduler.kv  # observers read the KV cache through its manager
+        kv = cache.snapshot(include_blocks)
         if include_blocks:
-            kv = self.kv_cache.snapshot()
             self._fill_block_tokens(kv["blocks"], kv["tables"])
             for block in kv["blocks"]:
                 block["text"] = self._text(block["token_ids"]) if block["token_ids"] else ""
-        else:
-            kv = {"block_size": self.kv_cache.block_size, "blocks": [], "free_queue": [],
-                  "stats": self.kv_cache.stats().to_dict()}  # fmt: skip
         stats = kv["stats"]
         stats.update(self.scheduler.stats())
         stats.pop("kv_cache", None)
-        stats["prefix_cache"] = self.scheduler.prefix_cache.stats().to_dict()
-        stats["prefix_cache_tenants"] = self.scheduler.kv.tenants.to_dict()
+        stats["prefix_cache"] = cache.prefix_cache_stats().to_dict()
+        stats["prefix_cache_tenants"] = cache.tenant_stats()
         return {
             "block_size": kv["block_size"],
             "blocks": kv["blocks"],
@@ -65,13 +60,13 @@ class CacheSnapshotter:
             "stats": stats,
             "mllm": self.mllm_snapshot(),
             "kv_groups": [dict(group, layers=list(group["layers"])) for group in self.kv_groups],
-            "block_groups": self.kv_cache.block_group_usage(),
+            "block_groups": kv["block_groups"],
         }
 
     def _fill_block_tokens(self, blocks: list[dict], tables: dict[str, list[list[int]]]) -> None:
         """Blocks still being filled carry no token ids of their own: take them from an owner
         (any of its block groups' tables; block 0 is the null block)."""
-        size = self.kv_cache.block_size
+        size = self.scheduler.block_size
         for request_id, group_tables in tables.items():
             request = self.scheduler.get_request(request_id)
             if request is None:

@@ -5,12 +5,12 @@ after the last token it saw. So a hybrid model can resume a prefix only where th
 point* was kept: a checkpoint, keyed by the hash of the block that ends there (its hash chains
 the whole prefix, the namespace and the cache salt: ``prefix_cache.py``).
 
-Pure bookkeeping (no MLX), owned by ``PagedCacheManager``. Checkpoint slots are rows of the
-runner's ``StatePool`` after the running requests' rows; the runner writes a step's state into a
-request's checkpoint slot together with its running slot (``StateBatch``), and a request admitted
-on a hit reads its first step's state from the checkpoint.
+Pure bookkeeping (no MLX), owned by ``kv_managers.RecurrentStateManager``. Checkpoint slots are
+rows of the runner's ``StatePool`` after the running requests' rows; the runner writes a step's
+state into a request's checkpoint slot together with its running slot (``StateBatch``), and a
+request admitted on a hit reads its first step's state from the checkpoint.
 
-Which boundaries (the scheduler cuts prefill chunks there; ``Scheduler._cut_at_checkpoint``):
+Which boundaries (the scheduler cuts prefill chunks there; ``KVCacheManager.cut_at_checkpoint``):
 
 * the last block boundary before a prompt's last token, which the same prompt resumes from;
 * a *branch point*: where the cached blocks a new prompt shares with earlier ones end, when no

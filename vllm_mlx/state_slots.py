@@ -1,8 +1,8 @@
 """Recurrent-state slots: which row of the state pool belongs to which running request.
 
-Pure bookkeeping (no MLX), owned by ``PagedCacheManager``: a request takes a slot with its first
-block allocation and gives it back when its blocks are freed (finish, abort, preemption). The
-state arrays themselves live in the runner's ``StatePool`` (``state_pool.py``), indexed by slot.
+Pure bookkeeping (no MLX), owned by ``kv_managers.RecurrentStateManager``: a request takes a
+slot with its first block allocation and gives it back when its blocks are freed (finish, abort,
+preemption). The state arrays themselves live in the runner's ``StatePool`` (``state_pool.py``), indexed by slot.
 
 Invariants:
 

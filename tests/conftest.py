@@ -73,3 +73,44 @@ def thinking_model_dir(tiny_model_dir, tmp_path_factory):
 
     template = "{% set thinking = true %}" + HERMES_TEMPLATE
     return with_template(tiny_model_dir, tmp_path_factory.mktemp("think") / "model", template)
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    """An empty model cache (``VLLM_MLX_CACHE``) for this test."""
+    monkeypatch.setenv("VLLM_MLX_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def engine_factory(request):
+    """``make(model_dir=None, **options)``: an ``EngineCore`` on ``model_dir`` (the tiny llama by
+    default); every engine made is shut down after the test."""
+    from vllm_mlx.engine_core import EngineCore
+
+    engines = []
+
+    def make(model_dir=None, **options) -> EngineCore:
+        engine = EngineCore(model=str(model_dir or request.getfixturevalue("tiny_model_dir")), **options)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine_and_live(tools_model_dir):
+    """A started engine on the tools model and a live server for it, ``(engine, live)``; one per
+    module (tests read its counters, so modules do not share it)."""
+    from tool_models import serving
+
+    with serving(tools_model_dir) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def live(engine_and_live):
+    """The live server of ``engine_and_live``."""
+    return engine_and_live[1]

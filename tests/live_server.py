@@ -20,6 +20,13 @@ def free_socket() -> tuple[socket.socket, str]:
     return sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
+def free_port() -> int:
+    """A port that was free on 127.0.0.1 a moment ago, for a server subprocess to bind."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 class LiveServer:
     """uvicorn serving ``app`` on a free loopback port, in a daemon thread."""
 

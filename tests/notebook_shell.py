@@ -24,3 +24,9 @@ def loaded_shell(model_dir, engine_options: dict, **magics_config):
         yield shell
     finally:
         shell.run_line_magic("unload_ext", "vllm_mlx_jupyter")
+
+
+def generate(ip, line: str, cell: str = "Tell me a story."):
+    """A ``%%generate`` cell run in ``ip`` (output captured); returns the generation at once."""
+    with capture_output():
+        return ip.run_cell_magic("generate", line, cell)

@@ -24,26 +24,15 @@ QUESTION = [{"role": "user", "content": "What is the weather in Oslo?"}]
 
 
 @pytest.fixture(scope="module")
-def engine_and_live(tools_model_dir):
-    with serving(tools_model_dir) as served:
-        yield served
-
-
-@pytest.fixture(scope="module")
-def live(engine_and_live):
-    return engine_and_live[1]
-
-
-@pytest.fixture(scope="module")
 def client(live):
     return anthropic.Anthropic(base_url=live.url, api_key="unused", max_retries=0, timeout=120)
 
 
-def create(client, **kwargs):
-    return client.messages.create(**request(**kwargs))
+def create_message(client, **kwargs):
+    return client.messages.create(**message_request(**kwargs))
 
 
-def request(**kwargs) -> dict:
+def message_request(**kwargs) -> dict:
     """A request; greedy (the current client has no ``temperature`` argument: ``extra_body``)."""
     kwargs = {"model": MODEL, "max_tokens": 48, "messages": QUESTION, **kwargs}
     kwargs["extra_body"] = {"temperature": 0, **kwargs.get("extra_body", {})}
@@ -58,7 +47,7 @@ def tool_uses(message) -> list:
     return [b for b in message.content if b.type == "tool_use"]
 
 
-def without_ids(blocks) -> list[dict]:
+def blocks_without_ids(blocks) -> list[dict]:
     """The blocks as dicts; a tool_use id is fresh in every answer."""
     return [b.model_dump(exclude={"id"}) for b in blocks]
 
@@ -69,7 +58,7 @@ def check_tool_use(block) -> None:
 
 
 def test_plain_text_with_usage_and_max_tokens(client):
-    message = create(client, max_tokens=5, system="You are terse.")
+    message = create_message(client, max_tokens=5, system="You are terse.")
     assert message.type == "message" and message.role == "assistant" and message.model == MODEL
     assert message.id.startswith("msg_")
     assert message.stop_reason == "max_tokens" and message.stop_sequence is None
@@ -80,16 +69,16 @@ def test_plain_text_with_usage_and_max_tokens(client):
 
 def test_system_blocks_and_a_stop_sequence_name_the_matched_string(client):
     system = [{"type": "text", "text": "You are terse."}, {"type": "text", "text": "Answer in one word."}]
-    message = create(client, system=system, stop_sequences=["END", "cold"], extra_body=forced("It is cold here"))
+    message = create_message(client, system=system, stop_sequences=["END", "cold"], extra_body=forced("It is cold here"))
     assert message.stop_reason == "stop_sequence" and message.stop_sequence == "cold"
     assert [b.text for b in message.content] == ["It is "]
-    ended = create(client, extra_body=forced("Sunny\\."))
+    ended = create_message(client, extra_body=forced("Sunny\\."))
     assert ended.stop_reason == "end_turn" and ended.stop_sequence is None
 
 
 @pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "tool", "name": "get_time"}], ids=["any", "named"])
 def test_forced_tool_choice_gives_tool_use_blocks_that_validate(client, tool_choice):
-    message = create(client, tools=ANTHROPIC_TOOLS, tool_choice=tool_choice)
+    message = create_message(client, tools=ANTHROPIC_TOOLS, tool_choice=tool_choice)
     assert message.stop_reason == "tool_use"
     uses = tool_uses(message)
     assert uses
@@ -100,7 +89,7 @@ def test_forced_tool_choice_gives_tool_use_blocks_that_validate(client, tool_cho
 
 
 def test_a_tool_result_turn_continues_the_conversation(client):
-    first = create(client, tools=ANTHROPIC_TOOLS, tool_choice={"type": "tool", "name": "get_weather"})
+    first = create_message(client, tools=ANTHROPIC_TOOLS, tool_choice={"type": "tool", "name": "get_weather"})
     [use] = tool_uses(first)
     messages = [
         *QUESTION,
@@ -110,11 +99,11 @@ def test_a_tool_result_turn_continues_the_conversation(client):
             {"type": "text", "text": "And tomorrow?"},
         ]},  # fmt: skip
     ]
-    reply = create(client, messages=messages, tools=ANTHROPIC_TOOLS, max_tokens=4)
+    reply = create_message(client, messages=messages, tools=ANTHROPIC_TOOLS, max_tokens=4)
     assert reply.stop_reason in ("end_turn", "max_tokens")
     assert reply.usage.input_tokens > first.usage.input_tokens
     failed = [{**messages[2], "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "timeout", "is_error": True}]}]
-    assert create(client, messages=[*messages[:2], *failed], tools=ANTHROPIC_TOOLS, max_tokens=2).usage.output_tokens == 2
+    assert create_message(client, messages=[*messages[:2], *failed], tools=ANTHROPIC_TOOLS, max_tokens=2).usage.output_tokens == 2
 
 
 @pytest.mark.parametrize(
@@ -127,12 +116,12 @@ def test_a_tool_result_turn_continues_the_conversation(client):
     ids=["any", "named", "text"],
 )
 def test_the_stream_reassembles_to_the_whole_message(client, kwargs):
-    whole = create(client, **kwargs)
-    with client.messages.stream(**request(**kwargs)) as stream:
+    whole = create_message(client, **kwargs)
+    with client.messages.stream(**message_request(**kwargs)) as stream:
         kinds = [event.type for event in stream]
         streamed = stream.get_final_message()
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
-    assert without_ids(streamed.content) == without_ids(whole.content)
+    assert blocks_without_ids(streamed.content) == blocks_without_ids(whole.content)
     assert all(b.id.startswith("call_") for b in tool_uses(streamed))
     assert (streamed.stop_reason, streamed.stop_sequence) == (whole.stop_reason, whole.stop_sequence)
     assert streamed.usage.model_dump() == whole.usage.model_dump()
@@ -142,19 +131,19 @@ def test_reasoning_becomes_thinking_blocks_whole_and_streamed(thinking_model_dir
     with serving(thinking_model_dir) as (_, live):
         client = anthropic.Anthropic(base_url=live.url, api_key="unused", max_retries=0, timeout=120)
         force = forced("Oslo is cold\\.\n</think>\n\nIt is cold\\.")
-        whole = create(client, extra_body=force)
+        whole = create_message(client, extra_body=force)
         assert [(b.type, getattr(b, "thinking", None) or b.text) for b in whole.content] == [
             ("thinking", "Oslo is cold.\n"),
             ("text", "It is cold."),
         ]
-        with client.messages.stream(**request(extra_body=force)) as stream:
+        with client.messages.stream(**message_request(extra_body=force)) as stream:
             assert [b.model_dump() for b in stream.get_final_message().content] == [b.model_dump() for b in whole.content]
 
 
 def test_count_tokens_equals_the_input_tokens_of_the_same_request(client):
-    request = {"model": MODEL, "messages": QUESTION, "system": "Be brief.", "tools": ANTHROPIC_TOOLS}
-    counted = client.messages.count_tokens(**request)
-    message = client.messages.create(max_tokens=1, **request)
+    message_request = {"model": MODEL, "messages": QUESTION, "system": "Be brief.", "tools": ANTHROPIC_TOOLS}
+    counted = client.messages.count_tokens(**message_request)
+    message = client.messages.create(max_tokens=1, **message_request)
     assert counted.input_tokens == message.usage.input_tokens
     assert client.messages.count_tokens(model=MODEL, messages=QUESTION).input_tokens < counted.input_tokens
 
@@ -176,7 +165,7 @@ def test_errors_are_in_anthropics_shape(live, client):
         openai_shape = http.post("/v1/chat/completions", json={"model": MODEL}).json()
         assert set(openai_shape) == {"error"} and openai_shape["error"]["param"] == "messages"  # unchanged
     with pytest.raises(anthropic.NotFoundError) as info:
-        create(client, model="claude-x")
+        create_message(client, model="claude-x")
     assert info.value.body["error"]["type"] == "not_found_error"
 
 
@@ -184,9 +173,9 @@ def test_the_api_key_is_accepted_as_x_api_key(engine_and_live):
     live = live_app(engine_and_live[0], api_key="sekret")
     try:
         good = anthropic.Anthropic(base_url=live.url, api_key="sekret", max_retries=0, timeout=120)
-        assert create(good, max_tokens=1).usage.output_tokens == 1
+        assert create_message(good, max_tokens=1).usage.output_tokens == 1
         with pytest.raises(anthropic.AuthenticationError) as info:
-            create(anthropic.Anthropic(base_url=live.url, api_key="wrong", max_retries=0), max_tokens=1)
+            create_message(anthropic.Anthropic(base_url=live.url, api_key="wrong", max_retries=0), max_tokens=1)
         assert info.value.body["error"]["type"] == "authentication_error"
         with httpx.Client(base_url=live.url) as http:
             assert http.get("/v1/models", headers={"x-api-key": "sekret"}).status_code == 200

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from factories import wait_until
 from vllm_mlx import SamplingParams
 from vllm_mlx.async_engine import AsyncEngineCore, EngineDeadError
 from vllm_mlx.engine_core import EngineCore
@@ -54,15 +55,7 @@ def bounded(fn, timeout: float = TIMEOUT):
     return box.get("result")
 
 
-def wait_until(predicate, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} not reached within {timeout} s")
-        time.sleep(0.02)
-
-
-def used_blocks(engine: AsyncEngineCore) -> int:
+def engine_used_blocks(engine: AsyncEngineCore) -> int:
     return engine.call(lambda e: e.kv_cache.stats().num_used_blocks, timeout=TIMEOUT)
 
 
@@ -108,7 +101,7 @@ class Consumer(threading.Thread):
 
 
 @pytest.fixture
-def make_engine(tiny_model_dir):
+def started_engines(tiny_model_dir):
     """Started engines on the tiny llama, stopped (bounded) after the test."""
     engines = []
 
@@ -143,8 +136,8 @@ def solo(tiny_model_dir) -> dict:
 # -- many callers ---------------------------------------------------------------------------
 
 
-def test_blocking_iteration_from_threads_equals_solo_and_shares_steps(make_engine, solo):
-    engine = make_engine()
+def test_blocking_iteration_from_threads_equals_solo_and_shares_steps(started_engines, solo):
+    engine = started_engines()
     barrier = threading.Barrier(len(PROMPTS))
     results: dict = {}
 
@@ -187,8 +180,8 @@ def test_async_with_and_concurrent_generate_consumers(tiny_model_dir, solo):
     assert batch == len(PROMPTS)
 
 
-def test_outputs_stream_and_deltas_add_up(make_engine, solo):
-    engine = make_engine()
+def test_outputs_stream_and_deltas_add_up(started_engines, solo):
+    engine = started_engines()
     outs = bounded(lambda: list(engine.add_request(PROMPTS[1], GREEDY)))
     assert len(outs) > 1
     assert outs[-1].finished and not any(o.finished for o in outs[:-1])
@@ -203,12 +196,12 @@ def test_outputs_stream_and_deltas_add_up(make_engine, solo):
 # -- aborts and early exits -------------------------------------------------------------------
 
 
-def test_abort_from_another_thread_ends_the_stream_and_frees_blocks(make_engine):
-    engine = make_engine()
+def test_abort_from_another_thread_ends_the_stream_and_frees_blocks(started_engines):
+    engine = started_engines()
     consumer = Consumer(engine.add_request(PROMPTS[1], LONG, request_id="victim"))
     consumer.start()
     assert consumer.started_streaming.wait(TIMEOUT)
-    assert used_blocks(engine) > 0
+    assert engine_used_blocks(engine) > 0
     aborter = threading.Thread(target=engine.abort, args=("victim",), daemon=True)
     aborter.start()
     aborter.join(TIMEOUT)
@@ -217,14 +210,14 @@ def test_abort_from_another_thread_ends_the_stream_and_frees_blocks(make_engine)
     final = consumer.outputs[-1]
     assert final.finished and final.finish_reason == "abort"
     assert 1 <= len(final.token_ids) < LONG.max_tokens
-    assert used_blocks(engine) == 0
+    assert engine_used_blocks(engine) == 0
     engine.abort("victim")  # finished and unknown ids: no-ops
     engine.abort("nope")
     assert engine.is_running and idle_and_freed(engine)
 
 
-def test_cancelled_async_consumer_aborts_its_request(make_engine):
-    engine = make_engine()
+def test_cancelled_async_consumer_aborts_its_request(started_engines):
+    engine = started_engines()
 
     async def main():
         seen = []
@@ -238,7 +231,7 @@ def test_cancelled_async_consumer_aborts_its_request(make_engine):
 
         task = asyncio.create_task(consume())
         await asyncio.wait_for(two.wait(), TIMEOUT)
-        assert await asyncio.to_thread(used_blocks, engine) > 0
+        assert await asyncio.to_thread(engine_used_blocks, engine) > 0
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -250,8 +243,8 @@ def test_cancelled_async_consumer_aborts_its_request(make_engine):
     assert steps_with(engine, "cancelled") < LONG.max_tokens // 2  # stopped early, not run out
 
 
-def test_blocking_consumer_that_breaks_aborts_its_request(make_engine):
-    engine = make_engine()
+def test_blocking_consumer_that_breaks_aborts_its_request(started_engines):
+    engine = started_engines()
 
     def consume():
         for i, _ in enumerate(engine.add_request(PROMPTS[1], LONG, request_id="broken")):
@@ -263,8 +256,8 @@ def test_blocking_consumer_that_breaks_aborts_its_request(make_engine):
     assert 2 <= steps_with(engine, "broken") < LONG.max_tokens // 2
 
 
-def test_stream_dropped_unread_is_aborted(make_engine):
-    engine = make_engine()
+def test_stream_dropped_unread_is_aborted(started_engines):
+    engine = started_engines()
     stream = engine.add_request(PROMPTS[1], LONG, request_id="dropped")
     wait_until(lambda: steps_with(engine, "dropped") >= 3, what="the request running")
     del stream
@@ -273,8 +266,8 @@ def test_stream_dropped_unread_is_aborted(make_engine):
     assert steps_with(engine, "dropped") < LONG.max_tokens // 2
 
 
-def test_a_stream_whose_event_loop_closed_is_aborted(make_engine):
-    engine = make_engine()
+def test_a_stream_whose_event_loop_closed_is_aborted(started_engines):
+    engine = started_engines()
     loop = asyncio.new_event_loop()
     agen = engine.generate(PROMPTS[1], LONG, request_id="orphan")
     try:
@@ -296,11 +289,11 @@ def completions(output) -> list[tuple]:
     return [(c.token_ids, c.text, c.logprobs, c.cumulative_logprob, c.finish_reason) for c in output.outputs]
 
 
-def test_an_unread_stream_holds_only_its_latest_output(make_engine):
+def test_an_unread_stream_holds_only_its_latest_output(started_engines):
     """A stream nobody reads while its request runs to the end keeps one snapshot, not one per
     step: read afterwards it gives the final output alone, equal (every choice, logprobs too) to
     the final output of a stream read step by step, its deltas joined over the skipped steps."""
-    engine = make_engine()
+    engine = started_engines()
     read_along = bounded(lambda: list(engine.add_request(PROMPTS[1], SAMPLED_N)))
     assert len(read_along) > 1
     stream = engine.add_request(PROMPTS[1], SAMPLED_N, request_id="unread")
@@ -310,8 +303,8 @@ def test_an_unread_stream_holds_only_its_latest_output(make_engine):
     assert final.new_token_ids == final.token_ids and final.new_text == final.text
 
 
-def test_an_async_consumer_that_lags_skips_to_the_latest_output(make_engine, solo):
-    engine = make_engine()
+def test_an_async_consumer_that_lags_skips_to_the_latest_output(started_engines, solo):
+    engine = started_engines()
 
     async def main():
         outputs = engine.generate(PROMPTS[1], GREEDY, request_id="lagging")
@@ -341,8 +334,8 @@ def test_an_unread_stream_keeps_its_final_abort_output(tiny_model_dir):
 # -- failures -------------------------------------------------------------------------------
 
 
-def test_engine_failure_reaches_every_waiting_caller(make_engine):
-    engine = make_engine()
+def test_engine_failure_reaches_every_waiting_caller(started_engines):
+    engine = started_engines()
     model_key = str(bounded(lambda: engine.engine.model_path))
     consumers = [Consumer(engine.add_request(p, LONG)) for p in PROMPTS[:3]]
     for c in consumers:
@@ -370,8 +363,8 @@ def test_engine_failure_reaches_every_waiting_caller(make_engine):
     assert get_registry().owner(model_key) is None  # the failed engine released its model
 
 
-def test_a_bad_request_fails_alone(make_engine):
-    engine = make_engine()
+def test_a_bad_request_fails_alone(started_engines):
+    engine = started_engines()
     good = Consumer(engine.add_request(PROMPTS[0], GREEDY.clone(max_tokens=100), request_id="good"))
     good.start()
     bad = engine.add_request([0, 10**9], GREEDY)
@@ -389,8 +382,8 @@ def test_a_bad_request_fails_alone(make_engine):
 # -- lifecycle ------------------------------------------------------------------------------
 
 
-def test_idle_engine_does_not_busy_wait(make_engine):
-    engine = make_engine()
+def test_idle_engine_does_not_busy_wait(started_engines):
+    engine = started_engines()
     bounded(lambda: list(engine.add_request(PROMPTS[0], GREEDY)))  # warm, then idle
     engine.call(lambda e: None, timeout=TIMEOUT)
     time.sleep(0.1)

@@ -104,22 +104,22 @@ def tokenizer(default_model_dir):
 
 
 @pytest.fixture(scope="module")
-def compiler(tokenizer):
+def warm_compiler(tokenizer):
     from vllm_mlx.structured.grammar import GrammarCompiler
 
-    compiler = GrammarCompiler(tokenizer, tokenizer.eos_token_ids)
-    compiler.compile(StructuredOutputsParams(json=SMALL_ARRAY))  # the tokenizer and a worker, built once
-    yield compiler
-    compiler.close()
+    warm_compiler = GrammarCompiler(tokenizer, tokenizer.eos_token_ids)
+    warm_compiler.compile(StructuredOutputsParams(json=SMALL_ARRAY))  # the tokenizer and a worker, built once
+    yield warm_compiler
+    warm_compiler.close()
 
 
 @pytest.mark.parametrize("schema", [HUGE_ARRAY, MILLION_ARRAY], ids=["1e9", "1e6"])
-def test_the_compiler_refuses_a_huge_bound_at_once_without_allocating(compiler, schema):
+def test_the_compiler_refuses_a_huge_bound_at_once_without_allocating(warm_compiler, schema):
     from vllm_mlx.structured.grammar import ConstraintTooLarge
 
     before, started = resident_bytes(), time.monotonic()
     with pytest.raises(ConstraintTooLarge, match="maxItems is 1000000"):
-        compiler.compile(StructuredOutputsParams(json=schema))
+        warm_compiler.compile(StructuredOutputsParams(json=schema))
     assert time.monotonic() - started < 1.0
     assert resident_bytes() - before < RSS_GROWTH_LIMIT
 
@@ -130,29 +130,29 @@ def test_the_guard_contains_a_blow_up_the_walk_lets_through(tokenizer):
     from vllm_mlx.structured.compile_guard import CompileGuard
     from vllm_mlx.structured.grammar import ConstraintTooLarge, GrammarCompiler
 
-    compiler = GrammarCompiler(tokenizer, tokenizer.eos_token_ids, max_bound=10**12)
-    compiler.ll_tokenizer  # noqa: B018 -- builds the tokenizer text the guard hands its workers
-    compiler._guard = CompileGuard(compiler._tokenizer_json, compiler.eos_token_ids, memory_bytes=128 << 20)
+    warm_compiler = GrammarCompiler(tokenizer, tokenizer.eos_token_ids, max_bound=10**12)
+    warm_compiler.ll_tokenizer  # noqa: B018 -- builds the tokenizer text the guard hands its workers
+    warm_compiler._guard = CompileGuard(warm_compiler._tokenizer_json, warm_compiler.eos_token_ids, memory_bytes=128 << 20)
     try:
         before = resident_bytes()
         with pytest.raises(ConstraintTooLarge, match=r"too costly to compile: compiling it needed more than 128 MiB"):
-            compiler.compile(StructuredOutputsParams(json=HUGE_ARRAY))
+            warm_compiler.compile(StructuredOutputsParams(json=HUGE_ARRAY))
         assert resident_bytes() - before < RSS_GROWTH_LIMIT
-        assert compiler.compile(StructuredOutputsParams(json=SMALL_ARRAY)).kind == "json"
-        assert compiler.stats() == {"cached": 1, "hits": 0, "misses": 1}
-        compiler.compile(StructuredOutputsParams(json=SMALL_ARRAY))  # the cache still answers
-        assert compiler.stats()["hits"] == 1
+        assert warm_compiler.compile(StructuredOutputsParams(json=SMALL_ARRAY)).kind == "json"
+        assert warm_compiler.stats() == {"cached": 1, "hits": 0, "misses": 1}
+        warm_compiler.compile(StructuredOutputsParams(json=SMALL_ARRAY))  # the cache still answers
+        assert warm_compiler.stats()["hits"] == 1
     finally:
-        compiler.close()
+        warm_compiler.close()
 
 
 def test_the_guard_stops_a_compile_that_takes_too_long(tokenizer):
     from vllm_mlx.structured.compile_guard import CompileGuard, CompileRefused
     from vllm_mlx.structured.grammar import GrammarCompiler, grammar_text
 
-    compiler = GrammarCompiler(tokenizer, tokenizer.eos_token_ids)
-    compiler.ll_tokenizer  # noqa: B018
-    guard = CompileGuard(compiler._tokenizer_json, compiler.eos_token_ids, timeout_s=0.05, max_workers=1)
+    warm_compiler = GrammarCompiler(tokenizer, tokenizer.eos_token_ids)
+    warm_compiler.ll_tokenizer  # noqa: B018
+    guard = CompileGuard(warm_compiler._tokenizer_json, warm_compiler.eos_token_ids, timeout_s=0.05, max_workers=1)
     slow = grammar_text(StructuredOutputsParams(json=MILLION_ARRAY))  # ~9 s, far over 0.05 s
     try:
         with pytest.raises(CompileRefused, match="took longer than 0.05 s"):
@@ -173,7 +173,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 httpx = pytest.importorskip("httpx")
-from tool_models import MODEL, live_app, serving  # noqa: E402
+from tool_models import MODEL, live_app  # noqa: E402
 
 from vllm_mlx.entrypoints.openai.serving import ServingOptions  # noqa: E402
 from vllm_mlx.validation import RequestLimits  # noqa: E402
@@ -184,17 +184,6 @@ HUGE_TOOL = {
 }
 HUGE_LARK = f"start: %json {json.dumps(HUGE_ARRAY)}"
 QUESTION_MESSAGES = [{"role": "user", "content": "Add some numbers."}]
-
-
-@pytest.fixture(scope="module")
-def engine_and_live(tools_model_dir):
-    with serving(tools_model_dir) as served:
-        yield served
-
-
-@pytest.fixture(scope="module")
-def live(engine_and_live):
-    return engine_and_live[1]
 
 
 @pytest.fixture(scope="module")
@@ -308,12 +297,12 @@ def test_compiles_run_at_most_max_workers_at_once_and_the_workers_end_with_the_e
     from vllm_mlx.structured.compile_guard import CompileGuard
     from vllm_mlx.structured.grammar import GrammarCompiler
 
-    compiler = GrammarCompiler(tokenizer, tokenizer.eos_token_ids)
-    compiler.ll_tokenizer  # noqa: B018
-    compiler._guard = guard = CompileGuard(compiler._tokenizer_json, compiler.eos_token_ids, max_workers=1)
+    warm_compiler = GrammarCompiler(tokenizer, tokenizer.eos_token_ids)
+    warm_compiler.ll_tokenizer  # noqa: B018
+    warm_compiler._guard = guard = CompileGuard(warm_compiler._tokenizer_json, warm_compiler.eos_token_ids, max_workers=1)
     inside, most = 0, 0
     lock = threading.Lock()
-    original = compiler._build_matcher
+    original = warm_compiler._build_matcher
 
     def counting_build(text, kind):  # the in-process compile, which holds the worker's slot
         nonlocal inside, most
@@ -327,18 +316,18 @@ def test_compiles_run_at_most_max_workers_at_once_and_the_workers_end_with_the_e
             with lock:
                 inside -= 1
 
-    compiler._build_matcher = counting_build
+    warm_compiler._build_matcher = counting_build
     threads = [
-        threading.Thread(target=compiler.compile, args=(StructuredOutputsParams(json={**SMALL_ARRAY, "maxItems": 2 + i}),))
+        threading.Thread(target=warm_compiler.compile, args=(StructuredOutputsParams(json={**SMALL_ARRAY, "maxItems": 2 + i}),))
         for i in range(8)
     ]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(120)
-    assert compiler.stats()["misses"] == 8 and most == 1
+    assert warm_compiler.stats()["misses"] == 8 and most == 1
     [worker] = [w for w in list(guard._idle.queue) if w is not None]
-    compiler.close()
+    warm_compiler.close()
     assert worker.process.wait(10) is not None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -53,7 +54,10 @@ def _run(code: str, fast_blas: str | None, *args: str, cpu_kernels: bool = True)
     )  # fmt: skip
 
 
+@functools.cache
 def _probe(fast_blas: str | None) -> dict:
+    """What a fresh interpreter with ``VLLM_MLX_FAST_BLAS=fast_blas`` loaded (asked once per value:
+    each answer is a new interpreter's, so it cannot change)."""
     return json.loads(_run(PROBE, fast_blas).stdout.strip().splitlines()[-1])
 
 

@@ -28,7 +28,7 @@ def tok():
 
 
 @pytest.fixture(scope="session")
-def chat_prompt(tok):
+def chat_prompt_ids(tok):
     return tok.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -65,10 +65,10 @@ PROPERTY = settings(max_examples=100, deadline=None, suppress_health_check=[Heal
 
 @PROPERTY
 @given(text=TEXT, chunks=st.one_of(st.just([1]), CHUNKS), with_prompt=st.booleans())
-def test_stream_equals_full_decode(tok, chat_prompt, text, chunks, with_prompt):
+def test_stream_equals_full_decode(tok, chat_prompt_ids, text, chunks, with_prompt):
     ids = tok.encode(text)
     full = tok.decode(ids)
-    detok, pieces = stream(tok, ids, chat_prompt if with_prompt else (), chunks)
+    detok, pieces = stream(tok, ids, chat_prompt_ids if with_prompt else (), chunks)
     if FFFD not in full:  # a few rare characters lose bytes in this vocabulary: no valid text then
         assert all(FFFD not in piece for piece in pieces)
     pieces.append(detok.finish())

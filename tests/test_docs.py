@@ -30,13 +30,12 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from live_server import wait_for_health
+from live_server import free_port, wait_for_health
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -397,12 +396,6 @@ def test_code_block_markers():
     assert len(not_run) < len(runs) / 2, f"most blocks should run; not run: {not_run}"
     for page in doc_pages():
         assert sum(b.marker == "background" for b in code_blocks(page)) <= 1, page
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_env() -> dict[str, str]:

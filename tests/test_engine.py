@@ -10,6 +10,7 @@ import math
 import mlx.core as mx
 import pytest
 
+from factories import run_to_end
 from vllm_mlx import SamplingParams
 from vllm_mlx.engine_core import EngineCore
 from vllm_mlx.llm import LLM
@@ -25,38 +26,12 @@ PROMPTS = [
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture
-def engine_factory(tiny_model_dir):
-    engines = []
-
-    def make(**options) -> EngineCore:
-        engine = EngineCore(model=str(tiny_model_dir), **options)
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.shutdown()
-
-
-def run_all(engine: EngineCore) -> dict:
-    final = {}
-    steps = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-        steps += 1
-        assert steps < 10_000
-    return final
-
-
 def solo_tokens(engine_factory, prompts, params=GREEDY) -> list[list[int]]:
     engine = engine_factory()
     result = []
     for prompt in prompts:
         rid = engine.add_request(prompt, params)
-        result.append(run_all(engine)[rid].outputs[0].token_ids)
+        result.append(run_to_end(engine)[rid].outputs[0].token_ids)
     engine.shutdown()
     return result
 
@@ -65,7 +40,7 @@ def test_batched_equals_solo(engine_factory):
     expected = solo_tokens(engine_factory, PROMPTS)
     engine = engine_factory()
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
-    final = run_all(engine)
+    final = run_to_end(engine)
     assert [final[i].outputs[0].token_ids for i in ids] == expected
     assert max(len(r.request_ids) for r in engine.step_records) == len(PROMPTS)  # really batched
     assert engine.kv_cache.stats().num_used_blocks == 0
@@ -95,9 +70,9 @@ def test_seeded_sampling_is_the_same_alone_and_batched(engine_factory):
     alone = []
     for p in params:
         rid = engine.add_request(PROMPTS[1], p)
-        alone.append(run_all(engine)[rid].outputs[0].token_ids)
+        alone.append(run_to_end(engine)[rid].outputs[0].token_ids)
     ids = [engine.add_request(PROMPTS[1], p) for p in params] + [engine.add_request(PROMPTS[0], GREEDY)]
-    final = run_all(engine)
+    final = run_to_end(engine)
     assert [final[i].outputs[0].token_ids for i in ids[:3]] == alone
     assert len({tuple(t) for t in alone}) == 3  # different seeds, different samples
 
@@ -105,7 +80,7 @@ def test_seeded_sampling_is_the_same_alone_and_batched(engine_factory):
 def test_stop_string_across_tokens(engine_factory):
     engine = engine_factory()
     rid = engine.add_request(PROMPTS[2], GREEDY)
-    full = run_all(engine)[rid].outputs[0].text
+    full = run_to_end(engine)[rid].outputs[0].text
     stop = full[5:9]
     assert len(stop) == 4 and full.index(stop) == 5
     rid = engine.add_request(PROMPTS[2], GREEDY.clone(stop=[stop]))
@@ -123,14 +98,14 @@ def test_stop_string_across_tokens(engine_factory):
 def test_min_tokens_and_stop_token_ids(engine_factory):
     engine = engine_factory()
     rid = engine.add_request(PROMPTS[1], GREEDY)
-    tokens = run_all(engine)[rid].outputs[0].token_ids
+    tokens = run_to_end(engine)[rid].outputs[0].token_ids
     stop_id = tokens[1]
     rid = engine.add_request(PROMPTS[1], GREEDY.clone(stop_token_ids=[stop_id]))
-    out = run_all(engine)[rid].outputs[0]
+    out = run_to_end(engine)[rid].outputs[0]
     assert out.token_ids == tokens[:2] and out.finish_reason == "stop" and out.stop_reason == stop_id
     # min_tokens masks the stop id in the sampler: the request must run to its min length at least
     rid = engine.add_request(PROMPTS[1], GREEDY.clone(stop_token_ids=[stop_id], min_tokens=6))
-    out = run_all(engine)[rid].outputs[0]
+    out = run_to_end(engine)[rid].outputs[0]
     assert len(out.token_ids) >= 6 and stop_id not in out.token_ids[:6]
 
 
@@ -141,14 +116,14 @@ def test_the_stopping_token_is_not_text_even_with_special_tokens_kept(engine_fac
 
     engine = engine_factory()
     rid = engine.add_request(PROMPTS[1], GREEDY)
-    tokens = run_all(engine)[rid].outputs[0].token_ids
+    tokens = run_to_end(engine)[rid].outputs[0].token_ids
     keep = GREEDY.clone(skip_special_tokens=False)
     rid = engine.add_request(PROMPTS[1], keep.clone(stop_token_ids=[tokens[1]]))
-    out = run_all(engine)[rid].outputs[0]
+    out = run_to_end(engine)[rid].outputs[0]
     assert out.token_ids == tokens[:2] and out.text == engine.tokenizer.decode(tokens[:1])
     only_yes = keep.clone(ignore_eos=False, structured_outputs=StructuredOutputsParams(choice=["yes"]))
     rid = engine.add_request(PROMPTS[1], only_yes)  # after "yes" only EOS is allowed
-    out = run_all(engine)[rid].outputs[0]
+    out = run_to_end(engine)[rid].outputs[0]
     assert out.token_ids[-1] in engine.eos_token_ids and out.text == "yes"
 
 
@@ -156,12 +131,12 @@ def test_n_completions_share_the_prompt(engine_factory):
     engine = engine_factory()
     params = SamplingParams(max_tokens=8, temperature=1.0, n=3, seed=7, ignore_eos=True)
     rid = engine.add_request(PROMPTS[4], params)
-    out = run_all(engine)[rid]
+    out = run_to_end(engine)[rid]
     assert [o.index for o in out.outputs] == [0, 1, 2]
     singles = []
     for i in range(3):
         r = engine.add_request(PROMPTS[4], params.clone(n=1, seed=7 + i))
-        singles.append(run_all(engine)[r].outputs[0].token_ids)
+        singles.append(run_to_end(engine)[r].outputs[0].token_ids)
     assert [o.token_ids for o in out.outputs] == singles
 
 
@@ -170,7 +145,7 @@ def test_logprobs_match_a_direct_softmax(engine_factory, tiny_model_dir):
 
     engine = engine_factory()
     rid = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0, logprobs=5, ignore_eos=True))
-    out = run_all(engine)[rid].outputs[0]
+    out = run_to_end(engine)[rid].outputs[0]
     assert len(out.logprobs) == 3
     for token, entry in zip(out.token_ids, out.logprobs):
         assert token in entry and len(entry) <= 6
@@ -188,7 +163,7 @@ def test_prompt_too_long_fails_alone(engine_factory):
     engine = engine_factory(block_size=4, num_kv_blocks=9)  # 32 tokens of KV in all
     bad = engine.add_request(PROMPTS[4] * 3, GREEDY)
     good = engine.add_request(PROMPTS[0], GREEDY)
-    final = run_all(engine)
+    final = run_to_end(engine)
     assert final[bad].finish_reason == "error" and "limit" in final[bad].error
     assert final[good].finish_reason == "length" and len(final[good].token_ids) == 12
 
@@ -299,9 +274,9 @@ def test_another_architecture_runs_unmodified(tmp_path, default_model_dir):
         alone = []
         for p in PROMPTS[:3]:
             rid = engine.add_request(p, GREEDY)
-            alone.append(run_all(engine)[rid].token_ids)
+            alone.append(run_to_end(engine)[rid].token_ids)
         ids = [engine.add_request(p, GREEDY) for p in PROMPTS[:3]]
-        final = run_all(engine)
+        final = run_to_end(engine)
         assert [final[i].token_ids for i in ids] == alone
     finally:
         engine.shutdown()

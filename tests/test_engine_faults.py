@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-from test_engine import GREEDY, PROMPTS, engine_factory, run_all, solo_tokens  # noqa: F401 (a fixture)
+from factories import run_to_end
+from test_engine import GREEDY, PROMPTS, solo_tokens
 
 from vllm_mlx import SamplingParams
 from vllm_mlx.async_engine import AsyncEngineCore, EngineDeadError
@@ -44,11 +45,11 @@ def test_a_fault_in_the_forward_pass_fails_only_its_request(engine_factory):
     ids = [engine.add_request(p, GREEDY, f"good-{i}") for i, p in enumerate(PROMPTS[:3])]
     engine.step()  # the bad request joins a running batch, mid-prefill of the others
     engine.add_request(PROMPTS[4], GREEDY, "bad")
-    final = run_all(engine)
+    final = run_to_end(engine)
     assert_failed_alone(final, "bad", ids, expected)
     assert engine.kv_cache.stats().num_used_blocks == 0
     again = engine.add_request(PROMPTS[0], GREEDY)  # and the engine goes on serving
-    assert run_all(engine)[again].outputs[0].token_ids == expected[0]
+    assert run_to_end(engine)[again].outputs[0].token_ids == expected[0]
 
 
 def test_a_fault_in_the_step_update_fails_only_its_request(engine_factory):
@@ -58,7 +59,7 @@ def test_a_fault_in_the_step_update_fails_only_its_request(engine_factory):
     cache.cache_computed_blocks = fail_for("bad", cache.cache_computed_blocks)
     ids = [engine.add_request(p, GREEDY, f"good-{i}") for i, p in enumerate(PROMPTS[:2])]
     engine.add_request(PROMPTS[2], GREEDY, "bad")
-    final = run_all(engine)
+    final = run_to_end(engine)
     assert_failed_alone(final, "bad", ids, expected)
     assert engine.kv_cache.stats().num_used_blocks == 0
 
@@ -73,7 +74,7 @@ def test_a_fault_in_the_output_processing_fails_only_its_request(engine_factory)
         raise RuntimeError(f"injected fault reading {SECRET}")
 
     engine.output_processor._completion_of["bad"].detokenizer.add_tokens = broken
-    final = run_all(engine)
+    final = run_to_end(engine)
     assert_failed_alone(final, "bad", ids, expected)
     assert engine.kv_cache.stats().num_used_blocks == 0
 
@@ -92,7 +93,7 @@ def test_the_engine_survives_the_requests_that_used_to_kill_it(engine_factory):
     with pytest.raises(ValueError, match="stop"):
         SamplingParams(stop=["\ud800"])
     rid = engine.add_request("word " * 40, GREEDY, cache_salt="tenant-\u00e9")
-    assert run_all(engine)[rid].finish_reason == "length"
+    assert run_to_end(engine)[rid].finish_reason == "length"
     assert engine.kv_cache.stats().num_used_blocks == 0
 
 

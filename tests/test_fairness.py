@@ -12,7 +12,7 @@ from vllm_mlx.request import Request, SamplingParams
 from vllm_mlx.waiting_queue import WaitingQueue
 
 
-def keyed(rid: str, key: str, prompt: int = 8, **params) -> Request:
+def keyed_request(rid: str, key: str, prompt: int = 8, **params) -> Request:
     request = make_request(rid, prompt, **params)
     request.fairness_key = key
     return request
@@ -35,8 +35,8 @@ def test_one_request_per_key_is_plain_fifo():
 
 def test_keys_take_turns_and_each_key_stays_in_order():
     queue = WaitingQueue()
-    big = [keyed(f"big-{i}", "big") for i in range(4)]
-    small = [keyed(f"small-{i}", "small") for i in range(2)]
+    big = [keyed_request(f"big-{i}", "big") for i in range(4)]
+    small = [keyed_request(f"small-{i}", "small") for i in range(2)]
     for r in [*big, *small]:
         queue.append(r)
     order = []
@@ -48,12 +48,12 @@ def test_keys_take_turns_and_each_key_stays_in_order():
 
 def test_the_least_loaded_key_goes_first_and_a_preempted_request_resumes_first():
     queue = WaitingQueue()
-    a0, a1, b0 = keyed("a0", "a"), keyed("a1", "a"), keyed("b0", "b")
+    a0, a1, b0 = keyed_request("a0", "a"), keyed_request("a1", "a"), keyed_request("b0", "b")
     for r in (a0, a1, b0):
         queue.append(r)
     assert queue.peek({"a": 3}) is b0  # "a" already runs three requests
     assert queue.peek({"a": 1, "b": 1}) is a0  # equal load: rotation order
-    back = keyed("a-preempted", "a")
+    back = keyed_request("a-preempted", "a")
     queue.appendleft(back)
     assert queue.peek() is back and list(queue)[:2] == [back, a0]
     queue.remove(a1)
@@ -66,13 +66,13 @@ def test_the_least_loaded_key_goes_first_and_a_preempted_request_resumes_first()
 def test_a_small_request_is_served_within_a_few_steps_of_a_huge_one():
     sched = make_scheduler(num_blocks=256, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
     runner = FakeRunner(sched.kv.coordinator)
-    huge = [keyed(f"huge-{i}", "huge", max_tokens=20) for i in range(60)]
+    huge = [keyed_request(f"huge-{i}", "huge", max_tokens=20) for i in range(60)]
     for r in huge:
         sched.add_request(r)
     for _ in range(3):  # the huge request fills every seat
         step(sched, runner)
     assert {r.fairness_key for r in sched.running} == {"huge"} and len(sched.running) == 4
-    small = keyed("small", "small", max_tokens=3)
+    small = keyed_request("small", "small", max_tokens=3)
     sched.add_request(small)
     steps = 0
     while not small.is_finished:
@@ -92,7 +92,7 @@ def test_fair_preemption_does_not_thrash_between_equal_keys():
     runner = FakeRunner(sched.kv.coordinator)
     for key in ("a", "b"):
         for i in range(6):
-            sched.add_request(keyed(f"{key}-{i}", key, max_tokens=6))
+            sched.add_request(keyed_request(f"{key}-{i}", key, max_tokens=6))
     for _ in range(40):
         if not sched.has_unfinished_requests():
             break
@@ -106,11 +106,11 @@ def test_under_block_pressure_the_small_request_finishes_before_the_heavy_ones()
     # Seats are free but blocks are short: the heavy key's requests preempt each other for them.
     sched = make_scheduler(num_blocks=1 + 12, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
     runner = FakeRunner(sched.kv.coordinator)
-    heavy = [keyed(f"heavy-{i}", "heavy", prompt=11, max_tokens=12) for i in range(4)]
+    heavy = [keyed_request(f"heavy-{i}", "heavy", prompt=11, max_tokens=12) for i in range(4)]
     for r in heavy:
         sched.add_request(r)
     step(sched, runner)
-    small = keyed("small", "small", prompt=7, max_tokens=2)
+    small = keyed_request("small", "small", prompt=7, max_tokens=2)
     sched.add_request(small)
     while sched.has_unfinished_requests():
         step(sched, runner)

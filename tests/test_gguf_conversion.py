@@ -48,12 +48,6 @@ def tiny_gguf(tmp_path_factory):
     return get
 
 
-@pytest.fixture
-def empty_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("VLLM_MLX_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
 def mlx_logits(model_dir: Path, token_ids) -> np.ndarray:
     model, _ = mlx_lm.load(str(model_dir))
     return np.array(model(mx.array([token_ids]))[0].astype(mx.float32))

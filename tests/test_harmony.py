@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_tool_parsers import TOOLS, counter_ids, split_at
+from factories import split_at
+from test_tool_parsers import TOOLS, counter_ids
 
 from vllm_mlx.tool_parsers.base import ChatDelta, assemble
 from vllm_mlx.tool_parsers.chat_output import NO_TOOLS, ToolPlan, plan_chat_output
@@ -91,14 +92,9 @@ def parser(case: Case) -> HarmonyParser:
     return HarmonyParser(case.tools, counter_ids())
 
 
-def stream_chunks(case: Case, chunks: list[str]) -> list[ChatDelta]:
+def harmony_deltas(case: Case, chunks: list[str]) -> list[ChatDelta]:
     stream = parser(case).stream()
     return [d for chunk in chunks for d in stream.feed(chunk)] + stream.finish()
-
-
-def observed(deltas: list[ChatDelta]):
-    result = assemble(deltas)
-    return result.content, result.reasoning_content, [(c.name, json.loads(c.arguments)) for c in result.tool_calls]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
@@ -116,12 +112,12 @@ def test_streamed_in_any_chunking_as_whole(case, cuts):
     """Random chunkings, and one character at a time."""
     whole = parser(case).extract(case.text)
     for chunks in (split_at(case.text, cuts), list(case.text)):
-        deltas = stream_chunks(case, chunks)
+        deltas = harmony_deltas(case, chunks)
         assert assemble(deltas) == whole
-        check_delta_shape(deltas)
+        check_harmony_delta_shape(deltas)
 
 
-def check_delta_shape(deltas: list[ChatDelta]) -> None:
+def check_harmony_delta_shape(deltas: list[ChatDelta]) -> None:
     """One kind per delta, none empty; a call's first delta has its id and name."""
     seen: list[int] = []
     for delta in deltas:
@@ -172,8 +168,8 @@ def test_any_output_parses_without_error_and_streams_the_same(tools, pieces, cut
         stop_token = pieces and pieces[-1] in ("<|end|>", "<|call|>", "<|return|>", "<|endoftext|>")
         stripped = text.removesuffix(pieces[-1]) if stop_token else text
         assert (result.content, result.reasoning_content, result.tool_calls) == (stripped or None, None, [])
-    assert assemble(stream_chunks(case, split_at(text, cuts))) == result
-    assert assemble(stream_chunks(case, list(text))) == result
+    assert assemble(harmony_deltas(case, split_at(text, cuts))) == result
+    assert assemble(harmony_deltas(case, list(text))) == result
 
 
 # -- choosing Harmony -------------------------------------------------------------------------------

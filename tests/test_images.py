@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import base64
 import io
-import struct
 import threading
 import time
-import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -15,6 +12,7 @@ import pytest
 PIL = pytest.importorskip("PIL")
 from PIL import Image
 
+from factories import data_url, make_image, png_bytes, png_header_only
 from vllm_mlx.errors import VllmMlxError
 from vllm_mlx.images import (
     ImageInputError,
@@ -29,37 +27,10 @@ from vllm_mlx.media_policy import MediaPolicy
 LOOPBACK = MediaPolicy.operator(allowed_private_hosts=("127.0.0.1",))
 
 
-def make_image(width=32, height=24, mode="RGB", seed=0) -> Image.Image:
-    data = bytes((i * 7 + seed * 13) % 256 for i in range(width * height * len(mode)))
-    return Image.frombytes(mode, (width, height), data)
-
-
-def png_bytes(image: Image.Image) -> bytes:
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
-
-
 def jpeg_bytes(image: Image.Image) -> bytes:
     out = io.BytesIO()
     image.save(out, format="JPEG", quality=90)
     return out.getvalue()
-
-
-def data_url(data: bytes, media_type="image/png") -> str:
-    return f"data:{media_type};base64," + base64.b64encode(data).decode()
-
-
-def png_header_only(width: int, height: int) -> bytes:
-    """A PNG claiming ``width`` x ``height`` whose pixel data is a few bytes (a bomb's shape)."""
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        crc = struct.pack(">I", zlib.crc32(kind + body))
-        return struct.pack(">I", len(body)) + kind + body + crc
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    idat = zlib.compress(b"\0" * 64)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
 
 
 # ---- every source, one picture ------------------------------------------------------------

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
-from tool_models import MODEL, live_app, serving  # noqa: E402
+from tool_models import MODEL, live_app  # noqa: E402
 
 from vllm_mlx.entrypoints.openai.serving import ServingOptions  # noqa: E402
 from vllm_mlx.structured.params import StructuredOutputsParams  # noqa: E402
@@ -29,12 +29,6 @@ INTEGERS = {"type": "array", "items": {"type": "integer"}}
 """No strings: any whitespace in the output is whitespace between tokens."""
 SEEDS = range(4)
 WHITESPACE = re.compile(r"\s")
-
-
-@pytest.fixture(scope="module")
-def engine_and_live(tools_model_dir):
-    with serving(tools_model_dir) as served:
-        yield served
 
 
 def sampled(live, **extra) -> list[str]:

@@ -78,7 +78,7 @@ def set_light(on: bool, color: Literal["red", "green"]) -> str:
 
 
 @pytest.fixture(scope="module")
-def tools_model_dir(tiny_model_dir, tmp_path_factory):
+def notebook_tools_model_dir(tiny_model_dir, tmp_path_factory):
     """The tiny llama with a chat template that renders tools and tool calls."""
     out = tmp_path_factory.mktemp("tiny-tools") / "model"
     shutil.copytree(tiny_model_dir, out)
@@ -89,19 +89,19 @@ def tools_model_dir(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ip(tools_model_dir):
-    with loaded_shell(tools_model_dir, {"num_kv_blocks": 256}, temperature=0.0) as shell:
+def ip(notebook_tools_model_dir):
+    with loaded_shell(notebook_tools_model_dir, {"num_kv_blocks": 256}, temperature=0.0) as shell:
         yield shell
 
 
 @pytest.fixture(scope="module")
-def decode(tools_model_dir):
+def decode(notebook_tools_model_dir):
     """Prompt token ids -> text, with a tokenizer independent of the session's."""
-    tokenizer = Tokenizer.from_file(str(tools_model_dir / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(notebook_tools_model_dir / "tokenizer.json"))
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def generate(ip, line: str, cell: str | None = "Is the sky blue?"):
+def generate_done(ip, line: str, cell: str | None = "Is the sky blue?"):
     """A ``%%generate`` cell, done; ``cell=None``: the line magic ``%generate``."""
     with capture_output():
         gen = ip.run_line_magic("generate", line) if cell is None else ip.run_cell_magic("generate", line, cell)
@@ -121,7 +121,7 @@ def test_schema_from_a_pydantic_model_gives_an_instance(ip):
         answer: Literal["yes", "no"]
 
     ip.user_ns["Verdict"] = Verdict
-    gen = generate(ip, "--schema Verdict --compact-json --max-tokens 48")
+    gen = generate_done(ip, "--schema Verdict --compact-json --max-tokens 48")
     assert gen.state == DONE and gen.finish_reason == "stop", gen.text
     assert isinstance(gen.parsed, Verdict) and gen.parse_error is None
     assert gen.parsed == Verdict.model_validate_json(gen.text)
@@ -129,11 +129,11 @@ def test_schema_from_a_pydantic_model_gives_an_instance(ip):
 
 def test_schema_from_a_dict_and_json_give_parsed_json(ip):
     ip.user_ns["verdict_schema"] = VERDICT_SCHEMA
-    gen = generate(ip, "--schema verdict_schema --compact-json --max-tokens 48")
+    gen = generate_done(ip, "--schema verdict_schema --compact-json --max-tokens 48")
     assert gen.finish_reason == "stop", gen.text
     jsonschema.validate(gen.parsed, VERDICT_SCHEMA)
     assert gen.parsed == json.loads(gen.text)
-    anything = generate(ip, "--json --compact-json --max-tokens 64 --temperature 0.8 --seed 3")
+    anything = generate_done(ip, "--json --compact-json --max-tokens 64 --temperature 0.8 --seed 3")
     if anything.finish_reason == "stop":
         assert isinstance(anything.parsed, dict) and anything.parsed == json.loads(anything.text)
     else:  # cut short: a prefix of an object, not parsed
@@ -142,20 +142,20 @@ def test_schema_from_a_dict_and_json_give_parsed_json(ip):
 
 def test_output_cut_by_max_tokens_is_not_parsed_and_says_why(ip):
     ip.user_ns["verdict_schema"] = VERDICT_SCHEMA
-    gen = generate(ip, "--schema verdict_schema --max-tokens 2")
+    gen = generate_done(ip, "--schema verdict_schema --max-tokens 2")
     assert gen.state == DONE and gen.finish_reason == "length"
     assert gen.parsed is None and "max_tokens" in gen.parse_error
     assert any("max_tokens" in part for part in status_parts(gen))  # shown in the cell's status line
 
 
 def test_regex_and_choice_hold(ip):
-    gen = generate(ip, "--regex '[a-z]{3,8}-[0-9]{2}' --max-tokens 24")
+    gen = generate_done(ip, "--regex '[a-z]{3,8}-[0-9]{2}' --max-tokens 24")
     assert re.fullmatch(r"[a-z]{3,8}-[0-9]{2}", gen.text), gen.text
     assert gen.parsed is None and gen.parse_error is None  # a regex output is its text
-    gen = generate(ip, '--choice yes --choice no --choice "not sure" --max-tokens 8')
+    gen = generate_done(ip, '--choice yes --choice no --choice "not sure" --max-tokens 8')
     assert gen.text in ("yes", "no", "not sure")
     ip.user_ns["colors"] = ["crimson red", "forest green"]
-    gen = generate(ip, "--choice colors --max-tokens 8")
+    gen = generate_done(ip, "--choice colors --max-tokens 8")
     assert gen.text in ("crimson red", "forest green")
 
 
@@ -178,7 +178,7 @@ def test_bad_constraints_and_tools_are_usage_errors(ip, line, message):
     ip.user_ns.update(verdict_schema=VERDICT_SCHEMA, colors=["red", "green"], weather_tools=[get_weather])
     ip.user_ns["huge_schema"] = {"type": "array", "items": {"type": "integer"}, "maxItems": 10**9}
     with pytest.raises(UsageError, match=re.escape(message)):
-        generate(ip, line)
+        generate_done(ip, line)
 
 
 def test_bad_regex_is_refused_before_anything_is_queued(ip):
@@ -187,7 +187,7 @@ def test_bad_regex_is_refused_before_anything_is_queued(ip):
     session = get_session(ip)
     before = set(session.generations)
     with pytest.raises(UsageError, match=r"--regex.*\(unclosed"):
-        generate(ip, "-n bad-regex --regex '(unclosed'")
+        generate_done(ip, "-n bad-regex --regex '(unclosed'")
     assert set(session.generations) == before
 
 
@@ -217,7 +217,7 @@ def test_a_function_becomes_an_openai_tool():
 
 def test_tools_are_rendered_and_calls_are_parsed_without_chat(ip, decode):
     ip.user_ns["weather_tools"] = [function_tool(get_weather)]  # an OpenAI tool dict
-    gen = generate(ip, f"--tools weather_tools --regex {CALL_REGEX} --max-tokens 64", "Weather in Paris?")
+    gen = generate_done(ip, f"--tools weather_tools --regex {CALL_REGEX} --max-tokens 64", "Weather in Paris?")
     prompt = decode(gen.prompt)
     assert "<tools>" in prompt and '"name": "get_weather"' in prompt and "The current weather" in prompt
     assert [(c.name, json.loads(c.arguments)) for c in gen.tool_calls] == [("get_weather", {"city": "Paris"})]
@@ -232,11 +232,11 @@ def test_tools_are_rendered_and_calls_are_parsed_without_chat(ip, decode):
 
 def test_tool_choice_enforces_a_call(ip):
     ip.user_ns["light_tools"] = [set_light, get_weather]
-    gen = generate(ip, "--tools light_tools --tool-choice set_light --max-tokens 32", "Lights on!")
+    gen = generate_done(ip, "--tools light_tools --tool-choice set_light --max-tokens 32", "Lights on!")
     assert gen.finish_reason == "stop", gen.text
     [call] = gen.tool_calls
     assert call.name == "set_light" and set(json.loads(call.arguments)) == {"on", "color"}
-    gen = generate(ip, "--tools light_tools --tool-choice required --max-tokens 48 --seed 1", "Lights on!")
+    gen = generate_done(ip, "--tools light_tools --tool-choice required --max-tokens 48 --seed 1", "Lights on!")
     assert gen.tool_calls and gen.tool_calls[0].name in ("set_light", "get_weather")
     assert gen.content == ""
 
@@ -244,7 +244,7 @@ def test_tool_choice_enforces_a_call(ip):
 def test_reasoning_is_split_off_and_folded(ip):
     ip.user_ns["weather_tools"] = [get_weather]
     regex = CALL_REGEX.replace("'<tool_call>", "'<think>Paris is in France[.]</think>\\n<tool_call>")
-    gen = generate(ip, f"--tools weather_tools --regex {regex} --max-tokens 64", "Weather in Paris?")
+    gen = generate_done(ip, f"--tools weather_tools --regex {regex} --max-tokens 64", "Weather in Paris?")
     assert gen.reasoning == "Paris is in France." and [c.name for c in gen.tool_calls] == ["get_weather"]
     assert gen.content == ""
     html = body_bundle(gen)["text/html"]
@@ -255,7 +255,7 @@ def test_chat_records_calls_and_continues_with_tool_results(ip, decode):
     from vllm_mlx_jupyter import get_session
 
     ip.user_ns["weather_tools"] = [get_weather]  # a Python function
-    first = generate(ip, f"--chat w --tools weather_tools --regex {CALL_REGEX} --max-tokens 64", "Weather in Paris?")
+    first = generate_done(ip, f"--chat w --tools weather_tools --regex {CALL_REGEX} --max-tokens 64", "Weather in Paris?")
     [call] = first.tool_calls
     chat = get_session(ip).chats["w"]
     assert chat.messages == [
@@ -273,7 +273,7 @@ def test_chat_records_calls_and_continues_with_tool_results(ip, decode):
     with pytest.raises(ValueError, match="no tool call"):
         first.add_tool_result("call_unknown", "?")
 
-    second = generate(ip, "--chat w --max-tokens 4", None)  # %generate: the model answers the results
+    second = generate_done(ip, "--chat w --max-tokens 4", None)  # %generate: the model answers the results
     prompt = decode(second.prompt)
     assert prompt.startswith(decode(first.prompt))  # the tools stay for later turns
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
@@ -286,7 +286,7 @@ def test_chat_records_calls_and_continues_with_tool_results(ip, decode):
         ip.run_line_magic("vllm_mlx", "history w")
     assert "-> get_weather(" in out.stdout and f"[tool] ({call.id})" in out.stdout
     with pytest.raises(UsageError, match="empty"):
-        generate(ip, "--chat w", None)  # no tool results to answer now
+        generate_done(ip, "--chat w", None)  # no tool results to answer now
 
 
 def test_tool_calls_from_model_text_are_shown_as_text_never_as_html():

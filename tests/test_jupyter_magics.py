@@ -21,7 +21,7 @@ from IPython.utils.capture import capture_output
 
 from vllm_mlx_jupyter.generation import ABORTED, DONE
 from vllm_mlx_jupyter.prompt import interpolate
-from notebook_shell import loaded_shell
+from notebook_shell import generate, loaded_shell
 
 TIMEOUT = 60.0
 NUM_KV_BLOCKS = 256
@@ -39,11 +39,6 @@ def magics(ip):
     from vllm_mlx_jupyter import _MAGICS
 
     return _MAGICS[id(ip)]
-
-
-def generate(ip, line: str, cell: str = "Tell me a story."):
-    with capture_output():
-        return ip.run_cell_magic("generate", line, cell)
 
 
 # -- the extension ------------------------------------------------------------------------

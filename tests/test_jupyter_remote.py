@@ -7,7 +7,6 @@ server's engine (its ``cache_snapshot()``, read in-process). Every wait is bound
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -22,6 +21,8 @@ from vllm_mlx.entrypoints.openai.server import build_app  # noqa: E402
 from vllm_mlx.entrypoints.openai.serving import ServingOptions  # noqa: E402
 from vllm_mlx_jupyter.generation import ABORTED, DONE, ERROR  # noqa: E402
 from vllm_mlx_jupyter.inspector import STATE_CODES, decode_state  # noqa: E402
+from factories import wait_until  # noqa: E402
+from notebook_shell import generate  # noqa: E402
 from live_server import LiveServer, free_socket  # noqa: E402
 
 KEY = "sk-notebook"
@@ -70,20 +71,7 @@ def http(server):
         yield client
 
 
-def generate(ip, line: str, cell: str = "Tell me a story."):
-    with capture_output():
-        return ip.run_cell_magic("generate", line, cell)
-
-
-def wait_until(predicate, what: str, timeout: float = TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-    return value
-
-
-def wait_idle(engine) -> dict:
+def idle_snapshot(engine) -> dict:
     """The server's engine snapshot once no request holds blocks."""
     def idle():
         snap = engine.cache_snapshot()
@@ -154,7 +142,7 @@ def test_abort_stops_the_generation_and_the_server_frees_its_blocks(ip, session,
     assert "aborted: long" in out.stdout
     assert gen.wait(TIMEOUT) and gen.state == ABORTED
     assert gen.output.num_completion_tokens < 1500
-    wait_idle(engine)
+    idle_snapshot(engine)
 
 
 def test_chat_session_sends_the_history(ip, session, http):
@@ -335,7 +323,7 @@ def test_inspector_draws_the_servers_blocks(ip, session, engine):
     finally:
         gen.cancel()
         gen.wait(TIMEOUT)
-    wait_idle(engine)
+    idle_snapshot(engine)
     assert inspector.refresh()
     state, truth = decode_state(inspector.get_state()), engine.cache_snapshot()
     assert state["block_state"] == [STATE_CODES[b["state"]] for b in truth["blocks"]]
@@ -358,7 +346,7 @@ def test_blocks_endpoint_shows_no_other_tenant(server, http, engine):
     finally:
         engine.abort("other-tenant")
         del stream
-    wait_idle(engine)
+    idle_snapshot(engine)
     assert httpx.get(server.url + "/v1/cache/blocks").status_code == 401  # the key is required
 
 
@@ -383,7 +371,7 @@ def test_blocks_view_discloses_tables_only_where_the_operator_allows(engine):
     finally:
         engine.abort("viewed")
         del stream
-    wait_idle(engine)
+    idle_snapshot(engine)
 
 
 def test_disconnect_returns_to_the_kernel_engine(ip, session, server):

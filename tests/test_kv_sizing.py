@@ -36,7 +36,7 @@ def sized_engine(model_dir) -> EngineCore:
     return EngineCore(model=str(model_dir), kv_cache_memory=BUDGET, block_size=4, force_model_takeover=True)
 
 
-def run_one(engine: EngineCore) -> None:
+def run_a_request(engine: EngineCore) -> None:
     engine.add_request("The quick brown fox jumps over the lazy dog.", GREEDY)
     while engine.has_unfinished_requests():
         engine.step()
@@ -48,7 +48,7 @@ def test_half_precision_model_gets_twice_the_blocks(dtype_dirs, half):
     try:
         for name in ("float32", half):
             engines[name] = engine = sized_engine(dtype_dirs[name])
-            run_one(engine)
+            run_a_request(engine)
             assert engine.kv_layout.dtype == name
             # The pool the model filled is exactly what the budget counted.
             pool = engine.runner.pool
@@ -97,7 +97,7 @@ def test_latent_attention_is_sized_by_its_latent(deepseek_dir):
 
     engine = sized_engine(deepseek_dir)
     try:
-        run_one(engine)
+        run_a_request(engine)
         # 2 layers of a 16-wide latent (keys) and an 8-wide rotary part (values), float32.
         assert engine.kv_layout.bytes_per_token == 2 * (16 + 8) * 4
         assert engine.runner.pool.nbytes == engine.kv_layout.bytes_per_token * engine.runner.pool.num_slots

@@ -10,7 +10,6 @@ unless the operator's flags allow it, with one error for every failure.
 
 from __future__ import annotations
 
-import base64
 import io
 import os
 import socket
@@ -24,6 +23,7 @@ import pytest
 pytest.importorskip("PIL")
 from PIL import Image
 
+from factories import data_url, png_header_only
 from vllm_mlx import media_fetch
 from vllm_mlx.errors import ImageInputError
 from vllm_mlx.images import load_image
@@ -41,18 +41,6 @@ def png(width=8, height=8, seed=0) -> bytes:
     out = io.BytesIO()
     Image.new("RGB", (width, height), (seed, 2 * seed % 256, 50)).save(out, format="PNG")
     return out.getvalue()
-
-
-def png_header_only(width: int, height: int) -> bytes:
-    """A valid PNG header claiming ``width`` x ``height``, without the pixels (a bomb's shape)."""
-    import struct
-    import zlib
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
 
 
 def error_of(source, policy) -> str:
@@ -428,10 +416,6 @@ def serve(vlm_engine):
     yield start
     for server in servers:
         server.stop()
-
-
-def data_url(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 def test_server_reads_no_file_and_fetches_no_url_by_default(serve, media_dir, http_server):

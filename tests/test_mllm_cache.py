@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("PIL")
 from PIL import Image
 
+from factories import make_image
 from vllm_mlx.images import image_content_hash
 from vllm_mlx.mllm_cache import (
     MLLMCacheManager,
@@ -20,11 +21,6 @@ from vllm_mlx.mllm_cache import (
     VLMCacheManager,
     VLMCacheStats,
 )
-
-
-def make_image(width=32, height=24, seed=0) -> Image.Image:
-    data = bytes((i * 7 + seed * 13) % 256 for i in range(width * height * 3))
-    return Image.frombytes("RGB", (width, height), data)
 
 
 def features(nbytes: int) -> np.ndarray:

@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -14,12 +13,6 @@ from vllm_mlx.errors import ModelSourceError
 from vllm_mlx.models import list_cached_models, resolve_model
 from vllm_mlx.models.default import download_wheel, verify_sha256
 from vllm_mlx.models.store import MANIFEST, atomic_directory, write_manifest
-
-
-@pytest.fixture
-def empty_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("VLLM_MLX_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
 
 
 def test_missing_path_is_a_clear_error(empty_cache):

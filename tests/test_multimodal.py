@@ -20,6 +20,7 @@ pytest.importorskip("mlx_vlm", reason="mlx-vlm (the `vlm` extra) is not installe
 
 from PIL import Image
 
+from factories import png_bytes
 from vllm_mlx import LLM, EngineCore, SamplingParams
 from vllm_mlx.attention import UnsupportedModelError
 
@@ -31,13 +32,7 @@ def picture(seed: int, size: tuple[int, int] = (64, 64)) -> Image.Image:
     return Image.fromarray(pixels)
 
 
-def png_bytes(image: Image.Image) -> bytes:
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
-
-
-def run(engine: EngineCore, prompts: list[tuple[str, list]], params: SamplingParams = GREEDY) -> list:
+def run_prompts(engine: EngineCore, prompts: list[tuple[str, list]], params: SamplingParams = GREEDY) -> list:
     """Submit every (text, images) prompt, step to the end; final outputs in order."""
     ids = [engine.add_request(text, params, images=images) for text, images in prompts]
     final = {}
@@ -89,9 +84,9 @@ def test_greedy_tokens_equal_mlx_vlm(family, tmp_path):
     expected = mlx_vlm_greedy(model_dir, text, [image], max_tokens=8)
     engine = EngineCore(model=str(model_dir), num_kv_blocks=64, block_size=4, force_model_takeover=True)
     try:
-        [out] = run(engine, [(text, [image])])
+        [out] = run_prompts(engine, [(text, [image])])
         # The engine adds the placeholder itself when the prompt has none.
-        [bare] = run(engine, [("What is in the picture?", [image])])
+        [bare] = run_prompts(engine, [("What is in the picture?", [image])])
     finally:
         engine.shutdown()
     assert out.outputs[0].token_ids == expected
@@ -104,7 +99,7 @@ def test_two_images_in_order_equal_mlx_vlm(tiny_qwen2_vl_dir, qwen):
     text = f"First {pad} then {pad} compare."
     expected = mlx_vlm_greedy(tiny_qwen2_vl_dir, text, [a, b], max_tokens=8)
     swapped = mlx_vlm_greedy(tiny_qwen2_vl_dir, text, [b, a], max_tokens=8)
-    assert tokens(run(qwen, [(text, [a, b]), (text, [b, a])])) == [expected, swapped]
+    assert tokens(run_prompts(qwen, [(text, [a, b]), (text, [b, a])])) == [expected, swapped]
     assert expected != swapped
 
 
@@ -122,8 +117,8 @@ def test_batched_image_and_text_requests_equal_solo_runs(tiny_qwen2_vl_dir):
     options = {"num_kv_blocks": 24, "block_size": 4, "max_num_batched_tokens": 12, "enable_prefix_caching": False}
     engine = EngineCore(model=str(tiny_qwen2_vl_dir), force_model_takeover=True, **options)
     try:
-        solo = [tokens(run(engine, [p]))[0] for p in prompts]
-        batched = tokens(run(engine, prompts))
+        solo = [tokens(run_prompts(engine, [p]))[0] for p in prompts]
+        batched = tokens(run_prompts(engine, prompts))
         preemptions = engine.get_stats()["scheduler"]["preemptions"]
     finally:
         engine.shutdown()
@@ -143,7 +138,7 @@ def test_greedy_output_is_the_same_with_the_cache_off(tiny_qwen2_vl_dir, option)
         engine = EngineCore(model=str(tiny_qwen2_vl_dir), num_kv_blocks=64, block_size=4,
                             force_model_takeover=True, **{option: enabled})  # fmt: skip
         try:
-            return [tokens(run(engine, [p]))[0] for p in prompts], engine.get_stats()["mllm"]
+            return [tokens(run_prompts(engine, [p]))[0] for p in prompts], engine.get_stats()["mllm"]
         finally:
             engine.shutdown()
 
@@ -171,7 +166,7 @@ def test_same_pixels_by_path_bytes_and_pil_share_one_entry(qwen, tmp_path):
     prompts = [(f"{n} Describe.", [source]) for n, source in
                enumerate([str(path), png_bytes(image), image, data_url])]  # fmt: skip
     before = qwen.mllm_cache.stats()
-    outs = run(qwen, prompts)
+    outs = run_prompts(qwen, prompts)
     after = qwen.mllm_cache.stats()
     assert len(qwen.mllm_cache) == 1
     assert after.misses - before.misses == 1 and after.hits - before.hits == 3
@@ -179,7 +174,7 @@ def test_same_pixels_by_path_bytes_and_pil_share_one_entry(qwen, tmp_path):
 
     changed = image.copy()
     changed.putpixel((10, 10), tuple(255 - c for c in image.getpixel((10, 10))))
-    run(qwen, [("5 Describe.", [changed])])
+    run_prompts(qwen, [("5 Describe.", [changed])])
     assert len(qwen.mllm_cache) == 2
     qwen.mllm_cache.check_invariants()
 
@@ -210,9 +205,9 @@ def test_swapped_images_share_no_block_past_the_first_image(qwen):
     system = "You are a careful observer of pictures. "  # several 4-token blocks before the images
     pad = "<|vision_start|><|image_pad|><|vision_end|>"
     text = f"{system}{pad}{pad}Which differs?"
-    [first] = run(qwen, [(text, [a, b])])
-    [same] = run(qwen, [(text, [a, b])])
-    [swapped] = run(qwen, [(text, [b, a])])
+    [first] = run_prompts(qwen, [(text, [a, b])])
+    [same] = run_prompts(qwen, [(text, [a, b])])
+    [swapped] = run_prompts(qwen, [(text, [b, a])])
     first_image_at = first.prompt_token_ids.index(qwen.vision.image_token_id)
     block = qwen.config.block_size
     assert same.num_cached_tokens >= len(same.prompt_token_ids) - block  # all but the last block
@@ -230,7 +225,7 @@ def test_eviction_under_a_small_budget_and_stats_add_up(tiny_qwen2_vl_dir):
     try:
         images = [picture(20 + i) for i in range(3)]
         for n, image in enumerate([*images, images[2], images[0]]):
-            run(engine, [(f"{n}:", [image])])
+            run_prompts(engine, [(f"{n}:", [image])])
         stats = engine.mllm_cache.stats()
         engine.mllm_cache.check_invariants()
         assert stats.evictions >= 1 and stats.num_entries == 2 and stats.memory_used <= 2048 + 512
@@ -244,7 +239,7 @@ def test_eviction_under_a_small_budget_and_stats_add_up(tiny_qwen2_vl_dir):
 
 def test_snapshot_lists_mllm_entries_with_thumbnails(qwen):
     image = picture(30, (300, 200))
-    run(qwen, [("Snapshot me.", [image])])
+    run_prompts(qwen, [("Snapshot me.", [image])])
     snapshot = qwen.cache_snapshot()
     mllm = snapshot["mllm"]
     assert set(mllm) == {"entries", "stats"}
@@ -278,7 +273,7 @@ def test_a_bad_image_fails_its_request_alone(qwen, tmp_path):
     empty.write_bytes(b"")
     good = ("Fine.", [picture(41)])
     free_before = qwen.kv_cache.stats().num_free_blocks
-    outs = run(qwen, [good, ("Broken.", [str(truncated)]), ("Empty.", [str(empty)]),
+    outs = run_prompts(qwen, [good, ("Broken.", [str(truncated)]), ("Empty.", [str(empty)]),
                       ("Missing.", [str(tmp_path / "nope.png")]), ("Bad URL.", ["http://127.0.0.1:9/x.png"]), good])  # fmt: skip
     assert [o.outputs[0].finish_reason for o in outs] == ["length", "error", "error", "error", "error", "length"]
     assert outs[0].outputs[0].token_ids == outs[-1].outputs[0].token_ids
@@ -422,7 +417,7 @@ def test_the_cache_inspector_shows_the_cached_image(qwen):
     pytest.importorskip("anywidget")
     from vllm_mlx_jupyter.inspector import CacheInspector
 
-    run(qwen, [("Inspect me.", [picture(90, (120, 80))])])
+    run_prompts(qwen, [("Inspect me.", [picture(90, (120, 80))])])
     inspector = CacheInspector(qwen, interval=3600)  # refreshes once now; the engine is not shared
     try:
         entry = next(e for e in inspector.mllm if (e["width"], e["height"]) == (120, 80))

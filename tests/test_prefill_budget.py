@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from test_scheduler import FakeRunner, make_request, make_scheduler, reference_output, run_all, step
+from test_scheduler import FakeRunner, make_request, make_scheduler, reference_output, run_scheduler, step
 
 from vllm_mlx.prefill_budget import PrefillCost
 
@@ -84,7 +84,7 @@ def test_outputs_equal_the_sequential_reference_whatever_the_chunks(attention_to
     requests = [make_request(f"r{i}", n, max_tokens=6) for i, n in enumerate((3, 40, 17, 60, 5))]
     for request in requests:
         sched.add_request(request)
-    run_all(sched, FakeRunner(sched.kv.coordinator))
+    run_scheduler(sched, FakeRunner(sched.kv.coordinator))
     for request in requests:
         assert request.output_token_ids == reference_output(request, sched.max_model_len)[0]
 

@@ -23,7 +23,7 @@ THINK = ThinkTokens(start=7, end=8)
 
 
 @pytest.fixture(scope="module")
-def thinking_model_dir(tmp_path_factory, default_model_dir):
+def think_token_model_dir(tmp_path_factory, default_model_dir):
     from tiny_model import build_tiny_llama
 
     tokenizer_dir = tmp_path_factory.mktemp("think-tokenizer")
@@ -44,13 +44,13 @@ def thinking_model_dir(tmp_path_factory, default_model_dir):
 
 
 @pytest.fixture(scope="module")
-def engine(thinking_model_dir):
-    core = EngineCore(model=str(thinking_model_dir), max_num_seqs=8)
+def engine(think_token_model_dir):
+    core = EngineCore(model=str(think_token_model_dir), max_num_seqs=8)
     yield core
     core.shutdown()
 
 
-def run(engine: EngineCore, prompts: dict[str, list[int]], params: SamplingParams) -> dict:
+def final_completions(engine: EngineCore, prompts: dict[str, list[int]], params: SamplingParams) -> dict:
     for request_id, prompt in prompts.items():
         engine.add_request(prompt, params, request_id)
     finals = {}
@@ -100,7 +100,7 @@ def test_the_budget_forces_the_end_of_reasoning_and_the_constraint_starts_after_
         structured_outputs=StructuredOutputsParams(regex="(yes|no)!"),
     )  # fmt: skip
     prompts = {f"p{i}": opened + [100 + i] * i + [think.start] for i in range(4)}
-    for output in run(engine, prompts, params).values():
+    for output in final_completions(engine, prompts, params).values():
         tokens = output.token_ids
         end = tokens.index(think.end)
         assert end <= 5  # at most the budget's 5 reasoning tokens, then </think>
@@ -112,13 +112,13 @@ def test_the_budget_forces_the_end_of_reasoning_and_the_constraint_starts_after_
 def test_a_budget_of_zero_closes_the_reasoning_at_once(engine):
     think = engine.think_tokens
     params = SamplingParams(max_tokens=4, temperature=0, max_thinking_tokens=0)
-    [output] = run(engine, {"zero": [5, 6, think.start]}, params).values()
+    [output] = final_completions(engine, {"zero": [5, 6, think.start]}, params).values()
     assert output.token_ids[0] == think.end
 
 
 def test_a_prompt_without_open_reasoning_is_constrained_from_its_first_token(engine):
     params = SamplingParams(max_tokens=8, temperature=0, structured_outputs=StructuredOutputsParams(choice=["alpha", "beta"]))
-    outputs = run(engine, {f"c{i}": [5, 6 + i, 7 + i] for i in range(3)}, params)
+    outputs = final_completions(engine, {f"c{i}": [5, 6 + i, 7 + i] for i in range(3)}, params)
     think = engine.think_tokens
     for output in outputs.values():
         if output.token_ids[0] == think.start:  # the model may still choose to think first

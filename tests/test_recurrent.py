@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import random
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from oracles import engine_tokens, finish
-from oracles import mlx_lm_tokens as oracle_tokens
+from oracles import mlx_lm_tokens
 from tiny_model import (
     TINY_GRANITE_HYBRID,
     TINY_LFM2,
@@ -57,7 +59,13 @@ def arch(request, tmp_path_factory, default_model_dir):
     """(name, model directory, mlx-lm's greedy tokens for PROMPTS) of one architecture."""
     name = request.param
     path = build_tiny_llama(tmp_path_factory.mktemp(name), default_model_dir, **ARCHS[name])
-    return name, path, mlx_lm_tokens(path)
+    return name, path, mlx_lm_tokens(path, PROMPTS, GREEDY.max_tokens)
+
+
+@pytest.fixture
+def recurrent_engines(engine_factory, arch):
+    """``make(**options)``: an ``EngineCore`` on this architecture's model, shut down after the test."""
+    return functools.partial(engine_factory, arch[1])
 
 
 def load_tokenizer(path):
@@ -66,33 +74,11 @@ def load_tokenizer(path):
     return load(path)
 
 
-def mlx_lm_tokens(path, prompts=PROMPTS, max_tokens=GREEDY.max_tokens) -> list[list[int]]:
-    return oracle_tokens(path, prompts, max_tokens)
-
-
-def run_all(engine: EngineCore, prompts=PROMPTS) -> list[list[int]]:
-    return engine_tokens(engine, prompts, GREEDY)
-
-
 def assert_nothing_held(engine: EngineCore) -> None:
     stats = engine.kv_cache.stats()
     assert stats.num_used_blocks == 0 and stats.num_used_state_slots == 0
     engine.kv_cache.check_invariants()
     engine.scheduler.check_invariants()
-
-
-@pytest.fixture
-def engine_factory(arch):
-    engines = []
-
-    def make(**options) -> EngineCore:
-        engine = EngineCore(model=str(arch[1]), **options)
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.shutdown()
 
 
 # -- what the engine accepts ------------------------------------------------------------------
@@ -137,10 +123,10 @@ def test_the_vllm_plugin_path_still_refuses_recurrent_layers(tmp_path, default_m
 # -- engine == mlx-lm -------------------------------------------------------------------------
 
 
-def test_prompts_arriving_together_equal_mlx_lm(engine_factory, arch):
+def test_prompts_arriving_together_equal_mlx_lm(recurrent_engines, arch):
     name, _, expected = arch
-    engine = engine_factory()
-    assert run_all(engine) == expected
+    engine = recurrent_engines()
+    assert engine_tokens(engine, PROMPTS, GREEDY) == expected
     first = engine.step_records[0]  # every prompt prefilled in one step, in as few calls as allowed
     assert len(first.request_ids) == len(PROMPTS)
     distinct_lengths = len(set(first.num_new_tokens))
@@ -151,17 +137,17 @@ def test_prompts_arriving_together_equal_mlx_lm(engine_factory, arch):
     assert_nothing_held(engine)
 
 
-def test_chunked_prefill_carries_the_state_across_chunks(engine_factory, arch):
-    engine = engine_factory(block_size=4, max_num_batched_tokens=11)
-    assert run_all(engine) == arch[2]
+def test_chunked_prefill_carries_the_state_across_chunks(recurrent_engines, arch):
+    engine = recurrent_engines(block_size=4, max_num_batched_tokens=11)
+    assert engine_tokens(engine, PROMPTS, GREEDY) == arch[2]
     chunks = [n for r in engine.step_records for n in r.num_new_tokens if n > 1]
     assert chunks and max(chunks) <= 11 and len(chunks) > len(PROMPTS)  # prompts were split
     assert_nothing_held(engine)
 
 
-def test_staggered_arrivals_and_preemption_equal_mlx_lm(engine_factory, arch):
+def test_staggered_arrivals_and_preemption_equal_mlx_lm(recurrent_engines, arch):
     # 13 usable blocks of 4 tokens cannot hold the five requests at once: preemption happens.
-    engine = engine_factory(block_size=4, num_kv_blocks=14, max_num_batched_tokens=16)
+    engine = recurrent_engines(block_size=4, num_kv_blocks=14, max_num_batched_tokens=16)
     request_ids, final = [], {}
     for step in range(5000):
         if step % 2 == 0 and len(request_ids) < len(PROMPTS):
@@ -175,10 +161,10 @@ def test_staggered_arrivals_and_preemption_equal_mlx_lm(engine_factory, arch):
     assert_nothing_held(engine)
 
 
-def test_without_checkpoints_a_recurrent_model_gets_no_prefix_hit(engine_factory, arch):
+def test_without_checkpoints_a_recurrent_model_gets_no_prefix_hit(recurrent_engines, arch):
     """``max_state_checkpoints=0``: the state at a hit point is never kept, so no hit."""
     prompt = PROMPTS[4] + "What is a state?"
-    on = engine_factory(block_size=4, max_state_checkpoints=0)
+    on = recurrent_engines(block_size=4, max_state_checkpoints=0)
     outs = run_one_by_one(on, [prompt, prompt])
     assert [o.num_cached_tokens for o in outs] == [0, 0]
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
@@ -186,14 +172,14 @@ def test_without_checkpoints_a_recurrent_model_gets_no_prefix_hit(engine_factory
 
 
 @pytest.mark.parametrize("block_size", [64, 4])
-def test_a_failed_step_is_rerun_from_the_state_before_it(engine_factory, arch, block_size, monkeypatch):
+def test_a_failed_step_is_rerun_from_the_state_before_it(recurrent_engines, arch, block_size, monkeypatch):
     """A step fails in its last forward call (the bad request's decode row) after a good request,
     mid-prefill with state already in its slot, computed (and held) its next state; each request
     is then re-run alone. Had the held state been written, the good request would advance its
     state twice and diverge from mlx-lm. With 4-token blocks, steps also keep state checkpoints:
     the failed one's are never published, the re-runs' are."""
     monkeypatch.setattr(model_runner, "CALL_COST_TOKENS", 0)  # no padding: the decode row gets its own call
-    engine = engine_factory(max_num_batched_tokens=16, block_size=block_size)
+    engine = recurrent_engines(max_num_batched_tokens=16, block_size=block_size)
     forward = engine.runner._forward
     calls: list[list[tuple[str, int]]] = []
 
@@ -245,7 +231,7 @@ def caching_off_tokens(path, prompts, **options) -> list[list[int]]:
         engine.shutdown()
 
 
-def test_prefix_hits_resume_from_state_checkpoints_and_equal_caching_off(engine_factory, arch):
+def test_prefix_hits_resume_from_state_checkpoints_and_equal_caching_off(recurrent_engines, arch):
     """The same prompt resumes from its prompt checkpoint; a prompt that shares only a prefix
     gets no hit but leaves a checkpoint at the branch point, where the next one resumes."""
     tokenizer = load_tokenizer(arch[1])
@@ -253,7 +239,7 @@ def test_prefix_hits_resume_from_state_checkpoints_and_equal_caching_off(engine_
     questions = [tokenizer.encode(q, add_special_tokens=False) for q in ("What is a state?", "Why recur?", "How?")]
     prompts = [shared + questions[0], shared + questions[1], shared + questions[0], shared + questions[2]]
     expected = caching_off_tokens(arch[1], prompts, block_size=4)
-    engine = engine_factory(block_size=4)
+    engine = recurrent_engines(block_size=4)
     outs = run_one_by_one(engine, prompts)
     assert [o.outputs[0].token_ids for o in outs] == expected
     branch = len(shared) // 4 * 4  # where the blocks of the shared part end
@@ -261,10 +247,10 @@ def test_prefix_hits_resume_from_state_checkpoints_and_equal_caching_off(engine_
     assert_nothing_held(engine)
 
 
-def test_a_conversation_computes_only_each_new_turn(engine_factory, arch):
+def test_a_conversation_computes_only_each_new_turn(recurrent_engines, arch):
     """Turn k+1 is turn k's prompt and answer plus a new message: it resumes from the latest
     checkpoint decode kept, the last block boundary before turn k's last computed token."""
-    engine = engine_factory(block_size=4)
+    engine = recurrent_engines(block_size=4)
     message = engine.tokenizer.encode(" And then?", add_special_tokens=False)
     history, turns, answers, cached = engine.tokenizer.encode(PROMPTS[1]), [], [], []
     for _ in range(4):
@@ -280,8 +266,8 @@ def test_a_conversation_computes_only_each_new_turn(engine_factory, arch):
     assert caching_off_tokens(arch[1], turns, block_size=4) == answers
 
 
-def test_a_hit_falls_back_to_an_earlier_checkpoint_when_the_latest_was_evicted(engine_factory, arch):
-    engine = engine_factory(block_size=4)
+def test_a_hit_falls_back_to_an_earlier_checkpoint_when_the_latest_was_evicted(recurrent_engines, arch):
+    engine = recurrent_engines(block_size=4)
     first = engine.tokenizer.encode(PROMPTS[4])
     answer = run_one_by_one(engine, [first])[0].outputs[0].token_ids
     follow_up = first + answer + engine.tokenizer.encode(" Why?", add_special_tokens=False)
@@ -365,9 +351,9 @@ def test_reads_gather_slots_fresh_rows_read_zeros_and_writes_wait_for_commit():
     assert unpadded.mask is None and unpadded.lengths is None and RecurrentLayerCache(pool, 0, unpadded)[0] is None
 
 
-def test_state_memory_comes_out_of_the_kv_budget(engine_factory, arch):
+def test_state_memory_comes_out_of_the_kv_budget(recurrent_engines, arch):
     budget = 8 << 20
-    engine = engine_factory(kv_cache_memory=budget, max_num_seqs=8)
+    engine = recurrent_engines(kv_cache_memory=budget, max_num_seqs=8)
     pool = engine.runner.state_pool
     per_request = pool.layout.bytes_per_request
     # 9 running slots (the null one included), then 2 * max_num_seqs checkpoints (the tiny
@@ -386,11 +372,11 @@ def test_state_memory_comes_out_of_the_kv_budget(engine_factory, arch):
     assert state["state_checkpoints"] == 16
     engine.shutdown()
     with pytest.raises(ValueError, match="cannot hold the recurrent state"):
-        engine_factory(kv_cache_memory=per_request * 9 - 1, max_num_seqs=8)
+        recurrent_engines(kv_cache_memory=per_request * 9 - 1, max_num_seqs=8)
     # A tight budget gets fewer checkpoints: at most half of what is left for the KV blocks.
     per_token = engine.kv_layout.bytes_per_token  # less than 2 states: one-token blocks
-    tight = engine_factory(kv_cache_memory=13 * per_request + per_token, max_num_seqs=8, block_size=1)
+    tight = recurrent_engines(kv_cache_memory=13 * per_request + per_token, max_num_seqs=8, block_size=1)
     assert tight.kv_cache.stats().num_state_checkpoints == 2
     tight.shutdown()
     with pytest.raises(ValueError, match="cannot hold 40 state checkpoints"):
-        engine_factory(kv_cache_memory=per_request * 20, max_num_seqs=8, max_state_checkpoints=40)
+        recurrent_engines(kv_cache_memory=per_request * 20, max_num_seqs=8, max_state_checkpoints=40)

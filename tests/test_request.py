@@ -157,12 +157,12 @@ def test_request_status(status, finished, reason):
 # Request
 
 
-def make_request(**kwargs) -> Request:
+def plain_request(**kwargs) -> Request:
     return Request(request_id="r1", prompt_token_ids=[1, 2, 3], **kwargs)
 
 
 def test_request_counters():
-    req = make_request(eos_token_ids={0})
+    req = plain_request(eos_token_ids={0})
     assert req.status is RequestStatus.WAITING
     assert (req.num_prompt_tokens, req.num_output_tokens, req.num_tokens) == (3, 0, 3)
     assert req.eos_token_ids == frozenset({0})
@@ -194,13 +194,13 @@ def test_request_rejects_empty_prompt_and_id():
 
 
 def test_requests_compare_by_identity():
-    a, b = make_request(), make_request()
+    a, b = plain_request(), plain_request()
     assert a != b
     assert len({a, b}) == 2
 
 
 def test_finish_sets_status_reason_and_time():
-    req = make_request()
+    req = plain_request()
     before = time.monotonic()
     req.finish(RequestStatus.FINISHED_STOPPED, reason="###")
     assert req.is_finished
@@ -210,7 +210,7 @@ def test_finish_sets_status_reason_and_time():
 
 
 def test_first_finish_wins():
-    req = make_request()
+    req = plain_request()
     req.finish(RequestStatus.FINISHED_LENGTH_CAPPED)
     finish_time = req.finish_time
     req.finish(RequestStatus.FINISHED_ABORTED)
@@ -222,11 +222,11 @@ def test_first_finish_wins():
 
 def test_finish_requires_a_final_status():
     with pytest.raises(ValueError, match="RUNNING"):
-        make_request().finish(RequestStatus.RUNNING)
+        plain_request().finish(RequestStatus.RUNNING)
 
 
 def test_error_shortcut():
-    req = make_request()
+    req = plain_request()
     req.error("prompt too long: 5000 > 4096")
     assert req.status is RequestStatus.FINISHED_ERROR
     assert req.finish_reason == "error"
@@ -235,7 +235,7 @@ def test_error_shortcut():
 
 
 def test_preempt_resets_computed_tokens():
-    req = make_request()
+    req = plain_request()
     req.status = RequestStatus.RUNNING
     req.num_computed_tokens = 3
     req.append_output_token(4)

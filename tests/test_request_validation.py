@@ -23,19 +23,13 @@ pytest.importorskip("fastapi")
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
-from tool_models import MODEL, TOOLS, openai_client, serving  # noqa: E402
+from tool_models import MODEL, TOOLS, openai_client  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 WEATHER = TOOLS[0]["function"]
 QUESTION = [{"role": "user", "content": "What is the weather in Oslo?"}]
 ANTHROPIC_TOOL = {"name": WEATHER["name"], "description": "The weather.", "input_schema": WEATHER["parameters"]}
 RESPONSES_TOOL = {"type": "function", "name": WEATHER["name"], "parameters": WEATHER["parameters"]}
-
-
-@pytest.fixture(scope="module")
-def live(tools_model_dir):
-    with serving(tools_model_dir) as (_, server):
-        yield server
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +48,7 @@ def oai(live):
     return openai_client(live)
 
 
-def post_raw(http, path: str, body: dict) -> httpx.Response:
+def post_json_text(http, path: str, body: dict) -> httpx.Response:
     """``body`` as JSON text (json.dumps writes a lone surrogate as ``\\ud800``, legal JSON);
     the whole response is read, so a dropped connection raises."""
     text = json.dumps(body)
@@ -103,7 +97,7 @@ def test_a_lone_surrogate_in_an_echoed_field_is_a_400_naming_it(http, path, fiel
     body = {**BASE[path], **fields}
     if path != "/v1/messages/count_tokens":
         body["stream"] = stream
-    message = error_message(path, post_raw(http, path, body))
+    message = error_message(path, post_json_text(http, path, body))
     assert where in message and "Unicode" in message, message
 
 

@@ -26,11 +26,11 @@ def client(tools_model_dir):
         yield openai_client(live)
 
 
-def create(client, **kwargs):
-    return client.responses.create(**request(**kwargs))
+def create_response(client, **kwargs):
+    return client.responses.create(**response_request(**kwargs))
 
 
-def request(**kwargs) -> dict:
+def response_request(**kwargs) -> dict:
     return {"model": MODEL, "input": QUESTION, "temperature": 0, "max_output_tokens": 48, **kwargs}
 
 
@@ -38,14 +38,14 @@ def calls(response) -> list:
     return [item for item in response.output if item.type == "function_call"]
 
 
-def without_ids(response) -> list[dict]:
+def items_without_ids(response) -> list[dict]:
     """The output items as dicts, minus the ids (fresh in every response) and the nulls
     (the streaming helper adds `parsed_arguments: None`)."""
     return [item.model_dump(exclude={"id", "call_id"}, exclude_none=True) for item in response.output]
 
 
 def test_a_string_input_with_instructions(client):
-    response = create(client, instructions="You are terse.", max_output_tokens=5)
+    response = create_response(client, instructions="You are terse.", max_output_tokens=5)
     assert response.object == "response" and response.id.startswith("resp_") and response.model == MODEL
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
     assert response.usage.output_tokens == 5
@@ -54,22 +54,22 @@ def test_a_string_input_with_instructions(client):
     assert message.type == "message" and message.role == "assistant"
     [part] = message.content
     assert part.type == "output_text" and part.text == response.output_text != ""
-    shorter = create(client, max_output_tokens=5)
+    shorter = create_response(client, max_output_tokens=5)
     assert shorter.usage.input_tokens < response.usage.input_tokens  # the instructions are in the prompt
 
 
 def test_required_function_tools_give_calls_that_validate(client):
-    response = create(client, tools=FUNCTIONS, tool_choice="required")
+    response = create_response(client, tools=FUNCTIONS, tool_choice="required")
     assert response.status == "completed" and calls(response)
     for call in calls(response):
         assert call.call_id and call.status == "completed"
         jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
-    named = create(client, tools=FUNCTIONS, tool_choice={"type": "function", "name": "get_time"})
+    named = create_response(client, tools=FUNCTIONS, tool_choice={"type": "function", "name": "get_time"})
     assert [c.name for c in calls(named)] == ["get_time"]
 
 
 def test_a_function_call_output_turn_continues(client):
-    first = create(client, tools=FUNCTIONS, tool_choice={"type": "function", "name": "get_weather"})
+    first = create_response(client, tools=FUNCTIONS, tool_choice={"type": "function", "name": "get_weather"})
     [call] = calls(first)
     conversation = [
         {"role": "user", "content": QUESTION},
@@ -77,7 +77,7 @@ def test_a_function_call_output_turn_continues(client):
         {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 24 C"},
         {"role": "user", "content": [{"type": "input_text", "text": "And tomorrow?"}]},
     ]
-    reply = create(client, input=conversation, tools=FUNCTIONS, max_output_tokens=4)
+    reply = create_response(client, input=conversation, tools=FUNCTIONS, max_output_tokens=4)
     assert reply.status in ("completed", "incomplete")
     assert reply.usage.input_tokens > first.usage.input_tokens
 
@@ -91,21 +91,21 @@ def test_a_function_call_output_turn_continues(client):
     ids=["required", "named"],
 )
 def test_the_stream_reassembles_to_the_whole_response(client, kwargs):
-    whole = create(client, **kwargs)
-    with client.responses.stream(**request(**kwargs)) as stream:
+    whole = create_response(client, **kwargs)
+    with client.responses.stream(**response_request(**kwargs)) as stream:
         events = list(stream)
         streamed = stream.get_final_response()
     assert events[0].type == "response.created" and events[-1].type == "response.completed"
     assert [e.sequence_number for e in events] == list(range(len(events)))
-    assert without_ids(streamed) == without_ids(whole)
+    assert items_without_ids(streamed) == items_without_ids(whole)
     assert streamed.usage.model_dump() == whole.usage.model_dump()
     arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     assert arguments == "".join(c.arguments for c in calls(whole))
 
 
 def test_a_streamed_text_answer_cut_short_is_incomplete(client):
-    whole = create(client, max_output_tokens=6)
-    events = list(create(client, max_output_tokens=6, stream=True))
+    whole = create_response(client, max_output_tokens=6)
+    events = list(create_response(client, max_output_tokens=6, stream=True))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == whole.output_text
     final = events[-1]
@@ -116,14 +116,14 @@ def test_a_streamed_text_answer_cut_short_is_incomplete(client):
 def test_text_format_json_schema_is_enforced(client):
     schema = {"enum": ["Oslo", "Rome", "Paris"]}  # small: a random model pads objects with whitespace
     text = {"format": {"type": "json_schema", "name": "city", "schema": schema, "strict": True}}
-    response = create(client, text=text, max_output_tokens=16)
+    response = create_response(client, text=text, max_output_tokens=16)
     assert response.status == "completed" and response.text.format.type == "json_schema"
     jsonschema.validate(json.loads(response.output_text), schema)
 
 
 def test_previous_response_id_is_refused_with_a_reason(client):
     with pytest.raises(openai.BadRequestError) as info:
-        create(client, previous_response_id="resp_123")
+        create_response(client, previous_response_id="resp_123")
     error = info.value.body
     assert error["param"] == "previous_response_id" and "no conversation state" in error["message"]
 
@@ -137,4 +137,4 @@ def test_reasoning_is_a_reasoning_item(thinking_model_dir):
         assert reasoning.type == "reasoning" and reasoning.content[0].text == "Oslo is cold.\n"
         assert response.output_text == "It is cold." and message.type == "message"
         with client.responses.stream(model=MODEL, input=QUESTION, extra_body=force) as stream:
-            assert without_ids(stream.get_final_response()) == without_ids(response)
+            assert items_without_ids(stream.get_final_response()) == items_without_ids(response)

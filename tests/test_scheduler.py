@@ -107,7 +107,7 @@ def step(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[Re
     return out, advanced
 
 
-def run_all(sched: Scheduler, runner: FakeRunner, max_steps: int = 1000) -> int:
+def run_scheduler(sched: Scheduler, runner: FakeRunner, max_steps: int = 1000) -> int:
     steps = 0
     while sched.has_unfinished_requests():
         step(sched, runner)
@@ -163,7 +163,7 @@ def test_prompt_too_long_errors_alone():
         "prompt has 24 tokens but the limit is 24 (context length / KV cache capacity)"
     )
     assert sched.get_request("long") is None and sched.num_waiting == 1
-    run_all(sched, FakeRunner(sched.kv.coordinator))
+    run_scheduler(sched, FakeRunner(sched.kv.coordinator))
     assert ok.output_token_ids == reference_output(ok, 24)[0]
     assert ok.status == RequestStatus.FINISHED_LENGTH_CAPPED  # 23 + 1 reaches the limit
     assert ok.num_output_tokens == 1
@@ -202,7 +202,7 @@ def test_chunked_prefill_splits_prompt_and_samples_on_last_chunk():
     assert r.num_computed_tokens == 100 and r.num_output_tokens == 1
     step(sched, runner)
     assert runner.steps[-1] == [("r", 100, 1, True)]
-    run_all(sched, runner)
+    run_scheduler(sched, runner)
     assert r.output_token_ids == reference_output(r, 10**9)[0]
 
 
@@ -264,7 +264,7 @@ def test_chunked_prefill_off_waits_for_a_step_with_room():
     assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 10)]
     out, _ = step(sched, runner)
     assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 10)]
-    run_all(sched, runner)
+    run_scheduler(sched, runner)
     assert a.output_token_ids == reference_output(a, 17)[0]
 
 
@@ -281,7 +281,7 @@ def test_tiny_pool_preempts_most_recent_which_resumes_with_identical_output(pref
     for r in _preemption_requests():
         big.add_request(r)
     expected = {}
-    run_all(big, FakeRunner(big.kv.coordinator))
+    run_scheduler(big, FakeRunner(big.kv.coordinator))
     assert big.num_preemptions == 0
     for r in big_reqs(big, _preemption_requests()):
         expected[r.request_id] = r.output_token_ids
@@ -325,7 +325,7 @@ def test_a_step_that_preempts_admits_nobody():
     assert outs[6].preempted_ids == ["b"] and runner.steps[6] == [("a", 8, 1, True)]
     assert sched.kv.coordinator.get_num_free_blocks() == 0  # b took the free block in step 8
     assert runner.steps[7] == [("a", 9, 1, True), ("b", 0, 2, False)]
-    run_all(sched, runner)
+    run_scheduler(sched, runner)
     assert a.output_token_ids == reference_output(a, 16)[0]
     assert b.output_token_ids == reference_output(b, 16)[0]
 
@@ -335,7 +335,7 @@ def big_reqs(sched: Scheduler, fresh: list[Request]) -> list[Request]:
     for r in fresh:
         solo = make_scheduler(num_blocks=64, block_size=sched.block_size)
         solo.add_request(r)
-        run_all(solo, FakeRunner(solo.kv.coordinator))
+        run_scheduler(solo, FakeRunner(solo.kv.coordinator))
     return fresh
 
 
@@ -345,7 +345,7 @@ def test_a_lone_request_preempts_itself_and_resumes():
     a, b = make_request("a", 4, max_tokens=11), make_request("b", 4, max_tokens=11)
     sched.add_request(a)
     sched.add_request(b)
-    run_all(sched, FakeRunner(sched.kv.coordinator))
+    run_scheduler(sched, FakeRunner(sched.kv.coordinator))
     for r in (a, b):
         assert r.output_token_ids == reference_output(r, 16)[0]
     assert b.num_preemptions >= 1 and used_blocks(sched) == 0
@@ -369,7 +369,7 @@ def test_resumed_request_gets_prefix_hits_on_its_own_old_blocks():
     assert runner.steps[5] == [("a", 12, 1, True)]
     assert (resumed.num_computed_tokens, resumed.num_new_tokens) == (4, 9)
     assert b.num_cached_tokens == 0  # only the first admission sets it
-    run_all(sched, runner)
+    run_scheduler(sched, runner)
 
 
 # ---- aborts and external finishes ---------------------------------------------------------------
@@ -398,7 +398,7 @@ def test_abort_mid_decode_frees_blocks_and_others_continue():
     assert a.num_output_tokens == 2
     sched.abort_request("a")
     assert sched.kv.coordinator.get_block_ids("a") == [] and sched.running == [b]
-    run_all(sched, runner)
+    run_scheduler(sched, runner)
     assert a.num_output_tokens == 2 and b.output_token_ids == reference_output(b, 10**9)[0]
     assert used_blocks(sched) == 0
 
@@ -491,7 +491,7 @@ def test_same_prompt_hits_full_blocks_and_starts_after_them():
     assert sched.snapshot()["second"]["num_cached_tokens"] == 32
     kv = sched.kv.coordinator.stats()
     assert (kv.prefix_queries, kv.prefix_hits) == (80, 32)
-    run_all(sched, runner)
+    run_scheduler(sched, runner)
     assert second.output_token_ids == first.output_token_ids
 
 
@@ -500,7 +500,7 @@ def test_hit_after_the_first_request_finished_revives_cached_free_blocks():
     prompt = list(range(100, 140))
     first = make_request("first", prompt, max_tokens=2)
     sched.add_request(first)
-    run_all(sched, FakeRunner(sched.kv.coordinator))
+    run_scheduler(sched, FakeRunner(sched.kv.coordinator))
     assert used_blocks(sched) == 0
     second = make_request("second", prompt, max_tokens=2)
     sched.add_request(second)
@@ -512,7 +512,7 @@ def test_prompt_of_exact_blocks_recomputes_its_last_block():
     sched = make_scheduler()
     prompt = list(range(200, 232))  # exactly 32 tokens
     sched.add_request(make_request("first", prompt, max_tokens=2))
-    run_all(sched, FakeRunner(sched.kv.coordinator))
+    run_scheduler(sched, FakeRunner(sched.kv.coordinator))
     again = make_request("again", prompt, max_tokens=2)
     sched.add_request(again)
     out, _ = step(sched, FakeRunner(sched.kv.coordinator))
@@ -525,11 +525,11 @@ def test_cache_salt_separates_prefixes():
     prompt = list(range(100, 140))
     runner = FakeRunner(sched.kv.coordinator)
     sched.add_request(make_request("a", prompt, salt="alice", max_tokens=1))
-    run_all(sched, runner)
+    run_scheduler(sched, runner)
     for rid, salt, hit in (("b", "bob", 0), ("c", None, 0), ("d", "alice", 32)):
         r = make_request(rid, prompt, salt=salt, max_tokens=1)
         sched.add_request(r)
-        run_all(sched, runner)
+        run_scheduler(sched, runner)
         assert r.num_cached_tokens == hit, rid
 
 
@@ -539,10 +539,10 @@ def test_cache_namespace_separates_models_sharing_a_pool():
     prompt = list(range(100, 140))
     model_a, model_b = Scheduler(config, kv, "model-a"), Scheduler(config, kv, "model-b")
     model_a.add_request(make_request("a", prompt, max_tokens=1))
-    run_all(model_a, FakeRunner(kv))
+    run_scheduler(model_a, FakeRunner(kv))
     r = make_request("b", prompt, max_tokens=1)
     model_b.add_request(r)
-    run_all(model_b, FakeRunner(kv))
+    run_scheduler(model_b, FakeRunner(kv))
     assert r.num_cached_tokens == 0
 
 
@@ -565,7 +565,7 @@ def test_prefix_caching_disabled_never_hits():
     for rid in ("a", "b"):
         r = make_request(rid, prompt, max_tokens=1)
         sched.add_request(r)
-        run_all(sched, FakeRunner(sched.kv.coordinator))
+        run_scheduler(sched, FakeRunner(sched.kv.coordinator))
         assert r.num_cached_tokens == 0
     assert sched.kv.coordinator.stats().num_cached_blocks == 0
 
@@ -577,7 +577,7 @@ def test_eos_stops_with_no_reason():
     sched = make_scheduler()
     r = make_request("r", 5, max_tokens=10)
     sched.add_request(r)
-    run_all(sched, FakeRunner(sched.kv.coordinator, lambda ctx: EOS))
+    run_scheduler(sched, FakeRunner(sched.kv.coordinator, lambda ctx: EOS))
     assert r.output_token_ids == [EOS]
     assert r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason is None
 
@@ -586,7 +586,7 @@ def test_min_tokens_suppresses_eos():
     sched = make_scheduler()
     r = make_request("r", 5, max_tokens=10, min_tokens=3)
     sched.add_request(r)
-    run_all(sched, FakeRunner(sched.kv.coordinator, lambda ctx: EOS))
+    run_scheduler(sched, FakeRunner(sched.kv.coordinator, lambda ctx: EOS))
     # The first three tokens may not stop; the fourth (generated after min_tokens) does.
     assert r.output_token_ids == [EOS] * 4 and r.status == RequestStatus.FINISHED_STOPPED
 
@@ -595,7 +595,7 @@ def test_ignore_eos_runs_to_max_tokens():
     sched = make_scheduler()
     r = make_request("r", 5, max_tokens=4, ignore_eos=True)
     sched.add_request(r)
-    run_all(sched, FakeRunner(sched.kv.coordinator, lambda ctx: EOS))
+    run_scheduler(sched, FakeRunner(sched.kv.coordinator, lambda ctx: EOS))
     assert r.output_token_ids == [EOS] * 4
     assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED
 
@@ -608,7 +608,7 @@ def test_stop_token_id_finishes_with_it_as_reason():
     sched = make_scheduler()
     r = make_request("r", 5, max_tokens=20, stop_token_ids=[stop_id])
     sched.add_request(r)
-    run_all(sched, FakeRunner(sched.kv.coordinator))
+    run_scheduler(sched, FakeRunner(sched.kv.coordinator))
     assert r.output_token_ids == natural[: k + 1]
     assert r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason == stop_id
 
@@ -617,7 +617,7 @@ def test_stop_token_id_suppressed_by_min_tokens():
     sched = make_scheduler()
     r = make_request("r", 5, max_tokens=6, min_tokens=2, stop_token_ids=[42])
     sched.add_request(r)
-    run_all(sched, FakeRunner(sched.kv.coordinator, lambda ctx: 42))
+    run_scheduler(sched, FakeRunner(sched.kv.coordinator, lambda ctx: 42))
     assert r.output_token_ids == [42, 42, 42] and r.stop_reason == 42
 
 
@@ -625,7 +625,7 @@ def test_max_tokens_caps_length():
     sched = make_scheduler()
     r = make_request("r", 5, max_tokens=7)
     sched.add_request(r)
-    run_all(sched, FakeRunner(sched.kv.coordinator))
+    run_scheduler(sched, FakeRunner(sched.kv.coordinator))
     assert r.num_output_tokens == 7 and r.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert r.finish_reason == "length" and r.stop_reason is None
 
@@ -634,7 +634,7 @@ def test_max_model_len_caps_length():
     sched = make_scheduler(max_model_len=12)
     r = make_request("r", 10, max_tokens=7)
     sched.add_request(r)
-    run_all(sched, FakeRunner(sched.kv.coordinator))
+    run_scheduler(sched, FakeRunner(sched.kv.coordinator))
     assert r.num_tokens == 12 and r.status == RequestStatus.FINISHED_LENGTH_CAPPED
 
 

@@ -77,7 +77,7 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30)
 
 
-def wait_idle(http, timeout: float = 10.0) -> dict:
+def wait_blocks_freed(http, timeout: float = 10.0) -> dict:
     """Poll /v1/cache/stats until no request holds blocks; return the last stats."""
     deadline = time.monotonic() + timeout
     while True:
@@ -369,7 +369,7 @@ def aborted(http) -> float:
 
 
 def test_disconnect_mid_stream_frees_blocks(http, server):
-    wait_idle(http)
+    wait_blocks_freed(http)
     before = aborted(http)
     with httpx.Client(base_url=server.url, timeout=30) as other:
         with other.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as response:
@@ -378,24 +378,24 @@ def test_disconnect_mid_stream_frees_blocks(http, server):
             running = http.get("/v1/cache/stats").json()
             assert received and len(running["requests"]) == 1
             assert next(iter(running["requests"].values()))["num_blocks"] >= 1
-    stats = wait_idle(http)  # the server saw the disconnect and aborted the request
+    stats = wait_blocks_freed(http)  # the server saw the disconnect and aborted the request
     assert stats["stats"]["num_used_blocks"] == 0
     assert aborted(http) == before + 1  # aborted, not finished by itself
 
 
 def test_disconnect_while_waiting_for_a_full_response(http, server):
-    wait_idle(http)
+    wait_blocks_freed(http)
     before = aborted(http)
     with httpx.Client(base_url=server.url, timeout=0.3) as impatient:
         with pytest.raises(httpx.ReadTimeout):
             impatient.post("/v1/completions", json=LONG)
-    wait_idle(http)
+    wait_blocks_freed(http)
     assert aborted(http) == before + 1
 
 
 def test_cache_stats_and_reset(http, client):
     client.completions.create(model=MODEL, prompt=" ".join(["cache"] * 40), **GREEDY)
-    stats = wait_idle(http)
+    stats = wait_blocks_freed(http)
     assert stats["block_size"] == 16 and stats["stats"]["num_cached_blocks"] > 0
     assert sum(stats["block_states"].values()) == stats["stats"]["num_blocks"] + 1  # + the null block
     assert http.delete("/v1/cache").json() == {"reset": True}

@@ -49,14 +49,14 @@ def engine(tiny_model_dir):
     eng.stop()
 
 
-def serve(engine, **kwargs):
+def serve_with(engine, **kwargs):
     live = LiveServer(build_app(engine, served_model_name="tiny", **kwargs))
     return live, httpx.Client(base_url=live.url, timeout=60, headers={"authorization": f"Bearer {KEY}"})
 
 
 @pytest.fixture(scope="module")
 def default(engine):
-    live, http = serve(engine)  # the operator's defaults
+    live, http = serve_with(engine)  # the operator's defaults
     yield http
     http.close()
     live.stop()
@@ -64,7 +64,7 @@ def default(engine):
 
 @pytest.fixture(scope="module")
 def disclosed(engine):
-    live, http = serve(engine, options=ServingOptions(enable_cache_stats_disclosure=True))
+    live, http = serve_with(engine, options=ServingOptions(enable_cache_stats_disclosure=True))
     yield http
     http.close()
     live.stop()
@@ -151,7 +151,7 @@ def test_per_tenant_counters_when_disclosed(engine, disclosed):
 def test_other_disclosure_switches_show_counters_but_no_tenants(engine):
     """``--enable-prompt-tokens-details`` already tells a caller its hits: the aggregate counters
     are shown with it (hiding them would protect nothing), the per-tenant ones are not."""
-    live, http = serve(engine, options=ServingOptions(enable_prompt_tokens_details=True))
+    live, http = serve_with(engine, options=ServingOptions(enable_prompt_tokens_details=True))
     try:
         stats = http.get("/v1/cache/stats").json()
         assert stats["cache_stats_disclosed"] and "prefix_cache" in stats["stats"]
@@ -165,7 +165,7 @@ def test_other_disclosure_switches_show_counters_but_no_tenants(engine):
 
 
 def test_the_api_key_guards_every_endpoint_but_the_probes(engine):
-    live, http = serve(engine, api_key=KEY)
+    live, http = serve_with(engine, api_key=KEY)
     try:
         with httpx.Client(base_url=live.url, timeout=30) as anonymous:
             for path in ("/metrics", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect", "/v1/models",

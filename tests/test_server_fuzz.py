@@ -397,7 +397,7 @@ def test_fuzz_block_view_request_ids(http, ids):
 
 
 @pytest.fixture(scope="module")
-def keyed(engine):
+def keyed_http(engine):
     live = LiveServer(build_app(engine, served_model_name="tiny", api_key="sk-fuzz"))
     with httpx.Client(base_url=live.url, timeout=60) as client:
         yield client
@@ -414,9 +414,9 @@ paths = st.one_of(
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(path=paths, method=st.sampled_from(["GET", "POST", "DELETE"]))
-def test_fuzz_paths_need_the_key(keyed, path, method):
+def test_fuzz_paths_need_the_key(keyed_http, path, method):
     """With ``--api-key``, every path a client can send but the probes answers 401 without it."""
-    response = keyed.request(method, path)
+    response = keyed_http.request(method, path)
     sent = response.request.url.raw_path.decode()
     if sent in OPEN_PATHS:
         assert response.status_code in (200, 405), (sent, response.status_code)

@@ -8,16 +8,18 @@ wider window gives mlx-lm other tokens on these prompts, so the window really is
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from oracles import engine_tokens
-from oracles import mlx_lm_tokens as oracle_tokens
+from oracles import mlx_lm_tokens
 from tiny_model import TINY_GEMMA3, TINY_GPT_OSS, build_tiny_llama
 
 from vllm_mlx import SamplingParams
 from vllm_mlx.attention import BatchLayout, KVPool, MLXAttentionBackend, RowSpec, layer_specs
-from vllm_mlx.engine_core import EngineCore, kv_bytes_per_token, kv_shape
+from vllm_mlx.engine_core import kv_bytes_per_token, kv_shape
 from vllm_mlx.kv_spec import FullAttentionSpec, LayerGroup, SlidingWindowSpec, group_layers
 
 WINDOW = 8
@@ -38,47 +40,32 @@ FULL, SWA = FullAttentionSpec(), SlidingWindowSpec(WINDOW)
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
-def arch(request, tmp_path_factory, default_model_dir):
+def windowed_arch(request, tmp_path_factory, default_model_dir):
     """(model directory, mlx-lm's greedy tokens for PROMPTS) of one architecture."""
     name = request.param
     path = build_tiny_llama(tmp_path_factory.mktemp(name), default_model_dir, **ARCHS[name])
     wide = build_tiny_llama(
         tmp_path_factory.mktemp(f"{name}-wide"), default_model_dir, **{**ARCHS[name], "sliding_window": 4096}
     )
-    expected = mlx_lm_tokens(path)
-    assert expected != mlx_lm_tokens(wide)  # the window changes the output: it is under test
+    expected = mlx_lm_tokens(path, PROMPTS, GREEDY.max_tokens)
+    # The window changes the output: it is under test.
+    assert expected != mlx_lm_tokens(wide, PROMPTS, GREEDY.max_tokens)
     return path, expected
 
 
-def mlx_lm_tokens(path, prompts=PROMPTS, max_tokens=GREEDY.max_tokens) -> list[list[int]]:
-    return oracle_tokens(path, prompts, max_tokens)
-
-
-def run_all(engine: EngineCore, prompts=PROMPTS) -> list[list[int]]:
-    return engine_tokens(engine, prompts, GREEDY)
-
-
 @pytest.fixture
-def engine_factory(arch):
-    engines = []
-
-    def make(**options) -> EngineCore:
-        engine = EngineCore(model=str(arch[0]), **options)
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.shutdown()
+def windowed_engines(engine_factory, windowed_arch):
+    """``make(**options)``: an ``EngineCore`` on this windowed architecture's model, shut down after the test."""
+    return functools.partial(engine_factory, windowed_arch[0])
 
 
 # -- layer specs ------------------------------------------------------------------------------
 
 
-def test_layer_specs_follow_the_model(arch):
+def test_layer_specs_follow_the_model(windowed_arch):
     import mlx_lm
 
-    model, _ = mlx_lm.load(str(arch[0]))
+    model, _ = mlx_lm.load(str(windowed_arch[0]))
     specs = layer_specs(model)
     expected = {"gemma3_text": [SWA, FULL] * 2, "gpt_oss": [SWA, FULL] * 2, "llama": [SWA, FULL]}
     assert specs == expected[model.model_type]
@@ -120,17 +107,17 @@ def test_padded_rows_see_a_key_and_masks_are_built_once_per_window():
 # -- engine == mlx-lm -------------------------------------------------------------------------
 
 
-def test_batched_chunked_prefill_equals_mlx_lm(engine_factory, arch):
-    engine = engine_factory(block_size=4, max_num_batched_tokens=11)  # chunks split windows
-    assert run_all(engine) == arch[1]
+def test_batched_chunked_prefill_equals_mlx_lm(windowed_engines, windowed_arch):
+    engine = windowed_engines(block_size=4, max_num_batched_tokens=11)  # chunks split windows
+    assert engine_tokens(engine, PROMPTS, GREEDY) == windowed_arch[1]
     assert max(len(r.request_ids) for r in engine.step_records) > 1
     assert engine.kv_cache.stats().num_used_blocks == 0
 
 
-def test_staggered_arrivals_and_preemption_equal_mlx_lm(engine_factory, arch):
+def test_staggered_arrivals_and_preemption_equal_mlx_lm(windowed_engines, windowed_arch):
     # 31 usable blocks of 4 tokens cannot hold the five requests at once (each holds all its
     # blocks in the full-attention group, up to 7 in the sliding one): preemption happens.
-    engine = engine_factory(block_size=4, num_kv_blocks=32, max_num_batched_tokens=16)
+    engine = windowed_engines(block_size=4, num_kv_blocks=32, max_num_batched_tokens=16)
     request_ids, final = [], {}
     for step in range(5000):
         if step % 3 == 0 and len(request_ids) < len(PROMPTS):
@@ -138,18 +125,18 @@ def test_staggered_arrivals_and_preemption_equal_mlx_lm(engine_factory, arch):
         elif not engine.has_unfinished_requests():
             break
         final.update((o.request_id, o) for o in engine.step() if o.finished)
-    assert [final[i].outputs[0].token_ids for i in request_ids] == arch[1]
+    assert [final[i].outputs[0].token_ids for i in request_ids] == windowed_arch[1]
     assert engine.scheduler.num_preemptions > 0
     assert engine.kv_cache.stats().num_used_blocks == 0
 
 
-def test_prefix_cache_on_equals_off(engine_factory):
+def test_prefix_cache_on_equals_off(windowed_engines):
     doc = PROMPTS[4]
     prompts = [doc + q for q in ("What is a window?", "Why slide?", "What is a window?")]
-    off_engine = engine_factory(enable_prefix_caching=False, block_size=16)
-    off = run_all(off_engine, prompts)
+    off_engine = windowed_engines(enable_prefix_caching=False, block_size=16)
+    off = engine_tokens(off_engine, prompts, GREEDY)
     off_engine.shutdown()  # one engine per model at a time
-    on = engine_factory(block_size=16)
+    on = windowed_engines(block_size=16)
     outs = []
     for p in prompts:  # one after another: each hits the blocks the earlier ones left
         rid = on.add_request(p, GREEDY)
@@ -159,16 +146,16 @@ def test_prefix_cache_on_equals_off(engine_factory):
     assert outs[1].num_cached_tokens >= 3 * 16 > WINDOW  # hits reach past several windows
 
 
-def test_default_block_size_equals_mlx_lm(engine_factory, arch):
-    assert run_all(engine_factory()) == arch[1]
+def test_default_block_size_equals_mlx_lm(windowed_engines, windowed_arch):
+    assert engine_tokens(windowed_engines(), PROMPTS, GREEDY) == windowed_arch[1]
 
 
-def test_window_blocks_return_to_the_pool_during_a_long_generation(engine_factory, arch):
+def test_window_blocks_return_to_the_pool_during_a_long_generation(windowed_engines, windowed_arch):
     """The sliding group's table keeps only the blocks its window reaches: the rest are the null
     block and back in the pool while the request decodes; the output is still mlx-lm's."""
     prompt, max_tokens = PROMPTS[4], 40
-    expected = mlx_lm_tokens(arch[0], [prompt], max_tokens)[0]
-    engine = engine_factory(block_size=4, max_num_batched_tokens=16)
+    expected = mlx_lm_tokens(windowed_arch[0], [prompt], max_tokens)[0]
+    engine = windowed_engines(block_size=4, max_num_batched_tokens=16)
     request_id = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     held, final = [], None
     while engine.has_unfinished_requests():
@@ -188,10 +175,10 @@ def test_window_blocks_return_to_the_pool_during_a_long_generation(engine_factor
     assert engine.kv_cache.stats().num_used_blocks == 0
 
 
-def test_random_joins_aborts_and_preemptions_leak_no_block(engine_factory):
+def test_random_joins_aborts_and_preemptions_leak_no_block(windowed_engines):
     import random
 
-    engine = engine_factory(block_size=4, num_kv_blocks=40, max_num_seqs=4, max_num_batched_tokens=12)
+    engine = windowed_engines(block_size=4, num_kv_blocks=40, max_num_seqs=4, max_num_batched_tokens=12)
     rng, live = random.Random(0), []
     for _ in range(150):
         action = rng.random()
@@ -212,9 +199,9 @@ def test_random_joins_aborts_and_preemptions_leak_no_block(engine_factory):
 # -- sizing -----------------------------------------------------------------------------------
 
 
-def test_kv_sizing_matches_the_pool(engine_factory):
-    engine = engine_factory(block_size=4, num_kv_blocks=64)
-    run_all(engine, PROMPTS[:1])
+def test_kv_sizing_matches_the_pool(windowed_engines):
+    engine = windowed_engines(block_size=4, num_kv_blocks=64)
+    engine_tokens(engine, PROMPTS[:1], GREEDY)
     pool, block_groups = engine.runner.pool, engine.runner.block_groups
     # Sliding and full layers store the same shapes: one array per pair, one table per group.
     assert [g.window for g in block_groups.groups] == [None, WINDOW] and block_groups.num_arrays * 2 == len(engine.runner.specs)

@@ -10,7 +10,7 @@ from vllm_mlx.paged_cache import PagedCacheManager
 from vllm_mlx.state_checkpoints import StateCheckpoints
 
 
-def keyed(checkpoints: StateCheckpoints, request_id: str, key: bytes, moving: bool = False) -> int:
+def publish_key(checkpoints: StateCheckpoints, request_id: str, key: bytes, moving: bool = False) -> int:
     slot = checkpoints.reserve(request_id)
     checkpoints.publish(request_id, key, moving)
     return slot
@@ -32,8 +32,8 @@ def test_a_reserved_slot_is_keyed_on_publish_and_free_again_on_cancel():
 
 def test_eviction_takes_the_least_recently_used_unpinned_checkpoint():
     checkpoints = StateCheckpoints(first_slot=1, num_slots=2)
-    keyed(checkpoints, "a", b"old")
-    keyed(checkpoints, "b", b"new")
+    publish_key(checkpoints, "a", b"old")
+    publish_key(checkpoints, "b", b"new")
     assert checkpoints.pin("c", b"old") == 1  # a hit uses it: most recently used, and pinned
     assert checkpoints.keys() == [b"new", b"old"]
     assert checkpoints.reserve("d") == 2 and checkpoints.keys() == [b"old"]  # "new" evicted
@@ -45,9 +45,9 @@ def test_eviction_takes_the_least_recently_used_unpinned_checkpoint():
 
 def test_a_newer_moving_checkpoint_demotes_the_previous_one_but_not_the_prompts():
     checkpoints = StateCheckpoints(first_slot=1, num_slots=3)
-    keyed(checkpoints, "a", b"prompt")
-    keyed(checkpoints, "other", b"other")
-    keyed(checkpoints, "a", b"decode-1", moving=True)
+    publish_key(checkpoints, "a", b"prompt")
+    publish_key(checkpoints, "other", b"other")
+    publish_key(checkpoints, "a", b"decode-1", moving=True)
     checkpoints.reserve("a")  # the next boundary: decode-1 goes first, it is superseded
     assert checkpoints.keys() == [b"prompt", b"other"]
     checkpoints.publish("a", b"decode-2", moving=True)
@@ -58,7 +58,7 @@ def test_a_newer_moving_checkpoint_demotes_the_previous_one_but_not_the_prompts(
 def test_drop_and_reset_spare_pinned_checkpoints():
     checkpoints = StateCheckpoints(first_slot=1, num_slots=3)
     for key in (b"x", b"y", b"z"):
-        keyed(checkpoints, key.decode(), key)
+        publish_key(checkpoints, key.decode(), key)
     checkpoints.pin("r", b"y")
     checkpoints.drop(b"x")
     checkpoints.drop(b"y")  # pinned: its request holds the block it ends

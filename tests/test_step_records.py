@@ -25,7 +25,7 @@ def engine(tiny_model_dir):
     engine.shutdown()
 
 
-def run(engine: EngineCore, prompts: dict[str, list[int]], max_tokens: int) -> list[StepRecord]:
+def recorded_steps(engine: EngineCore, prompts: dict[str, list[int]], max_tokens: int) -> list[StepRecord]:
     """Run ``prompts`` to the end; return the records of the steps this took."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for request_id, prompt in prompts.items():
@@ -43,14 +43,14 @@ def shares(records: list[StepRecord], request_id: str):
 
 
 def test_chunked_prefill_then_prefix_hit(engine):
-    records = run(engine, {"long": [*PREFIX, 200, 201, 202, 203]}, max_tokens=3)
+    records = recorded_steps(engine, {"long": [*PREFIX, 200, 201, 202, 203]}, max_tokens=3)
     long = shares(records, "long")
     assert [q.num_prefill_tokens for _, q in long] == [8, 8, 4, 0, 0]  # chunks, then decodes
     assert [q.num_decode_tokens for _, q in long] == [0, 0, 0, 1, 1]
     assert [q.num_computed_tokens for _, q in long] == [0, 8, 16, 20, 21]
     assert records[0].admitted[0].request_id == "long" and records[0].prefix_hits == {}
 
-    records = run(engine, {"hit": [*PREFIX, 300, 301, 302, 303, 304, 305]}, max_tokens=2)
+    records = recorded_steps(engine, {"hit": [*PREFIX, 300, 301, 302, 303, 304, 305]}, max_tokens=2)
     assert records[0].prefix_hits == {"hit": 16} and records[0].resumed == []
     hit = shares(records, "hit")
     assert sum(q.num_prefill_tokens for _, q in hit) == 22 - 16
@@ -59,7 +59,7 @@ def test_chunked_prefill_then_prefix_hit(engine):
 
 def test_preemption_and_resume(engine):
     prompts = {name: list(range(start, start + 8)) for name, start in (("c", 400), ("d", 500), ("e", 600))}
-    records = run(engine, prompts, max_tokens=16)
+    records = recorded_steps(engine, prompts, max_tokens=16)
     preempted = [(r.step_id, rid) for r in records for rid in r.preempted]
     assert preempted, "the pool is too small for all three: someone must be preempted"
     for step_id, rid in preempted:

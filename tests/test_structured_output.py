@@ -22,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from factories import run_to_end
 from vllm_mlx import SamplingParams
 from vllm_mlx.engine_core import EngineCore
 from vllm_mlx.llm import LLM
@@ -39,18 +40,9 @@ def constrained(max_tokens: int = 24, **kind) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0, structured_outputs=StructuredOutputsParams(**kind))
 
 
-def run_all(engine: EngineCore) -> dict:
-    final, steps = {}, 0
-    while engine.has_unfinished_requests():
-        final.update((o.request_id, o) for o in engine.step() if o.finished)
-        steps += 1
-        assert steps < 5000
-    return final
-
-
 def run_one(engine: EngineCore, prompt, params: SamplingParams):
     request_id = engine.add_request(prompt, params)
-    return run_all(engine)[request_id]
+    return run_to_end(engine)[request_id]
 
 
 @pytest.fixture
@@ -216,7 +208,7 @@ print(int(np.isfinite(np.array(out)).sum()))
 def test_regex_and_choice_hold_and_free_rows_are_unchanged(tiny_engine):
     engine = tiny_engine()
     free_ids = [engine.add_request(p, FREE) for p in PROMPTS[:2]]
-    done = run_all(engine)
+    done = run_to_end(engine)
     expected = [done[i].token_ids for i in free_ids]
     choices = ["alpha", "beta gamma", "δέλτα \"quoted\""]
     ids = [
@@ -228,7 +220,7 @@ def test_regex_and_choice_hold_and_free_rows_are_unchanged(tiny_engine):
         engine.add_request(PROMPTS[0], constrained(grammar='root ::= "x" [0-9] ("+" [0-9])?')),  # GBNF
         engine.add_request(PROMPTS[2], constrained(grammar='start: "(" NUM ")"\nNUM: /[0-9]{1,3}/')),  # Lark
     ]
-    final = run_all(engine)
+    final = run_to_end(engine)
     assert [final[ids[0]].token_ids, final[ids[3]].token_ids] == expected
     assert re.fullmatch(REGEX, final[ids[1]].text), final[ids[1]].text
     assert final[ids[2]].text in choices
@@ -266,7 +258,7 @@ def test_logits_past_the_tokenizer_vocabulary_are_never_sampled(padded_vocab_mod
     try:
         free = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, skip_special_tokens=False))
         regex = engine.add_request(PROMPTS[1], constrained(regex=REGEX))
-        final = run_all(engine)
+        final = run_to_end(engine)
     finally:
         engine.shutdown()
     assert any(t >= vocab for t in final[free].token_ids)  # what an unmasked row does here
@@ -295,7 +287,7 @@ def test_a_constraint_that_admits_nothing_fails_alone(tiny_engine):
     )
     conflict = engine.add_request(PROMPTS[2], min_tokens)
     free = engine.add_request(PROMPTS[1], FREE)
-    final = run_all(engine)
+    final = run_to_end(engine)
     assert final[nothing].finish_reason == "error"
     assert final[nothing].error == f"{ERROR_PREFIX}the regex constraint admits no complete output from here"
     assert final[conflict].finish_reason == "error"
@@ -322,13 +314,13 @@ def test_preemption_mid_constraint_continues_identically(tiny_engine):
     prompts = PROMPTS[1], PROMPTS[2], PROMPTS[3], PROMPTS[0] * 3
     roomy = tiny_engine()
     ids = [roomy.add_request(p, sp) for p, sp in zip(prompts, params)]
-    final = run_all(roomy)
+    final = run_to_end(roomy)
     expected = [final[i].token_ids for i in ids]
     assert roomy.scheduler.num_preemptions == 0
     roomy.shutdown()  # one live engine per model
     tight = tiny_engine(block_size=4, num_kv_blocks=16, max_num_batched_tokens=8)  # 15 usable blocks
     ids = [tight.add_request(p, sp) for p, sp in zip(prompts, params)]
-    final = run_all(tight)
+    final = run_to_end(tight)
     assert tight.scheduler.num_preemptions > 0
     assert [final[i].token_ids for i in ids] == expected
     assert len(expected[0]) == 30  # still constrained when preempted
@@ -364,7 +356,7 @@ def test_fuzzed_schemas_in_one_batch_each_hold(tiny_model_dir, schemas):
         params = [SamplingParams(max_tokens=48, temperature=0, structured_outputs=c) for c in compact]
         ids = [engine.add_request(PROMPTS[i % len(PROMPTS)], p) for i, p in enumerate(params)]
         ids.append(engine.add_request(PROMPTS[0], FREE))
-        final = run_all(engine)
+        final = run_to_end(engine)
     finally:
         engine.shutdown()
     for request_id, schema in zip(ids, schemas):

@@ -51,7 +51,7 @@ def _count(inputs, token_id: int) -> int:
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
-def qwen(request, tmp_path_factory):
+def qwen_vlm(request, tmp_path_factory):
     from mlx_vlm import load
 
     if request.param == "qwen2_vl":
@@ -62,8 +62,8 @@ def qwen(request, tmp_path_factory):
     return model_dir, model, processor
 
 
-def test_qwen_config_matches_tokenizer(qwen):
-    model_dir, model, processor = qwen
+def test_qwen_config_matches_tokenizer(qwen_vlm):
+    model_dir, model, processor = qwen_vlm
     config = json.loads((model_dir / "config.json").read_text())
     tok = processor.tokenizer
     assert config["image_token_id"] == tok.convert_tokens_to_ids("<|image_pad|>")
@@ -74,10 +74,10 @@ def test_qwen_config_matches_tokenizer(qwen):
     assert model.config.image_token_id == config["image_token_id"]
 
 
-def test_qwen_chat_template_places_images(qwen):
+def test_qwen_chat_template_places_images(qwen_vlm):
     from mlx_vlm.prompt_utils import apply_chat_template
 
-    _, model, processor = qwen
+    _, model, processor = qwen_vlm
     prompt = apply_chat_template(processor, model.config, "Describe", num_images=1)
     assert prompt.startswith("<|im_start|>user\n")
     assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
@@ -101,8 +101,8 @@ def test_qwen_chat_template_places_images(qwen):
     "size, grid",  # PIL (width, height) -> (t, h, w) patches of 14 px; merged 2x2 per token
     [((64, 64), (1, 4, 4)), ((100, 60), (1, 4, 8)), ((500, 300), (1, 6, 10)), ((9, 9), (1, 4, 4))],
 )
-def test_qwen_processor_expands_image_tokens(qwen, size, grid):
-    _, model, processor = qwen
+def test_qwen_processor_expands_image_tokens(qwen_vlm, size, grid):
+    _, model, processor = qwen_vlm
     inputs = processor(
         text=[f"{QWEN_IMAGE_BLOCK}hi"], images=[_image(0, size)], return_tensors="mlx"
     )
@@ -112,11 +112,11 @@ def test_qwen_processor_expands_image_tokens(qwen, size, grid):
     assert inputs["pixel_values"].shape == (t * h * w, 3 * 2 * 14 * 14)
 
 
-def test_qwen_generates_deterministically_and_sees_the_image(qwen):
+def test_qwen_generates_deterministically_and_sees_the_image(qwen_vlm):
     from mlx_vlm import generate
     from mlx_vlm.prompt_utils import apply_chat_template
 
-    _, model, processor = qwen
+    _, model, processor = qwen_vlm
     prompt = apply_chat_template(processor, model.config, "Describe", num_images=1)
     a, b = _image(1), _image(2)
 
@@ -135,8 +135,8 @@ def test_qwen_generates_deterministically_and_sees_the_image(qwen):
     assert text_only.generation_tokens >= 1
 
 
-def test_qwen_two_images_in_one_prompt(qwen):
-    _, model, processor = qwen
+def test_qwen_two_images_in_one_prompt(qwen_vlm):
+    _, model, processor = qwen_vlm
     prompt = f"{QWEN_IMAGE_BLOCK}{QWEN_IMAGE_BLOCK}Compare"
     inputs = processor(
         text=[prompt], images=[_image(1), _image(2, (100, 60))], return_tensors="mlx"

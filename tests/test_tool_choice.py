@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from factories import split_at
 from vllm_mlx.tool_parsers.chat_output import ChatOutputParser, ToolPlan, assemble, plan_chat_output
 from vllm_mlx.tool_parsers.tool_choice import ToolChoice, parse_tool_choice
 
@@ -27,17 +28,12 @@ REQUIRED_OUTPUT = '[{"name":"get_weather","parameters":{"city":"Sa\\"o }{ ]["}},
 NAMED_OUTPUT = '{"city":"Paris"}'
 
 
-def split_at(text: str, cuts: list[int]) -> list[str]:
-    points = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
-    return [text[a:b] for a, b in zip(points, points[1:])]
-
-
-def streamed(parser: ChatOutputParser, chunks: list[str]):
+def parse_stream(parser: ChatOutputParser, chunks: list[str]):
     stream = parser.stream()
     return assemble([d for chunk in chunks for d in stream.feed(chunk)] + stream.finish())
 
 
-def calls(result) -> list[tuple[str, dict]]:
+def call_pairs(result) -> list[tuple[str, dict]]:
     return [(c.name, json.loads(c.arguments)) for c in result.tool_calls]
 
 
@@ -54,9 +50,9 @@ def calls(result) -> list[tuple[str, dict]]:
 def test_forced_outputs_parse_the_same_in_any_chunking(tool_choice, output, expected, cuts):
     parser = plan_chat_output(ToolPlan.of(TOOLS, tool_choice), None, "")
     whole = parser.extract(output)
-    assert calls(whole) == expected and whole.content is None
-    assert calls(streamed(parser, split_at(output, cuts))) == expected
-    assert calls(streamed(parser, list(output))) == expected
+    assert call_pairs(whole) == expected and whole.content is None
+    assert call_pairs(parse_stream(parser, split_at(output, cuts))) == expected
+    assert call_pairs(parse_stream(parser, list(output))) == expected
 
 
 def test_a_named_call_streams_its_arguments_as_they_are_written():
@@ -128,6 +124,6 @@ def test_reasoning_is_split_before_forced_calls_only_when_the_engine_gates_it():
     template = "<think>"
     gated = plan_chat_output(ToolPlan.of(TOOLS, NAMED), template, "<think>\n", constraints_follow_reasoning=True)
     result = gated.extract('Paris it is.</think>{"city":"Paris"}')
-    assert result.reasoning_content == "Paris it is." and calls(result) == [("get_weather", {"city": "Paris"})]
+    assert result.reasoning_content == "Paris it is." and call_pairs(result) == [("get_weather", {"city": "Paris"})]
     ungated = plan_chat_output(ToolPlan.of(TOOLS, NAMED), template, "<think>\n")
-    assert calls(ungated.extract(NAMED_OUTPUT)) == [("get_weather", {"city": "Paris"})]
+    assert call_pairs(ungated.extract(NAMED_OUTPUT)) == [("get_weather", {"city": "Paris"})]

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from factories import split_at
 from vllm_mlx.tool_parsers import (
     TOOL_PARSERS,
     ReasoningParser,
@@ -194,7 +195,7 @@ CASES = [
 ]
 
 
-def expected(case: Case) -> tuple[str | None, list[tuple[str, dict]]]:
+def expected_result(case: Case) -> tuple[str | None, list[tuple[str, dict]]]:
     return case.content, case.calls
 
 
@@ -208,15 +209,10 @@ def stream_chunks(case: Case, chunks: list[str]) -> list[StreamDelta]:
     return deltas + stream.finish()
 
 
-def split_at(text: str, cuts: list[int]) -> list[str]:
-    points = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
-    return [text[a:b] for a, b in zip(points, points[1:])]
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_whole_output(case):
     result = make_parser(case).extract(case.text)
-    assert observed(result) == expected(case)
+    assert observed(result) == expected_result(case)
     assert [call.id for call in result.tool_calls] == [f"call_{i}" for i in range(len(case.calls))]
     for call in result.tool_calls:  # OpenAI's shape: a JSON object as a string
         assert isinstance(json.loads(call.arguments), dict)
@@ -439,9 +435,9 @@ def test_any_output_parses_without_error_and_streams_the_same(name, tools, text,
 def test_any_output_splits_into_reasoning_the_same_streamed(text, cuts, opened):
     case = ReasoningCase("fuzz", text, None, None, opened)
     result = ReasoningParser(opened).extract(text)
-    expected = (result.reasoning_content, result.content)
-    assert reasoning_stream(case, split_at(text, cuts)) == expected
-    assert reasoning_stream(case, list(text)) == expected
+    expected_result = (result.reasoning_content, result.content)
+    assert reasoning_stream(case, split_at(text, cuts)) == expected_result
+    assert reasoning_stream(case, list(text)) == expected_result
 
 
 def test_non_finite_numbers_are_not_arguments():

@@ -14,7 +14,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -26,7 +25,7 @@ import pytest
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'vllm-mlx[vllm]'")
 
-from live_server import wait_for_health  # noqa: E402
+from live_server import free_port, wait_for_health  # noqa: E402
 
 from vllm_mlx import EngineCore  # noqa: E402
 from vllm_mlx import SamplingParams as OurParams  # noqa: E402
@@ -208,12 +207,6 @@ def test_tensor_parallel_is_refused(vllm_model_dir):
 
 
 # -- vllm serve ---------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def post_json(url: str, body: dict) -> dict:

@@ -31,7 +31,7 @@ import pytest
 
 pytest.importorskip("mlx_vlm", reason="mlx-vlm (the `vlm` extra) is not installed")
 
-from test_multimodal import mlx_vlm_greedy, picture, run, tokens
+from test_multimodal import mlx_vlm_greedy, picture, run_prompts, tokens
 
 from vllm_mlx import EngineCore
 from vllm_mlx.attention import UnsupportedModelError
@@ -64,7 +64,7 @@ def engine(family):
     engine.shutdown()
 
 
-def make_engine(model_dir, **options) -> EngineCore:
+def family_engine(model_dir, **options) -> EngineCore:
     return EngineCore(model=str(model_dir), block_size=4, force_model_takeover=True, **options)
 
 
@@ -76,8 +76,8 @@ def test_one_image_equals_mlx_vlm(family, engine):
     image = picture(1, (100, 60))
     text = PLACEHOLDER[name] + "What is in the picture?"
     expected = mlx_vlm_greedy(model_dir, text, [image], max_tokens=8)
-    [out] = run(engine, [(text, [image])])
-    [bare] = run(engine, [("What is in the picture?", [image])])  # the engine adds the placeholder
+    [out] = run_prompts(engine, [(text, [image])])
+    [bare] = run_prompts(engine, [("What is in the picture?", [image])])  # the engine adds the placeholder
     assert out.outputs[0].token_ids == bare.outputs[0].token_ids == expected
 
 
@@ -87,7 +87,7 @@ def test_two_images_in_order_equal_mlx_vlm(family, engine):
     text = f"First {PLACEHOLDER[name]} then {PLACEHOLDER[name]} compare."
     expected = mlx_vlm_greedy(model_dir, text, [a, b], max_tokens=8)
     swapped = mlx_vlm_greedy(model_dir, text, [b, a], max_tokens=8)
-    assert tokens(run(engine, [(text, [a, b]), (text, [b, a])])) == [expected, swapped]
+    assert tokens(run_prompts(engine, [(text, [a, b]), (text, [b, a])])) == [expected, swapped]
     assert expected != swapped
 
 
@@ -124,10 +124,10 @@ def test_batched_with_text_requests_equals_solo(family):
     ]
     # Small steps: prefill chunks end inside images; a small pool forces preemption.
     options = {"num_kv_blocks": 30, "max_num_batched_tokens": 12, "enable_prefix_caching": False}
-    engine = make_engine(model_dir, **options)
+    engine = family_engine(model_dir, **options)
     try:
-        solo = [tokens(run(engine, [p]))[0] for p in prompts]
-        batched = tokens(run(engine, prompts))
+        solo = [tokens(run_prompts(engine, [p]))[0] for p in prompts]
+        batched = tokens(run_prompts(engine, prompts))
         preemptions = engine.get_stats()["scheduler"]["preemptions"]
     finally:
         engine.shutdown()
@@ -146,11 +146,11 @@ def test_prefix_cache_on_equals_off_with_an_image_in_the_prefix(family):
     prompts = [(prefix + question, [image]) for question in ("What is it?", "What colour?", "What is it?")]
 
     def outputs(enabled: bool):
-        engine = make_engine(model_dir, num_kv_blocks=96, enable_prefix_caching=enabled)
+        engine = family_engine(model_dir, num_kv_blocks=96, enable_prefix_caching=enabled)
         try:
             first = engine.prepare_prompt(*prompts[0]).token_ids
             image_end = max(i for i, t in enumerate(first) if t == engine.vision.image_token_id) + 1
-            outs = [run(engine, [p])[0] for p in prompts]
+            outs = [run_prompts(engine, [p])[0] for p in prompts]
             cached = [o.num_cached_tokens for o in outs]
             hybrid = engine.kv_cache.checkpoints is not None
             return tokens(outs), cached, engine.get_stats()["mllm"], image_end, len(first), hybrid
@@ -180,9 +180,9 @@ def test_the_mllm_cache_encodes_an_image_seen_twice_once(family):
     prompts = [(f"{n} {PLACEHOLDER[name]} Describe.", [image]) for n in ("One", "Two")]
 
     def outputs(enabled: bool):
-        engine = make_engine(model_dir, num_kv_blocks=96, enable_mllm_cache=enabled)
+        engine = family_engine(model_dir, num_kv_blocks=96, enable_mllm_cache=enabled)
         try:
-            return [tokens(run(engine, [p]))[0] for p in prompts], engine.get_stats()["mllm"]
+            return [tokens(run_prompts(engine, [p]))[0] for p in prompts], engine.get_stats()["mllm"]
         finally:
             engine.shutdown()
 
@@ -224,11 +224,11 @@ def test_qwen3_5_rows_of_different_lengths_share_a_padded_call_and_equal_solo(tm
         ("Describe the picture, please.", [image]),  # 8 image tokens: 37 in all
         ("A shorter text prompt, no image.", []),
     ]
-    engine = make_engine(model_dir, num_kv_blocks=96, enable_prefix_caching=False)  # no hits: all prefill
+    engine = family_engine(model_dir, num_kv_blocks=96, enable_prefix_caching=False)  # no hits: all prefill
     try:
-        solo = [tokens(run(engine, [p]))[0] for p in prompts]
+        solo = [tokens(run_prompts(engine, [p]))[0] for p in prompts]
         engine.step_records.clear()
-        batched = tokens(run(engine, prompts))
+        batched = tokens(run_prompts(engine, prompts))
         prefill = engine.step_records[0]
     finally:
         engine.shutdown()
@@ -246,10 +246,10 @@ def test_gemma3_reports_its_sliding_window_and_the_window_matters(tmp_path):
     results = {}
     for window in (8, 4096):
         model_dir = build_tiny_gemma3(tmp_path / f"w{window}", sliding_window=window)
-        engine = make_engine(model_dir, num_kv_blocks=64)
+        engine = family_engine(model_dir, num_kv_blocks=64)
         try:
             assert engine.runner.specs == [SlidingWindowSpec(window), FullAttentionSpec()] * 2
-            results[window] = tokens(run(engine, [(text, [image])]))[0]
+            results[window] = tokens(run_prompts(engine, [(text, [image])]))[0]
         finally:
             engine.shutdown()
         assert results[window] == mlx_vlm_greedy(model_dir, text, [image], max_tokens=8)

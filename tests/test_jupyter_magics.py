@@ -16,7 +16,6 @@ import time
 
 import pytest
 from IPython.core.error import UsageError
-from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
 from vllm_mlx_jupyter.generation import ABORTED, DONE

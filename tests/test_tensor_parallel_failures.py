@@ -103,7 +103,6 @@ def test_a_rank_lost_mid_generation_fails_the_waiting_requests(tiny_model_dir, t
 
 
 def test_a_rank_that_hangs_while_idle_is_found_by_the_heartbeat(tiny_model_dir, tmp_path):
-    from tp_failure_driver import TIMEOUT_S
 
     from vllm_mlx.async_engine import HEARTBEAT_PERIOD_S
 

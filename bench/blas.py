@@ -88,7 +88,7 @@ def end_to_end() -> dict:
 
 def child(config: str, e2e: bool) -> None:
     """Run one configuration (in a fresh process) and print a JSON line of results."""
-    from vllm_mlx import cpu_backend  # importing vllm_mlx has already run the BLAS preload
+    from vllm_mlx.platform import cpu_backend  # importing vllm_mlx has already run the BLAS preload
 
     import mlx.core as mx
 

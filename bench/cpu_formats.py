@@ -51,7 +51,7 @@ def decode_tps(model, batch: int, steps: int, vocab: int) -> float:
 
 def child(config: str, batches: list[int], steps: int) -> None:
     """Run one configuration (in a fresh process) and print a JSON line of results."""
-    from vllm_mlx import cpu_backend  # importing vllm_mlx has already run the BLAS preload
+    from vllm_mlx.platform import cpu_backend  # importing vllm_mlx has already run the BLAS preload
 
     import mlx.core as mx
     import mlx_lm

@@ -107,7 +107,7 @@ def child(out: str, quick: bool) -> None:
 
 def launch(quick: bool) -> list[Timing]:
     """Run the two ranks (``ring_launch``: their own session, killed whole on timeout)."""
-    from vllm_mlx.ring_launch import LaunchError, launch_ring
+    from vllm_mlx.distributed.launch import LaunchError, launch_ring
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "timings.json"
@@ -127,9 +127,9 @@ def launch(quick: bool) -> list[Timing]:
 def decode_message_bytes(batch: int) -> int:
     """The length of ``StepEncoder``'s message for a decode step of ``batch`` requests (each
     already known to the workers, one new output token each, a 512-token block table)."""
-    from vllm_mlx.distributed import StepEncoder
-    from vllm_mlx.outputs import ScheduledRequest, SchedulerOutput
-    from vllm_mlx.request import Request, SamplingParams
+    from vllm_mlx.core.outputs import ScheduledRequest, SchedulerOutput
+    from vllm_mlx.core.request import Request, SamplingParams
+    from vllm_mlx.distributed.tensor_parallel import StepEncoder
 
     encoder = StepEncoder()
     blocks = CONTEXT_TOKENS // BLOCK_SIZE
@@ -176,7 +176,7 @@ class StepRow:
 
 
 def step_rows(typical: Link, floor: Link) -> list[StepRow]:
-    from vllm_mlx.distributed import step_traffic
+    from vllm_mlx.distributed.tensor_parallel import step_traffic
     from vllm_mlx.models import resolve_model
 
     default = json.loads((resolve_model("default") / "config.json").read_text())

@@ -94,7 +94,7 @@ def engine_chat(model_dir: Path, args, caching: bool) -> list[dict]:
     """The 8 turns through the engine; the assistant's turns are its own (greedy) answers, the
     same with caching on and off (the cache is invisible)."""
     from vllm_mlx import SamplingParams
-    from vllm_mlx.engine_core import EngineCore
+    from vllm_mlx.engine.core import EngineCore
 
     engine = EngineCore(model=str(model_dir), enable_prefix_caching=caching, force_model_takeover=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
@@ -139,7 +139,7 @@ def mlx_lm_chat(model_dir: Path, args, answers: list[str]) -> list[dict]:
     import mlx_lm
     from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-    from vllm_mlx.cpu_backend import choose_weight_format, prepare_model_weights
+    from vllm_mlx.platform.cpu_backend import choose_weight_format, prepare_model_weights
 
     model, tokenizer = mlx_lm.load(str(model_dir))
     prepare_model_weights(model, choose_weight_format("auto"))  # the same weights as the engine

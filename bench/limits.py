@@ -58,7 +58,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import vllm_mlx  # noqa: F401  -- first: preloads the fast BLAS before anything imports mlx
-from vllm_mlx import cpu_backend
+from vllm_mlx.platform import cpu_backend
 
 DECODE_PROMPT_TOKENS = 16
 SGEMM_ROWS = (512, 1024)  # prefill-like: the engine prefills in chunks of up to 512 tokens
@@ -364,8 +364,8 @@ def step_split(engine, context: int = DECODE_PROMPT_TOKENS, steps: int = 10) -> 
     request holds (call it on an idle engine)."""
     import mlx.core as mx
 
-    from vllm_mlx.outputs import ScheduledRequest, SchedulerOutput
-    from vllm_mlx.request import Request, SamplingParams
+    from vllm_mlx.core.outputs import ScheduledRequest, SchedulerOutput
+    from vllm_mlx.core.request import Request, SamplingParams
 
     runner = engine.runner
     request = Request("step-split", list(range(FIRST_ORDINARY_TOKEN, FIRST_ORDINARY_TOKEN + context + 1)),

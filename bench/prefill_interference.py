@@ -53,7 +53,7 @@ def run_once(engine, prompt: list[int], attention_tokens: int, tag: str) -> Run:
     """The stream starts decoding, then the long prompt arrives; until its first token, the times
     at which the stream got each token."""
     from vllm_mlx import SamplingParams
-    from vllm_mlx.prefill_budget import PrefillCost
+    from vllm_mlx.core.sched.prefill_budget import PrefillCost
 
     engine.scheduler.prefill_cost = PrefillCost(attention_tokens)
     stream = engine.add_request("Count slowly:", SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True),
@@ -80,7 +80,7 @@ def run_once(engine, prompt: list[int], attention_tokens: int, tag: str) -> Run:
 def chunk_sweep(engine, prompt: list[int], chunk: int) -> list[tuple[int, int, float]]:
     """(position, chunk, seconds) of each step prefilling ``prompt`` alone in ``chunk``-token chunks."""
     from vllm_mlx import SamplingParams
-    from vllm_mlx.prefill_budget import PrefillCost
+    from vllm_mlx.core.sched.prefill_budget import PrefillCost
 
     engine.scheduler.prefill_cost = PrefillCost(0)
     engine.scheduler.config.max_num_batched_tokens = chunk
@@ -93,8 +93,8 @@ def chunk_sweep(engine, prompt: list[int], chunk: int) -> list[tuple[int, int, f
 
 
 def main() -> None:
-    from vllm_mlx.engine_core import EngineCore
-    from vllm_mlx.prefill_budget import DEFAULT_PREFILL_ATTENTION_TOKENS
+    from vllm_mlx.core.sched.prefill_budget import DEFAULT_PREFILL_ATTENTION_TOKENS
+    from vllm_mlx.engine.core import EngineCore
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")

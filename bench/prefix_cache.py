@@ -43,7 +43,7 @@ def chat_prompt(tokenizer, doc: str, question: str) -> list[int]:
 
 def run_engine(args, prompts: list[list[int]], caching: bool) -> dict:
     from vllm_mlx import SamplingParams
-    from vllm_mlx.engine_core import EngineCore
+    from vllm_mlx.engine.core import EngineCore
 
     engine = EngineCore(model=args.model, enable_prefix_caching=caching, force_model_takeover=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
@@ -67,8 +67,8 @@ def run_mlx_lm(args, doc_ids: list[int], prompts: list[list[int]]) -> dict:
     import mlx_lm
     from mlx_lm.models.cache import make_prompt_cache
 
-    from vllm_mlx.cpu_backend import choose_weight_format, prepare_model_weights
     from vllm_mlx.models import resolve_model
+    from vllm_mlx.platform.cpu_backend import choose_weight_format, prepare_model_weights
 
     model, tokenizer = mlx_lm.load(str(resolve_model(args.model)))
     prepare_model_weights(model, choose_weight_format("auto"))  # the same weights as the engine
@@ -90,7 +90,7 @@ def run_mlx_lm(args, doc_ids: list[int], prompts: list[list[int]]) -> dict:
 
 def multi_turn(args) -> list[tuple[int, int]]:
     from vllm_mlx import SamplingParams
-    from vllm_mlx.engine_core import EngineCore
+    from vllm_mlx.engine.core import EngineCore
 
     engine = EngineCore(model=args.model, force_model_takeover=True)
     tokenizer = engine.tokenizer

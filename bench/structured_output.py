@@ -161,9 +161,9 @@ def bench_step_masks(tokenizer, eos: list[int], batch: int, steps: int = 40) -> 
     on [batch, vocab] logits, evaluated)."""
     import mlx.core as mx
 
-    from vllm_mlx.request import Request
+    from vllm_mlx.core.request import Request
+    from vllm_mlx.executor.bitmask import StepMasks
     from vllm_mlx.structured import StructuredOutputsParams
-    from vllm_mlx.structured.bitmask import StepMasks
     from vllm_mlx.structured.grammar import GrammarCompiler
     from vllm_mlx.structured.matcher import RequestConstraint
 
@@ -219,7 +219,7 @@ def decode_round(engine, prompts: list[list[int]], params) -> tuple[float, int]:
 
 def bench_decode(args) -> dict:
     from vllm_mlx import SamplingParams
-    from vllm_mlx.engine_core import EngineCore
+    from vllm_mlx.engine.core import EngineCore
     from vllm_mlx.structured import StructuredOutputsParams
 
     engine = EngineCore(model=args.model, max_num_seqs=args.batch, force_model_takeover=True)

@@ -86,7 +86,7 @@ def empty_cache(tmp_path, monkeypatch):
 def engine_factory(request):
     """``make(model_dir=None, **options)``: an ``EngineCore`` on ``model_dir`` (the tiny llama by
     default); every engine made is shut down after the test."""
-    from vllm_mlx.engine_core import EngineCore
+    from vllm_mlx.engine.core import EngineCore
 
     engines = []
 

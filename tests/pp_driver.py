@@ -21,13 +21,13 @@ ENGINE_OPTIONS = {"block_size": 4, "num_kv_blocks": 13, "max_num_batched_tokens"
 
 def pool_layers(runner) -> dict:
     """The layers this rank's pools hold, named as ``WorkerStats`` names them."""
-    from vllm_mlx.distributed import held_layers
+    from vllm_mlx.distributed.tensor_parallel import held_layers
 
     return dict(zip(("kv_layers", "state_layers"), held_layers(runner)))
 
 
 def main(model_dir: str, out_prefix: str, mode: str = "") -> None:
-    from vllm_mlx.distributed import TensorParallelError, init_group, worker_loop
+    from vllm_mlx.distributed.tensor_parallel import TensorParallelError, init_group, worker_loop
 
     group = init_group()
     try:
@@ -44,7 +44,7 @@ def main(model_dir: str, out_prefix: str, mode: str = "") -> None:
 
 
 def run_engine(model_dir: str) -> dict:
-    from vllm_mlx.engine_core import EngineCore
+    from vllm_mlx.engine.core import EngineCore
 
     engine = EngineCore(model=model_dir, pipeline_parallel=True, force_model_takeover=True, **ENGINE_OPTIONS)
     try:
@@ -59,9 +59,9 @@ SMALL_MEMORY = 64 << 20  # what rank 1 claims to have available in the "memory" 
 def size_with_a_small_rank_1(model_dir: str, group) -> dict:
     """Rank 1 reports ``SMALL_MEMORY`` available; rank 0 sizes its pools from a fraction of the
     memory available, with no block count given. Both first combine made-up needs directly."""
-    from vllm_mlx import engine_core
-    from vllm_mlx.distributed import combine_memory_needs, worker_loop
-    from vllm_mlx.kv_sizing import MemoryNeeds
+    from vllm_mlx.core.kv.sizing import MemoryNeeds
+    from vllm_mlx.distributed.tensor_parallel import combine_memory_needs, worker_loop
+    from vllm_mlx.engine import core as engine_core
 
     rank = group.rank()
     combined = combine_memory_needs(group, MemoryNeeds(100 + rank, 7 - rank, 5000 - rank))

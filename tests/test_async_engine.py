@@ -16,10 +16,10 @@ import pytest
 
 from factories import wait_until
 from vllm_mlx import SamplingParams
-from vllm_mlx.async_engine import AsyncEngineCore, EngineDeadError
-from vllm_mlx.engine_core import EngineCore
-from vllm_mlx.errors import ModelSourceError
-from vllm_mlx.model_registry import get_registry
+from vllm_mlx.engine.async_engine import AsyncEngineCore, EngineDeadError
+from vllm_mlx.engine.core import EngineCore
+from vllm_mlx.models.registry import get_registry
+from vllm_mlx.platform.errors import ModelSourceError
 
 PROMPTS = [
     "Hello",
@@ -451,7 +451,7 @@ def test_a_script_using_the_engine_exits_cleanly(tiny_model_dir):
 
 
 def test_engine_core_refuses_work_after_shutdown(tiny_model_dir):
-    from vllm_mlx.errors import VllmMlxError
+    from vllm_mlx.platform.errors import VllmMlxError
 
     core = EngineCore(model=str(tiny_model_dir), num_kv_blocks=64, force_model_takeover=True)
     core.shutdown()

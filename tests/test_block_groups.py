@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_mlx.kv_spec import BlockGroup, BlockGroups, FullAttentionSpec, RecurrentStateSpec, SlidingWindowSpec, plan_block_groups
-from vllm_mlx.paged_cache import PagedCacheManager
+from vllm_mlx.core.kv.paged_cache import PagedCacheManager
+from vllm_mlx.core.kv.spec import BlockGroup, BlockGroups, FullAttentionSpec, RecurrentStateSpec, SlidingWindowSpec, plan_block_groups
 
 FULL, SWA, STATE = FullAttentionSpec(), SlidingWindowSpec(8), RecurrentStateSpec(2, pads=True)
 

@@ -176,7 +176,7 @@ httpx = pytest.importorskip("httpx")
 from tool_models import MODEL, live_app  # noqa: E402
 
 from vllm_mlx.entrypoints.openai.serving import ServingOptions  # noqa: E402
-from vllm_mlx.validation import RequestLimits  # noqa: E402
+from vllm_mlx.platform.validation import RequestLimits  # noqa: E402
 
 HUGE_TOOL = {
     "type": "function",

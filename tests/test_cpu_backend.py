@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mlx import cpu_backend
+from vllm_mlx.platform import cpu_backend
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LINUX = sys.platform.startswith("linux")
@@ -23,9 +23,9 @@ def _openblas_installed() -> bool:
 
 PROBE = """
 import json, sys
-import vllm_mlx.engine_core
+import vllm_mlx.engine.core
 import mlx.core as mx
-from vllm_mlx import cpu_backend
+from vllm_mlx.platform import cpu_backend
 a = mx.ones((64, 64))
 mx.eval(a @ a)
 maps = [line.split()[-1] for line in open("/proc/self/maps") if "libopenblas" in line]
@@ -160,7 +160,8 @@ def test_mkl_is_the_default_and_the_provider_switch_works():
 ORACLE = """
 import json, sys
 import numpy as np
-from vllm_mlx import LLM, SamplingParams, cpu_backend
+from vllm_mlx import LLM, SamplingParams
+from vllm_mlx.platform import cpu_backend
 import mlx.core as mx
 rng = np.random.default_rng(0)
 out = {"provider": cpu_backend.FAST_BLAS_PROVIDER, "products": {}}

@@ -1,4 +1,4 @@
-"""Our exp-based CPU kernels (``vllm_mlx/cpu_kernels.py``) against MLX's own.
+"""Our exp-based CPU kernels (``vllm_mlx/executor/cpu_kernels.py``) against MLX's own.
 
 Oracles: ``mx.exp``, mlx-lm's ``swiglu`` and ``mx.fast.scaled_dot_product_attention`` on the
 same inputs (to float32 rounding), for the masks our paged caches build (causal chunks with past
@@ -18,10 +18,11 @@ from mlx_lm.models import activations, base, llama
 from oracles import engine_tokens
 from tiny_model import TINY_GEMMA3, build_tiny_llama
 
-from vllm_mlx import SamplingParams, cpu_kernels
-from vllm_mlx.attention import BatchLayout, RowSpec
-from vllm_mlx.cpu_kernels import CPUKernels, SplitLinear, SharedRoPE, attention, query_blocks
-from vllm_mlx.engine_core import EngineCore
+from vllm_mlx import SamplingParams
+from vllm_mlx.engine.core import EngineCore
+from vllm_mlx.executor import cpu_kernels
+from vllm_mlx.executor.attention import BatchLayout, RowSpec
+from vllm_mlx.executor.cpu_kernels import CPUKernels, SplitLinear, SharedRoPE, attention, query_blocks
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the kernels serve the CPU backend")
 

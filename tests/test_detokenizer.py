@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_mlx.detokenizer import IncrementalDetokenizer
-from vllm_mlx.stop_strings import StopScanner, automaton
+from vllm_mlx.engine.detokenizer import IncrementalDetokenizer
+from vllm_mlx.engine.stop_strings import StopScanner, automaton
 
 FFFD = "\ufffd"
 

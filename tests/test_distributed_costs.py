@@ -15,8 +15,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from vllm_mlx.distributed import StepEncoder, broadcast_bytes, step_traffic
-from vllm_mlx.request import SamplingParams
+from vllm_mlx.core.request import SamplingParams
+from vllm_mlx.distributed.tensor_parallel import StepEncoder, broadcast_bytes, step_traffic
 
 BATCH = 3
 
@@ -45,7 +45,7 @@ def sharded_engine(tiny_model_dir):
     (numerically the same model), every step's message encoded as rank 0 would send it."""
     import mlx.core as mx
 
-    from vllm_mlx.engine_core import EngineCore
+    from vllm_mlx.engine.core import EngineCore
 
     engine = EngineCore(model=str(tiny_model_dir), force_model_takeover=True, block_size=4, seed=0)
     group = mx.distributed.init(strict=False)

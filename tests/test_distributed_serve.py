@@ -68,8 +68,8 @@ def _unique_copy(source: Path, tmp_path: Path) -> Path:
 
 def _single_process_text(model_dir: Path) -> str:
     """The single-process engine's greedy completion of ``PROMPT`` (12 tokens)."""
-    from vllm_mlx.engine_core import EngineCore
-    from vllm_mlx.request import SamplingParams
+    from vllm_mlx.core.request import SamplingParams
+    from vllm_mlx.engine.core import EngineCore
 
     engine = EngineCore(model=str(model_dir), force_model_takeover=True)
     try:

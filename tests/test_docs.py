@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 BIN = Path(sys.executable).parent
 RUNNABLE = ("python", "bash", "ipython")
-PLUGIN_NAMES = {"MLXPlatform": "vllm_mlx.vllm_platform", "MLXWorker": "vllm_mlx.worker"}
+PLUGIN_NAMES = {"MLXPlatform": "vllm_mlx.plugin.platform", "MLXWorker": "vllm_mlx.plugin.worker"}
 
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`\s]*)[^`]*$")
 MARKER = re.compile(r"^\s*<!--\s*(?P<kind>[a-z-]+)\s*(?::\s*(?P<reason>.*?))?\s*-->\s*$")
@@ -244,7 +244,7 @@ REPOSITORY_PATH = re.compile(r"(?<![\w/.-])((?:vllm_mlx|vllm_mlx_jupyter|tests|b
 
 
 def test_repository_paths_the_docs_name_exist():
-    """Files and folders the docs point at (``vllm_mlx/kv_spec.py``, ``bench/limits.py``, a test
+    """Files and folders the docs point at (``vllm_mlx/core/kv/spec.py``, ``bench/limits.py``, a test
     file by name) exist: a module or test that moved shows here, not in a reader's terminal."""
     tests = {path.name for path in (ROOT / "tests").rglob("test_*.py")}
     missing = []
@@ -318,14 +318,14 @@ SHIPPED = {
     r"notebook|jupyter|%%generate": "vllm_mlx_jupyter",
     r"tool[- ]call|tool use|\btools\b|tool_choice": "vllm_mlx.tool_parsers",
     r"anthropic|/v1/messages|/v1/responses|responses api": "vllm_mlx.entrypoints.anthropic",
-    r"\bimages?\b|vision|multimodal|mllm": "vllm_mlx.mllm_cache",
-    r"vllm plugin|platform plugin|vllm serve|vllm\.LLM": "vllm_mlx.vllm_platform",
+    r"\bimages?\b|vision|multimodal|mllm": "vllm_mlx.multimodal.cache",
+    r"vllm plugin|platform plugin|vllm serve|vllm\.LLM": "vllm_mlx.plugin.platform",
     r"structured output|json schema|response_format|grammar": "vllm_mlx.structured",
-    r"tensor[- ]parallel": "vllm_mlx.engine_core:EngineConfig.tensor_parallel",
-    r"pipeline[- ]parallel": "vllm_mlx.engine_core:EngineConfig.pipeline_parallel",
-    r"sliding[- ]window": "vllm_mlx.kv_spec:SlidingWindowSpec",
+    r"tensor[- ]parallel": "vllm_mlx.engine.core:EngineConfig.tensor_parallel",
+    r"pipeline[- ]parallel": "vllm_mlx.engine.core:EngineConfig.pipeline_parallel",
+    r"sliding[- ]window": "vllm_mlx.core.kv.spec:SlidingWindowSpec",
     r"prefix (?:reuse|hits?|is resumed)|resum\w* (?:a|the) prefix|state checkpoint": (
-        "vllm_mlx.engine_core:EngineConfig.max_state_checkpoints"
+        "vllm_mlx.engine.core:EngineConfig.max_state_checkpoints"
     ),
 }
 
@@ -516,7 +516,7 @@ def check_dataclass_table(cls, heading: str) -> None:
 
 
 def test_engine_config_table():
-    from vllm_mlx.engine_core import EngineConfig
+    from vllm_mlx.engine.core import EngineConfig
 
     check_dataclass_table(EngineConfig, "## `EngineConfig`")
     serve_flags = {flag for flags in parser_flags(subcommands()["serve"]) for flag in flags}
@@ -526,13 +526,13 @@ def test_engine_config_table():
 
 
 def test_scheduler_config_table():
-    from vllm_mlx.scheduler import SchedulerConfig
+    from vllm_mlx.core.sched.scheduler import SchedulerConfig
 
     check_dataclass_table(SchedulerConfig, "## `SchedulerConfig`")
 
 
 def test_sampling_params_table():
-    from vllm_mlx.request import SamplingParams
+    from vllm_mlx.core.request import SamplingParams
 
     check_dataclass_table(SamplingParams, "## `SamplingParams`")
 

@@ -12,9 +12,9 @@ import pytest
 
 from factories import run_to_end
 from vllm_mlx import SamplingParams
-from vllm_mlx.engine_core import EngineCore
+from vllm_mlx.engine.core import EngineCore
 from vllm_mlx.llm import LLM
-from vllm_mlx.model_registry import ModelOwnershipError
+from vllm_mlx.models.registry import ModelOwnershipError
 
 PROMPTS = [
     "Hello",
@@ -216,7 +216,7 @@ def test_llm_front_door(tiny_model_dir):
 def test_engine_equals_mlx_lm_on_the_default_model(default_model_dir):
     import mlx_lm
 
-    from vllm_mlx.cpu_backend import choose_weight_format, prepare_model_weights
+    from vllm_mlx.platform.cpu_backend import choose_weight_format, prepare_model_weights
 
     prompts = ["What is the capital of France?", "Write a haiku about the sea.", "List three colors."]
     model, tokenizer = mlx_lm.load(str(default_model_dir))
@@ -285,7 +285,7 @@ def test_another_architecture_runs_unmodified(tmp_path, default_model_dir):
 def test_split_head_is_used_only_when_exact(tiny_model_dir):
     import mlx_lm
 
-    from vllm_mlx.model_runner import SplitModel
+    from vllm_mlx.executor.model_runner import SplitModel
 
     model, _ = mlx_lm.load(str(tiny_model_dir))
     split = SplitModel.probe(model)

@@ -15,7 +15,7 @@ from factories import run_to_end
 from test_engine import GREEDY, PROMPTS, solo_tokens
 
 from vllm_mlx import SamplingParams
-from vllm_mlx.async_engine import AsyncEngineCore, EngineDeadError
+from vllm_mlx.engine.async_engine import AsyncEngineCore, EngineDeadError
 
 SECRET = "/private/secret/path"  # must never reach a caller
 
@@ -107,7 +107,7 @@ def test_a_broken_model_ends_the_engine(engine_factory):
 
 
 def test_engine_options_take_the_cli_forms(tiny_model_dir):
-    from vllm_mlx.engine_core import EngineConfig
+    from vllm_mlx.engine.core import EngineConfig
     from vllm_mlx.llm import LLM
 
     config = EngineConfig(kv_cache_memory="64M", mllm_cache_memory="16M")
@@ -134,7 +134,7 @@ def test_an_engine_failure_is_logged_at_once_and_reported(tiny_model_dir, caplog
     try:
         outputs = iter(engine.add_request(PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True)))
         next(outputs)
-        with caplog.at_level(logging.CRITICAL, logger="vllm_mlx.async_engine"):
+        with caplog.at_level(logging.CRITICAL, logger="vllm_mlx.engine.async_engine"):
             engine.call(lambda core: setattr(core.runner, "attention", None))
             assert engine.wait_ended(30)
         with pytest.raises(EngineDeadError):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from test_scheduler import FakeRunner, make_request, make_scheduler, reference_output, step
 
-from vllm_mlx.request import Request, SamplingParams
-from vllm_mlx.waiting_queue import WaitingQueue
+from vllm_mlx.core.request import Request, SamplingParams
+from vllm_mlx.core.sched.waiting_queue import WaitingQueue
 
 
 def keyed_request(rid: str, key: str, prompt: int = 8, **params) -> Request:
@@ -121,7 +121,7 @@ def test_under_block_pressure_the_small_request_finishes_before_the_heavy_ones()
 
 
 def test_n_completions_share_one_key_in_the_engine(tiny_model_dir):
-    from vllm_mlx.engine_core import EngineCore
+    from vllm_mlx.engine.core import EngineCore
 
     engine = EngineCore(model=str(tiny_model_dir), max_num_seqs=4, num_kv_blocks=128)
     try:

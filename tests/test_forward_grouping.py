@@ -10,9 +10,9 @@ from __future__ import annotations
 import itertools
 import random
 
-from vllm_mlx.model_runner import CALL_COST_TOKENS, group_for_padding
-from vllm_mlx.request import Request
-from vllm_mlx.scheduler import ScheduledRequest
+from vllm_mlx.core.request import Request
+from vllm_mlx.core.sched.scheduler import ScheduledRequest
+from vllm_mlx.executor.model_runner import CALL_COST_TOKENS, group_for_padding
 
 C = CALL_COST_TOKENS
 

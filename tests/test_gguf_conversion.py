@@ -25,10 +25,10 @@ from gguf_builder import write_tiny_llama_gguf
 from gguf_reference import reference_logits
 
 import vllm_mlx.models.gguf as gguf_module
-from vllm_mlx.errors import ModelSourceError
 from vllm_mlx.models import resolve_model
 from vllm_mlx.models.default import default_gguf_path
 from vllm_mlx.models.gguf import convert_gguf, resolve_gguf
+from vllm_mlx.platform.errors import ModelSourceError
 
 TOKEN_IDS = [1, 72, 263, 40, 259, 3, 120, 2, 88, 17]  # control, byte and merged tokens, 10 positions
 
@@ -203,7 +203,7 @@ def run_child(code: str, *args: str, cache: Path, timeout: float = 120) -> subpr
 
 RESOLVE_OR_EXIT_3 = """
     import sys
-    from vllm_mlx.errors import ModelSourceError
+    from vllm_mlx.platform.errors import ModelSourceError
     from vllm_mlx.models import resolve_model
     try:
         resolve_model(sys.argv[1])

@@ -13,14 +13,14 @@ PIL = pytest.importorskip("PIL")
 from PIL import Image
 
 from factories import data_url, make_image, png_bytes, png_header_only
-from vllm_mlx.errors import VllmMlxError
-from vllm_mlx.images import (
+from vllm_mlx.multimodal.images import (
     ImageInputError,
     image_content_hash,
     load_image,
     thumbnail_png,
 )
-from vllm_mlx.media_policy import MediaPolicy
+from vllm_mlx.multimodal.media_policy import MediaPolicy
+from vllm_mlx.platform.errors import VllmMlxError
 
 # The HTTP tests fetch from a server on 127.0.0.1, which the default policy refuses (see
 # test_media_policy.py): this one lets loopback through and tests the fetch itself.

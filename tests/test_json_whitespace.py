@@ -87,7 +87,7 @@ def test_openai_parse_with_a_three_field_model_finishes_at_temperature_0_8():
     ``max_tokens=80`` and parses."""
     from live_server import LiveServer
 
-    from vllm_mlx.async_engine import AsyncEngineCore
+    from vllm_mlx.engine.async_engine import AsyncEngineCore
     from vllm_mlx.entrypoints.openai.server import build_app
 
     engine = AsyncEngineCore(max_num_seqs=4).start()

@@ -16,7 +16,7 @@ from IPython.core.error import UsageError  # noqa: E402
 from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
 from IPython.utils.capture import capture_output  # noqa: E402
 
-from vllm_mlx.async_engine import AsyncEngineCore  # noqa: E402
+from vllm_mlx.engine.async_engine import AsyncEngineCore  # noqa: E402
 from vllm_mlx.entrypoints.openai.server import build_app  # noqa: E402
 from vllm_mlx.entrypoints.openai.serving import ServingOptions  # noqa: E402
 from vllm_mlx_jupyter.generation import ABORTED, DONE, ERROR  # noqa: E402

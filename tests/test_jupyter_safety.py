@@ -15,7 +15,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
 import vllm_mlx_jupyter
-from vllm_mlx.request import CompletionOutput, RequestOutput
+from vllm_mlx.core.request import CompletionOutput, RequestOutput
 from vllm_mlx_jupyter.generation import DONE, ERROR, Generation
 from vllm_mlx_jupyter.prompt import interpolate
 from vllm_mlx_jupyter.render import LiveView

@@ -10,8 +10,8 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 from ipywidgets.widgets.widget import _put_buffers, _remove_buffers
 
-from vllm_mlx.outputs import Admission, StepRecord, StepRequestRecord
-from vllm_mlx.request import CompletionOutput, RequestOutput
+from vllm_mlx.core.outputs import Admission, StepRecord, StepRequestRecord
+from vllm_mlx.core.request import CompletionOutput, RequestOutput
 from vllm_mlx_jupyter.generation import DONE, Generation
 from vllm_mlx_jupyter.inspector import CacheInspector
 from vllm_mlx_jupyter.render import LiveView

@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-from vllm_mlx.kv_cache_manager import KVCacheManager
-from vllm_mlx.kv_coordinator import KVCacheCoordinator
-from vllm_mlx.paged_cache import PagedCacheManager
-from vllm_mlx.prefix_cache import PrefixCacheManager
-from vllm_mlx.request import Request, SamplingParams
-from vllm_mlx.scheduler import Scheduler, SchedulerConfig
+from vllm_mlx.core.kv.coordinator import KVCacheCoordinator
+from vllm_mlx.core.kv.manager import KVCacheManager
+from vllm_mlx.core.kv.paged_cache import PagedCacheManager
+from vllm_mlx.core.kv.prefix_cache import PrefixCacheManager
+from vllm_mlx.core.request import Request, SamplingParams
+from vllm_mlx.core.sched.scheduler import Scheduler, SchedulerConfig
 
 
 def hybrid_manager() -> KVCacheManager:

@@ -8,7 +8,7 @@ import pytest
 from tiny_model import build_tiny_llama
 
 from vllm_mlx import SamplingParams
-from vllm_mlx.engine_core import EngineCore
+from vllm_mlx.engine.core import EngineCore
 
 BUDGET = 64 * 2**10  # holds a whole number of float32 blocks of the tiny llama (block_size 4)
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -93,7 +93,7 @@ def deepseek_dir(tmp_path_factory, default_model_dir):
 
 
 def test_latent_attention_is_sized_by_its_latent(deepseek_dir):
-    from vllm_mlx.engine_core import kv_bytes_per_token
+    from vllm_mlx.engine.core import kv_bytes_per_token
 
     engine = sized_engine(deepseek_dir)
     try:

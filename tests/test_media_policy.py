@@ -24,10 +24,9 @@ pytest.importorskip("PIL")
 from PIL import Image
 
 from factories import data_url, png_header_only
-from vllm_mlx import media_fetch
-from vllm_mlx.errors import ImageInputError
-from vllm_mlx.images import load_image
-from vllm_mlx.media_policy import (
+from vllm_mlx.multimodal import media_fetch
+from vllm_mlx.multimodal.images import load_image
+from vllm_mlx.multimodal.media_policy import (
     SERVER_MAX_IMAGES,
     SERVER_MAX_PIXELS,
     UNAVAILABLE,
@@ -35,6 +34,7 @@ from vllm_mlx.media_policy import (
     is_public_address,
     parse_limit_mm_per_prompt,
 )
+from vllm_mlx.platform.errors import ImageInputError
 
 
 def png(width=8, height=8, seed=0) -> bytes:
@@ -384,7 +384,7 @@ def test_https_verifies_the_host_name_on_the_checked_address(tmp_path, http_serv
 @pytest.fixture(scope="module")
 def vlm_engine(tiny_qwen2_vl_dir):
     pytest.importorskip("fastapi")
-    from vllm_mlx.async_engine import AsyncEngineCore
+    from vllm_mlx.engine.async_engine import AsyncEngineCore
 
     engine = AsyncEngineCore(model=str(tiny_qwen2_vl_dir), num_kv_blocks=64, force_model_takeover=True).start()
     yield engine

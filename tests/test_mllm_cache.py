@@ -14,13 +14,13 @@ pytest.importorskip("PIL")
 from PIL import Image
 
 from factories import make_image
-from vllm_mlx.images import image_content_hash
-from vllm_mlx.mllm_cache import (
+from vllm_mlx.multimodal.cache import (
     MLLMCacheManager,
     MLLMCacheStats,
     VLMCacheManager,
     VLMCacheStats,
 )
+from vllm_mlx.multimodal.images import image_content_hash
 
 
 def features(nbytes: int) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The ranks' start-up check (vllm_mlx/model_digest.py): what changes a model's digest, and what
+"""The ranks' start-up check (vllm_mlx/models/digest.py): what changes a model's digest, and what
 it does not read (the middle of a large weight file)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mlx import model_digest as md
+from vllm_mlx.models import digest as md
 
 
 def _safetensors(path: Path, data: bytes, dtype: str = "F32") -> None:

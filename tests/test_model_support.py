@@ -1,4 +1,4 @@
-"""Model coverage is generated, not claimed (vllm_mlx/model_support.py, docs/models.md).
+"""Model coverage is generated, not claimed (vllm_mlx/models/support.py, docs/models.md).
 
 An architecture is listed as supported only with a tiny-model test that exists (collected by
 pytest); the tested ones still probe as runnable; refusals and unknowns carry a reason; the docs
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mlx import model_support as support
 from vllm_mlx.entrypoints.cli import main
-from vllm_mlx.model_probe import REFUSED, RUNS, UNKNOWN, Probe, ProbeWorker, probe_text
-from vllm_mlx.model_support import SUPPORTED, TESTED_ARCHITECTURES, TEXT, VISION
+from vllm_mlx.models import support
+from vllm_mlx.models.probe import REFUSED, RUNS, UNKNOWN, Probe, ProbeWorker, probe_text
+from vllm_mlx.models.support import SUPPORTED, TESTED_ARCHITECTURES, TEXT, VISION
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "models.md"
@@ -95,7 +95,7 @@ def test_docs_page_agrees_with_the_code():
     rows = page_rows()
     supported = {key: row["detail"] for key, row in rows.items() if row["status"] == SUPPORTED}
     expected = {(s, n): f"`{node}`" for s, tested in TESTED_ARCHITECTURES.items() for n, node in tested.items()}
-    assert supported == expected, "regenerate: python -m vllm_mlx.model_support --write docs/models.md"
+    assert supported == expected, "regenerate: python -m vllm_mlx.models.support --write docs/models.md"
     environment = json.loads(re.search(r"<!-- environment: (.*) -->", PAGE.read_text())[1])
     if environment != support.installed_versions():
         pytest.skip(f"docs/models.md was generated with {environment}")

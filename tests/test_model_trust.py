@@ -12,9 +12,9 @@ import shutil
 
 import pytest
 
-from vllm_mlx.errors import ModelSourceError
 from vllm_mlx.models.hub import allow_patterns
 from vllm_mlx.models.trust import check_model_code, named_code
+from vllm_mlx.platform.errors import ModelSourceError
 
 REFUSED = r"names Python code to run .*trust_remote_code=True \(CLI: --trust-remote-code\)"
 

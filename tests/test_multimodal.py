@@ -22,7 +22,7 @@ from PIL import Image
 
 from factories import png_bytes
 from vllm_mlx import LLM, EngineCore, SamplingParams
-from vllm_mlx.attention import UnsupportedModelError
+from vllm_mlx.executor.attention import UnsupportedModelError
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -350,7 +350,7 @@ def test_server_chat_with_image_parts(tiny_qwen2_vl_dir):
     import httpx
     from live_server import LiveServer
 
-    from vllm_mlx.async_engine import AsyncEngineCore
+    from vllm_mlx.engine.async_engine import AsyncEngineCore
     from vllm_mlx.entrypoints.openai.server import build_app
 
     image = picture(70)

@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from vllm_mlx.paged_cache import (
+from vllm_mlx.core.kv.paged_cache import (
     BlockTable,
     CacheBlock,
     CacheStats,

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (vllm_mlx/pipeline_parallel.py): the split is mlx-lm's, models that cannot
+"""Pipeline parallelism (vllm_mlx/distributed/pipeline.py): the split is mlx-lm's, models that cannot
 be split into stages are refused on every rank, and two ranks on 127.0.0.1 (ring backend), each
 holding half of a tiny Qwen3.5 hybrid's layers, produce the greedy tokens of the single-process
 engine through chunked prefill, prefix-cache hits and preemption."""
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mlx.distributed import TensorParallelError
-from vllm_mlx.kv_spec import FullAttentionSpec, RecurrentStateSpec
-from vllm_mlx.pipeline_parallel import PipelineParallelError, StageRange, check_stages_alike, layer_split
-from vllm_mlx.ring_launch import LaunchResult
+from vllm_mlx.core.kv.spec import FullAttentionSpec, RecurrentStateSpec
+from vllm_mlx.distributed.launch import LaunchResult
+from vllm_mlx.distributed.pipeline import PipelineParallelError, StageRange, check_stages_alike, layer_split
+from vllm_mlx.distributed.tensor_parallel import TensorParallelError
 
 TESTS = Path(__file__).parent
 FULL, LINEAR = FullAttentionSpec(), RecurrentStateSpec(2, pads=True)
@@ -32,7 +32,7 @@ def test_stages_with_different_kinds_of_layers_are_refused():
 
 
 def test_tensor_and_pipeline_parallel_are_exclusive():
-    from vllm_mlx.engine_core import EngineConfig
+    from vllm_mlx.engine.core import EngineConfig
 
     with pytest.raises(ValueError, match="exclusive"):
         EngineConfig(tensor_parallel=True, pipeline_parallel=True).normalize()
@@ -48,7 +48,7 @@ def _launch_two_ranks(model_dir: Path, out_prefix: Path, *args: str) -> LaunchRe
 def test_two_stages_on_loopback_equal_the_single_process_engine(tiny_qwen3_5_dir, tmp_path):
     from pp_driver import ENGINE_OPTIONS, pool_layers
     from tp_driver import run_batch
-    from vllm_mlx.engine_core import EngineCore
+    from vllm_mlx.engine.core import EngineCore
 
     engine = EngineCore(model=str(tiny_qwen3_5_dir), force_model_takeover=True, **ENGINE_OPTIONS)
     try:
@@ -79,9 +79,9 @@ def test_rank_0_sizes_the_pools_for_the_rank_with_the_least_memory(tiny_qwen3_5_
     available, and rank 0's pool is what half of that holds."""
     from pp_driver import SMALL_MEMORY
 
-    from vllm_mlx.engine_core import EngineConfig
-    from vllm_mlx.kv_sizing import StateBudget
-    from vllm_mlx.kv_spec import blocks_for_bytes
+    from vllm_mlx.core.kv.sizing import StateBudget
+    from vllm_mlx.core.kv.spec import blocks_for_bytes
+    from vllm_mlx.engine.core import EngineConfig
 
     done = _launch_two_ranks(tiny_qwen3_5_dir, tmp_path / "pp", "memory")
     assert (tmp_path / "pp.rank1.json").exists(), done.output[-3000:]

@@ -1,4 +1,4 @@
-"""The prefill budget in cost units (vllm_mlx/prefill_budget.py) on the scheduler, without a model:
+"""The prefill budget in cost units (vllm_mlx/core/sched/prefill_budget.py) on the scheduler, without a model:
 the exact chunk sizes chosen at given context positions, the old policy at 0, and outputs that
 match the sequential reference whatever the chunks."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 from test_scheduler import FakeRunner, make_request, make_scheduler, reference_output, run_scheduler, step
 
-from vllm_mlx.prefill_budget import PrefillCost
+from vllm_mlx.core.sched.prefill_budget import PrefillCost
 
 
 def chunk_cost(n: int, p: int, attention_tokens: int) -> int:
@@ -90,7 +90,7 @@ def test_outputs_equal_the_sequential_reference_whatever_the_chunks(attention_to
 
 
 def test_engine_config_checks_the_option():
-    from vllm_mlx.engine_core import EngineConfig
+    from vllm_mlx.engine.core import EngineConfig
 
     for bad in (-1, 1.5, True, "1024"):
         with pytest.raises(ValueError, match="prefill_attention_tokens must be an int >= 0"):

@@ -7,7 +7,7 @@ import functools
 import pytest
 
 from vllm_mlx import SamplingParams
-from vllm_mlx.engine_core import EngineCore, kv_budget_bytes
+from vllm_mlx.engine.core import EngineCore, kv_budget_bytes
 from vllm_mlx.llm import LLM
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -154,7 +154,7 @@ def test_llm_accepts_cache_options(tiny_model_dir):
 
 
 def test_async_engine_exposes_snapshot_and_reset(tiny_model_dir):
-    from vllm_mlx.async_engine import AsyncEngineCore
+    from vllm_mlx.engine.async_engine import AsyncEngineCore
 
     with AsyncEngineCore(model=str(tiny_model_dir), block_size=4, force_model_takeover=True) as engine:
         prompt = token_block(0) + token_block(1) + [5]

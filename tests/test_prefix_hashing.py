@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_mlx.paged_cache import PagedCacheManager
-from vllm_mlx.prefix_cache import ROOT_HASH, compute_block_hashes, hash_block
+from vllm_mlx.core.kv.paged_cache import PagedCacheManager
+from vllm_mlx.core.kv.prefix_cache import ROOT_HASH, compute_block_hashes, hash_block
 
 
 def test_hash_is_deterministic_sha256_of_a_fixed_encoding():

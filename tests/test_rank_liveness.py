@@ -1,4 +1,4 @@
-"""Rank 0's liveness monitor (vllm_mlx/rank_liveness.py): a worker process that ends is reported
+"""Rank 0's liveness monitor (vllm_mlx/distributed/liveness.py): a worker process that ends is reported
 at once, by rank; strays and wrong tokens are ignored; nothing is reported after ``close``.
 Real sockets on 127.0.0.1 and a real child process killed with SIGKILL."""
 
@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from vllm_mlx.rank_liveness import LivenessMonitor, connect_to_rank_zero, parse_hello, rank_zero_host
+from vllm_mlx.distributed.liveness import LivenessMonitor, connect_to_rank_zero, parse_hello, rank_zero_host
 
 
 class Reports:
@@ -30,7 +30,7 @@ def _worker_process(monitor: LivenessMonitor, rank: int) -> subprocess.Popen:
     address = json.dumps(monitor.address.to_dict())
     code = (
         "import json, sys, time\n"
-        "from vllm_mlx.rank_liveness import LivenessAddress, connect_to_rank_zero\n"
+        "from vllm_mlx.distributed.liveness import LivenessAddress, connect_to_rank_zero\n"
         f"link = connect_to_rank_zero(LivenessAddress.from_dict(json.loads({address!r})), {rank})\n"
         "print('connected' if link else 'failed', flush=True)\n"
         "time.sleep(60)\n"

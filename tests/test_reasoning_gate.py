@@ -15,7 +15,7 @@ import shutil
 import pytest
 
 from vllm_mlx import SamplingParams
-from vllm_mlx.engine_core import EngineCore
+from vllm_mlx.engine.core import EngineCore
 from vllm_mlx.structured import StructuredOutputsParams
 from vllm_mlx.structured.reasoning_gate import GatePhase, ReasoningGate, ThinkTokens
 

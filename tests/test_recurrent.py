@@ -29,12 +29,13 @@ from tiny_model import (
     build_tiny_llama,
 )
 
-from vllm_mlx import SamplingParams, model_runner
-from vllm_mlx.attention import RECURRENT_ARCHITECTURES, UnsupportedModelError, check_supported, layer_specs
-from vllm_mlx.engine_core import EngineCore, kv_bytes_per_token
-from vllm_mlx.kv_spec import FullAttentionSpec, RecurrentStateSpec
-from vllm_mlx.paged_cache import PagedCacheManager
-from vllm_mlx.state_pool import RecurrentLayerCache, StateArray, StateBatch, StateLayout, StatePool
+from vllm_mlx import SamplingParams
+from vllm_mlx.core.kv.paged_cache import PagedCacheManager
+from vllm_mlx.core.kv.spec import FullAttentionSpec, RecurrentStateSpec
+from vllm_mlx.engine.core import EngineCore, kv_bytes_per_token
+from vllm_mlx.executor import model_runner
+from vllm_mlx.executor.attention import RECURRENT_ARCHITECTURES, UnsupportedModelError, check_supported, layer_specs
+from vllm_mlx.executor.state_pool import RecurrentLayerCache, StateArray, StateBatch, StateLayout, StatePool
 
 ARCHS = {
     "lfm2": TINY_LFM2,

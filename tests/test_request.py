@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from vllm_mlx.request import (
+from vllm_mlx.core.request import (
     CompletionOutput,
     Request,
     RequestOutput,

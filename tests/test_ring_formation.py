@@ -1,4 +1,4 @@
-"""Forming the ranks' group (vllm_mlx/ring_formation.py), with real ranks on 127.0.0.1: a local
+"""Forming the ranks' group (vllm_mlx/distributed/ring_formation.py), with real ranks on 127.0.0.1: a local
 process that connects to a rank's port before its real neighbour does no longer ends the launch
 (the ring is formed again), and a process of another launch that joins the ring is refused by
 every rank, named as what it is."""
@@ -16,8 +16,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from vllm_mlx.rank_supervisor import ring_hostfile
-from vllm_mlx.ring_formation import LAUNCH_NONCE_ENV, foreign_message, nonce_hash
+from vllm_mlx.distributed.ring_formation import LAUNCH_NONCE_ENV, foreign_message, nonce_hash
+from vllm_mlx.distributed.supervisor import ring_hostfile
 
 TESTS = Path(__file__).parent
 DRIVER = TESTS / "ring_formation_driver.py"

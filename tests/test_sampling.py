@@ -1,4 +1,4 @@
-"""Batched per-request sampling (vllm_mlx.sampling) on real MLX."""
+"""Batched per-request sampling (vllm_mlx.executor.sampling) on real MLX."""
 
 import time
 
@@ -6,9 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from vllm_mlx.request import SamplingParams
-from vllm_mlx import sampling
-from vllm_mlx.sampling import SamplingRow, apply_filters, apply_penalties, row_seed, sample
+from vllm_mlx.core.request import SamplingParams
+from vllm_mlx.executor import sampling
+from vllm_mlx.executor.sampling import SamplingRow, apply_filters, apply_penalties, row_seed, sample
 
 V = 50
 PROBS = np.array([0.4, 0.3, 0.15, 0.1, 0.05])

@@ -15,9 +15,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from vllm_mlx.paged_cache import PagedCacheManager
-from vllm_mlx.request import Request, RequestStatus, SamplingParams
-from vllm_mlx.scheduler import (
+from vllm_mlx.core.kv.paged_cache import PagedCacheManager
+from vllm_mlx.core.request import Request, RequestStatus, SamplingParams
+from vllm_mlx.core.sched.scheduler import (
     ModelRunnerOutput,
     Scheduler,
     SchedulerConfig,

@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from vllm_mlx import SamplingParams  # noqa: E402
-from vllm_mlx.async_engine import AsyncEngineCore  # noqa: E402
+from vllm_mlx.engine.async_engine import AsyncEngineCore  # noqa: E402
 from vllm_mlx.entrypoints.cli import build_parser  # noqa: E402
 from vllm_mlx.entrypoints.openai.server import build_app  # noqa: E402
 from vllm_mlx.entrypoints.openai.serving import ServingOptions  # noqa: E402

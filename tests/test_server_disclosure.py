@@ -25,12 +25,12 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from cache_observer import after_guess, differences, wait_idle  # noqa: E402
 from live_server import LiveServer  # noqa: E402
 
-from vllm_mlx.async_engine import AsyncEngineCore  # noqa: E402
+from vllm_mlx.core.kv.tenant_stats import TenantCacheCounters, tenant_label  # noqa: E402
+from vllm_mlx.core.request import SamplingParams  # noqa: E402
+from vllm_mlx.engine.async_engine import AsyncEngineCore  # noqa: E402
 from vllm_mlx.entrypoints.cli import build_parser  # noqa: E402
 from vllm_mlx.entrypoints.openai.server import build_app, summarize_snapshot  # noqa: E402
 from vllm_mlx.entrypoints.openai.serving import ServingOptions  # noqa: E402
-from vllm_mlx.request import SamplingParams  # noqa: E402
-from vllm_mlx.tenant_stats import TenantCacheCounters, tenant_label  # noqa: E402
 
 BLOCK = 16
 KEY = "sk-disclosure"

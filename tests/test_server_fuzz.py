@@ -31,7 +31,7 @@ httpx = pytest.importorskip("httpx")
 from cache_observer import after_guess, differences  # noqa: E402
 from live_server import LiveServer, raw_request, read_response  # noqa: E402
 
-from vllm_mlx.async_engine import AsyncEngineCore  # noqa: E402
+from vllm_mlx.engine.async_engine import AsyncEngineCore  # noqa: E402
 from vllm_mlx.entrypoints.openai.middleware import OPEN_PATHS  # noqa: E402
 from vllm_mlx.entrypoints.openai.server import build_app  # noqa: E402
 

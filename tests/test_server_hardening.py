@@ -19,10 +19,10 @@ httpx = pytest.importorskip("httpx")
 
 from live_server import LiveServer  # noqa: E402
 
-from vllm_mlx.async_engine import AsyncEngineCore  # noqa: E402
+from vllm_mlx.engine.async_engine import AsyncEngineCore  # noqa: E402
 from vllm_mlx.entrypoints.openai.server import build_app  # noqa: E402
 from vllm_mlx.entrypoints.openai.serving import ServingOptions  # noqa: E402
-from vllm_mlx.validation import RequestLimits  # noqa: E402
+from vllm_mlx.platform.validation import RequestLimits  # noqa: E402
 
 SECRET = "/private/secret/path"
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 6  # several full blocks

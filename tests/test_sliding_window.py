@@ -18,9 +18,9 @@ from oracles import mlx_lm_tokens
 from tiny_model import TINY_GEMMA3, TINY_GPT_OSS, build_tiny_llama
 
 from vllm_mlx import SamplingParams
-from vllm_mlx.attention import BatchLayout, KVPool, MLXAttentionBackend, RowSpec, layer_specs
-from vllm_mlx.engine_core import kv_bytes_per_token, kv_shape
-from vllm_mlx.kv_spec import FullAttentionSpec, LayerGroup, SlidingWindowSpec, group_layers
+from vllm_mlx.core.kv.spec import FullAttentionSpec, LayerGroup, SlidingWindowSpec, group_layers
+from vllm_mlx.engine.core import kv_bytes_per_token, kv_shape
+from vllm_mlx.executor.attention import BatchLayout, KVPool, MLXAttentionBackend, RowSpec, layer_specs
 
 WINDOW = 8
 ARCHS = {
@@ -241,7 +241,7 @@ def test_layout_writes_then_reads_the_window_through_the_pool():
 def test_chunked_attention_is_refused_saying_what_it_would_need():
     from mlx_lm.models.cache import ChunkedKVCache, KVCache
 
-    from vllm_mlx.attention import UnsupportedModelError
+    from vllm_mlx.executor.attention import UnsupportedModelError
 
     class Llama4Caches:  # only make_cache() is asked: Llama 4's cache layout, three chunked to one full
         model_type = "llama4"

@@ -22,10 +22,10 @@ httpx = pytest.importorskip("httpx")
 
 from live_server import LiveServer, raw_request, read_response  # noqa: E402
 
-from vllm_mlx.async_engine import AsyncEngineCore  # noqa: E402
+from vllm_mlx.core.request import RequestOutput  # noqa: E402
+from vllm_mlx.engine.async_engine import AsyncEngineCore  # noqa: E402
 from vllm_mlx.entrypoints.openai.server import build_app  # noqa: E402
 from vllm_mlx.entrypoints.openai.serving import ServingOptions  # noqa: E402
-from vllm_mlx.request import RequestOutput  # noqa: E402
 
 N = 16
 MAX_TOKENS = 1900  # far more steps than any check below waits for: the request is still running

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_mlx.paged_cache import PagedCacheManager
-from vllm_mlx.state_checkpoints import StateCheckpoints
+from vllm_mlx.core.kv.checkpoints import StateCheckpoints
+from vllm_mlx.core.kv.paged_cache import PagedCacheManager
 
 
 def publish_key(checkpoints: StateCheckpoints, request_id: str, key: bytes, moving: bool = False) -> int:
@@ -118,7 +118,7 @@ def test_a_failed_step_frees_its_reserved_checkpoint_and_without_caching_none_is
 
 @pytest.mark.parametrize("value", [-1, 2.5, "8", True])
 def test_a_bad_max_state_checkpoints_is_refused_naming_the_option(value):
-    from vllm_mlx.engine_core import EngineConfig
+    from vllm_mlx.engine.core import EngineConfig
 
     with pytest.raises(ValueError, match="max_state_checkpoints must be an int >= 0"):
         EngineConfig(max_state_checkpoints=value).normalize()

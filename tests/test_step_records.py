@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from vllm_mlx import SamplingParams
-from vllm_mlx.engine_core import EngineCore
-from vllm_mlx.outputs import StepRecord
+from vllm_mlx.core.outputs import StepRecord
+from vllm_mlx.engine.core import EngineCore
 
 BUDGET = 8  # max_num_batched_tokens: a 20-token prompt takes three steps
 PREFIX = list(range(100, 116))  # four blocks of 4 tokens

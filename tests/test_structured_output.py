@@ -24,10 +24,10 @@ from hypothesis import strategies as st
 
 from factories import run_to_end
 from vllm_mlx import SamplingParams
-from vllm_mlx.engine_core import EngineCore
+from vllm_mlx.engine.core import EngineCore
+from vllm_mlx.executor.bitmask import StepMasks
 from vllm_mlx.llm import LLM
 from vllm_mlx.structured import StructuredOutputsParams
-from vllm_mlx.structured.bitmask import StepMasks
 from vllm_mlx.structured.grammar import ConstraintError, GrammarCompiler, close_objects
 from vllm_mlx.structured.matcher import ERROR_PREFIX, RequestConstraint
 
@@ -183,15 +183,15 @@ import mlx.core as mx
 import numpy as np
 
 def importer():
-    from vllm_mlx.structured import bitmask  # noqa: F401
-    from vllm_mlx.mlx_threads import clear_thread_streams
+    from vllm_mlx.executor import bitmask  # noqa: F401
+    from vllm_mlx.platform.threads import clear_thread_streams
     mx.eval(mx.zeros(1))
     clear_thread_streams()
 
 thread = threading.Thread(target=importer)
 thread.start()
 thread.join()
-from vllm_mlx.structured.bitmask import RowMask, StepMasks
+from vllm_mlx.executor.bitmask import RowMask, StepMasks
 masks = StepMasks([RowMask(0, None, force_token=2)], np.full((1, 1), 0b101, dtype=np.int32), {})
 out = masks.apply(mx.zeros((1, 32)))
 mx.eval(out)

@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
 import jsonschema  # noqa: E402
 
-from vllm_mlx.async_engine import AsyncEngineCore  # noqa: E402
+from vllm_mlx.engine.async_engine import AsyncEngineCore  # noqa: E402
 from vllm_mlx.entrypoints.openai.server import build_app  # noqa: E402
 from live_server import LiveServer  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism (vllm_mlx/distributed.py): the step protocol is plain data, models that
+"""Tensor parallelism (vllm_mlx/distributed/tensor_parallel.py): the step protocol is plain data, models that
 cannot be split are refused, and two ranks on 127.0.0.1 (ring backend) produce the greedy tokens
 of the single-process engine through chunked prefill, prefix-cache hits and preemption, for a
 llama and for gpt_oss (sliding windows, attention sinks, experts)."""
@@ -15,7 +15,10 @@ import pytest
 from tiny_model import TINY_GPT_OSS, build_tiny_llama
 from tp_driver import launch_two_ranks
 
-from vllm_mlx.distributed import (
+from vllm_mlx.core.outputs import ScheduledRequest, SchedulerOutput
+from vllm_mlx.core.request import Request, RequestStatus, SamplingParams
+from vllm_mlx.distributed.launch import LaunchResult
+from vllm_mlx.distributed.tensor_parallel import (
     NewRequest,
     StepEncoder,
     StepMessage,
@@ -25,9 +28,6 @@ from vllm_mlx.distributed import (
     row_tables,
     sampling_dict,
 )
-from vllm_mlx.outputs import ScheduledRequest, SchedulerOutput
-from vllm_mlx.request import Request, RequestStatus, SamplingParams
-from vllm_mlx.ring_launch import LaunchResult
 
 
 
@@ -135,7 +135,7 @@ def test_architectures_without_shard_are_refused():
 
 
 def test_engine_outside_a_launch_says_how_to_launch():
-    from vllm_mlx.engine_core import EngineCore
+    from vllm_mlx.engine.core import EngineCore
 
     with pytest.raises(TensorParallelError, match="mlx.launch -n 2"):
         EngineCore(model="unused: refused before loading", tensor_parallel=True)
@@ -173,7 +173,7 @@ def single_process(model_dir: Path) -> dict:
     import mlx.core as mx
 
     from tp_driver import ENGINE_OPTIONS, run_batch
-    from vllm_mlx.engine_core import EngineCore
+    from vllm_mlx.engine.core import EngineCore
 
     if not mx.distributed.is_available():
         pytest.skip("mlx has no distributed backend")

@@ -1,4 +1,4 @@
-"""A tensor-parallel rank that dies or hangs (vllm_mlx/rank_watchdog.py, distributed.py): rank 0's
+"""A tensor-parallel rank that dies or hangs (vllm_mlx/distributed/watchdog.py, distributed.py): rank 0's
 server answers the waiting requests with a clear error within the timeout, ``/health`` says
 why, new requests are refused, and every process ends (two real ranks on 127.0.0.1); a rank
 that hangs at start-up ends every rank at the start-up deadline."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mlx.rank_watchdog import CollectiveWatchdog, RankLostError
+from vllm_mlx.distributed.watchdog import CollectiveWatchdog, RankLostError
 
 TESTS = Path(__file__).parent
 
@@ -40,7 +40,7 @@ def test_watchdog_thread_ends_on_close():
 
 
 def test_distributed_timeout_is_checked():
-    from vllm_mlx.engine_core import EngineConfig
+    from vllm_mlx.engine.core import EngineConfig
 
     for name in ("distributed_timeout_s", "distributed_startup_timeout_s"):
         for bad in (0, -1.0, "30", True):
@@ -104,7 +104,7 @@ def test_a_rank_lost_mid_generation_fails_the_waiting_requests(tiny_model_dir, t
 
 def test_a_rank_that_hangs_while_idle_is_found_by_the_heartbeat(tiny_model_dir, tmp_path):
 
-    from vllm_mlx.async_engine import HEARTBEAT_PERIOD_S
+    from vllm_mlx.engine.async_engine import HEARTBEAT_PERIOD_S
 
     result = _launch(tiny_model_dir, tmp_path, "idle-hang")
     assert result["health_after"]["status"] == 503 and "the idle heartbeat did not finish" in result["health_after"]["body"]
@@ -137,8 +137,8 @@ def test_a_sync_engine_without_a_handler_is_never_left_blocked():
 
     script = (
         "import threading, time\n"
-        "from vllm_mlx.engine_core import EngineCore\n"
-        "from vllm_mlx.rank_watchdog import CollectiveWatchdog\n"
+        "from vllm_mlx.engine.core import EngineCore\n"
+        "from vllm_mlx.distributed.watchdog import CollectiveWatchdog\n"
         "engine = EngineCore.__new__(EngineCore)\n"
         "engine.on_rank_lost, engine.rank_failure, engine._rank_failure_lock = None, None, threading.Lock()\n"
         "engine.watchdog = CollectiveWatchdog(0.3, engine._rank_hung, 2)\n"

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
-from vllm_mlx.token_bound import TokenBound, token_bound  # noqa: E402
+from vllm_mlx.engine.token_bound import TokenBound, token_bound  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def test_the_rendered_text_tokenizes_as_the_template_does(default_tokenizer):
     tokenizing (special tokens in the text included)."""
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-    from vllm_mlx.chat import template_text, template_token_ids
+    from vllm_mlx.engine.chat import template_text, template_token_ids
 
     messages = [
         {"role": "system", "content": "Be brief."},

@@ -21,7 +21,7 @@ import jsonschema  # noqa: E402
 
 from tool_models import HERMES_CALL, MODEL, SCHEMAS, TOOLS, WEATHER, openai_client, serving  # noqa: E402
 
-from vllm_mlx.chat import template_token_ids  # noqa: E402
+from vllm_mlx.engine.chat import template_token_ids  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

@@ -99,11 +99,11 @@ def test_vllm_selects_the_mlx_platform():
     from vllm.platforms import current_platform
 
     from vllm_mlx import MLXPlatform
-    from vllm_mlx.vllm_platform import register
+    from vllm_mlx.plugin.platform import register
 
     (plugin,) = [ep for ep in entry_points(group="vllm.platform_plugins") if ep.name == "mlx"]
-    assert plugin.value == "vllm_mlx.vllm_platform:register"
-    assert register() == "vllm_mlx.vllm_platform.MLXPlatform"
+    assert plugin.value == "vllm_mlx.plugin.platform:register"
+    assert register() == "vllm_mlx.plugin.platform.MLXPlatform"
     assert isinstance(current_platform, MLXPlatform)
     assert current_platform.is_out_of_tree()
 
@@ -180,7 +180,7 @@ def test_llm_generate_equals_our_engine(schedule, vllm_model_dir, prompts, expec
 
 
 def test_logprobs_and_refused_requests(vllm_model_dir, prompts):
-    from vllm_mlx.vllm_platform import UnsupportedVllmFeatureError
+    from vllm_mlx.plugin.platform import UnsupportedVllmFeatureError
 
     (ours,) = our_greedy(vllm_model_dir, prompts[1:2], 4, logprobs=3)
     llm = vllm.LLM(model=str(vllm_model_dir), kv_cache_memory_bytes=SMALL_KV, max_model_len=128)

@@ -34,8 +34,8 @@ pytest.importorskip("mlx_vlm", reason="mlx-vlm (the `vlm` extra) is not installe
 from test_multimodal import mlx_vlm_greedy, picture, run_prompts, tokens
 
 from vllm_mlx import EngineCore
-from vllm_mlx.attention import UnsupportedModelError
-from vllm_mlx.kv_spec import FullAttentionSpec, SlidingWindowSpec
+from vllm_mlx.core.kv.spec import FullAttentionSpec, SlidingWindowSpec
+from vllm_mlx.executor.attention import UnsupportedModelError
 
 PLACEHOLDER = {
     "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",

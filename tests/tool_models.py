@@ -116,7 +116,7 @@ def with_template(src, dst, template: str):
 def serving(model_dir, **app_options):
     """A started engine on ``model_dir`` and a live server for it (``live_app``), as
     ``(engine, live)``; both stopped on leaving."""
-    from vllm_mlx.async_engine import AsyncEngineCore
+    from vllm_mlx.engine.async_engine import AsyncEngineCore
 
     engine = AsyncEngineCore(model=str(model_dir), max_num_seqs=8).start()
     live = live_app(engine, **app_options)

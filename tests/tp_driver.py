@@ -34,7 +34,7 @@ def run_batch(engine) -> dict:
     """Staggered arrivals (one every third step), run to the end: greedy tokens per prompt, the
     steps' preemptions, prefix hits and prefill chunks, and the KV cache's block groups (plain
     data)."""
-    from vllm_mlx.request import SamplingParams
+    from vllm_mlx.core.request import SamplingParams
 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     ids, final = [], {}
@@ -66,7 +66,7 @@ def launch_two_ranks(model_dir: Path, out_prefix: Path, *args: str, driver: Path
     import mlx.core as mx
     import pytest
 
-    from vllm_mlx.ring_launch import LaunchError, launch_ring
+    from vllm_mlx.distributed.launch import LaunchError, launch_ring
 
     if not mx.distributed.is_available():
         pytest.skip("mlx has no distributed backend")
@@ -87,7 +87,7 @@ def poison_the_runner() -> None:
     """Make every step that runs the ``POISON`` request raise before its forward (alike on every
     rank, before any collective): rank 0 re-runs such a batch request by request, and so do the
     workers, from its messages."""
-    from vllm_mlx.model_runner import MLXModelRunner
+    from vllm_mlx.executor.model_runner import MLXModelRunner
 
     stock = MLXModelRunner.execute_model
 
@@ -126,8 +126,8 @@ def metered(engine):
     spot: the same arithmetic, evaluated in smaller pieces."""
     import mlx.core as mx
 
-    from vllm_mlx import distributed
-    from vllm_mlx.model_runner import group_for_padding
+    from vllm_mlx.distributed import tensor_parallel as distributed
+    from vllm_mlx.executor.model_runner import group_for_padding
 
     steps: list[MeasuredStep] = []
     stock_sum, stock_send, runner = mx.distributed.all_sum, distributed.send_message, engine.runner
@@ -162,7 +162,7 @@ def metered(engine):
 def measure_traffic(engine) -> list[dict]:
     """``TRAFFIC_PROMPTS`` run to the end (greedy, 6 tokens each): one ``MeasuredStep`` per step
     that ran a forward."""
-    from vllm_mlx.request import SamplingParams
+    from vllm_mlx.core.request import SamplingParams
 
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     for i, prompt in enumerate(TRAFFIC_PROMPTS):
@@ -175,7 +175,7 @@ def measure_traffic(engine) -> list[dict]:
 
 
 def main(model_dir: str, out_prefix: str, mode: str = "") -> None:
-    from vllm_mlx.distributed import TensorParallelError, init_group
+    from vllm_mlx.distributed.tensor_parallel import TensorParallelError, init_group
 
     if mode == "poison":
         poison_the_runner()
@@ -191,10 +191,10 @@ def main(model_dir: str, out_prefix: str, mode: str = "") -> None:
 
 
 def run_rank(group, model_dir: str, out: Path, mode: str = "") -> None:
-    from vllm_mlx.distributed import worker_loop
+    from vllm_mlx.distributed.tensor_parallel import worker_loop
 
     if group.rank() == 0:
-        from vllm_mlx.engine_core import EngineCore
+        from vllm_mlx.engine.core import EngineCore
 
         options = TRAFFIC_OPTIONS if mode == "traffic" else ENGINE_OPTIONS
         engine = EngineCore(model=model_dir, tensor_parallel=True, force_model_takeover=True, **options)

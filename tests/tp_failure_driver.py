@@ -37,7 +37,7 @@ FAIL_AT = 4  # rank 1 fails at its 4th step once every request has arrived
 
 def sabotage_worker(mode: str, pid_file: Path) -> None:
     """Make rank 1 die or stop where ``mode`` says (it writes its pid first)."""
-    from vllm_mlx.distributed import Worker
+    from vllm_mlx.distributed.tensor_parallel import Worker
 
     action = signal.SIGKILL if mode == "die" else signal.SIGSTOP
     stock_step = Worker._step
@@ -58,7 +58,7 @@ def sabotage_worker(mode: str, pid_file: Path) -> None:
 
     Worker._step = step
     if mode == "idle-hang":
-        from vllm_mlx import distributed
+        from vllm_mlx.distributed import tensor_parallel as distributed
 
         stock_receive = distributed.receive_message
 
@@ -99,7 +99,7 @@ def serve_and_watch(model_dir: str, mode: str) -> dict:
     import openai
     from live_server import LiveServer
 
-    from vllm_mlx.async_engine import AsyncEngineCore
+    from vllm_mlx.engine.async_engine import AsyncEngineCore
     from vllm_mlx.entrypoints.openai.server import build_app
 
     warm_up = mode != "idle-hang"  # idle-hang: rank 1 stops at the first idle heartbeat, no request ever runs
@@ -163,8 +163,8 @@ def hang_at_startup(group, model_dir: str, out_prefix: str) -> None:
     start-up deadline of ``STARTUP_TIMEOUT_S``; rank 1's model load never returns. Neither call
     can return: each rank's deadline ends its process (exit status 1)."""
     from vllm_mlx import models
-    from vllm_mlx.distributed import worker_loop
-    from vllm_mlx.engine_core import EngineCore
+    from vllm_mlx.distributed.tensor_parallel import worker_loop
+    from vllm_mlx.engine.core import EngineCore
 
     Path(f"{out_prefix}.rank{group.rank()}.pid").write_text(str(os.getpid()))
     if group.rank() == 0:
@@ -177,7 +177,7 @@ def hang_at_startup(group, model_dir: str, out_prefix: str) -> None:
 
 
 def main(model_dir: str, out_prefix: str, mode: str) -> None:
-    from vllm_mlx.distributed import init_group, worker_loop
+    from vllm_mlx.distributed.tensor_parallel import init_group, worker_loop
 
     pid_file = Path(f"{out_prefix}.rank1.pid")
     group = init_group()

@@ -19,7 +19,7 @@ import importlib
 
 # First, before any submodule can import mlx: let an optimised BLAS serve MLX's CPU matmuls
 # (Linux only; VLLM_MLX_FAST_BLAS=0 turns it off). Imports neither mlx nor numpy.
-from vllm_mlx.cpu_backend import preload_fast_blas as _preload_fast_blas
+from vllm_mlx.platform.cpu_backend import preload_fast_blas as _preload_fast_blas
 
 _preload_fast_blas()
 
@@ -67,35 +67,35 @@ __all__ = [
 
 # Public name -> (submodule of vllm_mlx, attribute in that submodule).
 _EXPORTS: dict[str, tuple[str, str]] = {
-    "Request": ("request", "Request"),
-    "RequestOutput": ("request", "RequestOutput"),
-    "RequestStatus": ("request", "RequestStatus"),
-    "SamplingParams": ("request", "SamplingParams"),
-    "Scheduler": ("scheduler", "Scheduler"),
-    "SchedulerConfig": ("scheduler", "SchedulerConfig"),
-    "SchedulerOutput": ("scheduler", "SchedulerOutput"),
-    "EngineCore": ("engine_core", "EngineCore"),
-    "AsyncEngineCore": ("engine_core", "AsyncEngineCore"),
-    "EngineConfig": ("engine_core", "EngineConfig"),
-    "PrefixCacheManager": ("prefix_cache", "PrefixCacheManager"),
-    "PrefixCacheStats": ("prefix_cache", "PrefixCacheStats"),
-    "BlockAwarePrefixCache": ("prefix_cache", "BlockAwarePrefixCache"),
-    "PagedCacheManager": ("paged_cache", "PagedCacheManager"),
-    "CacheBlock": ("block_pool", "CacheBlock"),
-    "BlockTable": ("block_pool", "BlockTable"),
-    "CacheStats": ("paged_cache", "CacheStats"),
-    "MLLMCacheManager": ("mllm_cache", "MLLMCacheManager"),
-    "MLLMCacheStats": ("mllm_cache", "MLLMCacheStats"),
+    "Request": ("core.request", "Request"),
+    "RequestOutput": ("core.request", "RequestOutput"),
+    "RequestStatus": ("core.request", "RequestStatus"),
+    "SamplingParams": ("core.request", "SamplingParams"),
+    "Scheduler": ("core.sched.scheduler", "Scheduler"),
+    "SchedulerConfig": ("core.sched.scheduler", "SchedulerConfig"),
+    "SchedulerOutput": ("core.sched.scheduler", "SchedulerOutput"),
+    "EngineCore": ("engine.core", "EngineCore"),
+    "AsyncEngineCore": ("engine.async_engine", "AsyncEngineCore"),
+    "EngineConfig": ("engine.core", "EngineConfig"),
+    "PrefixCacheManager": ("core.kv.prefix_cache", "PrefixCacheManager"),
+    "PrefixCacheStats": ("core.kv.prefix_cache", "PrefixCacheStats"),
+    "BlockAwarePrefixCache": ("core.kv.prefix_cache", "BlockAwarePrefixCache"),
+    "PagedCacheManager": ("core.kv.paged_cache", "PagedCacheManager"),
+    "CacheBlock": ("core.kv.block_pool", "CacheBlock"),
+    "BlockTable": ("core.kv.block_pool", "BlockTable"),
+    "CacheStats": ("core.kv.paged_cache", "CacheStats"),
+    "MLLMCacheManager": ("multimodal.cache", "MLLMCacheManager"),
+    "MLLMCacheStats": ("multimodal.cache", "MLLMCacheStats"),
     # Legacy names kept for compatibility.
-    "VLMCacheManager": ("mllm_cache", "MLLMCacheManager"),
-    "VLMCacheStats": ("mllm_cache", "MLLMCacheStats"),
-    "get_registry": ("model_registry", "get_registry"),
-    "ModelOwnershipError": ("model_registry", "ModelOwnershipError"),
+    "VLMCacheManager": ("multimodal.cache", "MLLMCacheManager"),
+    "VLMCacheStats": ("multimodal.cache", "MLLMCacheStats"),
+    "get_registry": ("models.registry", "get_registry"),
+    "ModelOwnershipError": ("models.registry", "ModelOwnershipError"),
     # The vLLM platform plugin: torch and vllm are imported only by these two modules.
-    "MLXPlatform": ("vllm_platform", "MLXPlatform"),
-    "MLXWorker": ("worker", "MLXWorker"),
-    "MLXModelRunner": ("model_runner", "MLXModelRunner"),
-    "MLXAttentionBackend": ("attention", "MLXAttentionBackend"),
+    "MLXPlatform": ("plugin.platform", "MLXPlatform"),
+    "MLXWorker": ("plugin.worker", "MLXWorker"),
+    "MLXModelRunner": ("executor.model_runner", "MLXModelRunner"),
+    "MLXAttentionBackend": ("executor.attention", "MLXAttentionBackend"),
     # High-level offline API and vLLM-shaped helpers; not part of the seed's __all__.
     "LLM": ("llm", "LLM"),
     "StructuredOutputsParams": ("structured.params", "StructuredOutputsParams"),

@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from vllm_mlx.chat import split_chat_images, template_token_ids
 from vllm_mlx.config import EngineConfig
-from vllm_mlx.engine_core import EngineCore
-from vllm_mlx.request import RequestOutput, SamplingParams
+from vllm_mlx.core.request import RequestOutput, SamplingParams
+from vllm_mlx.engine.chat import split_chat_images, template_token_ids
+from vllm_mlx.engine.core import EngineCore
 from vllm_mlx.structured.response_format import ResponseFormat
 
 Prompt = str | list[int] | dict

@@ -59,7 +59,7 @@ def _format(flag: str, args, namespace: dict) -> ResponseFormat:
 def compile_check(engine, fmt: ResponseFormat) -> None:
     """Compile the constraint now (on this thread; the engine caches it by content for the
     request), so that a bad schema, regex or grammar is the cell's error, named."""
-    from vllm_mlx.request import SamplingParams
+    from vllm_mlx.core.request import SamplingParams
 
     try:
         engine.compile_constraint(SamplingParams(structured_outputs=fmt.params))

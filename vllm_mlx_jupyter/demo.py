@@ -17,7 +17,7 @@ SUMMARY_MARKER = "VLLM_MLX_DEMO_SUMMARY "
 
 SUMMARY_CELL = f"""
 import json
-from vllm_mlx.cpu_backend import reference_blas_warning
+from vllm_mlx.platform.cpu_backend import reference_blas_warning
 from vllm_mlx_jupyter import get_session
 _session = get_session()
 _records = _session.engine.call(lambda engine: list(engine.step_records))

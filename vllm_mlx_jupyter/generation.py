@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from vllm_mlx_jupyter.reading import OutputReader, Reading, with_server_parts
 
 if TYPE_CHECKING:
-    from vllm_mlx.input_processor import PreparedPrompt
+    from vllm_mlx.engine.input_processor import PreparedPrompt
     from vllm_mlx.tool_parsers import ToolCall
     from vllm_mlx_jupyter.token_view import TokenInfo, TokenLog
 

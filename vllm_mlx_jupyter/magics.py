@@ -19,7 +19,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 from traitlets import Bool, Dict, Enum, Float, Int, TraitError, Unicode, default, validate
 
-from vllm_mlx.cpu_backend import warn_reference_blas
+from vllm_mlx.platform.cpu_backend import warn_reference_blas
 from vllm_mlx_jupyter.constraints import compile_check, response_format, variable
 from vllm_mlx_jupyter.markup import as_float, as_int, escape
 from vllm_mlx_jupyter.prompt import interpolate
@@ -246,7 +246,7 @@ class GenerateMagics(Magics):
         return self.run_over(items, template, args, previous=resume, values=values)
 
     def _sampling_params(self, args, fmt):
-        from vllm_mlx.request import SamplingParams
+        from vllm_mlx.core.request import SamplingParams
 
         def pick(value, fallback):
             return fallback if value is None else value
@@ -293,7 +293,7 @@ class GenerateMagics(Magics):
         self._load(self.model, dict(self.engine_options))
 
     def _load(self, model: str, options: dict) -> None:
-        from vllm_mlx.errors import VllmMlxError
+        from vllm_mlx.platform.errors import VllmMlxError
 
         handle = display(_note("loading…"), raw=True, display_id=True)
         try:

@@ -247,7 +247,7 @@ class OverGeneration(LiveViews):
 
     def _submit(self, index: int, prompt):
         """Add row ``index``'s request; None when no more rows should start."""
-        from vllm_mlx.async_engine import EngineDeadError
+        from vllm_mlx.engine.async_engine import EngineDeadError
 
         with self._lock:
             if self._cancelled.is_set():

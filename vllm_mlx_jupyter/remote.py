@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from vllm_mlx.async_engine import EngineDeadError, RequestStream
+from vllm_mlx.engine.async_engine import EngineDeadError, RequestStream
 from vllm_mlx.tool_parsers.base import ToolCall
 from vllm_mlx_jupyter.markup import as_float, as_int
 from vllm_mlx_jupyter.server_view import numbers, snapshot_from_view
@@ -296,7 +296,7 @@ def _choice_changes(state: RemoteOutput, choice: dict) -> dict:
 
 def request_body(prompt, params, model: str) -> tuple[str, dict]:
     """(path, JSON body) of a streamed request; ``RemoteUnsupported`` for what cannot go."""
-    from vllm_mlx.request import SamplingParams
+    from vllm_mlx.core.request import SamplingParams
 
     if params.n != SamplingParams().n:
         raise RemoteUnsupported("n is not supported when connected to a server")
@@ -378,8 +378,8 @@ def remote_messages(messages: list[dict]) -> list[dict]:
 
 
 def image_data_url(source) -> str:
-    """``source`` loaded (``vllm_mlx.images.load_image``) and encoded as a PNG data URL."""
-    from vllm_mlx.images import load_image
+    """``source`` loaded (``vllm_mlx.multimodal.images.load_image``) and encoded as a PNG data URL."""
+    from vllm_mlx.multimodal.images import load_image
 
     buffer = io.BytesIO()
     load_image(source).save(buffer, format="PNG")

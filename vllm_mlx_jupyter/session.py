@@ -18,12 +18,12 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from vllm_mlx_jupyter.generation import PREFILLING, QUEUED, Generation
-from vllm_mlx.chat import split_chat_images, template_token_ids
-from vllm_mlx.cpu_backend import backend_summary
-from vllm_mlx.errors import ImageInputError
-from vllm_mlx_jupyter.prompt import ChatSession, user_content
+from vllm_mlx.engine.chat import split_chat_images, template_token_ids
+from vllm_mlx.platform.cpu_backend import backend_summary
+from vllm_mlx.platform.errors import ImageInputError
 from vllm_mlx.structured.response_format import ResponseFormat
+from vllm_mlx_jupyter.generation import PREFILLING, QUEUED, Generation
+from vllm_mlx_jupyter.prompt import ChatSession, user_content
 from vllm_mlx_jupyter.reading import OutputReader
 from vllm_mlx_jupyter.tools import ToolSet
 
@@ -67,8 +67,8 @@ class Session:
         ``options`` are ``EngineConfig`` fields. An interrupt while loading stops the half-made
         engine in the background and re-raises.
         """
-        from vllm_mlx.async_engine import AsyncEngineCore
         from vllm_mlx.config import EngineConfig
+        from vllm_mlx.engine.async_engine import AsyncEngineCore
 
         self.shutdown()
         options = dict(options or {})

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 import anywidget
 import traitlets
 
-from vllm_mlx.outputs import StepRecord
+from vllm_mlx.core.outputs import StepRecord
 from vllm_mlx_jupyter.inspector import PALETTE, STATIC, WidgetFallbacks, color_slot
 from vllm_mlx_jupyter.markup import as_float, as_int, escape
 

@@ -16,7 +16,7 @@ metadata). Everything else is read from there:
   prints them, ``--write docs/configuration.md`` puts them in place).
 
 Sizes (``512M``) and durations are parsed in ``options`` and nowhere else. Pure Python: no MLX,
-and no import of the engine (``vllm_mlx.engine_core`` re-exports ``EngineConfig`` from here).
+and no import of the engine (``vllm_mlx.engine.core`` re-exports ``EngineConfig`` from here).
 """
 from __future__ import annotations
 
@@ -37,14 +37,14 @@ from vllm_mlx.config.options import (
     options_of,
     parse_count,
 )
-from vllm_mlx.prefill_budget import DEFAULT_PREFILL_ATTENTION_TOKENS
-from vllm_mlx.rank_watchdog import DEFAULT_STARTUP_TIMEOUT_S
+from vllm_mlx.core.sched.prefill_budget import DEFAULT_PREFILL_ATTENTION_TOKENS
+from vllm_mlx.distributed.watchdog import DEFAULT_STARTUP_TIMEOUT_S
+from vllm_mlx.platform.validation import RequestLimits
 from vllm_mlx.structured.bounds import DEFAULT_MAX_CONSTRAINT_BOUND
-from vllm_mlx.validation import RequestLimits
 
 if TYPE_CHECKING:
-    from vllm_mlx.media_policy import MediaPolicy
-    from vllm_mlx.scheduler import SchedulerConfig
+    from vllm_mlx.core.sched.scheduler import SchedulerConfig
+    from vllm_mlx.multimodal.media_policy import MediaPolicy
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
 DEFAULT_MLLM_CACHE_MEMORY = 512 << 20  # 512 MiB
@@ -160,7 +160,7 @@ class EngineConfig:
     tensor_parallel: bool = option(
         False, surfaces=(NOTEBOOK,), help="split the model over the ranks of mx.distributed (this process: rank 0)",
         doc="split the model over the ranks of `mx.distributed`: this process must be rank 0 of ranks launched "
-        "with `mlx.launch`, the others run `vllm_mlx.distributed.worker_loop` with the same model and "
+        "with `mlx.launch`, the others run `vllm_mlx.distributed.tensor_parallel.worker_loop` with the same model and "
         "`weight_format` ([Distributed](distributed.md))",
     )  # fmt: skip
     pipeline_parallel: bool = option(
@@ -209,7 +209,7 @@ class EngineConfig:
 
     def scheduler_config(self, num_blocks: int, context_len: int | None) -> SchedulerConfig:
         """The scheduler's limits for a pool of ``num_blocks`` and a model context of ``context_len``."""
-        from vllm_mlx.scheduler import SchedulerConfig
+        from vllm_mlx.core.sched.scheduler import SchedulerConfig
 
         limits = [n for n in (self.max_model_len, context_len) if n]
         return SchedulerConfig(

@@ -28,15 +28,15 @@ from vllm_mlx.config.options import add_arguments, options_from_args
 
 def corpus_text() -> str:
     """Prompt material: English prose that ships with the package (its module docstrings)."""
-    import vllm_mlx.async_engine
-    import vllm_mlx.attention
-    import vllm_mlx.engine_core
-    import vllm_mlx.model_runner
+    import vllm_mlx.core.kv.paged_cache
+    import vllm_mlx.engine.async_engine
+    import vllm_mlx.engine.core
+    import vllm_mlx.executor.attention
+    import vllm_mlx.executor.model_runner
     import vllm_mlx.models.gguf
-    import vllm_mlx.paged_cache
 
-    modules = [vllm_mlx.attention, vllm_mlx.async_engine, vllm_mlx.engine_core, vllm_mlx.model_runner,
-               vllm_mlx.models.gguf, vllm_mlx.paged_cache]  # fmt: skip
+    modules = [vllm_mlx.executor.attention, vllm_mlx.engine.async_engine, vllm_mlx.engine.core, vllm_mlx.executor.model_runner,
+               vllm_mlx.models.gguf, vllm_mlx.core.kv.paged_cache]  # fmt: skip
     return "\n\n".join(m.__doc__ for m in modules)
 
 
@@ -72,7 +72,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def run_ours(args, prompts, arrivals) -> dict:
     from vllm_mlx import SamplingParams
-    from vllm_mlx.engine_core import EngineCore
+    from vllm_mlx.engine.core import EngineCore
 
     engine = EngineCore(**options_from_args(args, EngineConfig, BENCH))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
@@ -103,8 +103,8 @@ def run_mlx_lm(args, prompts, arrivals) -> dict:
     import mlx_lm
     from mlx_lm.generate import BatchGenerator
 
-    from vllm_mlx.cpu_backend import choose_weight_format, prepare_model_weights
     from vllm_mlx.models import resolve_model
+    from vllm_mlx.platform.cpu_backend import choose_weight_format, prepare_model_weights
 
     model, _ = mlx_lm.load(str(resolve_model(args.model)))
     weight_format = prepare_model_weights(model, choose_weight_format(args.weight_format))

@@ -16,7 +16,7 @@ from vllm_mlx.config.options import add_arguments, argparse_type, options_from_a
 from vllm_mlx.config.options import parse_bytes as _parse_bytes
 from vllm_mlx.config.options import parse_memory as _parse_memory
 from vllm_mlx.entrypoints.openai.cli_args import add_serve_arguments, serve_engine_options
-from vllm_mlx.errors import VllmMlxError
+from vllm_mlx.platform.errors import VllmMlxError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,8 +86,8 @@ parse_bytes = argparse_type(_parse_bytes)
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from vllm_mlx.core.request import SamplingParams
     from vllm_mlx.llm import LLM
-    from vllm_mlx.request import SamplingParams
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -118,7 +118,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def _say_backend(weight_format: str | None) -> None:
     """One line on stderr (stdout keeps the answers): device, BLAS and weights; and once, the
     fix when MLX runs on its reference BLAS."""
-    from vllm_mlx.cpu_backend import backend_summary, warn_reference_blas
+    from vllm_mlx.platform.cpu_backend import backend_summary, warn_reference_blas
 
     print(f"vllm-mlx: {backend_summary(weight_format)}", file=sys.stderr, flush=True)
     warn_reference_blas()
@@ -195,7 +195,7 @@ def run_models(args: argparse.Namespace) -> int:
 
 def run_supported(names: list[str]) -> int:
     """``models --supported``: the whole (cached) classification, or just ``names``."""
-    from vllm_mlx import model_support as support
+    from vllm_mlx.models import support
 
     if not names:
         print(support.format_table(support.all_architectures(progress=support.progress_bar())))

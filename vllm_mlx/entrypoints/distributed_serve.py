@@ -22,8 +22,8 @@ import argparse
 import signal
 import sys
 
-from vllm_mlx.distributed import TensorParallelError, check_heads_divide, init_group, worker_loop
-from vllm_mlx.rank_supervisor import RankGroup, supervise, watch_supervisor
+from vllm_mlx.distributed.supervisor import RankGroup, supervise, watch_supervisor
+from vllm_mlx.distributed.tensor_parallel import TensorParallelError, check_heads_divide, init_group, worker_loop
 
 HOW_TO_LAUNCH = (
     "--distributed: this process is not a rank of a launch of 2 or more; start every rank with "
@@ -91,7 +91,7 @@ def check_model_splits(model: str, size: int, trust_remote_code: bool, pipeline:
     import json
 
     from vllm_mlx.models import resolve_model
-    from vllm_mlx.vlm_models import is_vision_language_config
+    from vllm_mlx.multimodal.vlm_models import is_vision_language_config
 
     path = resolve_model(model, trust_remote_code)
     config_file = path / "config.json" if path.is_dir() else None

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
 
-from vllm_mlx.validation import unencodable_path
+from vllm_mlx.platform.validation import unencodable_path
 
 UNENCODABLE = "unencodable_string"
 """The pydantic error type of a string that is not valid Unicode (``ctx["path"]`` names it)."""

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_mlx.errors import ModelSourceError
 from vllm_mlx.models.default import DEFAULT_MODEL_ALIASES, prepare_default_model
 from vllm_mlx.models.hub import looks_like_repo_id, resolve_repo
 from vllm_mlx.models.store import CachedModel, cache_root, list_cached_models, models_dir
 from vllm_mlx.models.trust import check_model_code
+from vllm_mlx.platform.errors import ModelSourceError
 
 __all__ = [
     "CachedModel",
@@ -58,7 +58,7 @@ class LoadedModel:
     """A model with its tokenizer wrapper, config and the directory it came from.
 
     ``model`` is an mlx-lm model, or for a vision-language model the
-    ``vllm_mlx.vlm_models.VisionLanguageModel`` adapter around the mlx-vlm model (then
+    ``vllm_mlx.multimodal.vlm_models.VisionLanguageModel`` adapter around the mlx-vlm model (then
     ``vision`` is that same adapter; it is None for text models).
     """
 
@@ -83,7 +83,7 @@ def load_model(source: str | Path, trust_remote_code: bool = False) -> LoadedMod
     check_model_code(path, trust_remote_code)
     config = _read_config(path)
     if config is not None:
-        from vllm_mlx.vlm_models import is_vision_language_config
+        from vllm_mlx.multimodal.vlm_models import is_vision_language_config
 
         if is_vision_language_config(config):
             return _load_vision_language_model(path, config, trust_remote_code)
@@ -109,7 +109,7 @@ def _read_config(path: Path) -> dict | None:
 def _load_vision_language_model(path: Path, config: dict, trust_remote_code: bool) -> LoadedModel:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-    from vllm_mlx.vlm_models import load_vision_language_model
+    from vllm_mlx.multimodal.vlm_models import load_vision_language_model
 
     vision = load_vision_language_model(path, config, trust_remote_code)
     eos = config.get("eos_token_id", config.get("text_config", {}).get("eos_token_id"))

@@ -15,9 +15,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from vllm_mlx.errors import ModelSourceError
 from vllm_mlx.models.gguf import convert_gguf, file_sha256
 from vllm_mlx.models.store import MANIFEST, cache_root, models_dir
+from vllm_mlx.platform.errors import ModelSourceError
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_MODEL_ALIASES = ("default", DEFAULT_MODEL_NAME)

@@ -11,7 +11,7 @@ import os
 import struct
 from pathlib import Path
 
-from vllm_mlx.errors import ModelSourceError
+from vllm_mlx.platform.errors import ModelSourceError
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from vllm_mlx.errors import ModelSourceError
+from vllm_mlx.platform.errors import ModelSourceError
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4

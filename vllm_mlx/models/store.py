@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_mlx.errors import ModelSourceError
+from vllm_mlx.platform.errors import ModelSourceError
 
 #: Name of the file we write last into every prepared model directory.
 MANIFEST = "vllm_mlx_model.json"

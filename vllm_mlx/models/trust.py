@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from vllm_mlx.errors import ModelSourceError
+from vllm_mlx.platform.errors import ModelSourceError
 
 __all__ = ["CODE_KEYS", "CONFIG_FILES", "check_model_code", "named_code"]
 

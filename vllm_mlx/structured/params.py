@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-from vllm_mlx.validation import check_encodable
+from vllm_mlx.platform.validation import check_encodable
 
 CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 """The fields of which exactly one is set."""

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 
 from pydantic import ValidationError
 
-from vllm_mlx.input_processor import PreparedPrompt
+from vllm_mlx.engine.input_processor import PreparedPrompt
 from vllm_mlx.entrypoints.anthropic.protocol import (
     ContentBlock,
     CountTokensResponse,

@@ -15,7 +15,7 @@ blocks, as if no block were shared. The block grid is that count of ``u`` after 
 then ``f`` (``public_block_states``): lengths to the nearest block, no positions.
 
 Disclosed, the engine's stats go out as they are; the per-tenant counters
-(``stats["prefix_cache_tenants"]``, see ``vllm_mlx/tenant_stats.py``) only with ``per_tenant``
+(``stats["prefix_cache_tenants"]``, see ``vllm_mlx/core/kv/tenant_stats.py``) only with ``per_tenant``
 (``--enable-cache-stats-disclosure``), since they also tell of other tenants' traffic.
 """
 

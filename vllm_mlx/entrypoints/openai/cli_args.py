@@ -16,8 +16,8 @@ from vllm_mlx.config.options import (
     parse_count,
 )
 from vllm_mlx.entrypoints.openai import DEFAULT_MAX_BODY_BYTES
-from vllm_mlx.media_policy import SERVER_MAX_IMAGES, SERVER_MAX_PIXELS, MediaPolicy, parse_limit_mm_per_prompt
-from vllm_mlx.validation import RequestLimits
+from vllm_mlx.multimodal.media_policy import SERVER_MAX_IMAGES, SERVER_MAX_PIXELS, MediaPolicy, parse_limit_mm_per_prompt
+from vllm_mlx.platform.validation import RequestLimits
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser, parse_bytes) -> None:

@@ -30,9 +30,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_mlx import __version__
-from vllm_mlx.async_engine import AsyncEngineCore, EngineDeadError
-from vllm_mlx.cpu_backend import backend_summary, warn_reference_blas
 from vllm_mlx.config import EngineConfig
+from vllm_mlx.distributed.watchdog import RankLostError
+from vllm_mlx.engine.async_engine import AsyncEngineCore, EngineDeadError
 from vllm_mlx.entrypoints.anthropic.protocol import MessagesInput, MessagesRequest, error_body, is_messages_path
 from vllm_mlx.entrypoints.anthropic.serving import AnthropicServing
 from vllm_mlx.entrypoints.openai.cache_blocks import block_view
@@ -52,11 +52,11 @@ from vllm_mlx.entrypoints.openai.serving import (
 from vllm_mlx.entrypoints.openai.serving_chat import ChatServing
 from vllm_mlx.entrypoints.openai.serving_completion import CompletionServing
 from vllm_mlx.entrypoints.openai.serving_responses import ResponsesServing
+from vllm_mlx.entrypoints.openai.sse_response import SSEResponse
 from vllm_mlx.entrypoints.openai.tokenize_pool import TokenizePool
 from vllm_mlx.entrypoints.request_model import UNENCODABLE
-from vllm_mlx.entrypoints.openai.sse_response import SSEResponse
-from vllm_mlx.media_policy import MediaPolicy
-from vllm_mlx.rank_watchdog import RankLostError
+from vllm_mlx.multimodal.media_policy import MediaPolicy
+from vllm_mlx.platform.cpu_backend import backend_summary, warn_reference_blas
 
 logger = logging.getLogger(__name__)
 

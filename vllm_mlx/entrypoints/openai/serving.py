@@ -21,19 +21,19 @@ from functools import lru_cache
 
 from pydantic import BaseModel
 
-from vllm_mlx.async_engine import AsyncEngineCore, EngineDeadError, RequestStream
 from vllm_mlx.config import ServingOptions  # noqa: F401 (re-exported: the server's options, declared in config)
+from vllm_mlx.core.request import RequestOutput, SamplingParams
+from vllm_mlx.distributed.watchdog import RankLostError
+from vllm_mlx.engine.async_engine import AsyncEngineCore, EngineDeadError, RequestStream
+from vllm_mlx.engine.input_processor import PreparedPrompt
+from vllm_mlx.engine.token_bound import TokenBound, token_bound
 from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
 from vllm_mlx.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from vllm_mlx.entrypoints.openai.tokenize_pool import TokenizePool
-from vllm_mlx.input_processor import PreparedPrompt
-from vllm_mlx.rank_watchdog import RankLostError
-from vllm_mlx.request import RequestOutput, SamplingParams
+from vllm_mlx.platform.validation import LimitExceeded
 from vllm_mlx.structured.grammar import CompiledGrammar, ConstraintError, ConstraintTooLarge
 from vllm_mlx.structured.matcher import ERROR_PREFIX as CONSTRAINT_ERROR_PREFIX
 from vllm_mlx.structured.params import StructuredOutputsParams
-from vllm_mlx.token_bound import TokenBound, token_bound
-from vllm_mlx.validation import LimitExceeded
 
 DISCONNECT_POLL_S = 0.25
 ENGINE_DEAD_MESSAGE = "The engine is not running; see the server log."

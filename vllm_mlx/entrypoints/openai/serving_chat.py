@@ -22,7 +22,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from vllm_mlx.chat import ChatPrompt, split_chat_images, template_text
+from vllm_mlx.core.request import CompletionOutput
+from vllm_mlx.engine.chat import ChatPrompt, split_chat_images, template_text
+from vllm_mlx.engine.input_processor import PreparedPrompt
 from vllm_mlx.entrypoints.openai.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -47,9 +49,7 @@ from vllm_mlx.entrypoints.openai.serving import (
     sse_error,
     top_entries,
 )
-from vllm_mlx.input_processor import PreparedPrompt
-from vllm_mlx.media_policy import MediaPolicy
-from vllm_mlx.request import CompletionOutput
+from vllm_mlx.multimodal.media_policy import MediaPolicy
 from vllm_mlx.tool_parsers.chat_output import (
     ChatDelta,
     ChatOutputParser,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
+from vllm_mlx.core.request import CompletionOutput
 from vllm_mlx.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -19,7 +20,6 @@ from vllm_mlx.entrypoints.openai.protocol import (
     CompletionResponse,
 )
 from vllm_mlx.entrypoints.openai.serving import OpenAIError, OpenAIServing, new_id, sse, sse_error
-from vllm_mlx.request import CompletionOutput
 
 
 class CompletionServing(OpenAIServing):

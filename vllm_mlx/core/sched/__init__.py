@@ -1,0 +1,1 @@
+"""Scheduling: which requests run this step, the waiting queue, the prefill budget."""

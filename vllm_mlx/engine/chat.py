@@ -1,0 +1,120 @@
+"""OpenAI-style chat messages -> what a chat template renders, plus the images, in order.
+
+A message's ``content`` is a string or a list of parts. Parts are ``{"type": "text", "text": ...}``,
+OpenAI's ``{"type": "image_url", "image_url": {"url": ...}}`` (or ``"image_url": "..."``), or the
+Hugging Face / vLLM style ``{"type": "image", "image": <path, bytes, URL or PIL image>}``.
+
+Templates of vision-language models place an image wherever a ``{"type": "image"}`` part sits;
+templates of text models expect string content. So image parts become ``{"type": "image"}``
+(the image itself goes to the list returned beside the messages), and a message without images
+has its text parts joined into one string, which every template accepts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from vllm_mlx.multimodal.images import ImageSource
+
+__all__ = ["ChatPrompt", "split_chat_images", "template_text", "template_token_ids"]
+
+
+@dataclass
+class ChatPrompt:
+    """Messages ready for a chat template, and the images their image parts stood for."""
+
+    messages: list[dict]
+    images: list[ImageSource] = field(default_factory=list)
+
+
+def split_chat_images(messages: list[dict]) -> ChatPrompt:
+    """Take the images out of ``messages`` (in order) and normalise the content parts.
+
+    Raises:
+        ValueError: A content part of an unknown type, or an image part without an image.
+    """
+    images: list[ImageSource] = []
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = [_template_part(part, images) for part in content]
+            if all(p["type"] == "text" for p in parts):
+                content = "\n".join(p["text"] for p in parts)
+            else:
+                content = parts
+        out.append({**message, "content": content if content is not None else ""})
+    return ChatPrompt(out, images)
+
+
+def _template_part(part: dict, images: list[ImageSource]) -> dict:
+    kind = part.get("type")
+    if kind == "text":
+        return {"type": "text", "text": str(part.get("text", ""))}
+    if kind == "image_url":
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not url:
+            raise ValueError("an image_url content part needs a url")
+        images.append(url)
+        return {"type": "image"}
+    if kind == "image":
+        image = part.get("image", part.get("url"))
+        if image is None:
+            raise ValueError("an image content part needs an 'image' (path, bytes, URL or PIL image)")
+        images.append(image)
+        return {"type": "image"}
+    raise ValueError(f"unsupported content part type {kind!r} (use 'text', 'image_url' or 'image')")
+
+
+def template_token_ids(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+) -> list[int]:
+    """``messages`` under ``tokenizer``'s chat template, as a list of int token ids (some
+    tokenizers return a ``BatchEncoding`` rather than a list). ``tools``: OpenAI function tools,
+    which templates that know tools render into the prompt."""
+    messages = [_template_tool_calls(m) for m in messages]
+    extra = {"tools": tools} if tools else {}
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra
+    )
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def template_text(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+) -> str:
+    """The prompt ``template_token_ids`` tokenizes, as text (special tokens written out): its
+    token ids are ``tokenizer.encode(text, add_special_tokens=False)``, as transformers and
+    mlx-lm tokenize a rendered template."""
+    messages = [_template_tool_calls(m) for m in messages]
+    extra = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra)
+
+
+def _template_tool_calls(message: dict) -> dict:
+    """An assistant message's ``tool_calls`` as chat templates expect them.
+
+    OpenAI sends each call's ``arguments`` as a JSON string; Hugging Face templates (Qwen,
+    Llama 3, Mistral, Hermes) iterate or ``tojson`` it as a mapping, so a string would be
+    rendered quoted. Arguments that are not a JSON object stay as they are.
+    """
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    converted = []
+    for call in calls:
+        function = dict(call.get("function") or {})
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                function["arguments"] = parsed
+        converted.append({**call, "function": function})
+    return {**message, "tool_calls": converted}

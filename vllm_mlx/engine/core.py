@@ -1,0 +1,617 @@
+"""EngineCore: schedule -> execute -> update, on the thread that owns the model.
+
+``EngineCore`` is synchronous and single-threaded: whoever calls ``step()`` must be the thread
+that created it (MLX streams are thread-local). ``AsyncEngineCore`` (``async_engine.py``) runs
+one on a dedicated thread and serves callers from any thread or asyncio loop.
+
+The engine is split as vLLM v1's is. ``InputProcessor`` (``input_processor.py``) turns a
+caller's prompt and ``SamplingParams`` into ``Request``s: tokenizing, images, constraints,
+validation, ``n > 1`` siblings; its ``prepare_prompt`` and ``compile_constraint`` run on any
+thread. ``EngineCore`` (this module) owns the model, the scheduler, the KV cache and the runner,
+and each ``step()`` is schedule -> execute -> update. ``OutputProcessor``
+(``output_processor.py``) turns the requests a step advanced into ``RequestOutput``s:
+detokenizing, stop strings, logprobs, fanning ``n`` completions back into one output. The types
+that cross these layers live in ``outputs.py``; memory sizing lives in ``kv_sizing.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from vllm_mlx.config import DEFAULT_MLLM_CACHE_MEMORY, EngineConfig  # noqa: F401 (re-exported: public API here)
+from vllm_mlx.config.options import apply_options
+from vllm_mlx.core.kv.paged_cache import PagedCacheManager
+from vllm_mlx.core.kv.sizing import (  # noqa: F401 (re-exported: imported from here by callers)
+    DEFAULT_KV_CACHE_MEMORY,
+    KVShape,
+    MemoryNeeds,
+    StateBudget,
+    available_memory,
+    kv_budget_bytes,
+    kv_bytes_per_token,
+    kv_shape,
+)
+from vllm_mlx.core.kv.spec import blocks_for_bytes
+from vllm_mlx.core.outputs import ModelRunnerOutput, SchedulerOutput, StepRecord
+from vllm_mlx.core.request import Request, RequestOutput, RequestStatus, SamplingParams
+from vllm_mlx.core.sched.scheduler import Scheduler
+from vllm_mlx.core.snapshot import CacheSnapshotter
+from vllm_mlx.distributed.liveness import LivenessMonitor
+from vllm_mlx.distributed.watchdog import (
+    STARTUP,
+    CollectiveWatchdog,
+    RankLostError,
+    exit_hung_process,
+    is_collective_failure,
+    startup_deadline,
+)
+from vllm_mlx.engine.input_processor import InputProcessor, PreparedPrompt
+from vllm_mlx.engine.output_processor import OutputProcessor
+from vllm_mlx.models.registry import get_registry
+from vllm_mlx.multimodal.cache import MLLMCacheManager, MLLMCacheStats
+from vllm_mlx.multimodal.images import ImageSource
+from vllm_mlx.multimodal.media_policy import MediaPolicy
+from vllm_mlx.platform.errors import VllmMlxError, internal_error_message
+from vllm_mlx.structured.grammar import CompiledGrammar
+
+if TYPE_CHECKING:
+    from vllm_mlx.core.kv.spec import BlockGroups, KVLayout
+    from vllm_mlx.executor.state_pool import StateLayout
+    from vllm_mlx.models import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+def _rank_zero_group():
+    """The distributed group, checked: this process must be its rank 0 (the engine)."""
+    from vllm_mlx.distributed.tensor_parallel import TensorParallelError, init_group
+
+    group = init_group()
+    if group.rank() != 0:
+        raise TensorParallelError(
+            f"this is rank {group.rank()}: only rank 0 runs the engine; run vllm_mlx.distributed.tensor_parallel.worker_loop here"
+        )
+    return group
+
+
+@dataclass
+class PreparedModel:
+    """A model as the engine runs it: weights in their final format (sharded with tensor
+    parallelism, a stage with pipeline parallelism), its layer specs, its recurrent-state and KV
+    layouts as measured, and what sizing its pools must allow for (over all ranks)."""
+
+    loaded: LoadedModel
+    specs: list
+    weight_format: str
+    state_layout: StateLayout | None
+    kv_layout: KVLayout
+    block_groups: BlockGroups
+    memory: MemoryNeeds
+
+
+def prepare_engine_model(config: EngineConfig, group=None) -> PreparedModel:
+    """Load ``config.model`` and prepare it for a runner. With a distributed ``group`` every
+    rank calls this (rank 0 from ``EngineCore``, the others from ``worker_loop``): the shard
+    checks and the measuring forwards are collectives, issued here in the same order on all."""
+    from vllm_mlx.core.kv.spec import is_recurrent
+    from vllm_mlx.executor.attention import check_supported
+    from vllm_mlx.executor.model_runner import measure_kv_layout
+    from vllm_mlx.executor.state_pool import probe_state_layout
+    from vllm_mlx.models import load_model
+    from vllm_mlx.platform.cpu_backend import choose_weight_format, prepare_model_weights
+
+    loaded = load_model(config.model, trust_remote_code=config.trust_remote_code)
+    specs = check_supported(loaded.model, loaded.config.get("model_type", "?"))
+    weights = loaded.vision.model if loaded.vision else loaded.model
+    weight_format = prepare_model_weights(weights, choose_weight_format(config.weight_format))
+    # Decided on the whole model, so that every rank probes (a forward: collectives) or none does.
+    recurrent = any(map(is_recurrent, specs))
+    if group is not None:
+        specs = _split_model(config, loaded, specs, group)
+    state_layout = probe_state_layout(loaded.model, specs) if recurrent else None
+    # After the weights are in their final format: the KV dtype follows the activations'.
+    kv_layout = measure_kv_layout(loaded.model, state_layout)
+    block_groups = kv_layout.block_groups(specs)
+    memory = MemoryNeeds(
+        kv_layout.bytes_per_block_token(block_groups),
+        state_layout.bytes_per_request if state_layout else 0,
+        available_memory(),
+    )
+    if group is not None:
+        from vllm_mlx.distributed.tensor_parallel import combine_memory_needs
+
+        memory = combine_memory_needs(group, memory)
+    return PreparedModel(loaded, specs, weight_format, state_layout, kv_layout, block_groups, memory)
+
+
+def _split_model(config: EngineConfig, loaded: LoadedModel, specs: list, group) -> list:
+    """Keep this rank's part of the model (a shard of every layer, or a pipeline stage); returns
+    the layer specs of what this rank now runs."""
+    from vllm_mlx.distributed.pipeline import pipeline_model
+    from vllm_mlx.distributed.tensor_parallel import TensorParallelError, check_same_mode, shard_model
+    from vllm_mlx.executor.attention import layer_specs
+
+    mode = "pipeline" if config.pipeline_parallel else "tensor"
+    if loaded.vision is not None:
+        raise TensorParallelError(f"{mode} parallelism does not support vision-language models yet")
+    check_same_mode(group, mode)
+    if mode == "tensor":
+        shard_model(loaded.model, loaded.config, loaded.path, group)
+        return specs
+    pipeline_model(loaded.model, loaded.config, specs, loaded.path, group)
+    return layer_specs(loaded.model, loaded.config.get("model_type"))
+
+
+@dataclass
+class _Siblings:
+    """The ``n > 1`` completions held back until their leader has prefilled the shared prompt
+    (so they hit its blocks instead of computing the prompt again)."""
+
+    leader: Request
+    waiting: list[Request]
+
+    @property
+    def ready(self) -> bool:
+        return self.leader.num_output_tokens > 0 or self.leader.is_finished
+
+
+class EngineCore:
+    """The synchronous engine: owns the model, the scheduler, the KV cache and the runner.
+
+    Single-threaded: create it, and call every method, on the thread that owns the model.
+
+    Args:
+        config: The engine's settings; None for the defaults (the built-in default model).
+        **overrides: ``EngineConfig`` fields that replace ``config``'s (``config`` is updated).
+
+    Raises:
+        ModelSourceError: The model cannot be found, downloaded, converted or loaded.
+        ModelOwnershipError: Another live engine owns the model and
+            ``force_model_takeover`` is False.
+        UnsupportedModelError: The architecture needs caches we do not support (chunked
+            attention, recurrent layers of an unchecked architecture).
+        TypeError: An unknown option in ``overrides``.
+        ValueError: A bad option value (e.g. a KV budget that holds no block).
+        TensorParallelError: With ``tensor_parallel``: not launched as rank 0 of several, or a
+            model that cannot be split over the ranks (a ``ValueError``; ``distributed.py``).
+    """
+
+    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
+        from vllm_mlx.executor.model_runner import MLXModelRunner
+
+        config = config or EngineConfig()
+        apply_options(config, overrides)
+        config.normalize()
+        self.config = config
+        self.tp_group = _rank_zero_group() if config.tensor_parallel or config.pipeline_parallel else None
+        self.on_rank_lost: Callable[[RankLostError], None] | None = None
+        """With tensor parallelism: called from the watchdog's thread when a rank hangs (the
+        thread in the collective stays blocked). None: log it and exit the process, since the
+        blocked caller can never return (``AsyncEngineCore`` sets it to fail its requests)."""
+        self.watchdog = None
+        self.liveness: LivenessMonitor | None = None
+        """With tensor parallelism: finds a rank whose process ended at once (``rank_liveness.py``)."""
+        self._rank_failure_lock = threading.Lock()
+        self.rank_failure: RankLostError | None = None
+        """Why the ranks are out of reach (set once; no collective is issued after it)."""
+        with startup_deadline(self.tp_group, config.distributed_startup_timeout_s, STARTUP):
+            prepared = prepare_engine_model(config, self.tp_group)
+        loaded, state_layout = prepared.loaded, prepared.state_layout
+        self.vision = loaded.vision
+        self.weight_format = prepared.weight_format
+        self.model_path: Path = loaded.path
+        get_registry().claim(str(self.model_path), self, force=config.force_model_takeover)
+        self.tokenizer = loaded.tokenizer
+        self.model_config = loaded.config
+        self.kv_layout = prepared.kv_layout
+        # Sized for every rank: every rank allocates these counts for its own layers.
+        memory = prepared.memory
+        budget = kv_budget_bytes(config.kv_cache_memory, memory.available_bytes)
+        states = StateBudget.plan(config, budget, memory.state_bytes_per_request)
+        block_groups = prepared.block_groups
+        num_blocks = config.num_kv_blocks or blocks_for_bytes(
+            states.kv_bytes_left, config.block_size, memory.kv_bytes_per_token
+        )
+        self.kv_cache = PagedCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, states.num_running_slots,
+            states.num_checkpoints, block_groups.windows,
+        )  # fmt: skip
+        text_config = loaded.config.get("text_config", loaded.config)
+        context_len = text_config.get("max_position_embeddings") or loaded.config.get("max_position_embeddings")
+        self.scheduler = Scheduler(
+            config.scheduler_config(num_blocks, context_len), self.kv_cache, cache_namespace=str(self.model_path)
+        )
+        self.mllm_cache = (
+            MLLMCacheManager(config.mllm_cache_memory) if self.vision and config.enable_mllm_cache else None
+        )
+        self.step_encoder = None
+        if self.tp_group is not None:
+            from vllm_mlx.distributed.tensor_parallel import StepEncoder, StepMessage, send_message
+
+            self.liveness = LivenessMonitor.start(self.tp_group.size(), self._rank_hung)
+            sizing = {"num_blocks": num_blocks, "block_size": config.block_size, "num_state_slots": states.num_slots,
+                      "liveness": self.liveness.address.to_dict() if self.liveness is not None else None}  # fmt: skip
+            with startup_deadline(self.tp_group, config.distributed_startup_timeout_s, "the start message"):
+                send_message(self.tp_group, StepMessage("start", start=sizing))
+            self.step_encoder = StepEncoder()
+            self.watchdog = CollectiveWatchdog(config.distributed_timeout_s, self._rank_hung, self.tp_group.size())
+        self.runner = MLXModelRunner(
+            loaded.model, num_blocks, config.block_size, self.mllm_cache, states.num_slots, state_layout,
+            block_groups=block_groups,
+        )  # fmt: skip
+        self.input_processor = InputProcessor(config, self.tokenizer, self.model_config, self.vision)
+        self.eos_token_ids = self.input_processor.eos_token_ids
+        self.grammars = self.input_processor.grammars
+        self.think_tokens = self.input_processor.think_tokens
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_request)
+        self.snapshotter = CacheSnapshotter(
+            self.scheduler,
+            self.tokenizer,
+            self._mllm_snapshot,
+            self.kv_layout.to_dicts(num_blocks, max(states.num_running_slots - 1, 0), states.num_checkpoints),
+        )
+        self.step_records: deque[StepRecord] = deque(maxlen=4096)
+        """The last steps run (plain data; the notebook timeline reads them)."""
+        self._deferred: dict[str, _Siblings] = {}  # by the caller's request id
+        self._ids = itertools.count()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | list[int] | PreparedPrompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        cache_salt: str | None = None,
+        images: Sequence[ImageSource] | None = None,
+        fairness_key: str | None = None,
+        constraint: CompiledGrammar | None = None,
+    ) -> str:
+        """Queue a prompt (text or token ids); returns the request id. Outputs come from ``step()``.
+
+        A prompt the engine cannot serve (longer than the context or the KV cache, or with an
+        image that cannot be read) finishes at once with ``finish_reason == "error"``; other
+        requests are untouched.
+
+        Args:
+            prompt: Text (tokenized with the model's tokenizer), token ids, or a
+                ``prepare_prompt`` result.
+            sampling_params: How to sample; None for the defaults. With ``n > 1`` the
+                completions share the prompt's KV blocks.
+            request_id: A unique id; None draws ``"req-<number>"``.
+            cache_salt: Folded into the prefix-cache block hashes: requests with different
+                salts never share cached blocks.
+            images: Images for a vision-language model, in prompt order (see
+                ``prepare_prompt``).
+            fairness_key: Requests with the same key share one turn of admission (the
+                scheduler serves keys round-robin); None = this request's own id. The server
+                gives all prompts of one HTTP request one key.
+            constraint: ``compile_constraint(sampling_params)``, compiled beforehand on another
+                thread; None compiles ``sampling_params.structured_outputs`` (if any) here.
+
+        Returns:
+            The request id, which later ``RequestOutput``s carry.
+
+        Raises:
+            ValueError: ``request_id`` is already in use, a token id (prompt or
+                ``stop_token_ids``) is outside the vocabulary, a string is not valid Unicode,
+                images were given to a text-only model, or the prompt's image placeholders do
+                not match the images; ``ConstraintError`` (a ``ValueError``): an invalid
+                structured-output schema, regex or grammar.
+        """
+        if self.runner.model is None:
+            raise VllmMlxError("the engine is shut down")
+        params = sampling_params or SamplingParams()
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.output_processor:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        processed = self.input_processor.process(
+            prompt, params, request_id,
+            cache_salt=cache_salt, images=images, fairness_key=fairness_key, constraint=constraint,
+        )  # fmt: skip
+        self.output_processor.add(processed)
+        self._admit(request_id, processed.requests)
+        self.output_processor.finish_if_done(request_id)  # refused at admission (e.g. prompt too long)
+        return request_id
+
+    def compile_constraint(self, params: SamplingParams, max_bound: int | None = None) -> CompiledGrammar | None:
+        """The compiled grammar of ``params.structured_outputs`` (None without one), from the
+        cache when seen before. Thread-safe, no MLX work: call it from any thread.
+        ``max_bound``: the largest repetition bound (``maxItems``, ``{n,m}``...) allowed; None =
+        ``structured.bounds.DEFAULT_MAX_CONSTRAINT_BOUND``.
+
+        Raises:
+            ConstraintError: An invalid schema, regex or grammar (a ``ValueError``).
+        """
+        return self.input_processor.compile_constraint(params, max_bound)
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary size (from its config), or None when it does not say."""
+        return self.input_processor.vocab_size
+
+    def prepare_prompt(
+        self,
+        prompt: str | list[int],
+        images: Sequence[ImageSource] | None = None,
+        *,
+        media_policy: MediaPolicy | None = None,
+    ) -> PreparedPrompt:
+        """Tokenize ``prompt`` and load and preprocess its images (no MLX work: any thread).
+
+        With images, each needs one image placeholder in the prompt (the chat template writes
+        them; ``LLM.chat`` does this). A text prompt without any placeholder gets one per image
+        in front. Images are loaded under ``media_policy`` (default: the config's). A bad image
+        does not raise: the result carries the error, and the request made from it finishes at
+        once with that message.
+
+        Raises:
+            ValueError: A token id outside the vocabulary; images for a text-only model; more
+                images than the policy's ``max_images_per_prompt`` (checked before any is
+                loaded); a placeholder count that differs from the number of images.
+        """
+        return self.input_processor.prepare_prompt(prompt, images, media_policy=media_policy)
+
+    def check_images(self, images: Sequence[ImageSource]) -> None:
+        """Raise ``ValueError`` if there are images and the model is text-only (before a chat
+        template, which may not accept image parts at all, sees them)."""
+        self.input_processor.check_images(images)
+
+    def _admit(self, group_id: str, requests: list[Request]) -> None:
+        """Queue a caller's requests. With prefix caching, siblings of an ``n > 1`` request
+        wait until the first one has prefilled the prompt, so they share its blocks."""
+        leader, *siblings = requests
+        self.scheduler.add_request(leader)
+        if siblings and self.config.enable_prefix_caching and not leader.is_finished:
+            self._deferred[group_id] = _Siblings(leader, siblings)
+            return
+        for request in siblings:
+            self.scheduler.add_request(request)
+
+    def _release_deferred(self) -> None:
+        for group_id, siblings in list(self._deferred.items()):
+            if siblings.ready:
+                del self._deferred[group_id]
+                for request in siblings.waiting:
+                    self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort a request (all its completions); unknown or finished ids are a no-op."""
+        requests = self.output_processor.requests(request_id)
+        if requests is None:
+            return
+        self._deferred.pop(request_id, None)
+        for request in requests:
+            self.scheduler.abort_request(request.request_id)
+            request.finish(RequestStatus.FINISHED_ABORTED)  # covers deferred siblings
+        self.output_processor.finish_if_done(request_id)
+
+    @property
+    def supports_images(self) -> bool:
+        """True for a vision-language model (requests may carry images)."""
+        return self.vision is not None
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + output a request may reach: the model's context, the
+        ``max_model_len`` option and the KV pool's capacity, whichever is smallest."""
+        return self.scheduler.max_model_len
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is queued, running, or has an output not yet returned."""
+        return bool(self.output_processor.has_pending or self._deferred) or self.scheduler.has_unfinished_requests()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one batched forward pass, update; return the outputs that changed.
+
+        Returns:
+            One ``RequestOutput`` per request that advanced (or was refused or aborted) since
+            the last step; a finished request's last output has ``finished=True``.
+        """
+        start = time.perf_counter()
+        outputs = self.output_processor.take_pending()
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return outputs
+        with self._waiting_on_ranks(f"step {scheduler_output.step_id}"):
+            runner_output = self._execute(scheduler_output)
+        advanced = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs += self.output_processor.process(advanced, runner_output)
+        self._release_deferred()
+        self._record_step(scheduler_output, time.perf_counter() - start)
+        return outputs
+
+    @contextmanager
+    def _waiting_on_ranks(self, what: str) -> Iterator[None]:
+        """Watch a block of work that holds collectives (tensor parallelism only). When the
+        watchdog fired during it, the block's late return must not be taken as a success; once
+        the ranks are lost, no block runs (its collectives could block forever)."""
+        if self.watchdog is None:
+            yield
+            return
+        if self.rank_failure is not None:
+            raise self.rank_failure
+        try:
+            with self.watchdog.watch(what):
+                yield
+            if self.watchdog.fired is not None:
+                raise self.watchdog.fired
+        except RankLostError as exc:
+            self.rank_failure = exc
+            raise
+
+    def _rank_hung(self, error: RankLostError) -> None:
+        """The watchdog's or the liveness monitor's verdict (their threads; the first one counts):
+        hand it on, or end a process that would hang."""
+        with self._rank_failure_lock:
+            if self.rank_failure is not None and self.rank_failure is not error:
+                return
+            self.rank_failure = error
+        if self.on_rank_lost is not None:
+            self.on_rank_lost(error)
+            return
+        exit_hung_process(error)
+
+    def heartbeat(self) -> None:
+        """With tensor parallelism, while idle: one small message through every rank, so a dead
+        or hung rank is found (and ``/health`` says so) before a request is sent to it."""
+        if self.tp_group is None or self.rank_failure is not None:
+            return
+        from vllm_mlx.distributed.tensor_parallel import StepMessage, send_message
+
+        with self._waiting_on_ranks("the idle heartbeat"):
+            send_message(self.tp_group, StepMessage("ping"))
+
+    def _record_step(self, scheduler_output: SchedulerOutput, wall_time: float) -> None:
+        ran = self.runner.last_step  # stale when the step failed before the runner recorded it
+        calls = ran.num_forward_calls if ran is not None and ran.step_id == scheduler_output.step_id else 0
+        self.step_records.append(StepRecord.of(scheduler_output, calls, wall_time))
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the step. When it fails, each request is run again alone: one that fails alone
+        ends with an error, the others keep their tokens, and the batch goes on, so no request
+        can end the engine. If every request failed, a probe (one token through the model)
+        decides: when it fails too the engine is broken, and the exception escapes (as does
+        ``MemoryError``).
+
+        Re-running is safe: a row writes only its own (unshared) slots, and sampling depends on
+        the request's seed and step alone, never on the batch.
+        """
+        scheduled = scheduler_output.scheduled
+        try:
+            return self._run(scheduler_output)
+        except (MemoryError, RankLostError):
+            raise
+        except Exception as exc:
+            logger.error("step %d failed", scheduler_output.step_id, exc_info=True)
+            if len(scheduled) == 1:
+                output = ModelRunnerOutput(errors={scheduled[0].request_id: internal_error_message(exc)})
+            else:
+                output = self._execute_one_by_one(scheduler_output)
+        if len(output.errors) == len(scheduled):
+            self._probe()  # raises when the model itself cannot run
+        return output
+
+    def _run(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The runner on this step; with tensor parallelism the other ranks are sent it first."""
+        if self.step_encoder is None:
+            return self.runner.execute_model(scheduler_output)
+        from vllm_mlx.distributed.tensor_parallel import send_message
+
+        send_message(self.tp_group, self.step_encoder.encode(scheduler_output))
+        try:
+            return self.runner.execute_model(scheduler_output)
+        except RuntimeError as exc:
+            if is_collective_failure(exc):  # not the step's fault: no retry (it could block)
+                raise RankLostError(
+                    f"a tensor-parallel rank is gone: step {scheduler_output.step_id}'s forward failed ({exc})"
+                ) from exc
+            raise
+
+    def _probe(self) -> None:
+        """``runner.probe()``; with tensor parallelism every rank probes (it is a forward)."""
+        if self.tp_group is not None:
+            from vllm_mlx.distributed.tensor_parallel import StepMessage, send_message
+
+            send_message(self.tp_group, StepMessage("probe"))
+        self.runner.probe()
+
+    def _execute_one_by_one(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Each request of the step alone; the ones that fail are recorded in ``errors``."""
+        merged = ModelRunnerOutput()
+        for item in scheduler_output.scheduled:
+            try:
+                output = self._run(SchedulerOutput(scheduler_output.step_id, [item]))
+            except (MemoryError, RankLostError):
+                raise
+            except Exception as exc:
+                logger.error("request %s failed alone", item.request_id, exc_info=True)
+                merged.errors[item.request_id] = internal_error_message(exc)
+                continue
+            merged.sampled_token_ids.update(output.sampled_token_ids)
+            merged.logprobs.update(output.logprobs)
+            merged.errors.update(output.errors)
+        return merged
+
+    # -- observers and lifetime -------------------------------------------------------------
+
+    def get_stats(self) -> dict:
+        """Plain data: ``{"scheduler": {running, waiting, preemptions, steps, ...}, "kv_cache": {...},
+        "structured_outputs": {cached, hits, misses}}`` (compiled grammars), and ``"mllm"`` (the
+        multimodal cache's stats) for a vision-language model."""
+        stats = {
+            "scheduler": self.scheduler.stats(),
+            "kv_cache": self.scheduler.kv.stats().to_dict(),
+            "structured_outputs": self.input_processor.grammars.stats(),
+        }
+        if self.vision is not None:
+            stats["mllm"] = self._mllm_stats()
+        return stats
+
+    def cache_snapshot(self, include_blocks: bool = True) -> dict:
+        """Plain data: ``blocks``, ``requests``, ``free_queue``, ``stats``, ``mllm`` (the
+        multimodal cache's ``entries`` and ``stats``) and ``kv_groups`` (the layer groups'
+        kind, window, layers, bytes per token, dtype and blocks; see snapshot.py)."""
+        return self.snapshotter.snapshot(include_blocks)
+
+    def _mllm_snapshot(self) -> dict:
+        """The MLLM cache's entries (none for a text model, or with the cache off) and stats."""
+        entries = self.mllm_cache.snapshot()["entries"] if self.mllm_cache is not None else []
+        return {"entries": entries, "stats": self._mllm_stats()}
+
+    def _mllm_stats(self) -> dict:
+        """The MLLM cache's counters, whether it is on, and the vision-encoder runs so far."""
+        stats = self.mllm_cache.stats() if self.mllm_cache is not None else MLLMCacheStats()
+        return {**stats.to_dict(), "enabled": self.mllm_cache is not None, "encoder_runs": self.runner.vision_encoder_runs}
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the hashes of unreferenced blocks (blocks in use keep theirs)."""
+        return self.scheduler.kv.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Release the model for other engines; outstanding requests are aborted."""
+        for request_id in self.output_processor.group_ids:
+            self.abort_request(request_id)
+        get_registry().release(str(self.model_path), self)
+        self.input_processor.grammars.close()  # the constraint compile workers (compile_guard.py)
+        try:
+            self._stop_workers()
+        finally:
+            self.runner.release()
+
+    def _stop_workers(self) -> None:
+        """With tensor parallelism: send "stop" (the workers return), unless the ranks are
+        already lost; a rank lost now is logged (the engine is ending anyway)."""
+        if self.liveness is not None:
+            self.liveness.close()  # the workers' exits are expected from here on
+        if self.watchdog is None or self.runner.model is None:
+            return
+        if self.rank_failure is None:
+            from vllm_mlx.distributed.tensor_parallel import StepMessage, send_message
+
+            try:
+                with self._waiting_on_ranks("the stop message"):
+                    send_message(self.tp_group, StepMessage("stop"))
+            except RankLostError as exc:
+                logger.warning("could not stop the other ranks: %s", exc)
+        self.watchdog.close()
+
+
+def __getattr__(name: str):
+    # The seed exports AsyncEngineCore from this module; it lives in async_engine.py.
+    if name == "AsyncEngineCore":
+        from vllm_mlx.engine.async_engine import AsyncEngineCore
+
+        return AsyncEngineCore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

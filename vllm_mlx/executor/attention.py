@@ -1,0 +1,439 @@
+"""Paged attention for unmodified mlx-lm models.
+
+mlx-lm model files talk to their KV cache through a tiny protocol: ``cache.offset`` (RoPE
+positions), ``cache.update_and_fetch(keys, values)`` and ``cache.make_mask(...)``. The
+``PagedLayerCache`` below implements that protocol over a shared block pool, so mlx-lm
+architectures with full-attention and sliding-window layers run batched, with each row of the
+batch a different request at its own position:
+
+* ``offset`` is an array of shape ``(B,)``: ``mx.fast.rope`` gives every row its own positions.
+* ``update_and_fetch`` scatters the new keys/values into the pool at the slots the block tables
+  give, then gathers each row's keys back through its block table: the whole context for a
+  full-attention layer, only the keys some query of the call still sees for a sliding-window
+  layer (at most ``window - 1 + T`` per row).
+* ``make_mask`` returns a boolean ``(B, 1, T, L)`` mask over the keys that *this* cache gathers:
+  causal, blind to padding, and limited to the last ``window_size`` keys (the argument, else the
+  layer's own window), exactly mlx-lm's ``create_causal_mask`` rule: a query at position ``p``
+  sees keys ``p - window + 1 .. p``.
+
+A request holds one block table per block group (``kv_spec.plan_block_groups``): a sliding-window
+group's table has the null block where its blocks fell out of the window. The layers of one
+group and window gather the same slots, and models ask for one mask per kind, so both are built
+once per forward call (``BatchLayout`` caches them), not per layer.
+The mask is a plain boolean array, which ``mx.fast.scaled_dot_product_attention`` takes together
+with attention sinks (gpt-oss passes ``sinks=``: they only add a per-head term to the softmax).
+
+Recurrent layers (hybrid models) get a ``RecurrentLayerCache`` over the state pool instead
+(``state_pool.py``); which architectures, and whether their rows may be padded, is
+``RECURRENT_ARCHITECTURES``.
+
+Rows are right-padded to the longest row of the call. Padding tokens write into the null block
+(slot 0..block_size-1 of block 0, never allocated to a request); a query that would see no key
+(a padded one) sees the row's first gathered key, so no softmax row is empty (no NaN), and padded
+outputs are simply ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from vllm_mlx.core.kv.spec import (
+    BlockGroups,
+    FullAttentionSpec,
+    LayerSpec,
+    RecurrentStateSpec,
+    SlidingWindowSpec,
+    is_recurrent,
+)
+from vllm_mlx.executor.state_pool import RecurrentLayerCache, StateBatch, StatePool
+from vllm_mlx.platform.errors import VllmMlxError
+
+NULL_SLOT = 0
+
+# Architectures whose recurrent layers (mlx-lm ``ArraysCache``) we have checked against mlx-lm,
+# and whether their code honours right padding (masks padded tokens, reads ``cache.lengths``).
+# nemotron_h does not pass ``lengths`` to its SSM, so padded rows would corrupt the state: the
+# runner never pads it. Other ``ArraysCache`` users are refused until checked.
+RECURRENT_ARCHITECTURES: dict[str, bool] = {
+    "lfm2": True,
+    "qwen3_5": True,
+    "qwen3_5_moe": True,  # qwen3_5's layers with MoE MLPs (mlx-lm's text model and mlx-vlm's VLM)
+    "qwen3_next": True,
+    "granitemoehybrid": True,
+    "nemotron_h": False,
+}
+
+
+class UnsupportedModelError(VllmMlxError):
+    """The model needs a cache we do not support (chunked attention, unchecked recurrent
+    architectures, ...)."""
+
+
+def layer_specs(model, model_type: str | None = None, recurrent: bool = True) -> list[LayerSpec]:
+    """One spec per cache the model asks for (``model.make_cache()``; without it, one
+    full-attention layer per ``model.layers``). ``model_type`` defaults to the model's own.
+
+    Raises:
+        UnsupportedModelError: Some layer needs a cache that is not a plain ``KVCache``, a
+            ``RotatingKVCache`` without kept tokens, or the ``ArraysCache`` of an architecture in
+            ``RECURRENT_ARCHITECTURES`` (``recurrent=False`` refuses those too); the message
+            names the kinds.
+    """
+    model_type = model_type or model_type_of(model)
+    make_cache = getattr(model, "make_cache", None)
+    if make_cache is None:
+        return [FullAttentionSpec()] * len(model.layers)
+    specs, refused = [], set()
+    for cache in make_cache():
+        spec = _spec_of(cache, model_type if recurrent else None)
+        if spec is None:
+            refused.add(_describe(cache))
+        specs.append(spec)
+    if refused:
+        raise UnsupportedModelError(
+            f"architecture {model_type!r} needs {', '.join(sorted(refused))} caches, which the paged "
+            "engine does not support yet (it pages full-attention KVCache and sliding-window "
+            "RotatingKVCache layers, and keeps the recurrent ArraysCache state of "
+            f"{', '.join(sorted(RECURRENT_ARCHITECTURES)) if recurrent else 'no architecture here'}; "
+            "other recurrent or chunked layers are refused)"
+            + "".join(f". {_WHY_NOT[kind]}" for kind in sorted(refused) if kind in _WHY_NOT)
+            + ("" if recurrent else _THROUGH_VLLM)
+        )
+    return specs
+
+
+# What a cache kind would need beyond the paged protocol, where it is more than a missing branch.
+_WHY_NOT = {
+    "ChunkedKVCache": (
+        "Chunked attention (Llama 4) is not a cache change alone: the model's own code builds its "
+        "chunk mask from one scalar offset and start position for the whole batch "
+        "(cache[0].offset, cache[0].start_position), so rows at different positions cannot share "
+        "a forward call without an adapter for that code"
+    ),
+}
+
+
+_THROUGH_VLLM = (
+    ". Through vLLM (the MLX platform plugin) recurrent layers are not served yet; vllm-mlx's own "
+    "engine serves them: `vllm-mlx serve MODEL` or `vllm_mlx.LLM(MODEL)`"
+)
+
+
+def check_supported(model, model_type: str | None = None, recurrent: bool = True) -> list[LayerSpec]:
+    """Refuse architectures with a layer we cannot serve; return the layer specs."""
+    return layer_specs(model, model_type, recurrent)
+
+
+def model_type_of(model) -> str:
+    return getattr(model, "model_type", None) or getattr(getattr(model, "args", None), "model_type", "?")
+
+
+def _spec_of(cache, recurrent_model_type: str | None) -> LayerSpec | None:
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+    if type(cache) is KVCache:
+        return FullAttentionSpec()
+    if type(cache) is RotatingKVCache and cache.keep == 0:
+        return SlidingWindowSpec(cache.max_size)
+    if type(cache) is ArraysCache and recurrent_model_type in RECURRENT_ARCHITECTURES:
+        return RecurrentStateSpec(len(cache.cache), pads=RECURRENT_ARCHITECTURES[recurrent_model_type])
+    return None
+
+
+def _describe(cache) -> str:
+    keep = getattr(cache, "keep", 0)
+    return f"{type(cache).__name__}(keep={keep})" if keep else type(cache).__name__
+
+
+@dataclass
+class RowSpec:
+    """One row of a forward call: ``tokens`` are new, ``num_computed`` tokens precede them, and
+    ``block_ids`` (the request's block table) covers all of them; with several block groups,
+    ``block_tables`` holds one table per group (``block_ids`` is then the first)."""
+
+    tokens: list[int]
+    num_computed: int
+    block_ids: list[int]
+    state_slot: int = 0  # recurrent-state slot (models with recurrent layers)
+    state_read_slot: int | None = None  # where the state is read from, when not state_slot
+    checkpoint_slot: int | None = None  # a checkpoint slot the final state is also written to
+    block_tables: list[list[int]] | None = None
+
+    @property
+    def context_len(self) -> int:
+        return self.num_computed + len(self.tokens)
+
+    def table(self, group: int) -> list[int]:
+        return self.block_ids if self.block_tables is None else self.block_tables[group]
+
+    def slots(self, block_size: int, group: int = 0) -> np.ndarray:
+        """Physical slots of positions ``0 .. context_len - 1`` in ``group``'s table (positions
+        in null entries map to the null block: never read, see ``BatchLayout.keys``)."""
+        blocks = np.asarray(self.table(group), dtype=np.int32)[:, None] * block_size
+        return (blocks + np.arange(block_size, dtype=np.int32)).ravel()[: self.context_len]
+
+
+@dataclass
+class KeyView:
+    """The keys the layers of one window read in a forward call.
+
+    Row ``i``'s gathered key ``j`` is the key at position ``start[i] + j``; gathered keys past
+    the row's context are padding (null slot) and never visible.
+    """
+
+    start: np.ndarray  # (B,) position of each row's first gathered key
+    gather_slots: mx.array  # (B, L) pool slots of the gathered keys
+
+
+@dataclass
+class KeyRanges:
+    """Which gathered keys each query index can see at all, over every row of a call: query
+    ``i`` of any row sees only keys ``first[i] <= j < stop[i]``. Attention kernels may skip the
+    rest (the causal triangle of a prefill chunk, keys out of a sliding window)."""
+
+    first: np.ndarray  # (T,)
+    stop: np.ndarray  # (T,)
+
+    @classmethod
+    def of(cls, visible: np.ndarray) -> KeyRanges:
+        """From a ``(B, T, L)`` visibility array (every query sees at least one key)."""
+        width = visible.shape[-1]
+        first = visible.argmax(axis=-1).min(axis=0)
+        stop = width - visible[..., ::-1].argmax(axis=-1).min(axis=0)
+        return cls(first.astype(np.int64), stop.astype(np.int64))
+
+
+@dataclass
+class GroupSlots:
+    """One block group's slots in a forward call: where each row's positions live."""
+
+    row_slots: list[np.ndarray]  # per row: the slots of positions 0 .. context_len - 1
+    write_slots: mx.array  # (B*T,) destination slot of each new token (padding -> null block)
+
+
+@dataclass
+class BatchLayout:
+    """Index arrays shared by every layer during one forward call.
+
+    Key views and masks are built on first use and kept for the call: one per block group and
+    distinct window (masks depend on positions only: one per window). Each mask comes with its
+    ``KeyRanges``, for kernels that skip keys no query sees (``key_ranges``).
+    """
+
+    num_computed: np.ndarray  # (B,) tokens already in the cache per row
+    context_len: np.ndarray  # (B,) num_computed + the row's new tokens
+    num_new: int  # T: new tokens of the longest row
+    groups: list[GroupSlots]  # per block group
+    offsets: mx.array  # (B,) num_computed as an MLX array: RoPE offsets
+    _views: dict = field(default_factory=dict, init=False, repr=False)
+    _masks: dict = field(default_factory=dict, init=False, repr=False)
+
+    @classmethod
+    def build(cls, rows: list[RowSpec], block_size: int, num_groups: int = 1) -> BatchLayout:
+        num_new = max(len(r.tokens) for r in rows)
+        computed = np.array([r.num_computed for r in rows], dtype=np.int32)
+        return cls(
+            num_computed=computed,
+            context_len=np.array([r.context_len for r in rows], dtype=np.int32),
+            num_new=num_new,
+            groups=[_group_slots(rows, block_size, group, num_new) for group in range(num_groups)],
+            offsets=mx.array(computed),
+        )
+
+    def key_start(self, window: int | None) -> np.ndarray:
+        """Per row, the first position some new query of the row still sees (0 without a
+        window): the first key a layer with this window reads."""
+        if window is None:
+            return np.zeros_like(self.num_computed)
+        return np.maximum(0, self.num_computed - window + 1)
+
+    def keys(self, window: int | None, group: int = 0) -> KeyView:
+        """The keys a layer of ``group`` with this window (None: full attention) reads: from the
+        first position the row's first new query still sees, to the end of its context."""
+        view = self._views.get((group, window))
+        if view is None:
+            start = self.key_start(window)
+            gather = np.full((len(start), int((self.context_len - start).max())), NULL_SLOT, dtype=np.int32)
+            for i, slots in enumerate(self.groups[group].row_slots):
+                gather[i, : len(slots) - start[i]] = slots[start[i] :]
+            view = self._views[(group, window)] = KeyView(start, mx.array(gather))
+        return view
+
+    def mask(self, keys_window: int | None, window: int | None) -> mx.array:
+        """``(B, 1, T, L)`` visibility over the keys a layer with ``keys_window`` reads: causal,
+        not padding, and within the last ``window`` positions (None: no limit)."""
+        return self._mask_and_ranges(keys_window, window)[0]
+
+    def key_ranges(self, mask: mx.array) -> KeyRanges | None:
+        """The key ranges of a mask this layout built (None for any other array)."""
+        for built, ranges in self._masks.values():
+            if built is mask:
+                return ranges
+        return None
+
+    def _mask_and_ranges(self, keys_window: int | None, window: int | None) -> tuple[mx.array, KeyRanges]:
+        built = self._masks.get((keys_window, window))
+        if built is None:
+            start = self.key_start(keys_window)
+            width = int((self.context_len - start).max())
+            query_pos = self.num_computed[:, None] + np.arange(self.num_new, dtype=np.int32)  # (B, T)
+            key_pos = start[:, None] + np.arange(width, dtype=np.int32)  # (B, L)
+            q, k = query_pos[:, :, None], key_pos[:, None, :]
+            visible = (k <= q) & (k < self.context_len[:, None, None])
+            if window is not None:
+                visible &= k > q - window
+            visible[:, :, 0] |= ~visible.any(axis=-1)  # padded queries: no empty softmax row
+            built = self._masks[(keys_window, window)] = (mx.array(visible[:, None, :, :]), KeyRanges.of(visible))
+        return built
+
+
+def _group_slots(rows: list[RowSpec], block_size: int, group: int, num_new: int) -> GroupSlots:
+    row_slots = [r.slots(block_size, group) for r in rows]
+    write = np.full((len(rows), num_new), NULL_SLOT, dtype=np.int32)
+    for i, (row, slots) in enumerate(zip(rows, row_slots)):
+        write[i, : len(row.tokens)] = slots[row.num_computed :]
+    return GroupSlots(row_slots, mx.array(write.ravel()))
+
+
+class KVPool:
+    """Keys and values, ``[n_kv_heads, num_slots, head_dim]`` per array: one array per
+    attention layer, or, with block groups, one per position in a group, shared by one layer of
+    each group (``kv_spec.BlockGroups``).
+
+    Head-major, so that a gather through the block tables yields, per head and row, the context's
+    keys as contiguous ``[L, head_dim]`` rows: attention reads them without another copy.
+
+    Slot ``s`` belongs to block ``s // block_size``. Arrays are allocated on the first write, with
+    the dtype and head shape the model produces, so the pool never guesses the activation dtype.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int) -> None:
+        """``num_layers``: the number of arrays (layers, or positions in a block group)."""
+        self.num_slots = num_blocks * block_size
+        self.block_size = block_size
+        self.keys: list[mx.array | None] = [None] * num_layers
+        self.values: list[mx.array | None] = [None] * num_layers
+
+    def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
+        """Store ``keys``/``values`` (``[n_kv_heads, len(slots), head_dim]``) at ``slots``."""
+        if self.keys[layer] is None:
+            self.keys[layer] = mx.zeros((keys.shape[0], self.num_slots, keys.shape[2]), dtype=keys.dtype)
+            self.values[layer] = mx.zeros((values.shape[0], self.num_slots, values.shape[2]), dtype=values.dtype)
+        self.keys[layer][:, slots] = keys
+        self.values[layer][:, slots] = values
+
+    def gather(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
+        """Keys and values at ``slots`` (``[B, L]``), as ``[B, n_kv_heads, L, head_dim]``."""
+        keys = self.keys[layer][:, slots].transpose(1, 0, 2, 3)
+        values = self.values[layer][:, slots].transpose(1, 0, 2, 3)
+        return keys, values
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in self.keys + self.values if a is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
+
+    def layer_bytes_per_slot(self, layer: int) -> int:
+        """Bytes one slot takes in ``layer`` (keys + values; 0 while the layer was never written)."""
+        if self.keys[layer] is None:
+            return 0
+        return (self.keys[layer].nbytes + self.values[layer].nbytes) // self.num_slots
+
+    @property
+    def dtype(self) -> str | None:
+        """The dtype name of the first written layer ("float32", "bfloat16", ...), None before."""
+        written = self.arrays()
+        return str(written[0].dtype).removeprefix("mlx.core.") if written else None
+
+
+class PagedLayerCache:
+    """The mlx-lm cache protocol for one layer, over the shared pool and one batch layout.
+
+    ``window`` is the layer's sliding window (None: full attention); it decides which keys
+    ``update_and_fetch`` returns, and ``make_mask`` always describes exactly those keys.
+    """
+
+    def __init__(
+        self, pool: KVPool, layer: int, layout: BatchLayout, window: int | None = None, group: int = 0
+    ) -> None:
+        """``layer``: the pool array this layer uses; ``group``: its block group."""
+        self.pool = pool
+        self.layer = layer
+        self.layout = layout
+        self.window = window
+        self.group = group
+
+    @property
+    def offset(self) -> mx.array:
+        return self.layout.offsets
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        batch, heads, num_new, _ = keys.shape
+        # [B, H, T, D] -> [H, B*T, D]: one row per new token, in write_slots order.
+        flat_k = keys.transpose(1, 0, 2, 3).reshape(heads, batch * num_new, keys.shape[-1])
+        flat_v = values.transpose(1, 0, 2, 3).reshape(heads, batch * num_new, values.shape[-1])
+        self.pool.write(self.layer, self.layout.groups[self.group].write_slots, flat_k, flat_v)
+        fetched = self.pool.gather(self.layer, self.layout.keys(self.window, self.group).gather_slots)
+        # Start computing the layers built so far while Python builds the next ones: the model's
+        # graph building (~10% of a decode step) then overlaps the computation.
+        mx.async_eval(fetched)
+        return fetched
+
+    @property
+    def keys(self) -> mx.array:
+        """This layer's pool array of keys. Only mlx-lm's pipeline stages use it: a stage ties
+        its ``send`` to its last layer's cache (``cache.keys = mx.depends(cache.keys, h)``), so
+        that evaluating the cache sends the hidden states on; the runner evaluates the pool."""
+        return self.pool.keys[self.layer]
+
+    @keys.setter
+    def keys(self, value: mx.array) -> None:
+        self.pool.keys[self.layer] = value
+
+    def make_mask(self, num_tokens: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
+        """The mask over this layer's keys; ``window_size`` (else the layer's own window) limits
+        each query to its last ``window_size`` keys, as ``RotatingKVCache.make_mask`` does."""
+        return self.layout.mask(self.window, window_size or self.window)
+
+
+class MLXAttentionBackend:
+    """Builds the per-layer caches that a forward call hands to the model: paged KV for
+    attention layers, state-pool views for recurrent ones (``state_pool`` is then required)."""
+
+    def __init__(
+        self,
+        pool: KVPool,
+        specs: list[LayerSpec],
+        state_pool: StatePool | None = None,
+        block_groups: BlockGroups | None = None,
+    ) -> None:
+        self.pool = pool
+        self.specs = list(specs)
+        self.state_pool = state_pool
+        self.block_groups = block_groups or BlockGroups.single(self.specs)
+        self._group_of = {layer: self.block_groups.group_of_layer(layer) for layer in self.block_groups.array_of_layer}
+
+    def make_caches(self, rows: list[RowSpec]) -> list[PagedLayerCache | RecurrentLayerCache]:
+        layout = BatchLayout.build(rows, self.pool.block_size, len(self.block_groups.groups))
+        states = None
+        if self.state_pool is not None:
+            states = StateBatch.build(
+                [r.state_slot for r in rows],
+                [r.num_computed for r in rows],
+                [len(r.tokens) for r in rows],
+                read_slots=[r.state_slot if r.state_read_slot is None else r.state_read_slot for r in rows],
+                checkpoint_slots=[r.checkpoint_slot for r in rows],
+            )
+        return [
+            RecurrentLayerCache(self.state_pool, layer, states) if is_recurrent(spec) else self._paged(layer, layout)
+            for layer, spec in enumerate(self.specs)
+        ]
+
+    def _paged(self, layer: int, layout: BatchLayout) -> PagedLayerCache:
+        array = self.block_groups.array_of_layer[layer]
+        return PagedLayerCache(self.pool, array, layout, self.specs[layer].window, self._group_of[layer])

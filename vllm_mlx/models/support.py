@@ -1,0 +1,321 @@
+"""Which mlx-lm and mlx-vlm architectures the paged engine runs: generated, not claimed.
+
+Every architecture of the *installed* mlx-lm and mlx-vlm is listed with one status:
+
+* ``supported``: a tiny-model oracle test runs it (``TESTED_ARCHITECTURES`` names the test; a
+  test of ours checks that every named test exists and that the architecture still classifies
+  as runnable);
+* ``runs-untested``: the engine accepts it and a probe ran, but no test holds it to an oracle;
+* ``refused``: the engine refuses it at load, for the reason given (a layer cache kind it does
+  not page; a vision-language family without an adapter);
+* ``unknown``: no probe could be built or run (the reason is given): a generic tiny config does
+  not fit every architecture.
+
+Text architectures (mlx-lm modules with ``Model`` and ``ModelArgs``) are probed in a child
+process (``model_probe``): a tiny model of the architecture, ``attention.layer_specs`` to
+decide between runs and refused, one token through the engine's own forward path to confirm
+that it runs. Vision-language architectures (mlx-vlm packages with a vision tower) run when
+``vlm_families`` has an adapter for them. So support added to ``layer_specs`` or
+``vlm_families.FAMILIES`` shows up here by itself.
+
+Classifying everything takes 15-50 s on two CPU cores; the result is cached per installed
+versions, backend and our source (``cache_root()/model_support.json``). ``python -m
+vllm_mlx.models.support --write docs/models.md`` regenerates the docs page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import importlib
+import json
+import os
+import pkgutil
+import re
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from vllm_mlx.models.probe import REFUSED, RUNS, UNKNOWN, ProbeWorker
+
+SUPPORTED = "supported"
+STATUSES = (SUPPORTED, RUNS, REFUSED, UNKNOWN)
+TEXT, VISION = "mlx-lm", "mlx-vlm"
+
+# Architecture -> the tiny-model oracle test (pytest node id) that runs it in the engine.
+# Add a line with the test; tests/test_model_support.py checks every node id collects.
+TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
+    TEXT: {
+        "llama": "tests/test_sliding_window.py::test_default_block_size_equals_mlx_lm[llama]",
+        "gemma3_text": "tests/test_sliding_window.py::test_default_block_size_equals_mlx_lm[gemma3_text]",
+        "gpt_oss": "tests/test_sliding_window.py::test_default_block_size_equals_mlx_lm[gpt_oss]",
+        "qwen2": "tests/test_engine.py::test_another_architecture_runs_unmodified",
+        "deepseek_v3": "tests/test_kv_sizing.py::test_latent_attention_equals_mlx_lm",
+        **{name: f"tests/test_recurrent.py::test_staggered_arrivals_and_preemption_equal_mlx_lm[{name}]"
+           for name in ("lfm2", "qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_h")},
+    },
+    VISION: {
+        "qwen2_vl": "tests/test_multimodal.py::test_greedy_tokens_equal_mlx_vlm[qwen2_vl]",
+        "qwen2_5_vl": "tests/test_multimodal.py::test_greedy_tokens_equal_mlx_vlm[qwen2_5_vl]",
+        "llava": "tests/test_multimodal.py::test_greedy_tokens_equal_mlx_vlm[llava]",
+        **{name: f"tests/test_vlm_families.py::test_one_image_equals_mlx_vlm[{name}]"
+           for name in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "gemma3", "mistral3", "smolvlm")},
+    },
+}
+
+CACHE_FILE = "model_support.json"
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One architecture's row: ``name`` is the module (mlx-lm) or package (mlx-vlm) name,
+    ``aliases`` the other ``model_type`` values the package maps to it, ``detail`` the layer
+    kinds (runs) or the reason (refused, unknown), ``test`` the oracle test (supported)."""
+
+    name: str
+    source: str
+    status: str
+    detail: str
+    aliases: tuple[str, ...] = ()
+    test: str | None = None
+
+
+# -- what is installed ---------------------------------------------------------------------------
+
+
+def text_architectures() -> list[str]:
+    """mlx-lm's model modules (those that define ``Model`` and ``ModelArgs``), by name."""
+    import mlx_lm.models
+
+    root = Path(mlx_lm.models.__path__[0])
+    modules = [info.name for info in pkgutil.iter_modules([str(root)]) if not info.ispkg]
+    return [name for name in modules if _defines(root / f"{name}.py", "Model", "ModelArgs")]
+
+
+def vision_architectures() -> list[str]:
+    """mlx-vlm's model packages with a vision tower (their code names a ``VisionModel`` or a
+    ``VisionConfig``): the ones a model directory with a ``vision_config`` loads. None without
+    mlx-vlm (the ``vlm`` extra)."""
+    try:
+        import mlx_vlm.models
+    except ImportError:
+        return []
+
+    root = Path(mlx_vlm.models.__path__[0])
+    packages = [info.name for info in pkgutil.iter_modules([str(root)]) if info.ispkg]
+    tower = r"\bVisionModel\b|class VisionConfig\b"
+    return [name for name in packages if any(_mentions(f, tower) for f in (root / name).glob("*.py"))]
+
+
+def _defines(path: Path, *classes: str) -> bool:
+    text = path.read_text(errors="replace")
+    return all(re.search(rf"^class {name}\b", text, re.M) for name in classes)
+
+
+def _mentions(path: Path, pattern: str) -> bool:
+    return re.search(pattern, path.read_text(errors="replace")) is not None
+
+
+def _aliases(source: str) -> dict[str, tuple[str, ...]]:
+    """Module -> the model types the package remaps to it (e.g. llama <- mistral)."""
+    try:
+        remapping = importlib.import_module("mlx_lm.utils" if source == TEXT else "mlx_vlm.utils").MODEL_REMAPPING
+    except (ImportError, AttributeError):
+        return {}
+    aliases: dict[str, list[str]] = {}
+    for alias, target in remapping.items():
+        if alias != target:
+            aliases.setdefault(target, []).append(alias)
+    return {target: tuple(sorted(names)) for target, names in aliases.items()}
+
+
+# -- classifying ---------------------------------------------------------------------------------
+
+
+def _text_row(name: str, worker: ProbeWorker) -> Architecture:
+    probe = worker.probe(name)
+    return Architecture(name, TEXT, probe.status, probe.detail)
+
+
+def classify_vision(name: str) -> Architecture:
+    """Runs when a ``vlm_families`` adapter takes the architecture; refused otherwise, with the
+    known reason (``NOT_YET``) or for want of an adapter."""
+    from vllm_mlx.multimodal.vlm_families import FAMILIES, NOT_YET
+    from vllm_mlx.multimodal.vlm_models import supported_model_types
+
+    family = next((f for f in FAMILIES if name in f.model_types), None)
+    if family is not None:
+        return Architecture(name, VISION, RUNS, f"adapter {family.__name__}")
+    reason = NOT_YET.get(name) or f"no adapter (adapters: {', '.join(supported_model_types())})"
+    return Architecture(name, VISION, REFUSED, reason)
+
+
+def classify(
+    names: dict[str, Iterable[str]] | None = None, progress: Callable[[Iterable], Iterable] | None = None
+) -> list[Architecture]:
+    """The rows for ``names`` (``{source: [architecture, ...]}``; None: every installed one),
+    text then vision, by name; tested runnable ones become ``supported``. ``progress`` wraps
+    the work list (e.g. ``tqdm``). Text probes run in a child process (``ProbeWorker``): a
+    model that crashes or hangs the process is recorded as unknown, and the caller's process
+    never imports or builds those models."""
+    if names is None:
+        names = {TEXT: text_architectures(), VISION: vision_architectures()}
+    work = [(source, name) for source in (TEXT, VISION) for name in sorted(names.get(source, ()), key=str.lower)]
+    aliases = {source: _aliases(source) for source in (TEXT, VISION) if names.get(source)}
+    rows = []
+    with ProbeWorker() as worker:
+        for source, name in progress(work) if progress else work:
+            row = _text_row(name, worker) if source == TEXT else classify_vision(name)
+            rows.append(_with_evidence(dataclasses.replace(row, aliases=aliases[source].get(name, ()))))
+    return rows
+
+
+def _with_evidence(row: Architecture) -> Architecture:
+    """``supported`` when a test runs a runnable architecture (a tested architecture whose
+    probe could not be built keeps the test's word: the test is the stronger evidence)."""
+    test = TESTED_ARCHITECTURES.get(row.source, {}).get(row.name)
+    if test is None or row.status == REFUSED:
+        return row
+    return dataclasses.replace(row, status=SUPPORTED, test=test)
+
+
+# -- the cached full table -----------------------------------------------------------------------
+
+
+def installed_versions() -> dict[str, str]:
+    """The packages the classification depends on, and MLX's backend (a probe can fail on the
+    CPU backend for a model that needs a Metal kernel)."""
+    from vllm_mlx.platform.cpu_backend import describe_backend
+
+    versions = {}
+    for package in ("mlx", "mlx-lm", "mlx-vlm"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = "not installed"
+    return {**versions, "backend": describe_backend()["device"]}
+
+
+def all_architectures(
+    progress: Callable[[Iterable], Iterable] | None = None, refresh: bool = False
+) -> list[Architecture]:
+    """``classify()`` of everything installed, cached until a version or our code changes."""
+    from vllm_mlx.models.store import cache_root
+
+    path = cache_root() / CACHE_FILE
+    key = _cache_key()
+    if not refresh and path.is_file():
+        try:
+            cached = json.loads(path.read_text())
+            if cached.get("key") == key:
+                return [Architecture(**{**row, "aliases": tuple(row["aliases"])}) for row in cached["architectures"]]
+        except (ValueError, TypeError, KeyError):
+            pass  # unreadable: classify again
+    rows = classify(progress=progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")  # another process may be writing it too
+    partial.write_text(json.dumps({"key": key, "architectures": [dataclasses.asdict(r) for r in rows]}))
+    partial.replace(path)
+    return rows
+
+
+def _cache_key() -> str:
+    """Installed versions and our own source: new support in the engine reclassifies."""
+    digest = hashlib.sha256(json.dumps(installed_versions(), sort_keys=True).encode())
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+# -- output --------------------------------------------------------------------------------------
+
+
+def counts(rows: Sequence[Architecture]) -> dict[str, dict[str, int]]:
+    """``{source: {status: count}}``."""
+    return {source: {s: sum(r.source == source and r.status == s for r in rows) for s in STATUSES}
+            for source in (TEXT, VISION)}  # fmt: skip
+
+
+def format_table(rows: Sequence[Architecture]) -> str:
+    """Plain text for the terminal: one line per architecture, then the counts."""
+    lines = []
+    for row in rows:
+        name = f"{row.name} ({', '.join(row.aliases)})" if row.aliases else row.name
+        why = row.test if row.status == SUPPORTED else row.detail
+        lines.append(f"{row.source:8s} {name[:40]:40s} {row.status:14s} {why}")
+    for source, by_status in counts(rows).items():
+        if any(by_status.values()):
+            lines.append(f"{source}: " + ", ".join(f"{n} {status}" for status, n in by_status.items()))
+    return "\n".join(lines)
+
+
+def markdown_page(rows: Sequence[Architecture]) -> str:
+    """The docs page: what the statuses mean, the counts, and one table per package."""
+    environment = installed_versions()
+    versions = ", ".join(f"{k} {v}" for k, v in environment.items() if k != "backend")
+    versions += f"; MLX backend: {environment['backend']}"
+    parts = [MARKDOWN_HEAD.format(versions=versions, environment=json.dumps(environment, sort_keys=True))]
+    for source, by_status in counts(rows).items():
+        summary = ", ".join(f"{n} {status}" for status, n in by_status.items())
+        parts.append(f"\n## {source}\n\n{summary}.\n")
+        parts.append("| architecture | also | status | detail |\n| --- | --- | --- | --- |")
+        for row in (r for r in rows if r.source == source):
+            detail = f"`{row.test}`" if row.status == SUPPORTED else row.detail
+            also = ", ".join(row.aliases)
+            parts.append(f"| `{row.name}` | {also} | {row.status} | {_cell(detail)} |")
+    return "\n".join(parts) + "\n"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+MARKDOWN_HEAD = """# Model coverage
+
+<!-- Generated by `python -m vllm_mlx.models.support --write docs/models.md`: do not edit. -->
+<!-- environment: {environment} -->
+
+Every architecture of the installed mlx-lm and mlx-vlm ({versions}), as the paged engine sees it.
+The statuses are generated, not claimed (`vllm-mlx models --supported` prints the same list):
+
+- **supported**: a tiny random-weight model of the architecture runs in an oracle test (the test
+  is named); the test suite fails if a named test does not exist.
+- **runs-untested**: the engine accepts it and a probe ran (text: a tiny model built from the
+  module's `ModelArgs` took one token through the paged cache; vision: an adapter exists), but
+  no test compares its output with mlx-lm or mlx-vlm.
+- **refused**: the engine refuses it at load, for the reason given.
+- **unknown**: no probe could be built for it from a generic tiny config (the reason is given);
+  the engine decides when it loads a real checkpoint.
+
+Text architectures are mlx-lm's model modules; vision-language ones are mlx-vlm's packages with
+a vision tower (a model directory whose config has a `vision_config` loads through mlx-vlm).
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vllm_mlx.models.support", description=__doc__.split("\n")[0])
+    parser.add_argument("--write", metavar="PATH", help="write the Markdown page there (else print the table)")
+    parser.add_argument("--refresh", action="store_true", help="classify again, ignoring the cache")
+    args = parser.parse_args(argv)
+    rows = all_architectures(progress=progress_bar(), refresh=args.refresh)
+    if args.write:
+        Path(args.write).write_text(markdown_page(rows))
+    else:
+        print(format_table(rows))
+    return 0
+
+
+def progress_bar() -> Callable[[Iterable], Iterable] | None:
+    """A ``tqdm`` bar on stderr for ``classify``'s work list (None without tqdm)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return lambda work: tqdm(work, desc="classifying architectures", unit="arch", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

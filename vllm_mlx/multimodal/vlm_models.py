@@ -1,0 +1,304 @@
+"""Vision-language models from mlx-vlm, as the paged engine drives them.
+
+mlx-vlm's models run a whole prompt (pixels and all) through ``__call__`` with their own caches.
+The engine needs the pieces instead, because one batch mixes rows at different stages:
+
+* ``process(image)`` (caller's thread, numpy only): pixel values and the number of placeholder
+  tokens the image occupies;
+* ``encode(image)`` (engine thread): the vision encoder + projector, ``[num_tokens, hidden]``,
+  once per image and cached by content hash in the MLLM cache;
+* ``hidden_states`` / ``logits``: the language model over our paged KV cache, with the image
+  features written over the placeholder embeddings (``ImageRows``) and, for Qwen2-VL and
+  Qwen3-VL, explicit multi-axis rotary positions;
+* ``make_cache``: the language model's per-layer caches (mlx-lm kinds), from which the runner
+  derives one paged cache spec per layer (Gemma 3's sliding-window layers get their window).
+
+A family adapter (``vlm_families.py``) knows one mlx-vlm architecture's layout. Architectures
+without an adapter are refused at load with the list of supported ones (and, for some, why not
+yet).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import mlx.core as mx
+import numpy as np
+
+from vllm_mlx.core.multimodal import ImageInput, MultiModalInput
+from vllm_mlx.executor.attention import UnsupportedModelError
+from vllm_mlx.multimodal.images import ImageSource, image_content_hash
+from vllm_mlx.multimodal.media_policy import MediaPolicy
+from vllm_mlx.platform.errors import ImageInputError, ModelSourceError
+
+__all__ = ["ImageRows", "VisionLanguageModel", "is_vision_language_config", "load_vision_language_model"]
+
+
+def is_vision_language_config(config: dict) -> bool:
+    """True for a model directory mlx-vlm should load (it has a vision tower)."""
+    return "vision_config" in config
+
+
+@dataclass
+class ImageRows:
+    """The image features one forward call writes over placeholder embeddings.
+
+    ``features[i]`` belongs at flat position ``index[i]`` (``row * width + column``) of the
+    ``[batch, width]`` call. Rows come in batch order and positions ascend within a row: the
+    order in which mlx-vlm's Qwen3-VL consumes its deepstack features.
+    """
+
+    index: list[int]
+    features: mx.array
+    """``[len(index), feature_width]``: the encoder's rows, as ``encode`` returned them."""
+    batch: int
+    width: int
+
+    def scatter(self, embeds: mx.array, features: mx.array) -> mx.array:
+        """``embeds`` (``[batch, width, hidden]``) with ``features`` at the image positions."""
+        hidden = embeds.shape[-1]
+        flat = embeds.reshape(self.batch * self.width, hidden)
+        flat[mx.array(self.index)] = features.astype(flat.dtype)
+        return flat.reshape(self.batch, self.width, hidden)
+
+    def mask(self) -> mx.array:
+        """``[batch, width]`` booleans: True at the image positions."""
+        mask = np.zeros(self.batch * self.width, dtype=bool)
+        mask[self.index] = True
+        return mx.array(mask.reshape(self.batch, self.width))
+
+
+class VisionLanguageModel:
+    """One mlx-vlm model: the vision side, the language side, the processor and the prompt rules.
+
+    Subclasses set ``model_types``, the placeholder text of one image in a plain prompt, and
+    implement ``process`` and ``encode``; ``language_hidden_states`` (or ``hidden_states``) if
+    the text model needs more than embeddings and the KV cache, ``image_frame`` if the prompt
+    frames an image with tokens of its own.
+
+    Invariant: an image is one contiguous run of ``image.num_tokens`` prompt tokens
+    (``image_tokens``), ``encode(image)`` has one row per token of that run, and
+    ``hidden_states`` receives exactly those rows (sliced per step) in ``ImageRows.features``.
+    A run may hold marker tokens between the feature tokens (Mistral 3's ``[IMG_BREAK]``,
+    SmolVLM's tile markers): their rows are their own embeddings. Whatever a family keeps per
+    image token besides the input embedding (Qwen3-VL's deepstack) travels in those rows too,
+    so the runner, the MLLM cache and prefix reuse need no family knowledge.
+    """
+
+    model_types: ClassVar[tuple[str, ...]] = ()
+    uses_mrope: ClassVar[bool] = False
+    image_placeholder_text: ClassVar[str] = ""
+    """What one image looks like in a prompt written without the chat template."""
+    image_token_id: int
+    """The token each image feature occupies in the expanded prompt."""
+    placeholder_token_id: int
+    """The token that stands for a whole image in a prompt before expansion (for most families
+    ``image_token_id`` itself; Gemma 3's ``<start_of_image>``)."""
+
+    def __init__(self, model, processor, config: dict, path: Path) -> None:
+        self.model = model
+        self.processor = processor
+        self.config = config
+        self.path = path
+        self.language = model.language_model
+        # The architecture as the config names it: the runner's layer checks key on it (the
+        # text model's own type, e.g. "qwen3_5_text", is not the one they list).
+        self.model_type = config.get("model_type")
+        self.image_token_id = self._image_token_id()
+        self.placeholder_token_id = self._placeholder_token_id()
+        # Everything that turns pixels into encoder input: part of every image's cache key.
+        self.processor_key = (str(path), _preprocessor_settings(path))
+
+    # ---- the model as the runner sees it --------------------------------------------------
+
+    @property
+    def layers(self) -> list:
+        """The language model's decoder layers (one paged KV cache each)."""
+        return self.language.model.layers
+
+    @property
+    def args(self):
+        """The text model's config object (KV sizing reads defaults the config file omits)."""
+        return getattr(self.language, "args", None) or getattr(self.language, "config", None)
+
+    def make_cache(self) -> list:
+        """The language model's caches, one per layer, as mlx-lm cache kinds.
+
+        ``attention.layer_specs`` reads the kind of each (full attention, sliding window,
+        anything else refused). mlx-vlm has its own ``KVCache``/``RotatingKVCache`` classes;
+        they are mapped to mlx-lm's here, so the runner needs no second vocabulary (and so is
+        mlx-vlm's ``ArraysCache``: recurrent state, checked by the config's ``model_type``).
+        """
+        from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+        make = getattr(self.language, "make_cache", None)
+        if make is None:
+            return [KVCache() for _ in self.layers]
+        caches = []
+        for cache in make():
+            kind = type(cache).__name__
+            if kind == "KVCache":
+                cache = KVCache()
+            elif kind == "RotatingKVCache" and cache.keep == 0:
+                cache = RotatingKVCache(max_size=cache.max_size, keep=0)
+            elif kind == "ArraysCache":
+                cache = ArraysCache(len(cache.cache))
+            caches.append(cache)  # any other kind is left as it is: layer_specs names it
+        return caches
+
+    def __call__(self, inputs: mx.array, cache: list) -> mx.array:
+        """Text only, over ``make_cache()``'s caches: ``state_pool.probe_state_layout`` runs a
+        token this way to read the recurrent states a hybrid text model leaves."""
+        return self.hidden_states(inputs, cache, None, None)
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        return self.language.model.embed_tokens(inputs)
+
+    def hidden_states(
+        self, inputs: mx.array, cache: list, position_ids: mx.array | None, images: ImageRows | None
+    ) -> mx.array:
+        """The language model's last hidden states for ``inputs`` (``[B, T]``), with ``images``
+        written over their placeholders' embeddings."""
+        embeds = self.embed(inputs)
+        if images is not None:
+            embeds = images.scatter(embeds, images.features)
+        return self.language_hidden_states(embeds, inputs, cache, position_ids)
+
+    def language_hidden_states(self, embeds: mx.array, inputs: mx.array, cache: list, position_ids):
+        return self.language.model(inputs, inputs_embeds=embeds, cache=cache)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        head = getattr(self.language, "lm_head", None)
+        return head(hidden) if head is not None else self.language.model.embed_tokens.as_linear(hidden)
+
+    # ---- prompts ---------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return getattr(self.processor, "tokenizer", self.processor)
+
+    def prepare(
+        self, token_ids: list[int], images: list[ImageSource], policy: MediaPolicy
+    ) -> tuple[list[int], MultiModalInput]:
+        """Expand each image placeholder token into the image's run of tokens (``image_tokens``,
+        framed by ``image_frame``).
+
+        ``token_ids`` must hold exactly one ``placeholder_token_id`` per image, in image order;
+        each image is loaded under ``policy``. Raises ``ImageInputError`` for a bad image
+        (naming its position when there are several) and ``ValueError`` for a count mismatch.
+        """
+        slots = [i for i, t in enumerate(token_ids) if t == self.placeholder_token_id]
+        if len(slots) != len(images):
+            raise ValueError(
+                f"the prompt has {len(slots)} image placeholder(s) but {len(images)} image(s) were given"
+            )
+        expanded: list[int] = []
+        placed: list[ImageInput] = []
+        cursor = 0
+        for index, (slot, source) in enumerate(zip(slots, images)):
+            try:
+                image = self.process(source, policy)
+            except ImageInputError as exc:
+                if len(images) == 1:
+                    raise
+                raise ImageInputError(f"image {index + 1} of {len(images)}: {exc}") from None
+            before, after = self.image_frame()
+            self._extend(expanded, token_ids[cursor:slot])
+            self._extend(expanded, before)
+            image.offset = len(expanded)
+            expanded += self.image_tokens(image)
+            expanded += after
+            placed.append(image)
+            cursor = slot + 1
+        self._extend(expanded, token_ids[cursor:])
+        return expanded, self.multimodal_input(len(expanded), placed)
+
+    def image_frame(self) -> tuple[list[int], list[int]]:
+        """Tokens the expansion puts before and after an image's run of feature tokens."""
+        return [], []
+
+    def image_tokens(self, image: ImageInput) -> list[int]:
+        """The ``image.num_tokens`` token ids whose embeddings ``encode``'s rows replace."""
+        if image.token_ids is not None:
+            return list(image.token_ids)
+        return [self.image_token_id] * image.num_tokens
+
+    def _extend(self, expanded: list[int], tokens: list[int]) -> None:
+        """Append ``tokens`` (a piece of text, or an image's leading frame) to ``expanded``."""
+        expanded += tokens
+
+    def multimodal_input(self, num_tokens: int, images: list[ImageInput]) -> MultiModalInput:
+        return MultiModalInput(images)
+
+    def process(self, source: ImageSource, policy: MediaPolicy) -> ImageInput:
+        """Load (under ``policy``) and preprocess one image (numpy only: safe on any thread)."""
+        raise NotImplementedError
+
+    def encode(self, image: ImageInput) -> mx.array:
+        """The image's features, ``[image.num_tokens, hidden]`` (engine thread)."""
+        raise NotImplementedError
+
+    @classmethod
+    def refusal(cls, config: dict) -> str | None:
+        """Why this family's adapter cannot run the model in ``config`` (None: it can); checked
+        before anything is loaded."""
+        return None
+
+    def _image_token_id(self) -> int:
+        raise NotImplementedError
+
+    def _placeholder_token_id(self) -> int:
+        return self.image_token_id
+
+    def _hash(self, image) -> str:
+        return image_content_hash(image, self.processor_key)
+
+
+def supported_model_types() -> list[str]:
+    from vllm_mlx.multimodal.vlm_families import FAMILIES
+
+    return sorted(t for family in FAMILIES for t in family.model_types)
+
+
+def load_vision_language_model(path: Path, config: dict, trust_remote_code: bool = False) -> VisionLanguageModel:
+    """Load the VLM in ``path`` with mlx-vlm and wrap it in its family adapter.
+
+    ``path`` must have passed ``models.trust.check_model_code`` (mlx-vlm imports a config's
+    ``model_file`` without asking); ``trust_remote_code`` goes on to the processor's loader.
+
+    Raises:
+        UnsupportedModelError: No adapter for the architecture, or its adapter refuses the
+            config (``refusal``); the message says why where it is known.
+        ModelSourceError: mlx-vlm is not installed, or cannot load the directory.
+    """
+    from vllm_mlx.multimodal.vlm_families import FAMILIES, NOT_YET
+
+    model_type = config.get("model_type", "?")
+    family = next((f for f in FAMILIES if model_type in f.model_types), None)
+    reason = NOT_YET.get(model_type) if family is None else family.refusal(config)
+    if family is None or reason is not None:
+        raise UnsupportedModelError(
+            f"vision-language architecture {model_type!r} is not supported by the paged engine"
+            f"{f': {reason}' if reason else ''} (supported: {', '.join(supported_model_types())})"
+        )
+    try:
+        from mlx_vlm.utils import load_model, load_processor
+    except ImportError as exc:
+        raise ModelSourceError(
+            f"{path} is a vision-language model; install the vlm extra: pip install 'vllm-mlx[vlm]'"
+        ) from exc
+    try:
+        model = load_model(path)
+        processor = load_processor(path, add_detokenizer=False, trust_remote_code=trust_remote_code)
+    except (ValueError, OSError, KeyError, TypeError) as exc:
+        raise ModelSourceError(f"cannot load the vision-language model in {path}: {exc}".splitlines()[0]) from exc
+    return family(model, processor, config, path)
+
+
+def _preprocessor_settings(path: Path) -> Any:
+    """The image processor's config as plain data ({} when the directory has none)."""
+    file = path / "preprocessor_config.json"
+    return json.loads(file.read_text()) if file.is_file() else {}

@@ -1,0 +1,1 @@
+"""The vLLM platform plugin: the only code that imports torch and vllm."""

@@ -225,7 +225,7 @@ class ProbeWorker:
         import subprocess
 
         read_fd, write_fd = os.pipe()
-        here = str(Path(__file__).resolve().parent.parent)  # this copy of vllm_mlx, installed or not
+        here = str(Path(__file__).resolve().parents[2])  # this copy of vllm_mlx, installed or not
         path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
         self.process = subprocess.Popen(
             [sys.executable, "-m", "vllm_mlx.models.probe", str(write_fd)],

@@ -225,7 +225,7 @@ def all_architectures(
 def _cache_key() -> str:
     """Installed versions and our own source: new support in the engine reclassifies."""
     digest = hashlib.sha256(json.dumps(installed_versions(), sort_keys=True).encode())
-    for path in sorted(Path(__file__).parent.rglob("*.py")):
+    for path in sorted(Path(__file__).parents[1].rglob("*.py")):  # all of vllm_mlx/
         digest.update(path.read_bytes())
     return digest.hexdigest()
 

@@ -109,7 +109,7 @@ def _read_config(path: Path) -> dict | None:
 def _load_vision_language_model(path: Path, config: dict, trust_remote_code: bool) -> LoadedModel:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-    from vllm_mlx.multimodal.vlm_models import load_vision_language_model
+    from vllm_mlx.multimodal.vlm_families import load_vision_language_model
 
     vision = load_vision_language_model(path, config, trust_remote_code)
     eos = config.get("eos_token_id", config.get("text_config", {}).get("eos_token_id"))

@@ -143,8 +143,7 @@ def _text_row(name: str, worker: ProbeWorker) -> Architecture:
 def classify_vision(name: str) -> Architecture:
     """Runs when a ``vlm_families`` adapter takes the architecture; refused otherwise, with the
     known reason (``NOT_YET``) or for want of an adapter."""
-    from vllm_mlx.multimodal.vlm_families import FAMILIES, NOT_YET
-    from vllm_mlx.multimodal.vlm_models import supported_model_types
+    from vllm_mlx.multimodal.vlm_families import FAMILIES, NOT_YET, supported_model_types
 
     family = next((f for f in FAMILIES if name in f.model_types), None)
     if family is not None:

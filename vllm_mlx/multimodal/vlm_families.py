@@ -4,10 +4,12 @@ Each adapter subclasses ``vlm_models.VisionLanguageModel`` and knows one layout:
 preprocessed and how many tokens it occupies, how the prompt frames it, how the vision tower and
 projector turn it into features, and what the language model needs besides embeddings
 (multi-axis positions, deepstack features). ``FAMILIES`` lists them; ``NOT_YET`` names
-architectures refused for a known reason.
+architectures refused for a known reason; ``load_vision_language_model`` picks the adapter.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -17,6 +19,7 @@ from vllm_mlx.executor.attention import UnsupportedModelError
 from vllm_mlx.multimodal.images import ImageSource, load_image
 from vllm_mlx.multimodal.media_policy import MediaPolicy
 from vllm_mlx.multimodal.vlm_models import VisionLanguageModel
+from vllm_mlx.platform.errors import ModelSourceError
 
 __all__ = [
     "FAMILIES",
@@ -28,6 +31,8 @@ __all__ = [
     "Qwen3VLModel",
     "Qwen3_5Model",
     "SmolVLMModel",
+    "load_vision_language_model",
+    "supported_model_types",
 ]
 
 
@@ -447,3 +452,40 @@ FAMILIES: tuple[type[VisionLanguageModel], ...] = (
 
 # Architectures mlx-vlm runs that the paged engine refuses for a known reason.
 NOT_YET: dict[str, str] = {}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(t for family in FAMILIES for t in family.model_types)
+
+
+def load_vision_language_model(path: Path, config: dict, trust_remote_code: bool = False) -> VisionLanguageModel:
+    """Load the VLM in ``path`` with mlx-vlm and wrap it in its family adapter.
+
+    ``path`` must have passed ``models.trust.check_model_code`` (mlx-vlm imports a config's
+    ``model_file`` without asking); ``trust_remote_code`` goes on to the processor's loader.
+
+    Raises:
+        UnsupportedModelError: No adapter for the architecture, or its adapter refuses the
+            config (``refusal``); the message says why where it is known.
+        ModelSourceError: mlx-vlm is not installed, or cannot load the directory.
+    """
+    model_type = config.get("model_type", "?")
+    family = next((f for f in FAMILIES if model_type in f.model_types), None)
+    reason = NOT_YET.get(model_type) if family is None else family.refusal(config)
+    if family is None or reason is not None:
+        raise UnsupportedModelError(
+            f"vision-language architecture {model_type!r} is not supported by the paged engine"
+            f"{f': {reason}' if reason else ''} (supported: {', '.join(supported_model_types())})"
+        )
+    try:
+        from mlx_vlm.utils import load_model, load_processor
+    except ImportError as exc:
+        raise ModelSourceError(
+            f"{path} is a vision-language model; install the vlm extra: pip install 'vllm-mlx[vlm]'"
+        ) from exc
+    try:
+        model = load_model(path)
+        processor = load_processor(path, add_detokenizer=False, trust_remote_code=trust_remote_code)
+    except (ValueError, OSError, KeyError, TypeError) as exc:
+        raise ModelSourceError(f"cannot load the vision-language model in {path}: {exc}".splitlines()[0]) from exc
+    return family(model, processor, config, path)

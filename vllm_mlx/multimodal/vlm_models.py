@@ -34,7 +34,7 @@ from vllm_mlx.multimodal.images import ImageSource, image_content_hash
 from vllm_mlx.multimodal.media_policy import MediaPolicy
 from vllm_mlx.platform.errors import ImageInputError, ModelSourceError
 
-__all__ = ["ImageRows", "VisionLanguageModel", "is_vision_language_config", "load_vision_language_model"]
+__all__ = ["ImageRows", "VisionLanguageModel", "is_vision_language_config"]
 
 
 def is_vision_language_config(config: dict) -> bool:
@@ -255,47 +255,6 @@ class VisionLanguageModel:
 
     def _hash(self, image) -> str:
         return image_content_hash(image, self.processor_key)
-
-
-def supported_model_types() -> list[str]:
-    from vllm_mlx.multimodal.vlm_families import FAMILIES
-
-    return sorted(t for family in FAMILIES for t in family.model_types)
-
-
-def load_vision_language_model(path: Path, config: dict, trust_remote_code: bool = False) -> VisionLanguageModel:
-    """Load the VLM in ``path`` with mlx-vlm and wrap it in its family adapter.
-
-    ``path`` must have passed ``models.trust.check_model_code`` (mlx-vlm imports a config's
-    ``model_file`` without asking); ``trust_remote_code`` goes on to the processor's loader.
-
-    Raises:
-        UnsupportedModelError: No adapter for the architecture, or its adapter refuses the
-            config (``refusal``); the message says why where it is known.
-        ModelSourceError: mlx-vlm is not installed, or cannot load the directory.
-    """
-    from vllm_mlx.multimodal.vlm_families import FAMILIES, NOT_YET
-
-    model_type = config.get("model_type", "?")
-    family = next((f for f in FAMILIES if model_type in f.model_types), None)
-    reason = NOT_YET.get(model_type) if family is None else family.refusal(config)
-    if family is None or reason is not None:
-        raise UnsupportedModelError(
-            f"vision-language architecture {model_type!r} is not supported by the paged engine"
-            f"{f': {reason}' if reason else ''} (supported: {', '.join(supported_model_types())})"
-        )
-    try:
-        from mlx_vlm.utils import load_model, load_processor
-    except ImportError as exc:
-        raise ModelSourceError(
-            f"{path} is a vision-language model; install the vlm extra: pip install 'vllm-mlx[vlm]'"
-        ) from exc
-    try:
-        model = load_model(path)
-        processor = load_processor(path, add_detokenizer=False, trust_remote_code=trust_remote_code)
-    except (ValueError, OSError, KeyError, TypeError) as exc:
-        raise ModelSourceError(f"cannot load the vision-language model in {path}: {exc}".splitlines()[0]) from exc
-    return family(model, processor, config, path)
 
 
 def _preprocessor_settings(path: Path) -> Any:

@@ -8,10 +8,16 @@ value gets the same clear ``ValueError`` whichever front door it came through.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from vllm_mlx.core.request import SamplingParams
+
+class SampledLimits(Protocol):
+    """What ``RequestLimits.check_sampling`` reads of a ``request.SamplingParams`` (a protocol:
+    request.py imports this module, so this module cannot import it back)."""
+
+    n: int
+    stop: list[str]
+    stop_token_ids: list[int]
 
 
 def check_encodable(name: str, text: str) -> None:
@@ -86,7 +92,7 @@ class RequestLimits:
                 "(--max-prompts-per-request)",
             )
 
-    def check_sampling(self, params: SamplingParams) -> None:
+    def check_sampling(self, params: SampledLimits) -> None:
         """Raise ``LimitExceeded`` (a ``ValueError``) naming the field and the flag."""
         if params.n > self.max_n:
             raise LimitExceeded("n", f"n={params.n} exceeds the limit of {self.max_n} (--max-n)")

@@ -606,12 +606,3 @@ class EngineCore:
             except RankLostError as exc:
                 logger.warning("could not stop the other ranks: %s", exc)
         self.watchdog.close()
-
-
-def __getattr__(name: str):
-    # The seed exports AsyncEngineCore from this module; it lives in async_engine.py.
-    if name == "AsyncEngineCore":
-        from vllm_mlx.engine.async_engine import AsyncEngineCore
-
-        return AsyncEngineCore
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

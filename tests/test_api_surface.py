@@ -73,11 +73,11 @@ def test_request_names_resolve(name):
     [("VLMCacheManager", "MLLMCacheManager"), ("VLMCacheStats", "MLLMCacheStats")],
 )
 def test_vlm_aliases_map_to_mllm(legacy, current):
-    assert vllm_mlx._EXPORTS[legacy] == ("mllm_cache", current)
+    assert vllm_mlx._EXPORTS[legacy] == ("multimodal.cache", current)  # its real module (issue #26)
     try:
         value = getattr(vllm_mlx, legacy)
     except ImportError as exc:
-        assert "mllm_cache" in str(exc)
+        assert "multimodal.cache" in str(exc)
     else:
         assert value is getattr(vllm_mlx, current)
 

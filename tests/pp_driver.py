@@ -27,7 +27,8 @@ def pool_layers(runner) -> dict:
 
 
 def main(model_dir: str, out_prefix: str, mode: str = "") -> None:
-    from vllm_mlx.distributed.tensor_parallel import TensorParallelError, init_group, worker_loop
+    from vllm_mlx.distributed.tensor_parallel import TensorParallelError, init_group
+    from vllm_mlx.engine.rank_worker import worker_loop
 
     group = init_group()
     try:
@@ -60,8 +61,9 @@ def size_with_a_small_rank_1(model_dir: str, group) -> dict:
     """Rank 1 reports ``SMALL_MEMORY`` available; rank 0 sizes its pools from a fraction of the
     memory available, with no block count given. Both first combine made-up needs directly."""
     from vllm_mlx.core.kv.sizing import MemoryNeeds
-    from vllm_mlx.distributed.tensor_parallel import combine_memory_needs, worker_loop
+    from vllm_mlx.distributed.tensor_parallel import combine_memory_needs
     from vllm_mlx.engine import core as engine_core
+    from vllm_mlx.engine.rank_worker import worker_loop
 
     rank = group.rank()
     combined = combine_memory_needs(group, MemoryNeeds(100 + rank, 7 - rank, 5000 - rank))

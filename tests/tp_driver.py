@@ -191,7 +191,7 @@ def main(model_dir: str, out_prefix: str, mode: str = "") -> None:
 
 
 def run_rank(group, model_dir: str, out: Path, mode: str = "") -> None:
-    from vllm_mlx.distributed.tensor_parallel import worker_loop
+    from vllm_mlx.engine.rank_worker import worker_loop
 
     if group.rank() == 0:
         from vllm_mlx.engine.core import EngineCore

@@ -163,8 +163,8 @@ def hang_at_startup(group, model_dir: str, out_prefix: str) -> None:
     start-up deadline of ``STARTUP_TIMEOUT_S``; rank 1's model load never returns. Neither call
     can return: each rank's deadline ends its process (exit status 1)."""
     from vllm_mlx import models
-    from vllm_mlx.distributed.tensor_parallel import worker_loop
     from vllm_mlx.engine.core import EngineCore
+    from vllm_mlx.engine.rank_worker import worker_loop
 
     Path(f"{out_prefix}.rank{group.rank()}.pid").write_text(str(os.getpid()))
     if group.rank() == 0:
@@ -177,7 +177,8 @@ def hang_at_startup(group, model_dir: str, out_prefix: str) -> None:
 
 
 def main(model_dir: str, out_prefix: str, mode: str) -> None:
-    from vllm_mlx.distributed.tensor_parallel import init_group, worker_loop
+    from vllm_mlx.distributed.tensor_parallel import init_group
+    from vllm_mlx.engine.rank_worker import worker_loop
 
     pid_file = Path(f"{out_prefix}.rank1.pid")
     group = init_group()

@@ -160,7 +160,7 @@ class EngineConfig:
     tensor_parallel: bool = option(
         False, surfaces=(NOTEBOOK,), help="split the model over the ranks of mx.distributed (this process: rank 0)",
         doc="split the model over the ranks of `mx.distributed`: this process must be rank 0 of ranks launched "
-        "with `mlx.launch`, the others run `vllm_mlx.distributed.tensor_parallel.worker_loop` with the same model and "
+        "with `mlx.launch`, the others run `vllm_mlx.engine.rank_worker.worker_loop` with the same model and "
         "`weight_format` ([Distributed](distributed.md))",
     )  # fmt: skip
     pipeline_parallel: bool = option(

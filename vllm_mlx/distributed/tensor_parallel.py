@@ -9,7 +9,8 @@ blocks: rank 0's block tables are valid on every rank.
 
 Rank 0 is the engine (``EngineCore`` with ``tensor_parallel=True``): scheduler, prefix cache,
 detokenizing, sampling that counts. Before each forward it broadcasts the step as a
-``StepMessage`` (plain data, JSON) and every other rank runs ``worker_loop``: it rebuilds the
+``StepMessage`` (plain data, JSON) and every other rank runs ``worker_loop``
+(``engine/rank_worker.py``): it rebuilds the
 step's ``ScheduledRequest``s on shadow ``Request``s and runs its runner on the same batch.
 
 Sampling: rank 0's token is the one that counts; it reaches the workers in the next message
@@ -48,15 +49,8 @@ import numpy as np
 from vllm_mlx.core.kv.sizing import MemoryNeeds
 from vllm_mlx.core.outputs import ScheduledRequest, SchedulerOutput
 from vllm_mlx.core.request import Request, SamplingParams
-from vllm_mlx.distributed.liveness import LivenessAddress, connect_to_rank_zero
 from vllm_mlx.distributed.ring_formation import form_group
-from vllm_mlx.distributed.watchdog import (
-    DEFAULT_STARTUP_TIMEOUT_S,
-    STARTUP,
-    RankLostError,
-    is_collective_failure,
-    startup_deadline,
-)
+from vllm_mlx.distributed.watchdog import RankLostError, is_collective_failure
 
 logger = logging.getLogger(__name__)
 
@@ -494,51 +488,3 @@ def held_layers(runner) -> tuple[int, int]:
     pipeline stage: its own layers only)."""
     kv_layers = sum(keys is not None for keys in runner.pool.keys)
     return kv_layers, len(runner.state_pool.arrays) if runner.state_pool is not None else 0
-
-
-def worker_loop(
-    model: str,
-    *,
-    weight_format: str = "auto",
-    trust_remote_code: bool = False,
-    group=None,
-    pipeline_parallel: bool = False,
-    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
-) -> WorkerStats:
-    """Run a rank > 0 until rank 0's engine shuts down; returns what it ran.
-
-    ``model``, ``weight_format``, ``trust_remote_code`` and ``pipeline_parallel`` (stages of
-    layers instead of shards: ``pipeline_parallel.py``) must be rank 0's (the model and the
-    split mode are checked at start-up, on every rank); the KV pool's
-    sizing comes from rank 0's start message. It prepares the model as rank 0 does
-    (``prepare_engine_model``), then builds the runner: the same collectives in the same order.
-    When start-up (up to rank 0's start message) outlives ``startup_timeout_s``, the process
-    exits (``rank_watchdog.startup_deadline``)."""
-    from vllm_mlx.engine.core import EngineConfig, prepare_engine_model
-    from vllm_mlx.executor.model_runner import MLXModelRunner
-
-    group = group or init_group()
-    if group.rank() == 0:
-        raise TensorParallelError("rank 0 runs the engine (EngineCore(tensor_parallel=True)), not worker_loop")
-    config = EngineConfig(
-        model=model, weight_format=weight_format, trust_remote_code=trust_remote_code,
-        pipeline_parallel=pipeline_parallel,
-    )  # fmt: skip
-    with startup_deadline(group, startup_timeout_s, STARTUP):
-        prepared = prepare_engine_model(config, group)
-        start = receive_message(group)
-    if start.kind != "start":
-        raise TensorParallelError(f"expected rank 0's start message, got {start.kind!r}")
-    sizing = start.start
-    runner = MLXModelRunner(
-        prepared.loaded.model, sizing["num_blocks"], sizing["block_size"], None, sizing["num_state_slots"],
-        prepared.state_layout, block_groups=prepared.block_groups,
-    )  # fmt: skip
-    # Held open for this process's life: its end tells rank 0 at once that this rank is gone.
-    liveness = connect_to_rank_zero(LivenessAddress.from_dict(sizing.get("liveness")), group.rank())
-    try:
-        return Worker(runner, group).run()
-    finally:
-        runner.release()
-        if liveness is not None:
-            liveness.close()

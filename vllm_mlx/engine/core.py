@@ -77,7 +77,7 @@ def _rank_zero_group():
     group = init_group()
     if group.rank() != 0:
         raise TensorParallelError(
-            f"this is rank {group.rank()}: only rank 0 runs the engine; run vllm_mlx.distributed.tensor_parallel.worker_loop here"
+            f"this is rank {group.rank()}: only rank 0 runs the engine; run vllm_mlx.engine.rank_worker.worker_loop here"
         )
     return group
 

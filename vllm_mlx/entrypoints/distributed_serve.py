@@ -23,7 +23,8 @@ import signal
 import sys
 
 from vllm_mlx.distributed.supervisor import RankGroup, supervise, watch_supervisor
-from vllm_mlx.distributed.tensor_parallel import TensorParallelError, check_heads_divide, init_group, worker_loop
+from vllm_mlx.distributed.tensor_parallel import TensorParallelError, check_heads_divide, init_group
+from vllm_mlx.engine.rank_worker import worker_loop
 
 HOW_TO_LAUNCH = (
     "--distributed: this process is not a rank of a launch of 2 or more; start every rank with "

@@ -25,15 +25,13 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from vllm_mlx_jupyter.reading import OutputReader, Reading, with_server_parts
+from vllm_mlx_jupyter.states import ABORTED, DONE, ERROR, FINAL_STATES, GENERATING, PREFILLING, QUEUED  # noqa: F401
 
 if TYPE_CHECKING:
     from vllm_mlx.engine.input_processor import PreparedPrompt
     from vllm_mlx.tool_parsers import ToolCall
     from vllm_mlx_jupyter.token_view import TokenInfo, TokenLog
 
-QUEUED, PREFILLING, GENERATING = "queued", "prefilling", "generating"
-DONE, ABORTED, ERROR = "done", "aborted", "error"
-FINAL_STATES = frozenset({DONE, ABORTED, ERROR})
 _ORDER = {QUEUED: 0, PREFILLING: 1, GENERATING: 2, DONE: 3, ABORTED: 3, ERROR: 3}
 MIN_INTERVAL = 0.1  # at most 10 renders per second
 

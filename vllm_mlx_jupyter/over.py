@@ -92,6 +92,8 @@ class OverGeneration(LiveViews):
     and ``.result(timeout)`` returns ``.results`` once done.
     """
 
+    is_over = True  # render.py shows it as an --over run
+
     def __init__(
         self,
         name: str,

@@ -12,10 +12,9 @@ from __future__ import annotations
 import re
 import time
 
-from vllm_mlx_jupyter.generation import ABORTED, DONE, ERROR, GENERATING, PREFILLING, QUEUED
 from vllm_mlx_jupyter.markup import escape
 from vllm_mlx_jupyter.model_markdown import render_markdown
-from vllm_mlx_jupyter.over import OverGeneration
+from vllm_mlx_jupyter.states import ABORTED, DONE, ERROR, GENERATING, PREFILLING, QUEUED
 from vllm_mlx_jupyter.token_view import TOKENS, tokens_bundle
 
 RECENT_CHARS = 160
@@ -28,6 +27,12 @@ _COLORS = {
     ABORTED: "#616161",
     ERROR: "#e53935",
 }
+
+
+def _is_over(gen) -> bool:
+    """An ``--over`` run (``over.OverGeneration``), told by a flag: this module shows both kinds
+    and imports neither (generation.py shows its handles through this module)."""
+    return getattr(gen, "is_over", False)
 
 
 def current_execution_count() -> int:
@@ -74,7 +79,7 @@ def _tokens_per_second(out, n: int) -> float | None:
 
 
 def status_bundle(gen) -> dict:
-    parts = over_status_parts(gen) if isinstance(gen, OverGeneration) else status_parts(gen)
+    parts = over_status_parts(gen) if _is_over(gen) else status_parts(gen)
     color = _COLORS.get(gen.state, "#9e9e9e")
     text = " · ".join(escape(p) for p in parts)
     markup = (
@@ -85,7 +90,7 @@ def status_bundle(gen) -> dict:
     return {"text/plain": " · ".join(parts), "text/html": markup + _progress_bar(gen)}
 
 
-def over_status_parts(gen: OverGeneration) -> list[str]:
+def over_status_parts(gen) -> list[str]:
     """An ``--over`` run's status: rows done of total, errors, in flight, tokens, tok/s, ETA."""
     p = gen.progress
     state = f"error: {gen.error}" if gen.state == ERROR else gen.state
@@ -104,7 +109,7 @@ def over_status_parts(gen: OverGeneration) -> list[str]:
 
 
 def _progress_bar(gen) -> str:
-    if not isinstance(gen, OverGeneration):
+    if not _is_over(gen):
         return ""
     p = gen.progress
     done = 100 * p.done / p.total if p.total else 100
@@ -130,7 +135,7 @@ def body_bundle(gen) -> dict:
     Reasoning comes first, folded; tool calls follow the text as ``name(arguments)``, never as
     the model's call markup.
     """
-    if isinstance(gen, OverGeneration):
+    if _is_over(gen):
         return over_body_bundle(gen)
     if gen.format == TOKENS:
         return tokens_bundle(gen)
@@ -154,7 +159,7 @@ def body_bundle(gen) -> dict:
     return {"text/html": f'<div class="vllm-mlx-text">{markup}</div>', "text/plain": plain}
 
 
-def over_body_bundle(gen: OverGeneration) -> dict:
+def over_body_bundle(gen) -> dict:
     """The last rows to finish, one line each (cut to ``RECENT_CHARS``), and the first errors.
     Model text goes out escaped: never as HTML or Markdown."""
     lines = [f"#{index}: {_one_line(text)}" for index, text in gen.recent()]

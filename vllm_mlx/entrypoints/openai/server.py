@@ -101,13 +101,6 @@ def build_app(
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)  # outermost: before the body is read
 
-    async def engine_call(method):
-        """A blocking engine method, off the event loop; a dead engine is a 503."""
-        try:
-            return await run_in_threadpool(method)
-        except EngineDeadError as exc:
-            raise engine_dead(exc.__cause__) from None
-
     @app.get("/health")
     async def health() -> Response:
         if not engine.is_running:
@@ -143,6 +136,20 @@ def build_app(
     async def count_tokens(body: MessagesInput) -> dict:
         return (await messages.count_tokens(body)).model_dump()
 
+    _add_cache_routes(app, engine, metrics, options)
+    return app
+
+
+def _add_cache_routes(app: FastAPI, engine: AsyncEngineCore, metrics: ServerMetrics, options: ServingOptions) -> None:
+    """What the server tells about its cache and itself: stats, blocks, reset, Prometheus metrics."""
+
+    async def engine_call(method):
+        """A blocking engine method, off the event loop; a dead engine is a 503."""
+        try:
+            return await run_in_threadpool(method)
+        except EngineDeadError as exc:
+            raise engine_dead(exc.__cause__) from None
+
     @app.get("/v1/cache/stats")
     async def cache_stats() -> dict:
         return summarize_snapshot(await engine_call(engine.cache_snapshot), options)
@@ -162,8 +169,6 @@ def build_app(
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(await run_in_threadpool(metrics.render), media_type=CONTENT_TYPE_LATEST)
-
-    return app
 
 
 async def _respond(pending, stall_timeout: float | None) -> Response:

@@ -31,7 +31,6 @@ from vllm_mlx.config import DEFAULT_MLLM_CACHE_MEMORY, EngineConfig  # noqa: F40
 from vllm_mlx.config.options import apply_options
 from vllm_mlx.core.kv.paged_cache import PagedCacheManager
 from vllm_mlx.core.kv.sizing import (  # noqa: F401 (re-exported: imported from here by callers)
-    DEFAULT_KV_CACHE_MEMORY,
     KVShape,
     MemoryNeeds,
     StateBudget,

@@ -30,7 +30,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from vllm_mlx.core.kv.sizing import DEFAULT_KV_CACHE_MEMORY, available_memory, kv_bytes_per_token, kv_shape
+from vllm_mlx.config import DEFAULT_KV_CACHE_MEMORY
+from vllm_mlx.core.kv.sizing import available_memory, kv_bytes_per_token, kv_shape
 from vllm_mlx.core.outputs import ScheduledRequest, SchedulerOutput, TokenLogprobs
 from vllm_mlx.core.request import Request, SamplingParams
 

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from vllm_mlx.config import DEFAULT_KV_CACHE_MEMORY  # noqa: F401 (re-exported: declared with its option)
 
-if TYPE_CHECKING:
-    from vllm_mlx.config import EngineConfig
+class StatePlanConfig(Protocol):
+    """What ``StateBudget.plan`` reads of an ``EngineConfig`` (a protocol: vllm_mlx.config sits
+    above core, which may not import it)."""
+
+    max_num_seqs: int
+    max_state_checkpoints: int | None
+    enable_prefix_caching: bool
 
 
 def available_memory() -> int:
@@ -109,7 +113,7 @@ class StateBudget:
         return self.num_running_slots + self.num_checkpoints
 
     @classmethod
-    def plan(cls, config: EngineConfig, budget_bytes: int, bytes_per_request: int) -> StateBudget:
+    def plan(cls, config: StatePlanConfig, budget_bytes: int, bytes_per_request: int) -> StateBudget:
         """Raises ``ValueError`` when the budget cannot hold the running requests' states."""
         if not bytes_per_request:
             return cls(0, 0, budget_bytes)

@@ -29,10 +29,9 @@ import mlx.core as mx
 import numpy as np
 
 from vllm_mlx.core.multimodal import ImageInput, MultiModalInput
-from vllm_mlx.executor.attention import UnsupportedModelError
 from vllm_mlx.multimodal.images import ImageSource, image_content_hash
 from vllm_mlx.multimodal.media_policy import MediaPolicy
-from vllm_mlx.platform.errors import ImageInputError, ModelSourceError
+from vllm_mlx.platform.errors import ImageInputError
 
 __all__ = ["ImageRows", "VisionLanguageModel", "is_vision_language_config"]
 

@@ -113,3 +113,25 @@ def test_dir_lists_public_names():
     names = dir(vllm_mlx)
     assert names == sorted(names)
     assert set(SEED_ALL) | {"LLM"} <= set(names)
+
+
+def test_what_vllm_mlx_distributed_offered_as_one_module_still_imports():
+    """Before the re-layout ``vllm_mlx.distributed`` was one module and its docs showed
+    ``from vllm_mlx.distributed import init_group, worker_loop``: the package keeps those names
+    (and ``step_traffic``) without importing the engine until they are asked for."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, vllm_mlx.distributed as d\n"
+        "assert 'vllm_mlx.engine.rank_worker' not in sys.modules\n"
+        "from vllm_mlx.distributed import init_group, step_traffic, worker_loop\n"
+        "print(worker_loop.__module__, init_group.__module__, step_traffic.__module__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["vllm_mlx.engine.rank_worker"] + ["vllm_mlx.distributed.tensor_parallel"] * 2
+    with pytest.raises(AttributeError):
+        import vllm_mlx.distributed
+
+        vllm_mlx.distributed.no_such_name  # noqa: B018

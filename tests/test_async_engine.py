@@ -309,7 +309,7 @@ def test_an_async_consumer_that_lags_skips_to_the_latest_output(started_engines,
     async def main():
         outputs = engine.generate(PROMPTS[1], GREEDY, request_id="lagging")
         first = await anext(outputs)
-        await asyncio.to_thread(wait_until, lambda: idle_and_freed(engine), TIMEOUT, "the request to finish")
+        await asyncio.to_thread(wait_until, lambda: idle_and_freed(engine), "the request to finish", TIMEOUT)
         return [first] + [out async for out in outputs]
 
     first, final = bounded(lambda: asyncio.run(main()))

@@ -176,7 +176,7 @@ class EngineConfig:
         help="how long a step may wait on the other ranks before one is declared hung and the server unhealthy "
         "(default: 120)",
         doc="with `tensor_parallel` or `pipeline_parallel`: how long a step (or the idle heartbeat) may wait on "
-        "the other ranks before rank 0 declares one hung and the engine failed (`rank_watchdog.py`); it must "
+        "the other ranks before rank 0 declares one hung and the engine failed (`distributed/watchdog.py`); it must "
         "exceed the slowest legitimate step, the largest prefill chunk on this hardware "
         "([Distributed](distributed.md#when-a-rank-dies-or-hangs))",
     )  # fmt: skip

@@ -5,7 +5,7 @@ fails its pending transfers ("[ring] connection to a peer was lost") after repea
 then *exits*; MLX's stream thread records the error and goes on with the graph's next tasks, so
 the next collective of the same forward queues a transfer on a socket nobody serves and blocks
 forever. Whether rank 0 sees the error or blocks depends on where in the graph the peer died;
-only the watchdog's deadline (``rank_watchdog.py``) would then end it, seconds later and named
+only the watchdog's deadline (``distributed/watchdog.py``) would then end it, seconds later and named
 as a hang.
 
 So each rank > 0 holds one TCP connection to rank 0 for its whole life, over which nothing is

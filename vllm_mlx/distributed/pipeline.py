@@ -1,6 +1,6 @@
 """Pipeline parallelism: each rank holds a contiguous range of the model's layers (mlx-lm's
 ``pipeline()``), and every rank still runs the same batch through the same engine protocol as
-tensor parallelism (``distributed.py``: rank 0 the engine, the others ``worker_loop``).
+tensor parallelism (``distributed/tensor_parallel.py``: rank 0 the engine, the others ``worker_loop``).
 
 mlx-lm splits the layers in reverse (rank 0 holds the *last* layers, rank N - 1 the first and
 the embedding's work) and its ``__call__`` does, per forward: ``recv_like`` the hidden states

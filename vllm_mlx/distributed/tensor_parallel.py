@@ -28,9 +28,9 @@ those too) only when it fails alike on every rank before its first collective; a
 a forward leaves the ranks out of step.
 
 A rank that dies or hangs ends the engine, never silently: a dead peer closes its liveness
-connection to rank 0 (``rank_liveness.py``: the ring's collectives raise only sometimes, and may
+connection to rank 0 (``distributed/liveness.py``: the ring's collectives raise only sometimes, and may
 block instead), and a ring error in a message sent or received becomes ``RankLostError``; a hung one
-is caught by rank 0's ``CollectiveWatchdog`` (``rank_watchdog.py``: a deadline on every step,
+is caught by rank 0's ``CollectiveWatchdog`` (``distributed/watchdog.py``: a deadline on every step,
 heartbeat and stop message). Rank 0's engine then fails its requests with that error; a worker
 whose rank 0 is gone raises it and exits.
 """

@@ -11,7 +11,7 @@ thread. ``EngineCore`` (this module) owns the model, the scheduler, the KV cache
 and each ``step()`` is schedule -> execute -> update. ``OutputProcessor``
 (``output_processor.py``) turns the requests a step advanced into ``RequestOutput``s:
 detokenizing, stop strings, logprobs, fanning ``n`` completions back into one output. The types
-that cross these layers live in ``outputs.py``; memory sizing lives in ``kv_sizing.py``.
+that cross these layers live in ``outputs.py``; memory sizing lives in ``core/kv/sizing.py``.
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ class EngineCore:
         TypeError: An unknown option in ``overrides``.
         ValueError: A bad option value (e.g. a KV budget that holds no block).
         TensorParallelError: With ``tensor_parallel``: not launched as rank 0 of several, or a
-            model that cannot be split over the ranks (a ``ValueError``; ``distributed.py``).
+            model that cannot be split over the ranks (a ``ValueError``; ``distributed/tensor_parallel.py``).
     """
 
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
@@ -197,7 +197,7 @@ class EngineCore:
         blocked caller can never return (``AsyncEngineCore`` sets it to fail its requests)."""
         self.watchdog = None
         self.liveness: LivenessMonitor | None = None
-        """With tensor parallelism: finds a rank whose process ended at once (``rank_liveness.py``)."""
+        """With tensor parallelism: finds a rank whose process ended at once (``distributed/liveness.py``)."""
         self._rank_failure_lock = threading.Lock()
         self.rank_failure: RankLostError | None = None
         """Why the ranks are out of reach (set once; no collective is issued after it)."""

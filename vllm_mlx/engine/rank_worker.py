@@ -34,7 +34,7 @@ def worker_loop(
     """Run a rank > 0 until rank 0's engine shuts down; returns what it ran.
 
     ``model``, ``weight_format``, ``trust_remote_code`` and ``pipeline_parallel`` (stages of
-    layers instead of shards: ``pipeline_parallel.py``) must be rank 0's (the model and the
+    layers instead of shards: ``distributed/pipeline.py``) must be rank 0's (the model and the
     split mode are checked at start-up, on every rank); the KV pool's
     sizing comes from rank 0's start message. It prepares the model as rank 0 does
     (``prepare_engine_model``), then builds the runner: the same collectives in the same order.

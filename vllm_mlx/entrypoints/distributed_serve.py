@@ -10,7 +10,7 @@ Two ways in:
   process checks the model can be split, starts itself N times with ``--distributed`` on a
   loopback ring (``rank_supervisor``) and stays in the foreground as their supervisor.
 
-Pipeline parallelism (``pipeline_parallel.py``) takes the same ways in: ``--distributed
+Pipeline parallelism (``distributed/pipeline.py``) takes the same ways in: ``--distributed
 --pipeline-parallel`` on every rank, or ``--pipeline-parallel-size N`` on one machine (its ranks
 get ``--distributed`` and keep the size flag, which implies the mode); rank 0's engine then gets
 ``pipeline_parallel=True`` instead of ``tensor_parallel=True``.

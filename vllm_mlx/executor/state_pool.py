@@ -17,7 +17,7 @@ token through ``cache.lengths``.
   The engine re-runs each request of a failed step alone; a re-run must start from the state
   before the step, so a failed step leaves the pool untouched.
 * A row may read from another slot than the one it writes (a prefix hit resumes from a state
-  checkpoint, ``state_checkpoints.py``) and may write its final state into a checkpoint slot too.
+  checkpoint, ``core/kv/checkpoints.py``) and may write its final state into a checkpoint slot too.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The block pool: every block's metadata, the LRU free queue, the hash maps, a logical table.
 
-No policy about requests: the coordinator (``kv_coordinator.py``) and its managers per kind
-(``kv_managers.py``) decide which request's table holds which block; the pool only hands blocks
+No policy about requests: the coordinator (``core/kv/coordinator.py``) and its managers per kind
+(``core/kv/managers.py``) decide which request's table holds which block; the pool only hands blocks
 out, takes them back, and keeps the hashes of full blocks for prefix hits.
 """
 

@@ -1,6 +1,6 @@
 """The scheduler's one front door to the KV cache (vLLM v1's ``KVCacheManager``).
 
-Behind it: the coordinator (``kv_coordinator.py``: one block pool, a manager per kind — full
+Behind it: the coordinator (``core/kv/coordinator.py``: one block pool, a manager per kind — full
 attention, sliding window, recurrent state — and one record per request), the requests' block
 hashes (``BlockAwarePrefixCache``) and the per-tenant counters. The scheduler holds only this:
 it asks it for a request's cached prefix, to allocate or free a request's slots, and, after a
@@ -12,7 +12,7 @@ each step while it runs) → ``assign`` (what the model runner needs for the ste
 ``complete_step`` (after the runner: publish full blocks and state checkpoints) → ``free``
 (preemption keeps its hashes for the next admission; finishing forgets them).
 
-Hybrid models resume a prefix only where a state checkpoint was kept (``state_checkpoints.py``):
+Hybrid models resume a prefix only where a state checkpoint was kept (``core/kv/checkpoints.py``):
 a step that ends on a block boundary writes one, and a prefill chunk is cut at the request's
 checkpoint boundaries (``cut_at_checkpoint``): the last block boundary before the prompt's last
 token, and a branch point found at admission.
@@ -182,7 +182,7 @@ class KVCacheManager:
 
     def _checkpoint_boundaries(self, request: Request) -> tuple[int, ...]:
         """Where the request keeps state checkpoints that newer ones do not supersede: its
-        branch point and its prompt's last boundary (``state_checkpoints.py``)."""
+        branch point and its prompt's last boundary (``core/kv/checkpoints.py``)."""
         branch = self.prefix_cache.branch_point(request)
         prompt = checkpoint_boundary(request, self.block_size)
         return (prompt,) if branch is None else (branch, prompt)

@@ -3,7 +3,7 @@
 Each block group (``kv_spec.plan_block_groups``) is driven by a ``FullAttentionManager`` (keeps
 every block) or a ``SlidingWindowManager`` (gives back the blocks its window left); recurrent
 layers by a ``RecurrentStateManager`` (one state slot per request, and state checkpoints).
-The coordinator (``kv_coordinator.py``) drives them all over one ``BlockPool``.
+The coordinator (``core/kv/coordinator.py``) drives them all over one ``BlockPool``.
 
 The block managers keep no per-request dicts: they work on the table of their group that the
 request's one record (``kv_coordinator.RequestCache``) carries.
@@ -108,7 +108,7 @@ def block_group_manager(pool: BlockPool, group: int, window: int | None) -> Full
 
 class RecurrentStateManager:
     """Recurrent layers: one state slot per request holding blocks (``state_slots.py``), and,
-    with prefix caching, state checkpoints at block boundaries (``state_checkpoints.py``): a
+    with prefix caching, state checkpoints at block boundaries (``core/kv/checkpoints.py``): a
     hybrid model resumes a prefix only where one is kept (none: no prefix hits)."""
 
     def __init__(self, num_state_slots: int, num_state_checkpoints: int, enable_caching: bool) -> None:

@@ -1,6 +1,6 @@
 """What observers read of the KV coordinator: counts, a plain-data snapshot, and its invariants.
 
-Reads only: nothing here changes the cache. The KV manager (``kv_cache_manager.py``) serves these
+Reads only: nothing here changes the cache. The KV manager (``core/kv/manager.py``) serves these
 to the scheduler's observers (engine stats, cache snapshots, the inspector).
 """
 

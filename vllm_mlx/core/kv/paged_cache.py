@@ -1,10 +1,10 @@
 """Paged KV cache accounting, under the name it has always had (a face).
 
-The bookkeeping lives in ``kv_coordinator.py`` (one ``BlockPool``, one manager per kind:
-``kv_managers.py``; its invariants are in that module's docstring) and what observers read in
-``kv_observation.py``. ``PagedCacheManager`` is that coordinator with the reads and per-request
+The bookkeeping lives in ``core/kv/coordinator.py`` (one ``BlockPool``, one manager per kind:
+``core/kv/managers.py``; its invariants are in that module's docstring) and what observers read in
+``core/kv/observation.py``. ``PagedCacheManager`` is that coordinator with the reads and per-request
 calls it offered before, for the API page, the guides and tests; the engine's own code reaches
-the cache through ``KVCacheManager`` (``kv_cache_manager.py``).
+the cache through ``KVCacheManager`` (``core/kv/manager.py``).
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ class PrefixCacheManager:
 
 
 class BlockAwarePrefixCache(PrefixCacheManager):
-    """The prefix cache as the KV manager (``kv_cache_manager.py``) uses it: per request, on the
+    """The prefix cache as the KV manager (``core/kv/manager.py``) uses it: per request, on the
     paged blocks.
 
     A hit maps the new request's block table onto the same physical blocks (ref count + 1,

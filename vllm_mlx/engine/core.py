@@ -454,7 +454,7 @@ class EngineCore:
         """The watchdog's or the liveness monitor's verdict (their threads; the first one counts):
         hand it on, or end a process that would hang."""
         with self._rank_failure_lock:
-            if self.rank_failure is not None and self.rank_failure is not error:
+            if self.rank_failure is not None:  # already known (the other thread, or the step raised)
                 return
             self.rank_failure = error
         if self.on_rank_lost is not None:

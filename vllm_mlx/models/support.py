@@ -46,22 +46,22 @@ STATUSES = (SUPPORTED, RUNS, REFUSED, UNKNOWN)
 TEXT, VISION = "mlx-lm", "mlx-vlm"
 
 # Architecture -> the tiny-model oracle test (pytest node id) that runs it in the engine.
-# Add a line with the test; tests/test_model_support.py checks every node id collects.
+# Add a line with the test; tests/models/test_model_support.py checks every node id collects.
 TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
     TEXT: {
-        "llama": "tests/test_sliding_window.py::test_default_block_size_equals_mlx_lm[llama]",
-        "gemma3_text": "tests/test_sliding_window.py::test_default_block_size_equals_mlx_lm[gemma3_text]",
-        "gpt_oss": "tests/test_sliding_window.py::test_default_block_size_equals_mlx_lm[gpt_oss]",
-        "qwen2": "tests/test_engine.py::test_another_architecture_runs_unmodified",
-        "deepseek_v3": "tests/test_kv_sizing.py::test_latent_attention_equals_mlx_lm",
-        **{name: f"tests/test_recurrent.py::test_staggered_arrivals_and_preemption_equal_mlx_lm[{name}]"
+        "llama": "tests/engine/test_sliding_window.py::test_default_block_size_equals_mlx_lm[llama]",
+        "gemma3_text": "tests/engine/test_sliding_window.py::test_default_block_size_equals_mlx_lm[gemma3_text]",
+        "gpt_oss": "tests/engine/test_sliding_window.py::test_default_block_size_equals_mlx_lm[gpt_oss]",
+        "qwen2": "tests/engine/test_engine.py::test_another_architecture_runs_unmodified",
+        "deepseek_v3": "tests/core/test_kv_sizing.py::test_latent_attention_equals_mlx_lm",
+        **{name: f"tests/engine/test_recurrent.py::test_staggered_arrivals_and_preemption_equal_mlx_lm[{name}]"
            for name in ("lfm2", "qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_h")},
     },
     VISION: {
-        "qwen2_vl": "tests/test_multimodal.py::test_greedy_tokens_equal_mlx_vlm[qwen2_vl]",
-        "qwen2_5_vl": "tests/test_multimodal.py::test_greedy_tokens_equal_mlx_vlm[qwen2_5_vl]",
-        "llava": "tests/test_multimodal.py::test_greedy_tokens_equal_mlx_vlm[llava]",
-        **{name: f"tests/test_vlm_families.py::test_one_image_equals_mlx_vlm[{name}]"
+        "qwen2_vl": "tests/multimodal/test_multimodal.py::test_greedy_tokens_equal_mlx_vlm[qwen2_vl]",
+        "qwen2_5_vl": "tests/multimodal/test_multimodal.py::test_greedy_tokens_equal_mlx_vlm[qwen2_5_vl]",
+        "llava": "tests/multimodal/test_multimodal.py::test_greedy_tokens_equal_mlx_vlm[llava]",
+        **{name: f"tests/multimodal/test_vlm_families.py::test_one_image_equals_mlx_vlm[{name}]"
            for name in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "gemma3", "mistral3", "smolvlm")},
     },
 }

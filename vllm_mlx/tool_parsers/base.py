@@ -5,7 +5,7 @@ opens at a start marker (``<tool_call>``, ``[TOOL_CALLS]``, ...) and closes at a
 the next start marker, or at the end of the output, as the format says. A format only says where
 its regions are and how one region's text becomes calls (``parse_region``).
 
-Invariants (tests/test_tool_parsers.py checks them on every recorded output, in random chunkings):
+Invariants (tests/structured/test_tool_parsers.py checks them on every recorded output, in random chunkings):
 
 - ``extract(text)`` is ``ToolCallStream.feed(text)`` + ``finish()``, reassembled: the streamed
   deltas of any chunking of ``text`` concatenate to exactly the non-streamed result.

@@ -13,7 +13,7 @@ import pytest
 
 from vllm_mlx.platform import cpu_backend
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 LINUX = sys.platform.startswith("linux")
 
 

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(not mx.distributed.is_available(), reason="mlx h
 
 def _rank(rank: int, hostfile: str, nonce: str) -> subprocess.Popen:
     env = {**os.environ, "MLX_HOSTFILE": hostfile, "MLX_RANK": str(rank), LAUNCH_NONCE_ENV: nonce,
-           "PYTHONPATH": os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+           "PYTHONPATH": os.pathsep.join([str(TESTS.parents[1]), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     return subprocess.Popen([sys.executable, str(DRIVER)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
 

@@ -1,6 +1,6 @@
 """Rank failures in a tensor-parallel server: what each rank of ``mlx.launch -n 2`` runs.
 
-``python tests/tp_failure_driver.py MODEL_DIR OUT_PREFIX MODE`` with MODE:
+``python tests/distributed/tp_failure_driver.py MODEL_DIR OUT_PREFIX MODE`` with MODE:
 
 - ``die``: rank 1 kills itself (SIGKILL) in the middle of a batch of streaming requests;
 - ``hang``: rank 1 stops itself (SIGSTOP) there instead: alive, silent;

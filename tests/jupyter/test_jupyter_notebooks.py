@@ -15,7 +15,7 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 STATUS = re.compile(r"^(?P<name>\S+) · (?P<state>[a-z]+)")
 
 
@@ -127,7 +127,7 @@ def test_demo_command_runs_the_quickstart_and_summarises(tmp_path, tiny_model_di
     done = subprocess.run(
         [sys.executable, "-m", "vllm_mlx.entrypoints.cli", "demo", "notebooks/quickstart.ipynb",
          "--output", str(output), "--model", str(tiny_model_dir)],
-        cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300,
+        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     # Cells share the batch; with the tiny model an answer takes ~0.1 s, so on a loaded machine

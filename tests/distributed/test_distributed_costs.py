@@ -96,7 +96,7 @@ def test_ring_wire_bytes_and_predicted_seconds():
 
 
 def test_two_ranks_hand_their_collectives_what_the_cost_model_counts(tiny_model_dir, tmp_path):
-    """A real 2-rank run (tests/tp_driver.py ``traffic``): on rank 0 each step's all_sum calls
+    """A real 2-rank run (tests/distributed/tp_driver.py ``traffic``): on rank 0 each step's all_sum calls
     and bytes equal ``step_traffic`` of its forward calls, padded tokens and real message size,
     for the prefill step of four prompts of different lengths and for the decode steps after it."""
     import mlx.core as mx

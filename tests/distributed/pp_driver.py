@@ -1,4 +1,4 @@
-"""The pipeline-parallel test's ranks: ``python tests/pp_driver.py MODEL_DIR OUT_PREFIX [MODE]``
+"""The pipeline-parallel test's ranks: ``python tests/distributed/pp_driver.py MODEL_DIR OUT_PREFIX [MODE]``
 under ``mlx.launch -n 2``. Rank 0 runs ``tp_driver.run_batch`` (the tensor-parallel test's
 workload) on ``EngineCore(pipeline_parallel=True)`` and writes ``OUT_PREFIX.rank0.json``; rank 1
 runs ``worker_loop(..., pipeline_parallel=True)`` and writes its ``WorkerStats``. Both write what

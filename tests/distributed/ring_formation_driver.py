@@ -1,4 +1,4 @@
-"""One rank of ``tests/test_ring_formation.py``: form the group as every rank does
+"""One rank of ``tests/distributed/test_ring_formation.py``: form the group as every rank does
 (``distributed.init_group``; rank 0 twice, as ``serve`` does), sum each rank's number once, and print one JSON line: the group's
 size and the sum, or the error that ended the formation (its type and message)."""
 

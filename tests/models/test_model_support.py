@@ -22,7 +22,7 @@ from vllm_mlx.models import support
 from vllm_mlx.models.probe import REFUSED, RUNS, UNKNOWN, Probe, ProbeWorker, probe_text
 from vllm_mlx.models.support import SUPPORTED, TESTED_ARCHITECTURES, TEXT, VISION
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "models.md"
 
 

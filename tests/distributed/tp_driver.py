@@ -1,7 +1,7 @@
 """The tensor-parallel test's two sides: ``run_batch`` (the same workload for the 2-rank engine and
 the single-process one) and ``main`` (what each rank of ``mlx.launch -n 2`` runs).
 
-``python tests/tp_driver.py MODEL_DIR OUT_PREFIX [MODE]`` under ``mlx.launch``: rank 0 writes
+``python tests/distributed/tp_driver.py MODEL_DIR OUT_PREFIX [MODE]`` under ``mlx.launch``: rank 0 writes
 ``OUT_PREFIX.rank0.json`` (tokens and what the steps did), rank 1 ``OUT_PREFIX.rank1.json``
 (its ``WorkerStats``). MODE ``poison``: see ``poison_the_runner``; ``traffic``: rank 0 runs
 ``measure_traffic`` instead and writes what each step handed its collectives;
@@ -55,7 +55,7 @@ def run_batch(engine) -> dict:
     }
 
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parent  # tests/distributed: the ranks import from it, from tests/ and from the repository
 LAUNCH_TIMEOUT = 400  # seconds: two model loads and ~40 steps take ~30 s on 2 cores, 4 min with 6 other jobs
 
 
@@ -72,7 +72,7 @@ def launch_two_ranks(model_dir: Path, out_prefix: Path, *args: str, driver: Path
         pytest.skip("mlx has no distributed backend")
     try:
         done = launch_ring(str(driver), [str(model_dir), str(out_prefix), *args],
-                           timeout=LAUNCH_TIMEOUT, pythonpath=[str(TESTS.parent), str(TESTS)])  # fmt: skip
+                           timeout=LAUNCH_TIMEOUT, pythonpath=[str(TESTS.parents[1]), str(TESTS.parent), str(TESTS)])  # fmt: skip
     except LaunchError as exc:
         pytest.skip(str(exc))
     if done.timed_out:

@@ -22,7 +22,7 @@ import pytest
 from live_server import free_socket, wait_for_health
 from vllm_mlx.entrypoints import cli
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The quick brown fox jumps over the lazy dog and"
 START_TIMEOUT = 150  # two model loads on 2 busy cores take ~20 s
 STOP_TIMEOUT = 30  # SIGTERM to exit: uvicorn's shutdown, then the engine's "stop" to rank 1
@@ -146,9 +146,10 @@ def test_serve_over_two_ranks_equals_the_single_process_engine(split, request, t
 
 
 def test_ranks_end_themselves_when_the_supervisor_is_killed(model_dir, tmp_path):
-    """SIGKILL cannot be forwarded: rank 0 notices it was re-parented and ends itself; rank 1,
-    blocked in a collective waiting for rank 0's next message, ends either way: re-parented too,
-    or told by the ring that rank 0 is gone, whichever comes first."""
+    """SIGKILL cannot be forwarded: every rank ends itself, whichever way it learns first. Rank 0
+    notices it was re-parented, or that rank 1's liveness link closed (rank 1 ended first); rank 1,
+    blocked in a collective waiting for rank 0's next message, notices it was re-parented too, or
+    the ring tells it that rank 0 is gone."""
     import mlx.core as mx
 
     if not mx.distributed.is_available():
@@ -164,7 +165,7 @@ def test_ranks_end_themselves_when_the_supervisor_is_killed(model_dir, tmp_path)
             time.sleep(0.25)
         assert _rank_pids(str(model_dir)) == {}, log.read_text()[-3000:]
         text = log.read_text()
-        assert "rank 0: the supervisor is gone; exiting" in text
+        assert "rank 0: the supervisor is gone; exiting" in text or "rank 1's process ended" in text, text[-3000:]
         assert "rank 1: the supervisor is gone; exiting" in text or "rank 1: rank 0 or a peer is gone" in text
     finally:
         _kill_everything(proc, str(model_dir))

@@ -20,11 +20,11 @@ from IPython.display import display
 from traitlets import Bool, Dict, Enum, Float, Int, TraitError, Unicode, default, validate
 
 from vllm_mlx.platform.cpu_backend import warn_reference_blas
-from vllm_mlx_jupyter.constraints import compile_check, response_format, variable
-from vllm_mlx_jupyter.markup import as_float, as_int, escape
-from vllm_mlx_jupyter.prompt import interpolate
-from vllm_mlx_jupyter.session import Session, SessionError
-from vllm_mlx_jupyter.token_view import TOKENS, TokenLog
+from vllm_mlx_jupyter.session.constraints import compile_check, response_format, variable
+from vllm_mlx_jupyter.views.markup import as_float, as_int, escape
+from vllm_mlx_jupyter.session.prompt import interpolate
+from vllm_mlx_jupyter.session.session import Session, SessionError
+from vllm_mlx_jupyter.views.token_view import TOKENS, TokenLog
 
 MODEL_ENV = "VLLM_MLX_JUPYTER_MODEL"
 FORMATS = ("markdown", "text", "code")
@@ -201,8 +201,8 @@ class GenerateMagics(Magics):
     def run_over(self, items, template: str, args, *, previous=None, values: dict | None = None):
         """Start an ``--over`` run of ``template`` over ``items`` with the cell flags ``args``;
         ``values`` are constraint objects by name (``generate_over``'s ``schema=...``)."""
-        from vllm_mlx_jupyter.over import OverGeneration
-        from vllm_mlx_jupyter.over_cell import OverRequest, start_over
+        from vllm_mlx_jupyter.over.generation import OverGeneration
+        from vllm_mlx_jupyter.over.cell import OverRequest, start_over
 
         template = template.strip("\n") if args.raw else template.strip()
         if not template:
@@ -265,7 +265,7 @@ class GenerateMagics(Magics):
 
     def _tools(self, name: str | None):
         """``--tools VAR``: the variable's tools (OpenAI dicts or functions), or None."""
-        from vllm_mlx_jupyter.tools import tool_set
+        from vllm_mlx_jupyter.session.tools import tool_set
 
         if name is None:
             return None
@@ -418,7 +418,7 @@ def _show(handle, wait: bool):
     """Show ``handle``'s live view; with ``wait``, block until it is done. With ``wait``, an
     interrupt anywhere here (even while the view is still being drawn) cancels what the cell
     started before it is re-raised: the cell never leaves a generation running behind it."""
-    from vllm_mlx_jupyter.render import LiveView
+    from vllm_mlx_jupyter.views.render import LiveView
 
     try:
         LiveView.show(handle)

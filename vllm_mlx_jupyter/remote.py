@@ -40,9 +40,9 @@ import httpx
 
 from vllm_mlx.engine.async_engine import EngineDeadError, RequestStream
 from vllm_mlx.tool_parsers.base import ToolCall
-from vllm_mlx_jupyter.markup import as_float, as_int
-from vllm_mlx_jupyter.server_view import numbers, snapshot_from_view
-from vllm_mlx_jupyter.token_view import Alternative, TokenInfo
+from vllm_mlx_jupyter.views.markup import as_float, as_int
+from vllm_mlx_jupyter.views.server_view import numbers, snapshot_from_view
+from vllm_mlx_jupyter.views.token_view import Alternative, TokenInfo
 
 CONNECT_TIMEOUT = 10.0
 # SamplingParams fields with their OpenAI (or vLLM extension) names; the others are sent below.

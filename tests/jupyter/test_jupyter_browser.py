@@ -40,7 +40,7 @@ LONG_CELL = "%%generate -n long --min-tokens 1800 --max-tokens 1800\nCount slowl
 # Model text as the output area shows it, with HTML that would mark the page if it ran.
 HOSTILE_CELL = """from types import SimpleNamespace
 from IPython.display import display
-from vllm_mlx_jupyter.render import body_bundle
+from vllm_mlx_jupyter.views.render import body_bundle
 answer = '**Hi** <img src=x onerror="document.body.dataset.xss=1"> <script>document.body.dataset.xss=2</script>'
 display(body_bundle(SimpleNamespace(content=answer, reasoning=None, tool_calls=[], format="markdown")), raw=True)"""
 TOKENS_CELL = "%%generate -n tokens --logprobs 3 --max-tokens 8 --temperature 0\nName a colour."

@@ -20,9 +20,9 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 from tokenizers import Tokenizer
 
-from vllm_mlx_jupyter.generation import DONE, GenerationError
-from vllm_mlx_jupyter.render import body_bundle, status_parts
-from vllm_mlx_jupyter.tools import function_tool
+from vllm_mlx_jupyter.session.generation import DONE, GenerationError
+from vllm_mlx_jupyter.views.render import body_bundle, status_parts
+from vllm_mlx_jupyter.session.tools import function_tool
 from notebook_shell import loaded_shell
 
 TIMEOUT = 120.0

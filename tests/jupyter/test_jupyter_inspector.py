@@ -8,7 +8,7 @@ import time
 import numpy as np
 from ipywidgets.widgets.widget import _put_buffers, _remove_buffers
 
-from vllm_mlx_jupyter.inspector import (
+from vllm_mlx_jupyter.views.inspector import (
     MAX_GRID_BLOCKS,
     CacheInspector,
     decode_state,

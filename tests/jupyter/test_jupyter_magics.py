@@ -18,8 +18,8 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from vllm_mlx_jupyter.generation import ABORTED, DONE
-from vllm_mlx_jupyter.prompt import interpolate
+from vllm_mlx_jupyter.session.generation import ABORTED, DONE
+from vllm_mlx_jupyter.session.prompt import interpolate
 from notebook_shell import generate, loaded_shell
 
 TIMEOUT = 60.0

@@ -15,8 +15,8 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from vllm_mlx_jupyter import generate_over
-from vllm_mlx_jupyter.generation import ABORTED, DONE
-from vllm_mlx_jupyter.render import status_bundle
+from vllm_mlx_jupyter.session.generation import ABORTED, DONE
+from vllm_mlx_jupyter.views.render import status_bundle
 from notebook_shell import loaded_shell
 
 TIMEOUT = 120.0

@@ -19,8 +19,8 @@ from IPython.utils.capture import capture_output  # noqa: E402
 from vllm_mlx.engine.async_engine import AsyncEngineCore  # noqa: E402
 from vllm_mlx.entrypoints.openai.server import build_app  # noqa: E402
 from vllm_mlx.entrypoints.openai.serving import ServingOptions  # noqa: E402
-from vllm_mlx_jupyter.generation import ABORTED, DONE, ERROR  # noqa: E402
-from vllm_mlx_jupyter.inspector import STATE_CODES, decode_state  # noqa: E402
+from vllm_mlx_jupyter.session.generation import ABORTED, DONE, ERROR  # noqa: E402
+from vllm_mlx_jupyter.views.inspector import STATE_CODES, decode_state  # noqa: E402
 from factories import wait_until  # noqa: E402
 from notebook_shell import generate  # noqa: E402
 from live_server import LiveServer, free_socket  # noqa: E402

@@ -16,9 +16,9 @@ from IPython.utils.capture import capture_output
 
 import vllm_mlx_jupyter
 from vllm_mlx.core.request import CompletionOutput, RequestOutput
-from vllm_mlx_jupyter.generation import DONE, ERROR, Generation
-from vllm_mlx_jupyter.prompt import interpolate
-from vllm_mlx_jupyter.render import LiveView
+from vllm_mlx_jupyter.session.generation import DONE, ERROR, Generation
+from vllm_mlx_jupyter.session.prompt import interpolate
+from vllm_mlx_jupyter.views.render import LiveView
 
 HOSTILE = """# Title
 
@@ -534,8 +534,8 @@ block_views = st.fixed_dictionaries({
 def test_fuzz_server_views_reach_the_inspector_as_counts_and_text(view):
     """Any ``/v1/cache/blocks`` answer a server may send: the inspector encodes it (its arrays
     build), and its saved picture and summary carry no markup from it."""
-    from vllm_mlx_jupyter.inspector import decode_state, encode_snapshot, group_label, static_html
-    from vllm_mlx_jupyter.server_view import snapshot_from_view
+    from vllm_mlx_jupyter.views.inspector import decode_state, encode_snapshot, group_label, static_html
+    from vllm_mlx_jupyter.views.server_view import snapshot_from_view
 
     snapshot = snapshot_from_view(view, {})
     state = encode_snapshot(snapshot, [{"id": "mine", "name": SCRIPT, "status": "done"}])

@@ -12,11 +12,11 @@ from ipywidgets.widgets.widget import _put_buffers, _remove_buffers
 
 from vllm_mlx.core.outputs import Admission, StepRecord, StepRequestRecord
 from vllm_mlx.core.request import CompletionOutput, RequestOutput
-from vllm_mlx_jupyter.generation import DONE, Generation
-from vllm_mlx_jupyter.inspector import CacheInspector
-from vllm_mlx_jupyter.render import LiveView
-from vllm_mlx_jupyter.timeline import SchedulerTimeline, encode_record, recent_records, static_html
-from vllm_mlx_jupyter.token_view import TOKENS, TokenLog, token_html
+from vllm_mlx_jupyter.session.generation import DONE, Generation
+from vllm_mlx_jupyter.views.inspector import CacheInspector
+from vllm_mlx_jupyter.views.render import LiveView
+from vllm_mlx_jupyter.views.timeline import SchedulerTimeline, encode_record, recent_records, static_html
+from vllm_mlx_jupyter.views.token_view import TOKENS, TokenLog, token_html
 from notebook_shell import loaded_shell
 
 TIMEOUT = 60.0

@@ -415,7 +415,7 @@ def test_notebook_image_cells_and_a_chat_that_keeps_its_image(tiny_qwen2_vl_dir)
 
 def test_the_cache_inspector_shows_the_cached_image(qwen):
     pytest.importorskip("anywidget")
-    from vllm_mlx_jupyter.inspector import CacheInspector
+    from vllm_mlx_jupyter.views.inspector import CacheInspector
 
     run_prompts(qwen, [("Inspect me.", [picture(90, (120, 80))])])
     inspector = CacheInspector(qwen, interval=3600)  # refreshes once now; the engine is not shared

@@ -1,5 +1,5 @@
 // CacheInspector view (anywidget ES module; no build step, no network).
-// State comes from Python (see inspector.py); hover, selection and highlighting live here so
+// State comes from Python (see views/inspector.py); hover, selection and highlighting live here so
 // they stay responsive while a cell is busy. Python only hears "paused" and "reset".
 
 const PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948",

@@ -1,5 +1,5 @@
 // SchedulerTimeline view (anywidget ES module; no build step, no network).
-// Python sends only the steps not sent before (see timeline.py); this view appends them as
+// Python sends only the steps not sent before (see views/timeline.py); this view appends them as
 // columns, keeps at most `max_columns`, and shows a step's details on hover, here in the
 // browser, because Python callbacks wait while a cell is busy.
 

@@ -22,10 +22,10 @@ from vllm_mlx.engine.chat import split_chat_images, template_token_ids
 from vllm_mlx.platform.cpu_backend import backend_summary
 from vllm_mlx.platform.errors import ImageInputError
 from vllm_mlx.structured.response_format import ResponseFormat
-from vllm_mlx_jupyter.generation import PREFILLING, QUEUED, Generation
-from vllm_mlx_jupyter.prompt import ChatSession, user_content
-from vllm_mlx_jupyter.reading import OutputReader
-from vllm_mlx_jupyter.tools import ToolSet
+from vllm_mlx_jupyter.session.generation import PREFILLING, QUEUED, Generation
+from vllm_mlx_jupyter.session.prompt import ChatSession, user_content
+from vllm_mlx_jupyter.session.reading import OutputReader
+from vllm_mlx_jupyter.session.tools import ToolSet
 
 MONITOR_PERIOD = 0.25
 FINISHED_ROWS = 16  # finished generations the inspector keeps listing
@@ -481,7 +481,7 @@ class Session:
     def inspector(self):
         """The session's cache inspector widget (one per session, bound to whatever is loaded)."""
         if self._inspector is None:
-            from vllm_mlx_jupyter.inspector import CacheInspector
+            from vllm_mlx_jupyter.views.inspector import CacheInspector
 
             self._inspector = CacheInspector(self, rows=self.request_rows, colors=self._colors)
         return self._inspector
@@ -490,7 +490,7 @@ class Session:
         """The session's scheduler timeline widget (one per session, like the inspector)."""
         self._refuse_remote("the timeline")
         if self._timeline is None:
-            from vllm_mlx_jupyter.timeline import SchedulerTimeline
+            from vllm_mlx_jupyter.views.timeline import SchedulerTimeline
 
             self._timeline = SchedulerTimeline(self, colors=self._colors)
         return self._timeline

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from vllm_mlx.tool_parsers import ToolCall
-    from vllm_mlx_jupyter.tools import ToolSet
+    from vllm_mlx_jupyter.session.tools import ToolSet
 
 _FIELD = re.compile(r"(?<!\{)\{([A-Za-z_][A-Za-z0-9_]*)\}(?!\})")
 _NOT_VALUES = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, type)

@@ -24,13 +24,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from vllm_mlx_jupyter.reading import OutputReader, Reading, with_server_parts
+from vllm_mlx_jupyter.session.reading import OutputReader, Reading, with_server_parts
 from vllm_mlx_jupyter.states import ABORTED, DONE, ERROR, FINAL_STATES, GENERATING, PREFILLING, QUEUED  # noqa: F401
 
 if TYPE_CHECKING:
     from vllm_mlx.engine.input_processor import PreparedPrompt
     from vllm_mlx.tool_parsers import ToolCall
-    from vllm_mlx_jupyter.token_view import TokenInfo, TokenLog
+    from vllm_mlx_jupyter.views.token_view import TokenInfo, TokenLog
 
 _ORDER = {QUEUED: 0, PREFILLING: 1, GENERATING: 2, DONE: 3, ABORTED: 3, ERROR: 3}
 MIN_INTERVAL = 0.1  # at most 10 renders per second
@@ -77,7 +77,7 @@ class LiveViews:
 
     def _ipython_display_(self) -> None:
         """Displaying a handle shows a live view (once per cell: the magic already showed one)."""
-        from vllm_mlx_jupyter.render import LiveView, current_execution_count
+        from vllm_mlx_jupyter.views.render import LiveView, current_execution_count
 
         if not self.has_view_in(current_execution_count()):
             LiveView.show(self)

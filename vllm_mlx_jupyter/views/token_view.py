@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vllm_mlx_jupyter.markup import escape
+from vllm_mlx_jupyter.views.markup import escape
 
 TOKENS = "tokens"  # the generation format that renders the token view
 

@@ -28,8 +28,8 @@ import anywidget
 import traitlets
 
 from vllm_mlx.core.outputs import StepRecord
-from vllm_mlx_jupyter.inspector import PALETTE, STATIC, WidgetFallbacks, color_slot
-from vllm_mlx_jupyter.markup import as_float, as_int, escape
+from vllm_mlx_jupyter.views.inspector import PALETTE, STATIC, WidgetFallbacks, color_slot
+from vllm_mlx_jupyter.views.markup import as_float, as_int, escape
 
 MAX_RECORDS = 256  # per push: a burst of steps between two polls is cut to the newest
 MAX_COLUMNS = 400

@@ -35,9 +35,9 @@ import numpy as np
 import traitlets
 from ipywidgets.widgets.trait_types import bytes_serialization
 
-from vllm_mlx_jupyter.markup import as_float, as_int, escape
+from vllm_mlx_jupyter.views.markup import as_float, as_int, escape
 
-STATIC = Path(__file__).parent / "static"
+STATIC = Path(__file__).parent.parent / "static"  # the package's, beside the views
 STATE_CODES = {"null": 0, "free": 1, "cached": 2, "used": 3}
 STATE_NAMES = {v: k for k, v in STATE_CODES.items()}
 MAX_GRID_BLOCKS = 8192

@@ -12,10 +12,10 @@ from __future__ import annotations
 import re
 import time
 
-from vllm_mlx_jupyter.markup import escape
-from vllm_mlx_jupyter.model_markdown import render_markdown
+from vllm_mlx_jupyter.views.markup import escape
+from vllm_mlx_jupyter.views.model_markdown import render_markdown
 from vllm_mlx_jupyter.states import ABORTED, DONE, ERROR, GENERATING, PREFILLING, QUEUED
-from vllm_mlx_jupyter.token_view import TOKENS, tokens_bundle
+from vllm_mlx_jupyter.views.token_view import TOKENS, tokens_bundle
 
 RECENT_CHARS = 160
 SHOWN_ERRORS = 3

@@ -10,7 +10,7 @@ and the types of a local engine's snapshot, so ``inspector.encode_snapshot`` can
 
 from __future__ import annotations
 
-from vllm_mlx_jupyter.markup import as_float, as_int
+from vllm_mlx_jupyter.views.markup import as_float, as_int
 
 STATE_NAMES = {"n": "null", "f": "free", "c": "cached", "u": "used"}
 _REQUEST_COUNTS = ("num_prompt_tokens", "num_cached_tokens", "num_output_tokens")

@@ -129,7 +129,7 @@ def decode_message_bytes(batch: int) -> int:
     already known to the workers, one new output token each, a 512-token block table)."""
     from vllm_mlx.core.outputs import ScheduledRequest, SchedulerOutput
     from vllm_mlx.core.request import Request, SamplingParams
-    from vllm_mlx.distributed.tensor_parallel import StepEncoder
+    from vllm_mlx.distributed.protocol import StepEncoder
 
     encoder = StepEncoder()
     blocks = CONTEXT_TOKENS // BLOCK_SIZE
@@ -176,7 +176,7 @@ class StepRow:
 
 
 def step_rows(typical: Link, floor: Link) -> list[StepRow]:
-    from vllm_mlx.distributed.tensor_parallel import step_traffic
+    from vllm_mlx.distributed.traffic import step_traffic
     from vllm_mlx.models import resolve_model
 
     default = json.loads((resolve_model("default") / "config.json").read_text())

@@ -1,6 +1,7 @@
 """Every engine and server option is declared once (``vllm_mlx/config/``): the CLI flags, the notebook's
 ``%vllm_mlx load`` flags, the keyword checks and the docs' tables are generated from the
-declarations, and agree with them."""
+declarations, and agree with them. So are the docs' tables of ``SchedulerConfig`` and
+``SamplingParams``, from their fields (``described``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import pytest
 from vllm_mlx.config import options as config
 from vllm_mlx.config import tables
 from vllm_mlx.config import BENCH, ENGINE, NOTEBOOK, SERVE, EngineConfig, ServingOptions, options_of
+from vllm_mlx.core.fields import described, field_doc
+from vllm_mlx.core.request import SamplingParams
+from vllm_mlx.core.sched.scheduler import SchedulerConfig
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -152,6 +156,26 @@ def test_normalize_checks_every_declared_field():
                       ("trust_remote_code", 1), ("distributed_timeout_s", 0), ("mllm_cache_memory", "big")]:  # fmt: skip
         with pytest.raises(ValueError, match=name):
             EngineConfig(**{name: bad}).normalize()
+
+
+@pytest.mark.parametrize("cls", [SchedulerConfig, SamplingParams], ids=lambda cls: cls.__name__)
+def test_every_scheduler_and_sampling_field_is_described(cls):
+    """Their docs tables are generated from the fields' declarations (``described``): each has a
+    meaning, and the table has a row per field, in order, with the field's type and default."""
+    table = tables.described_table(cls)
+    assert len(table) == 2 + len(dataclasses.fields(cls))
+    for f, row in zip(dataclasses.fields(cls), table[2:]):
+        assert row.startswith(f"| `{f.name}` | `{f.type}` | ") and row.endswith(f" | {field_doc(f)} |")
+
+
+def test_a_field_without_a_description_fails_its_table():
+    @dataclasses.dataclass
+    class Limits:
+        named: int = described(1, doc="has a meaning")
+        bare: int = 2
+
+    with pytest.raises(ValueError, match="'bare' has no description"):
+        tables.described_table(Limits)
 
 
 def test_docs_tables_are_the_generated_ones():

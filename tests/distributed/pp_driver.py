@@ -21,13 +21,13 @@ ENGINE_OPTIONS = {"block_size": 4, "num_kv_blocks": 13, "max_num_batched_tokens"
 
 def pool_layers(runner) -> dict:
     """The layers this rank's pools hold, named as ``WorkerStats`` names them."""
-    from vllm_mlx.distributed.tensor_parallel import held_layers
+    from vllm_mlx.distributed.worker import held_layers
 
     return dict(zip(("kv_layers", "state_layers"), held_layers(runner)))
 
 
 def main(model_dir: str, out_prefix: str, mode: str = "") -> None:
-    from vllm_mlx.distributed.tensor_parallel import TensorParallelError, init_group
+    from vllm_mlx.distributed.group import TensorParallelError, init_group
     from vllm_mlx.engine.rank_worker import worker_loop
 
     group = init_group()
@@ -61,7 +61,7 @@ def size_with_a_small_rank_1(model_dir: str, group) -> dict:
     """Rank 1 reports ``SMALL_MEMORY`` available; rank 0 sizes its pools from a fraction of the
     memory available, with no block count given. Both first combine made-up needs directly."""
     from vllm_mlx.core.kv.sizing import MemoryNeeds
-    from vllm_mlx.distributed.tensor_parallel import combine_memory_needs
+    from vllm_mlx.distributed.group import combine_memory_needs
     from vllm_mlx.engine import core as engine_core
     from vllm_mlx.engine.rank_worker import worker_loop
 

@@ -10,7 +10,7 @@ import mlx.core as mx
 
 
 def main() -> None:
-    from vllm_mlx.distributed.tensor_parallel import init_group
+    from vllm_mlx.distributed.group import init_group
 
     try:
         group = init_group()

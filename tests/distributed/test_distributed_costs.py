@@ -16,7 +16,8 @@ from contextlib import contextmanager
 import pytest
 
 from vllm_mlx.core.request import SamplingParams
-from vllm_mlx.distributed.tensor_parallel import StepEncoder, broadcast_bytes, step_traffic
+from vllm_mlx.distributed.protocol import StepEncoder, broadcast_bytes
+from vllm_mlx.distributed.traffic import step_traffic
 
 BATCH = 3
 

@@ -13,7 +13,7 @@ import pytest
 from vllm_mlx.core.kv.spec import FullAttentionSpec, RecurrentStateSpec
 from vllm_mlx.distributed.launch import LaunchResult
 from vllm_mlx.distributed.pipeline import PipelineParallelError, StageRange, check_stages_alike, layer_split
-from vllm_mlx.distributed.tensor_parallel import TensorParallelError
+from vllm_mlx.distributed.group import TensorParallelError
 
 TESTS = Path(__file__).parent
 FULL, LINEAR = FullAttentionSpec(), RecurrentStateSpec(2, pads=True)

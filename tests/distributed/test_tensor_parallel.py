@@ -1,7 +1,8 @@
-"""Tensor parallelism (vllm_mlx/distributed/tensor_parallel.py): the step protocol is plain data, models that
-cannot be split are refused, and two ranks on 127.0.0.1 (ring backend) produce the greedy tokens
-of the single-process engine through chunked prefill, prefix-cache hits and preemption, for a
-llama and for gpt_oss (sliding windows, attention sinks, experts)."""
+"""Tensor parallelism (vllm_mlx/distributed/: protocol.py, sharding.py, worker.py): the step
+protocol is plain data, models that cannot be split are refused, and two ranks on 127.0.0.1 (ring
+backend) produce the greedy tokens of the single-process engine through chunked prefill,
+prefix-cache hits and preemption, for a llama and for gpt_oss (sliding windows, attention sinks,
+experts)."""
 
 from __future__ import annotations
 
@@ -18,16 +19,9 @@ from tp_driver import launch_two_ranks
 from vllm_mlx.core.outputs import ScheduledRequest, SchedulerOutput
 from vllm_mlx.core.request import Request, RequestStatus, SamplingParams
 from vllm_mlx.distributed.launch import LaunchResult
-from vllm_mlx.distributed.tensor_parallel import (
-    NewRequest,
-    StepEncoder,
-    StepMessage,
-    StepRow,
-    TensorParallelError,
-    check_shardable,
-    row_tables,
-    sampling_dict,
-)
+from vllm_mlx.distributed.group import TensorParallelError
+from vllm_mlx.distributed.protocol import NewRequest, StepEncoder, StepMessage, StepRow, row_tables, sampling_dict
+from vllm_mlx.distributed.sharding import check_shardable
 
 
 

@@ -126,11 +126,11 @@ def metered(engine):
     spot: the same arithmetic, evaluated in smaller pieces."""
     import mlx.core as mx
 
-    from vllm_mlx.distributed import tensor_parallel as distributed
+    from vllm_mlx.distributed import protocol  # the engine looks send_message up there at each call
     from vllm_mlx.executor.model_runner import group_for_padding
 
     steps: list[MeasuredStep] = []
-    stock_sum, stock_send, runner = mx.distributed.all_sum, distributed.send_message, engine.runner
+    stock_sum, stock_send, runner = mx.distributed.all_sum, protocol.send_message, engine.runner
 
     def all_sum(x, *args, **kwargs):
         mx.eval(x)
@@ -151,11 +151,11 @@ def metered(engine):
         steps[-1].padded_tokens += sum(len(c) * max(s.num_new_tokens for s in c) for c in calls)
         return type(runner).execute_model(runner, scheduler_output)
 
-    mx.distributed.all_sum, distributed.send_message, runner.execute_model = all_sum, send_message, execute_model
+    mx.distributed.all_sum, protocol.send_message, runner.execute_model = all_sum, send_message, execute_model
     try:
         yield steps
     finally:
-        mx.distributed.all_sum, distributed.send_message = stock_sum, stock_send
+        mx.distributed.all_sum, protocol.send_message = stock_sum, stock_send
         del runner.execute_model
 
 
@@ -175,7 +175,7 @@ def measure_traffic(engine) -> list[dict]:
 
 
 def main(model_dir: str, out_prefix: str, mode: str = "") -> None:
-    from vllm_mlx.distributed.tensor_parallel import TensorParallelError, init_group
+    from vllm_mlx.distributed.group import TensorParallelError, init_group
 
     if mode == "poison":
         poison_the_runner()

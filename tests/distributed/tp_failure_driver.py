@@ -37,7 +37,7 @@ FAIL_AT = 4  # rank 1 fails at its 4th step once every request has arrived
 
 def sabotage_worker(mode: str, pid_file: Path) -> None:
     """Make rank 1 die or stop where ``mode`` says (it writes its pid first)."""
-    from vllm_mlx.distributed.tensor_parallel import Worker
+    from vllm_mlx.distributed.worker import Worker
 
     action = signal.SIGKILL if mode == "die" else signal.SIGSTOP
     stock_step = Worker._step
@@ -58,9 +58,9 @@ def sabotage_worker(mode: str, pid_file: Path) -> None:
 
     Worker._step = step
     if mode == "idle-hang":
-        from vllm_mlx.distributed import tensor_parallel as distributed
+        from vllm_mlx.distributed import worker as worker_module  # Worker.run's receive_message
 
-        stock_receive = distributed.receive_message
+        stock_receive = worker_module.receive_message
 
         def receive(group):
             message = stock_receive(group)
@@ -68,7 +68,7 @@ def sabotage_worker(mode: str, pid_file: Path) -> None:
                 fail()
             return message
 
-        distributed.receive_message = receive
+        worker_module.receive_message = receive
 
 
 def health(url: str) -> dict:
@@ -177,7 +177,7 @@ def hang_at_startup(group, model_dir: str, out_prefix: str) -> None:
 
 
 def main(model_dir: str, out_prefix: str, mode: str) -> None:
-    from vllm_mlx.distributed.tensor_parallel import init_group
+    from vllm_mlx.distributed.group import init_group
     from vllm_mlx.engine.rank_worker import worker_loop
 
     pid_file = Path(f"{out_prefix}.rank1.pid")

@@ -12,6 +12,9 @@ from typing import Any
 
 from vllm_mlx.config import BENCH, ENGINE, SERVE, EngineConfig, ServingOptions
 from vllm_mlx.config.options import Option, cli_default, field_default, flag_of, options_of
+from vllm_mlx.core.fields import field_doc
+from vllm_mlx.core.request import SamplingParams
+from vllm_mlx.core.sched.scheduler import SchedulerConfig
 
 
 
@@ -43,6 +46,15 @@ def config_table(cls) -> list[str]:
     return rows
 
 
+def described_table(cls) -> list[str]:
+    """The docs' table of a ``core`` dataclass whose fields are ``described`` (``core/fields.py``):
+    field, type, default, meaning; ``ValueError`` names a field declared without a meaning."""
+    rows = ["| field | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for f in dataclasses.fields(cls):
+        rows.append(f"| `{f.name}` | `{f.type}` | {_code(field_default(f))} | {field_doc(f)} |")
+    return rows
+
+
 def flags_table(classes: list, surface: str, meaning: str = "help") -> list[str]:
     """The docs' table of ``surface``'s flags declared on ``classes``: flag, default, meaning
     (the ``--help`` text, or with ``meaning="doc"`` the docs' longer one)."""
@@ -65,6 +77,8 @@ def _flag_row(cls, f: dataclasses.Field, opt: Option, meaning: str) -> str:
 
 GENERATED_TABLES = {
     "engine-config": lambda: config_table(EngineConfig),
+    "scheduler-config": lambda: described_table(SchedulerConfig),
+    "sampling-params": lambda: described_table(SamplingParams),
     "engine-flags": lambda: flags_table([EngineConfig], ENGINE),
     "serve-options": lambda: flags_table([ServingOptions, EngineConfig], SERVE, meaning="doc"),
     "bench-flags": lambda: flags_table([EngineConfig], BENCH),

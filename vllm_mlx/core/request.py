@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum, auto
 from typing import TYPE_CHECKING
 
+from vllm_mlx.core.fields import described
 from vllm_mlx.platform.validation import check_encodable
 from vllm_mlx.structured.params import StructuredOutputsParams
 
@@ -94,7 +95,9 @@ def _normalize_stop_token_ids(value: object) -> list[int]:
 
 @dataclass
 class SamplingParams:
-    """How to sample one request's completion (vLLM's field names and defaults).
+    """How to sample one request's completion (vLLM's field names and defaults). Each field's
+    meaning is declared with it (``described``), and the configuration reference's
+    ``SamplingParams`` table is generated from those declarations.
 
     Validated in ``__post_init__``: a bad value raises ``ValueError`` naming the
     field. ``stop`` is normalised to a list (a single str is accepted),
@@ -107,44 +110,47 @@ class SamplingParams:
             field, the allowed range and the value given.
     """
 
-    max_tokens: int = 16
-    """Most tokens to generate (>= 1)."""
-    min_tokens: int = 0
-    """EOS and stop tokens are suppressed until this many tokens exist (0..max_tokens)."""
-    temperature: float = 1.0
-    """Sampling temperature, >= 0; 0 means greedy (argmax)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass in (0, 1]; 1 disables it."""
-    top_k: int = 0
-    """Keep the k most likely tokens; 0 (or -1 on input) disables it."""
-    min_p: float = 0.0
-    """Drop tokens below min_p * p(most likely) ([0, 1]; 0 disables it)."""
-    repetition_penalty: float = 1.0
-    """Must be > 0; 1 disables it; applies to prompt and output tokens."""
-    presence_penalty: float = 0.0
-    """[-2, 2]; applies to output tokens."""
-    frequency_penalty: float = 0.0
-    """[-2, 2]; applies to output tokens."""
-    seed: int | None = None
-    """Per-request RNG seed: same seed, same sample, alone or batched."""
-    stop: list[str] = field(default_factory=list)
-    """Strings that end generation; the stop string is not part of the output text."""
-    stop_token_ids: list[int] = field(default_factory=list)
-    """Token ids that end generation, in addition to the model's EOS."""
-    ignore_eos: bool = False
-    """Keep generating past EOS (benchmarks)."""
-    logprobs: int | None = None
-    """None, or how many top log-probabilities to return per token (0..20)."""
-    n: int = 1
-    """Completions per prompt (>= 1)."""
-    skip_special_tokens: bool = True
-    """Leave special tokens out of the detokenized text."""
-    structured_outputs: StructuredOutputsParams | None = None
-    """Constrain the output to a JSON Schema, regex, choice or grammar (docs/structured_outputs.md).
-    On a thinking model the constraint starts after ``</think>``."""
-    max_thinking_tokens: int | None = None
-    """A thinking model's reasoning budget: after this many tokens of ``<think>`` reasoning,
-    ``</think>`` is forced (None: no limit). Needs single-token think markers in the tokenizer."""
+    max_tokens: int = described(16, doc="most tokens to generate (>= 1)")
+    min_tokens: int = described(
+        0, doc="EOS and stop tokens are suppressed until this many tokens exist (0..`max_tokens`)",
+    )  # fmt: skip
+    temperature: float = described(1.0, doc="sampling temperature, >= 0; `0` is greedy (argmax)")
+    top_p: float = described(1.0, doc="nucleus sampling mass in (0, 1]; `1` disables it")
+    top_k: int = described(0, doc="keep the k most likely tokens; `0` (or `-1`, stored as `0`) disables it")
+    min_p: float = described(
+        0.0, doc="drop tokens below `min_p` × p(most likely token), in [0, 1]; `0` disables it",
+    )  # fmt: skip
+    repetition_penalty: float = described(1.0, doc="> 0; `1` disables it; applies to prompt and output tokens")
+    presence_penalty: float = described(0.0, doc="in [-2, 2]; applies to output tokens")
+    frequency_penalty: float = described(0.0, doc="in [-2, 2]; applies to output tokens")
+    seed: int | None = described(
+        None, doc="per-request seed: the same seed gives the same sample, alone or batched; `None` = the engine "
+        "draws one (from `EngineConfig.seed`); with `n > 1` completion `i` uses `seed + i`",
+    )  # fmt: skip
+    stop: list[str] = described(
+        default_factory=list,
+        doc="strings that end generation (not included in the output); a single `str` is accepted",
+    )  # fmt: skip
+    stop_token_ids: list[int] = described(
+        default_factory=list,
+        doc="token ids that end generation, besides the model's EOS (the stopping token is in `token_ids`, not in "
+        "the text)",
+    )  # fmt: skip
+    ignore_eos: bool = described(False, doc="keep generating past EOS (benchmarks)")
+    logprobs: int | None = described(
+        None, doc=f"how many top log-probabilities to return per token (0..{MAX_LOGPROBS}); `None` = none",
+    )  # fmt: skip
+    n: int = described(1, doc="completions per prompt (>= 1); they share the prompt's KV blocks")
+    skip_special_tokens: bool = described(True, doc="leave special tokens out of the text")
+    structured_outputs: StructuredOutputsParams | None = described(
+        None, doc="constrain the output to a JSON Schema, regex, choice or grammar "
+        "([Structured outputs](structured_outputs.md)); on a thinking model it starts after `</think>`",
+    )  # fmt: skip
+    max_thinking_tokens: int | None = described(
+        None, doc="a thinking model's reasoning budget: `</think>` is forced after this many reasoning tokens "
+        "(`None` = no limit; needs single-token think markers in the tokenizer) "
+        "([Thinking models](structured_outputs.md#thinking-models))",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         self._validate_lengths()

@@ -1,9 +1,15 @@
 """More than one rank: tensor and pipeline parallelism, forming the ring, launching
-and supervising ranks, and the watchdog."""
+and supervising ranks, and the watchdog.
+
+``protocol``: the step messages rank 0's engine broadcasts; ``worker``: a rank > 0 replaying
+them; ``group``: the group of ranks and what they must agree on at start-up; ``sharding`` and
+``pipeline``: the two ways to split the model; ``traffic``: what one step costs in collectives;
+``watchdog`` and ``liveness``: noticing a rank that hangs or dies; ``ring_formation``,
+``launch`` and ``supervisor``: starting the ranks."""
 
 _COMPATIBLE = {
-    "init_group": "vllm_mlx.distributed.tensor_parallel",
-    "step_traffic": "vllm_mlx.distributed.tensor_parallel",
+    "init_group": "vllm_mlx.distributed.group",
+    "step_traffic": "vllm_mlx.distributed.traffic",
     "worker_loop": "vllm_mlx.engine.rank_worker",
 }
 """What ``vllm_mlx.distributed`` offered when it was one module, as its docs showed it (``from

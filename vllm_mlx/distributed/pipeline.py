@@ -1,6 +1,6 @@
 """Pipeline parallelism: each rank holds a contiguous range of the model's layers (mlx-lm's
 ``pipeline()``), and every rank still runs the same batch through the same engine protocol as
-tensor parallelism (``distributed/tensor_parallel.py``: rank 0 the engine, the others ``worker_loop``).
+tensor parallelism (``distributed/protocol.py``: rank 0 the engine, the others ``worker_loop``).
 
 mlx-lm splits the layers in reverse (rank 0 holds the *last* layers, rank N - 1 the first and
 the embedding's work) and its ``__call__`` does, per forward: ``recv_like`` the hidden states
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from vllm_mlx.core.kv.spec import LayerSpec, group_layers
-from vllm_mlx.distributed.tensor_parallel import TensorParallelError
+from vllm_mlx.distributed.group import TensorParallelError, check_same_model
 
 
 class PipelineParallelError(TensorParallelError):
@@ -116,7 +116,6 @@ def _names(kinds: list[LayerSpec]) -> str:
 def pipeline_model(model, config: dict, specs: list[LayerSpec], model_path, group: mx.distributed.Group) -> None:
     """Check (collectively: every rank must call it), then keep this rank's stage in place; the
     other ranks' layers are dropped (``None``) and their weights freed."""
-    from vllm_mlx.distributed.tensor_parallel import check_same_model
     from vllm_mlx.models.digest import model_digest
 
     check_same_model(group, model_digest(model_path), model_path)

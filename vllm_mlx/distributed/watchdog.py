@@ -1,8 +1,8 @@
-"""Noticing a tensor-parallel rank that died or stopped answering (``distributed/tensor_parallel.py``).
+"""Noticing a tensor-parallel rank that died or stopped answering (``distributed/protocol.py``).
 
 A collective blocks inside MLX's C++ until every rank has taken part. When a peer process dies,
 the ring backend notices the closed socket and the collective raises (``RuntimeError``), which
-``distributed/tensor_parallel.py`` turns into ``RankLostError``. A rank that hangs (stopped, deadlocked,
+``distributed/protocol.py`` turns into ``RankLostError``. A rank that hangs (stopped, deadlocked,
 swapping, or behind a link that drops packets without closing) gives no such signal: the
 collective waits forever, and the thread that called it cannot be interrupted (MLX releases
 the GIL while it waits, so other Python threads still run).

@@ -71,7 +71,7 @@ logger = logging.getLogger(__name__)
 
 def _rank_zero_group():
     """The distributed group, checked: this process must be its rank 0 (the engine)."""
-    from vllm_mlx.distributed.tensor_parallel import TensorParallelError, init_group
+    from vllm_mlx.distributed.group import TensorParallelError, init_group
 
     group = init_group()
     if group.rank() != 0:
@@ -125,7 +125,7 @@ def prepare_engine_model(config: EngineConfig, group=None) -> PreparedModel:
         available_memory(),
     )
     if group is not None:
-        from vllm_mlx.distributed.tensor_parallel import combine_memory_needs
+        from vllm_mlx.distributed.group import combine_memory_needs
 
         memory = combine_memory_needs(group, memory)
     return PreparedModel(loaded, specs, weight_format, state_layout, kv_layout, block_groups, memory)
@@ -135,7 +135,8 @@ def _split_model(config: EngineConfig, loaded: LoadedModel, specs: list, group) 
     """Keep this rank's part of the model (a shard of every layer, or a pipeline stage); returns
     the layer specs of what this rank now runs."""
     from vllm_mlx.distributed.pipeline import pipeline_model
-    from vllm_mlx.distributed.tensor_parallel import TensorParallelError, check_same_mode, shard_model
+    from vllm_mlx.distributed.group import TensorParallelError, check_same_mode
+    from vllm_mlx.distributed.sharding import shard_model
     from vllm_mlx.executor.attention import layer_specs
 
     mode = "pipeline" if config.pipeline_parallel else "tensor"
@@ -180,7 +181,7 @@ class EngineCore:
         TypeError: An unknown option in ``overrides``.
         ValueError: A bad option value (e.g. a KV budget that holds no block).
         TensorParallelError: With ``tensor_parallel``: not launched as rank 0 of several, or a
-            model that cannot be split over the ranks (a ``ValueError``; ``distributed/tensor_parallel.py``).
+            model that cannot be split over the ranks (a ``ValueError``; ``distributed/sharding.py``).
     """
 
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
@@ -233,7 +234,7 @@ class EngineCore:
         )
         self.step_encoder = None
         if self.tp_group is not None:
-            from vllm_mlx.distributed.tensor_parallel import StepEncoder, StepMessage, send_message
+            from vllm_mlx.distributed.protocol import StepEncoder, StepMessage, send_message
 
             self.liveness = LivenessMonitor.start(self.tp_group.size(), self._rank_hung)
             sizing = {"num_blocks": num_blocks, "block_size": config.block_size, "num_state_slots": states.num_slots,
@@ -467,7 +468,7 @@ class EngineCore:
         or hung rank is found (and ``/health`` says so) before a request is sent to it."""
         if self.tp_group is None or self.rank_failure is not None:
             return
-        from vllm_mlx.distributed.tensor_parallel import StepMessage, send_message
+        from vllm_mlx.distributed.protocol import StepMessage, send_message
 
         with self._waiting_on_ranks("the idle heartbeat"):
             send_message(self.tp_group, StepMessage("ping"))
@@ -506,7 +507,7 @@ class EngineCore:
         """The runner on this step; with tensor parallelism the other ranks are sent it first."""
         if self.step_encoder is None:
             return self.runner.execute_model(scheduler_output)
-        from vllm_mlx.distributed.tensor_parallel import send_message
+        from vllm_mlx.distributed.protocol import send_message
 
         send_message(self.tp_group, self.step_encoder.encode(scheduler_output))
         try:
@@ -521,7 +522,7 @@ class EngineCore:
     def _probe(self) -> None:
         """``runner.probe()``; with tensor parallelism every rank probes (it is a forward)."""
         if self.tp_group is not None:
-            from vllm_mlx.distributed.tensor_parallel import StepMessage, send_message
+            from vllm_mlx.distributed.protocol import StepMessage, send_message
 
             send_message(self.tp_group, StepMessage("probe"))
         self.runner.probe()
@@ -597,7 +598,7 @@ class EngineCore:
         if self.watchdog is None or self.runner.model is None:
             return
         if self.rank_failure is None:
-            from vllm_mlx.distributed.tensor_parallel import StepMessage, send_message
+            from vllm_mlx.distributed.protocol import StepMessage, send_message
 
             try:
                 with self._waiting_on_ranks("the stop message"):

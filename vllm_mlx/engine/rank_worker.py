@@ -1,5 +1,5 @@
 """A rank > 0 of a tensor- or pipeline-parallel engine: ``worker_loop`` prepares the model as rank 0
-does (``prepare_engine_model``), then runs ``distributed.tensor_parallel.Worker`` on rank 0's steps.
+does (``prepare_engine_model``), then runs ``distributed.worker.Worker`` on rank 0's steps.
 
 It sits above the engine it mirrors (it builds an ``EngineConfig`` and prepares the model with
 the engine's own code), while the step protocol it speaks (``distributed/``) sits below: so the
@@ -9,15 +9,11 @@ engine can send steps without importing its workers.
 from __future__ import annotations
 
 from vllm_mlx.config import EngineConfig
+from vllm_mlx.distributed.group import TensorParallelError, init_group
 from vllm_mlx.distributed.liveness import LivenessAddress, connect_to_rank_zero
-from vllm_mlx.distributed.tensor_parallel import (
-    TensorParallelError,
-    Worker,
-    WorkerStats,
-    init_group,
-    receive_message,
-)
+from vllm_mlx.distributed.protocol import receive_message
 from vllm_mlx.distributed.watchdog import DEFAULT_STARTUP_TIMEOUT_S, STARTUP, startup_deadline
+from vllm_mlx.distributed.worker import Worker, WorkerStats
 from vllm_mlx.engine.core import prepare_engine_model
 from vllm_mlx.executor.model_runner import MLXModelRunner
 

@@ -22,8 +22,9 @@ import argparse
 import signal
 import sys
 
+from vllm_mlx.distributed.group import TensorParallelError, init_group
+from vllm_mlx.distributed.sharding import check_heads_divide
 from vllm_mlx.distributed.supervisor import RankGroup, supervise, watch_supervisor
-from vllm_mlx.distributed.tensor_parallel import TensorParallelError, check_heads_divide, init_group
 from vllm_mlx.engine.rank_worker import worker_loop
 
 HOW_TO_LAUNCH = (

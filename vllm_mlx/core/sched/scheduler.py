@@ -13,6 +13,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 
+from vllm_mlx.core.fields import described
 from vllm_mlx.core.kv.coordinator import KVCacheCoordinator
 from vllm_mlx.core.kv.manager import KVCacheManager
 from vllm_mlx.core.outputs import Admission, ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
@@ -29,28 +30,41 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class SchedulerConfig:
-    """Limits of one engine step and of the KV cache."""
+    """Limits of one engine step and of the KV cache. Each field's meaning is declared with it
+    (``described``), and the configuration reference's ``SchedulerConfig`` table is generated
+    from those declarations."""
 
-    max_num_seqs: int = 32
-    """Most requests running at once."""
-    max_num_batched_tokens: int = 512
-    """Token budget of one step (prefill chunks + one token per decoding request)."""
-    block_size: int = 16
-    """Tokens per KV block."""
-    num_blocks: int | None = None
-    """KV blocks in the pool (including the reserved null block); None = derive from the budget."""
-    kv_cache_memory: int | None = None
-    """KV budget in bytes used to size the pool when num_blocks is None."""
-    enable_chunked_prefill: bool = True
-    """Split long prompts across steps so running streams keep decoding."""
-    enable_prefix_caching: bool = True
-    """Reuse computed full blocks across requests with the same prefix."""
-    max_model_len: int | None = None
-    """Longest prompt + output a request may reach (the model's context); None = unlimited."""
-    prefill_attention_tokens: int = 0
-    """Charge prefill chunks for their attention (``prefill_budget.PrefillCost``): the context
-    length at which a token's attention costs as much as its weights; 0 = a chunk costs its
-    token count. Only with chunked prefill (a whole prompt cannot be cut to its cost)."""
+    max_num_seqs: int = described(32, doc="most requests running at once")
+    max_num_batched_tokens: int = described(
+        512, doc="token budget of one step (prefill chunks + one token per decoding request)",
+    )  # fmt: skip
+    block_size: int = described(
+        16, doc="tokens per KV block; must equal the KV cache's (`PagedCacheManager.block_size`), else `Scheduler` "
+        "raises `ValueError`",
+    )  # fmt: skip
+    num_blocks: int | None = described(
+        None, doc="blocks in the pool, including the reserved null block (the engine sets its pool's; the "
+        "scheduler reads the pool's own capacity, not this)",
+    )  # fmt: skip
+    kv_cache_memory: int | None = described(
+        None, doc="KV budget in bytes, for whoever sizes the pool when `num_blocks` is `None` (the scheduler "
+        "reads neither; the engine sizes its pool from `EngineConfig.kv_cache_memory` and leaves this `None`)",
+    )  # fmt: skip
+    enable_chunked_prefill: bool = described(
+        True, doc="split long prompts across steps so running requests keep decoding",
+    )  # fmt: skip
+    enable_prefix_caching: bool = described(True, doc="reuse computed full blocks across requests with the same prefix")
+    max_model_len: int | None = described(
+        None, doc="longest prompt + output a request may reach (the model's context; `None` = no limit of its "
+        "own); the scheduler also caps it at the pool's capacity in tokens (and, without chunked prefill, at "
+        "`max_num_batched_tokens + 1`)",
+    )  # fmt: skip
+    prefill_attention_tokens: int = described(
+        0, doc="charge prefill chunks for their attention (`vllm_mlx.core.sched.prefill_budget.PrefillCost`): the "
+        "context length at which a token's attention costs as much as its weights (the engine passes its "
+        "`EngineConfig` value, 1024 by default); `0` = a chunk costs its token count; only with chunked prefill "
+        "(a whole prompt cannot be cut to its cost)",
+    )  # fmt: skip
 
 
 class Scheduler:

@@ -155,7 +155,9 @@ def test_window_blocks_return_to_the_pool_during_a_long_generation(windowed_engi
     block and back in the pool while the request decodes; the output is still mlx-lm's."""
     prompt, max_tokens = PROMPTS[4], 40
     expected = mlx_lm_tokens(windowed_arch[0], [prompt], max_tokens)[0]
-    engine = windowed_engines(block_size=4, max_num_batched_tokens=16)
+    # A pool of 64 blocks holds the request (~100 tokens) with room to spare; the default pool (a
+    # million blocks of 4 tokens) would make each step's invariant check walk a million blocks.
+    engine = windowed_engines(block_size=4, num_kv_blocks=64, max_num_batched_tokens=16)
     request_id = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     held, final = [], None
     while engine.has_unfinished_requests():

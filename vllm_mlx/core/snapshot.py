@@ -133,11 +133,15 @@ class SnapshotStats(CacheStats):
 
     @classmethod
     def from_dict(cls, data: dict) -> SnapshotStats:
-        counts = {f.name: data[f.name] for f in fields(CacheStats) if f.name in data}
+        """The inverse of ``to_dict``; what the data leaves out (a server's public stats have no
+        prefix-cache counters) is 0, or empty."""
+        base = CacheStats.from_dict(data)
+        counts = {f.name: getattr(base, f.name) for f in fields(CacheStats)}
         tenants = data.get("prefix_cache_tenants", {})
         return cls(
-            **counts, running=data["running"], waiting=data["waiting"], preemptions=data["preemptions"],
-            steps=data["steps"], prefix_cache=PrefixCacheStats.from_dict(data.get("prefix_cache", {})),
+            **counts, running=data.get("running", 0), waiting=data.get("waiting", 0),
+            preemptions=data.get("preemptions", 0), steps=data.get("steps", 0),
+            prefix_cache=PrefixCacheStats.from_dict(data.get("prefix_cache", {})),
             prefix_cache_tenants={label: TenantCacheStats.from_dict(s) for label, s in tenants.items()},
         )  # fmt: skip
 
@@ -178,13 +182,14 @@ class CacheSnapshot:
 
     @classmethod
     def from_dict(cls, data: dict) -> CacheSnapshot:
-        """The inverse of ``to_dict`` (``mllm``, ``kv_groups`` and ``block_groups`` may be missing)."""
+        """The inverse of ``to_dict``; what a server's view leaves out (``mllm``, ``kv_groups``,
+        ``block_groups``, counters it does not disclose) is empty or 0."""
         return cls(
-            block_size=data["block_size"],
-            blocks=[BlockView.from_dict(block) for block in data["blocks"]],
-            requests=requests_from_dict(data["requests"]),
-            free_queue=list(data["free_queue"]),
-            stats=SnapshotStats.from_dict(data["stats"]),
+            block_size=data.get("block_size", 0),
+            blocks=[BlockView.from_dict(block) for block in data.get("blocks", [])],
+            requests=requests_from_dict(data.get("requests", {})),
+            free_queue=list(data.get("free_queue", [])),
+            stats=SnapshotStats.from_dict(data.get("stats", {})),
             mllm=MLLMSnapshot.from_dict(data.get("mllm", {})),
             kv_groups=[KVGroupView.from_dict(group) for group in data.get("kv_groups", [])],
             block_groups=[BlockGroupUsage.from_dict(group) for group in data.get("block_groups", [])],

@@ -48,8 +48,9 @@ class CacheStats:
 
     @classmethod
     def from_dict(cls, data: dict) -> CacheStats:
-        """The inverse of ``to_dict`` (derived keys and keys of no field are ignored)."""
-        return cls(**_known(CacheStats, data))
+        """The inverse of ``to_dict`` (derived keys and keys of no field are ignored; a count
+        the data leaves out, as a server's public stats do, is 0)."""
+        return cls(**{"num_blocks": 0, "block_size": 0, **_known(CacheStats, data)})
 
 
 @dataclass
@@ -81,7 +82,9 @@ class BlockView:
 
     @classmethod
     def from_dict(cls, data: dict) -> BlockView:
-        return cls(**_known(cls, data))
+        """The inverse of ``to_dict``; ``owners``, ``hash`` and ``token_ids`` may be missing (a
+        server's block view has none)."""
+        return cls(**{"owners": [], "hash": None, "token_ids": None, **_known(cls, data)})
 
 
 @dataclass

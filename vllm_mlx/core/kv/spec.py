@@ -204,9 +204,11 @@ class KVGroupView:
 
     @classmethod
     def from_dict(cls, data: dict) -> KVGroupView:
+        """The inverse of ``to_dict``; a server's view may leave out ``bytes_per_token`` (0) and
+        ``dtype`` ("")."""
         names = ("kind", "window", "layers", "bytes_per_token", "dtype", "num_blocks", "bytes_per_request",
                  "state_slots", "state_checkpoints")  # fmt: skip
-        return cls(**{name: data[name] for name in names if name in data})
+        return cls(**{"bytes_per_token": 0, "dtype": "", **{name: data[name] for name in names if name in data}})
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,7 +58,10 @@ class RequestView:
 
     @classmethod
     def from_dict(cls, data: dict) -> RequestView:
-        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+        """The inverse of ``to_dict``; a server's view leaves out ``num_computed_tokens`` and
+        ``num_preemptions`` (0)."""
+        known = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+        return cls(**{"num_computed_tokens": 0, "num_preemptions": 0, **known})
 
 
 def requests_to_dict(requests: dict[str, RequestView]) -> dict[str, dict]:

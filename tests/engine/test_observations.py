@@ -5,6 +5,7 @@ whose ``from_dict()`` rebuilds them from that JSON (as the remote notebook does)
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 
 import pytest
 
@@ -14,6 +15,7 @@ from vllm_mlx.core.outputs import recent_step_records
 from vllm_mlx.core.snapshot import CacheSnapshot, MLLMEntryView, MLLMSnapshot, MLLMStats, SnapshotStats
 from vllm_mlx.engine.core import EngineCore
 from vllm_mlx.engine.observation import EngineStats
+from vllm_mlx.multimodal.cache import MLLMCacheStats
 
 SNAPSHOT_KEYS = ["block_size", "blocks", "requests", "free_queue", "stats", "mllm", "kv_groups", "block_groups"]
 BLOCK_KEYS = ["id", "state", "ref_cnt", "owners", "hash", "num_tokens", "token_ids", "text"]
@@ -25,7 +27,8 @@ STATS_KEYS = ["num_blocks", "block_size", "num_used_blocks", "num_cached_free_bl
               "state_checkpoint_evictions", "prefix_hit_rate", "running", "waiting", "preemptions", "steps",
               "prefix_cache", "prefix_cache_tenants"]  # fmt: skip
 MLLM_STATS_KEYS = ["queries", "hits", "misses", "tokens_saved", "evictions", "oversized", "memory_used",
-                   "max_memory_bytes", "num_entries", "encoder_runs_skipped", "hit_rate", "enabled", "encoder_runs"]  # fmt: skip
+                   "max_memory_bytes", "num_entries", "encoder_runs_skipped", "hit_rate", "enabled",
+                   "encoder_runs"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +105,8 @@ def test_state_groups_and_mllm_entries_round_trip():
     mllm = MLLMSnapshot([entry], MLLMStats(queries=3, hits=2, misses=1, enabled=True, encoder_runs=1))
     assert MLLMSnapshot.from_dict(json.loads(json.dumps(mllm.to_dict()))) == mllm
     assert mllm.to_dict()["stats"]["hit_rate"] == pytest.approx(2 / 3)
+    cache_fields = [f.name for f in fields(MLLMCacheStats)]  # the engine copies them into MLLMStats
+    assert [f.name for f in fields(MLLMStats)] == [*cache_fields, "enabled", "encoder_runs"]
     stats = SnapshotStats(num_blocks=12, block_size=4, running=1)
     assert "prefix_cache_tenants" not in stats.to_dict(tenants=False)
     assert SnapshotStats.from_dict(stats.to_dict()) == stats

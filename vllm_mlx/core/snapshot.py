@@ -105,7 +105,8 @@ class MLLMSnapshot:
 
     @classmethod
     def from_dict(cls, data: dict) -> MLLMSnapshot:
-        return cls([MLLMEntryView.from_dict(e) for e in data.get("entries", [])], MLLMStats.from_dict(data.get("stats", {})))
+        entries = [MLLMEntryView.from_dict(entry) for entry in data.get("entries", [])]
+        return cls(entries, MLLMStats.from_dict(data.get("stats", {})))
 
 
 @dataclass

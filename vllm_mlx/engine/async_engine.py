@@ -452,7 +452,9 @@ class AsyncEngineCore:
         """The engine's ``cache_snapshot()`` (plain data), taken on the engine thread between steps."""
         return self.snapshot(include_blocks).to_dict()
 
-    def recent_step_records(self, after: int = 0, limit: int | None = None, timeout: float | None = None) -> list[StepRecord]:
+    def recent_step_records(
+        self, after: int = 0, limit: int | None = None, timeout: float | None = None
+    ) -> list[StepRecord]:
         """The engine's ``recent_step_records(after, limit)``: the newest kept ``StepRecord``s
         after step ``after``, oldest first (a kept record never changes); ``timeout`` as for ``call``."""
         return self.call(lambda engine: engine.recent_step_records(after, limit), timeout)

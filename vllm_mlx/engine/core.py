@@ -585,7 +585,8 @@ class EngineCore:
     def _mllm_stats(self) -> MLLMStats:
         """The MLLM cache's counters, whether it is on, and the vision-encoder runs so far."""
         stats = self.mllm_cache.stats() if self.mllm_cache is not None else MLLMCacheStats()
-        return MLLMStats(**asdict(stats), enabled=self.mllm_cache is not None, encoder_runs=self.runner.vision_encoder_runs)
+        runs = self.runner.vision_encoder_runs
+        return MLLMStats(**asdict(stats), enabled=self.mllm_cache is not None, encoder_runs=runs)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the hashes of unreferenced blocks (blocks in use keep theirs)."""

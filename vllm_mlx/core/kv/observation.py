@@ -228,7 +228,8 @@ def _block_view(block: CacheBlock, owners: list[str]) -> BlockView:
     else:
         state = "free"
     token_ids = list(block.token_ids) if block.token_ids is not None else None
-    return BlockView(block.block_id, state, block.ref_cnt, owners, _short_hash(block.block_hash), block.num_tokens, token_ids)
+    block_hash = _short_hash(block.block_hash)
+    return BlockView(block.block_id, state, block.ref_cnt, owners, block_hash, block.num_tokens, token_ids)
 
 
 def _short_hash(block_hash: bytes | None) -> str | None:

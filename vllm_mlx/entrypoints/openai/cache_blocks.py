@@ -60,7 +60,8 @@ def block_view(
         "tables_disclosed": tables,
         "stats": visible_stats(snapshot.stats, live, disclose=tables, per_tenant=per_tenant),
         "kv_groups": [group.to_dict() for group in snapshot.kv_groups],
-        "block_groups": [group.to_dict() for group in snapshot.block_groups] if tables else [],  # distinct blocks held: shared ones once
+        # distinct blocks held per block group: shared ones once
+        "block_groups": [group.to_dict() for group in snapshot.block_groups] if tables else [],
     }
 
 

@@ -104,3 +104,24 @@ def test_import_contracts_hold():
         [lint, "--no-cache"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def engine_reach_ins() -> list[str]:
+    """``x.call(lambda ...)`` outside ``engine/async_engine.py``: a caller reaching into the
+    ``EngineCore`` on its thread instead of using a read the engine offers."""
+    found = []
+    for module, path in module_files().items():
+        if module == "vllm_mlx.engine.async_engine":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "call"
+                    and node.args and isinstance(node.args[0], ast.Lambda)):  # fmt: skip
+                found.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno}")
+    return found
+
+
+def test_observers_use_the_engines_reads_not_call_lambda():
+    """Observers read the engine through the typed reads it offers (``snapshot()``, ``stats()``,
+    ``recent_step_records()``, ``model_path``, ...), never ``engine.call(lambda core: ...)``
+    (issue #26: no caller reaches into ``EngineCore``); only ``AsyncEngineCore`` itself does."""
+    assert engine_reach_ins() == []

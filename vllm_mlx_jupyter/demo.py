@@ -20,8 +20,8 @@ import json
 from vllm_mlx.platform.cpu_backend import reference_blas_warning
 from vllm_mlx_jupyter import get_session
 _session = get_session()
-_records = _session.engine.call(lambda engine: list(engine.step_records))
-_stats = _session.engine.cache_snapshot(include_blocks=False)["stats"]
+_records = _session.engine.recent_step_records()
+_stats = _session.engine.snapshot(include_blocks=False).stats
 _outputs = [g.output for g in _session.generations.values() if g.output is not None]
 _spans = [(o.arrival_time, o.finish_time) for o in _outputs if o.finish_time]
 print({SUMMARY_MARKER!r} + json.dumps({{
@@ -30,7 +30,7 @@ print({SUMMARY_MARKER!r} + json.dumps({{
     "steps": len(_records),
     "generated_tokens": sum(len(o.token_ids) for o in _outputs),
     "seconds": (max(e for _, e in _spans) - min(a for a, _ in _spans)) if _spans else 0.0,
-    "prefix_hit_tokens": _stats["prefix_cache"]["hit_tokens"],
+    "prefix_hit_tokens": _stats.prefix_cache.hit_tokens,
     "ttft": {{g.name: g.output.ttft for g in _session.generations.values() if g.output is not None}},
     "backend": _session.status().get("backend"),
     "blas_warning": reference_blas_warning(),

@@ -301,8 +301,8 @@ class GenerateMagics(Magics):
         except (VllmMlxError, ValueError, TypeError, OSError) as exc:
             handle.update(_note(f"could not load {model}: {exc}", error=True), raw=True)
             raise UsageError(f"could not load {model!r}: {exc}") from None
-        kv = engine.get_stats()["kv_cache"]
-        handle.update(_note(f"loaded {model}: {kv['num_blocks']} KV blocks × {kv['block_size']} tokens"), raw=True)
+        kv = engine.stats().kv_cache
+        handle.update(_note(f"loaded {model}: {kv.num_blocks} KV blocks × {kv.block_size} tokens"), raw=True)
 
     # -- %vllm_mlx ----------------------------------------------------------------------------
 

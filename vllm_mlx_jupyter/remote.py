@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from vllm_mlx.core.snapshot import CacheSnapshot
 from vllm_mlx.engine.async_engine import EngineDeadError, RequestStream
 from vllm_mlx.tool_parsers.base import ToolCall
 from vllm_mlx_jupyter.views.markup import as_float, as_int
@@ -182,10 +183,16 @@ class RemoteEngine:
     def check_images(self, images) -> None:
         """Images go inline in chat messages (``remote_messages``); the server checks them."""
 
+    def snapshot(self, include_blocks: bool = True) -> CacheSnapshot:
+        """``cache_snapshot()`` read once into the engine's typed ``CacheSnapshot`` (what the
+        server does not show is empty or 0)."""
+        return CacheSnapshot.from_dict(self.cache_snapshot(include_blocks))
+
     def cache_snapshot(self, include_blocks: bool = True) -> dict:
-        """The server's block grid and this notebook's requests, in ``cache_snapshot()``'s shape.
-        Without ``include_blocks`` (the session's monitor, asking about queued requests) no
-        request is known yet: the server names a request with its first token."""
+        """The server's block grid and this notebook's requests, in ``cache_snapshot()``'s shape
+        (every field checked: ``views/server_view.py``). Without ``include_blocks`` (the
+        session's monitor, asking about queued requests) no request is known yet: the server
+        names a request with its first token."""
         if not include_blocks:
             return {"block_size": 0, "blocks": [], "requests": {}, "free_queue": [], "stats": {}}
         with self._lock:

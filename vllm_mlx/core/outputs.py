@@ -9,6 +9,7 @@ cheap derived properties only, no behaviour, and imports nothing but ``request``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vllm_mlx.core.request import Request
@@ -175,3 +176,14 @@ class StepRecord:
     def prefix_hits(self) -> dict[str, int]:
         """Cached tokens of the requests admitted in this step with a prefix-cache hit."""
         return {a.request_id: a.num_cached_tokens for a in self.admitted if a.num_cached_tokens}
+
+
+def recent_step_records(records: Sequence[StepRecord], after: int, limit: int | None = None) -> list[StepRecord]:
+    """The newest ``limit`` (None: all) records with ``step_id > after``, oldest first
+    (``records`` are in step order, as ``EngineCore.step_records`` keeps them)."""
+    newest: list[StepRecord] = []
+    for record in reversed(records):
+        if record.step_id <= after or len(newest) == limit:
+            break
+        newest.append(record)
+    return newest[::-1]

@@ -29,11 +29,15 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from vllm_mlx.config import EngineConfig
+from vllm_mlx.core.outputs import StepRecord
 from vllm_mlx.core.request import RequestOutput, SamplingParams
+from vllm_mlx.core.snapshot import CacheSnapshot
 from vllm_mlx.engine.core import EngineCore
 from vllm_mlx.engine.input_processor import PreparedPrompt
+from vllm_mlx.engine.observation import EngineStats
 from vllm_mlx.multimodal.images import ImageSource
 from vllm_mlx.multimodal.media_policy import MediaPolicy
 from vllm_mlx.platform.errors import VllmMlxError
@@ -182,6 +186,19 @@ class _Abort:
     request_id: str
 
 
+@dataclass(frozen=True)
+class EngineFacts:
+    """What does not change while an engine runs, kept off the engine thread for any caller."""
+
+    model_path: Path
+    weight_format: str
+    max_num_seqs: int
+
+    @classmethod
+    def of(cls, engine: EngineCore) -> EngineFacts:
+        return cls(engine.model_path, engine.weight_format, engine.config.max_num_seqs)
+
+
 _STOP = object()
 
 
@@ -209,6 +226,7 @@ class AsyncEngineCore:
         self._hung = False  # a tensor-parallel rank hung: the engine thread may never return
         self._ids = itertools.count()
         self.engine: EngineCore | None = None
+        self._facts: EngineFacts | None = None  # set once the engine is built
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -418,13 +436,50 @@ class AsyncEngineCore:
         self._submit(command)
         return command.future.result(timeout)
 
+    def stats(self) -> EngineStats:
+        """The engine's ``stats()``, taken on the engine thread between steps."""
+        return self.call(lambda engine: engine.stats())
+
     def get_stats(self) -> dict:
-        """The engine's ``get_stats()``, taken on the engine thread between steps."""
-        return self.call(lambda engine: engine.get_stats())
+        """The engine's ``get_stats()`` (plain data), taken on the engine thread between steps."""
+        return self.stats().to_dict()
+
+    def snapshot(self, include_blocks: bool = True) -> CacheSnapshot:
+        """The engine's ``snapshot()``, taken on the engine thread between steps."""
+        return self.call(lambda engine: engine.snapshot(include_blocks))
 
     def cache_snapshot(self, include_blocks: bool = True) -> dict:
-        """The engine's ``cache_snapshot()``, taken on the engine thread between steps."""
-        return self.call(lambda engine: engine.cache_snapshot(include_blocks))
+        """The engine's ``cache_snapshot()`` (plain data), taken on the engine thread between steps."""
+        return self.snapshot(include_blocks).to_dict()
+
+    def recent_step_records(
+        self, after: int = 0, limit: int | None = None, timeout: float | None = None
+    ) -> list[StepRecord]:
+        """The engine's ``recent_step_records(after, limit)``: the newest kept ``StepRecord``s
+        after step ``after``, oldest first (a kept record never changes); ``timeout`` as for ``call``."""
+        return self.call(lambda engine: engine.recent_step_records(after, limit), timeout)
+
+    # Facts fixed when the engine started, read without a trip to the engine thread.
+
+    @property
+    def model_path(self) -> Path:
+        """Where the model was loaded from (a local directory). Needs a started engine."""
+        return self._started().model_path
+
+    @property
+    def weight_format(self) -> str:
+        """The weight format the engine runs: ``"quantized"`` or ``"float32"``. Needs a started engine."""
+        return self._started().weight_format
+
+    @property
+    def max_num_seqs(self) -> int:
+        """The most requests in the running batch. Needs a started engine."""
+        return self._started().max_num_seqs
+
+    def _started(self) -> EngineFacts:
+        if self._facts is None:
+            raise EngineDeadError("the engine has not started")
+        return self._facts
 
     def reset_prefix_cache(self) -> bool:
         """Forget the hashes of every cached block not in use; returns True."""
@@ -449,6 +504,7 @@ class AsyncEngineCore:
             return
         if self.engine.tp_group is not None:
             self.engine.on_rank_lost = self._rank_lost
+        self._facts = EngineFacts.of(self.engine)
         self._accepting = True
         self._ready.set()
         error = None

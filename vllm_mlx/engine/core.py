@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,10 +40,10 @@ from vllm_mlx.core.kv.sizing import (  # noqa: F401 (re-exported: imported from 
     kv_shape,
 )
 from vllm_mlx.core.kv.spec import blocks_for_bytes
-from vllm_mlx.core.outputs import ModelRunnerOutput, SchedulerOutput, StepRecord
+from vllm_mlx.core.outputs import ModelRunnerOutput, SchedulerOutput, StepRecord, recent_step_records
 from vllm_mlx.core.request import Request, RequestOutput, RequestStatus, SamplingParams
 from vllm_mlx.core.sched.scheduler import Scheduler
-from vllm_mlx.core.snapshot import CacheSnapshotter
+from vllm_mlx.core.snapshot import CacheSnapshot, CacheSnapshotter, MLLMSnapshot, MLLMStats
 from vllm_mlx.distributed.liveness import LivenessMonitor
 from vllm_mlx.distributed.watchdog import (
     STARTUP,
@@ -54,6 +54,7 @@ from vllm_mlx.distributed.watchdog import (
     startup_deadline,
 )
 from vllm_mlx.engine.input_processor import InputProcessor, PreparedPrompt
+from vllm_mlx.engine.observation import EngineStats
 from vllm_mlx.engine.output_processor import OutputProcessor
 from vllm_mlx.models.registry import get_registry
 from vllm_mlx.multimodal.cache import MLLMCacheManager, MLLMCacheStats
@@ -256,7 +257,7 @@ class EngineCore:
             self.scheduler,
             self.tokenizer,
             self._mllm_snapshot,
-            self.kv_layout.to_dicts(num_blocks, max(states.num_running_slots - 1, 0), states.num_checkpoints),
+            self.kv_layout.views(num_blocks, max(states.num_running_slots - 1, 0), states.num_checkpoints),
         )
         self.step_records: deque[StepRecord] = deque(maxlen=4096)
         """The last steps run (plain data; the notebook timeline reads them)."""
@@ -546,34 +547,47 @@ class EngineCore:
 
     # -- observers and lifetime -------------------------------------------------------------
 
-    def get_stats(self) -> dict:
-        """Plain data: ``{"scheduler": {running, waiting, preemptions, steps, ...}, "kv_cache": {...},
-        "structured_outputs": {cached, hits, misses}}`` (compiled grammars), and ``"mllm"`` (the
-        multimodal cache's stats) for a vision-language model."""
-        stats = {
-            "scheduler": self.scheduler.stats(),
-            "kv_cache": self.scheduler.kv.stats().to_dict(),
-            "structured_outputs": self.input_processor.grammars.stats(),
-        }
-        if self.vision is not None:
-            stats["mllm"] = self._mllm_stats()
-        return stats
+    def stats(self) -> EngineStats:
+        """The scheduler's, the KV pool's and the compiled grammars' counters, and the
+        multimodal cache's for a vision-language model (``engine/observation.py``)."""
+        mllm = self._mllm_stats() if self.vision is not None else None
+        return EngineStats(
+            self.scheduler.stats_view(), self.scheduler.kv.stats(), self.input_processor.grammars.stats_view(), mllm
+        )
 
-    def cache_snapshot(self, include_blocks: bool = True) -> dict:
-        """Plain data: ``blocks``, ``requests``, ``free_queue``, ``stats``, ``mllm`` (the
-        multimodal cache's ``entries`` and ``stats``) and ``kv_groups`` (the layer groups'
-        kind, window, layers, bytes per token, dtype and blocks; see snapshot.py)."""
+    def get_stats(self) -> dict:
+        """Plain data (``stats().to_dict()``): ``{"scheduler": {running, waiting, preemptions,
+        steps, ...}, "kv_cache": {...}, "structured_outputs": {cached, hits, misses}}``
+        (compiled grammars), and ``"mllm"`` (the multimodal cache's stats) for a
+        vision-language model."""
+        return self.stats().to_dict()
+
+    def snapshot(self, include_blocks: bool = True) -> CacheSnapshot:
+        """The cache as observers see it (``core/snapshot.py``); without ``include_blocks``
+        only requests and stats (``blocks`` and ``free_queue`` empty)."""
         return self.snapshotter.snapshot(include_blocks)
 
-    def _mllm_snapshot(self) -> dict:
-        """The MLLM cache's entries (none for a text model, or with the cache off) and stats."""
-        entries = self.mllm_cache.snapshot()["entries"] if self.mllm_cache is not None else []
-        return {"entries": entries, "stats": self._mllm_stats()}
+    def cache_snapshot(self, include_blocks: bool = True) -> dict:
+        """Plain data (``snapshot().to_dict()``): ``blocks``, ``requests``, ``free_queue``,
+        ``stats``, ``mllm`` (the multimodal cache's ``entries`` and ``stats``) and ``kv_groups``
+        (the layer groups' kind, window, layers, bytes per token, dtype and blocks; see
+        snapshot.py)."""
+        return self.snapshot(include_blocks).to_dict()
 
-    def _mllm_stats(self) -> dict:
+    def recent_step_records(self, after: int = 0, limit: int | None = None) -> list[StepRecord]:
+        """The newest ``limit`` (None: all) kept ``StepRecord``s with ``step_id > after``, oldest first."""
+        return recent_step_records(self.step_records, after, limit)
+
+    def _mllm_snapshot(self) -> MLLMSnapshot:
+        """The MLLM cache's entries (none for a text model, or with the cache off) and stats."""
+        entries = self.mllm_cache.entries() if self.mllm_cache is not None else []
+        return MLLMSnapshot(entries, self._mllm_stats())
+
+    def _mllm_stats(self) -> MLLMStats:
         """The MLLM cache's counters, whether it is on, and the vision-encoder runs so far."""
         stats = self.mllm_cache.stats() if self.mllm_cache is not None else MLLMCacheStats()
-        return {**stats.to_dict(), "enabled": self.mllm_cache is not None, "encoder_runs": self.runner.vision_encoder_runs}
+        runs = self.runner.vision_encoder_runs
+        return MLLMStats(**asdict(stats), enabled=self.mllm_cache is not None, encoder_runs=runs)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the hashes of unreferenced blocks (blocks in use keep theirs)."""

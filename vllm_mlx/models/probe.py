@@ -92,7 +92,7 @@ def probe_text(name: str) -> Probe:
     except Exception as exc:
         reason = f"a one-token forward through the paged cache failed: {_reason(exc)}"
         return Probe(UNKNOWN, reason)
-    kinds = [group.to_dict(num_blocks=0)["kind"].replace("_", " ") for group in layout.groups]
+    kinds = [group.view(layout.dtype, num_blocks=0).kind.replace("_", " ") for group in layout.groups]
     return Probe(RUNS, " + ".join(kinds))
 
 

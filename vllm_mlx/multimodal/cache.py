@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from vllm_mlx.core.snapshot import MLLMEntryView
 from vllm_mlx.multimodal.images import ImageSource, image_content_hash, load_image, thumbnail_png
 
 if TYPE_CHECKING:
@@ -100,21 +101,25 @@ class MLLMCacheEntry:
     last_used: float = 0.0
     hits: int = 0
 
-    def to_dict(self) -> dict:
-        """Plain data for snapshots; the full hash is cut to 12 hex digits."""
+    def view(self) -> MLLMEntryView:
+        """What observers see (``core/snapshot.py``); the full hash is cut to 12 hex digits."""
         thumb = self.thumbnail_png
-        return {
-            "hash": self.image_hash[:12],
-            "width": self.width,
-            "height": self.height,
-            "thumbnail_png": thumb,
-            "thumbnail_base64": base64.b64encode(thumb).decode("ascii") if thumb else None,
-            "bytes": self.nbytes,
-            "num_tokens": self.num_tokens,
-            "hits": self.hits,
-            "created": self.created,
-            "last_used": self.last_used,
-        }
+        return MLLMEntryView(
+            hash=self.image_hash[:12],
+            width=self.width,
+            height=self.height,
+            thumbnail_png=thumb,
+            thumbnail_base64=base64.b64encode(thumb).decode("ascii") if thumb else None,
+            bytes=self.nbytes,
+            num_tokens=self.num_tokens,
+            hits=self.hits,
+            created=self.created,
+            last_used=self.last_used,
+        )
+
+    def to_dict(self) -> dict:
+        """``view()`` as plain data."""
+        return self.view().to_dict()
 
 
 def features_nbytes(features: Any) -> int:
@@ -256,6 +261,11 @@ class MLLMCacheManager:
             return replace(
                 self._stats, memory_used=self._memory_used, num_entries=len(self._entries)
             )
+
+    def entries(self) -> list[MLLMEntryView]:
+        """The entries as observers see them, most recently used first."""
+        with self._lock:
+            return [e.view() for e in reversed(self._entries.values())]
 
     def snapshot(self) -> dict:
         """Plain data: ``{"entries": [...] (MRU first), "stats": {...}}``.

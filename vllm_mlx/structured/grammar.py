@@ -240,10 +240,33 @@ class GrammarCompiler:
             raise ConstraintError(f"invalid {_KIND_NAMES[kind]}: {compact_error(matcher.get_error())}")
         return matcher
 
-    def stats(self) -> dict:
-        """Plain data: cached grammars, hits and misses."""
+    def stats_view(self) -> GrammarCacheStats:
+        """The compiled-grammar cache's counters (a copy)."""
         with self._lock:
-            return {"cached": len(self._cache), "hits": self.hits, "misses": self.misses}
+            return GrammarCacheStats(len(self._cache), self.hits, self.misses)
+
+    def stats(self) -> dict:
+        """``stats_view()`` as plain data: cached grammars, hits and misses."""
+        return self.stats_view().to_dict()
+
+
+@dataclass
+class GrammarCacheStats:
+    """The compiled-grammar cache (``get_stats()["structured_outputs"]``)."""
+
+    cached: int
+    """Compiled grammars kept."""
+    hits: int
+    """Constraints served from the cache."""
+    misses: int
+    """Constraints compiled."""
+
+    def to_dict(self) -> dict:
+        return {"cached": self.cached, "hits": self.hits, "misses": self.misses}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> GrammarCacheStats:
+        return cls(data["cached"], data["hits"], data["misses"])
 
 
 _KIND_NAMES = {

@@ -28,6 +28,7 @@ from vllm_mlx_jupyter.session.reading import OutputReader, Reading, with_server_
 from vllm_mlx_jupyter.states import ABORTED, DONE, ERROR, FINAL_STATES, GENERATING, PREFILLING, QUEUED  # noqa: F401
 
 if TYPE_CHECKING:
+    from vllm_mlx.core.sched.observation import RequestView
     from vllm_mlx.engine.input_processor import PreparedPrompt
     from vllm_mlx.tool_parsers import ToolCall
     from vllm_mlx_jupyter.views.token_view import TokenInfo, TokenLog
@@ -241,10 +242,10 @@ class Generation(LiveViews):
             self._dirty = True
             self._render()
 
-    def observe(self, view: dict | None) -> None:
-        """Monitor hook: the engine's view of this request (``cache_snapshot()["requests"]``)."""
+    def observe(self, view: RequestView | None) -> None:
+        """Monitor hook: the engine's view of this request (``snapshot().requests``)."""
         with self._lock:
-            if view is not None and view["status"] == "RUNNING":
+            if view is not None and view.status == "RUNNING":
                 self._advance(PREFILLING)
                 self._dirty = True
             self._render()

@@ -5,7 +5,7 @@ snapshots, and keeps the notebook-side state (named generations, chat sessions).
 imports MLX until a model is loaded.
 
 A monitor thread runs while generations are active: it moves queued requests to
-"prefilling" (from ``cache_snapshot()["requests"]``) and flushes throttled renders. It spends
+"prefilling" (from ``snapshot().requests``) and flushes throttled renders. It spends
 at most ~5% of the engine's time on snapshots (its period is 20x a snapshot's cost).
 """
 
@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from vllm_mlx.core.snapshot import CacheSnapshot
 from vllm_mlx.engine.chat import split_chat_images, template_token_ids
 from vllm_mlx.platform.cpu_backend import backend_summary
 from vllm_mlx.platform.errors import ImageInputError
@@ -109,14 +110,14 @@ class Session:
         """The engine's batch size (a server does not say: its default, 8)."""
         if self.remote:
             return 8
-        return self.require_engine().call(lambda core: core.config.max_num_seqs)
+        return self.require_engine().max_num_seqs
 
     @staticmethod
     def _load_template_tokenizer(engine):
         """The kernel's own tokenizer for chat templates (the engine's is the engine thread's)."""
         from mlx_lm.utils import load_tokenizer
 
-        return load_tokenizer(engine.call(lambda core: core.model_path))
+        return load_tokenizer(engine.model_path)
 
     def require_engine(self):
         if not self.loaded:
@@ -443,7 +444,12 @@ class Session:
 
     # -- cache and stats --------------------------------------------------------------------
 
+    def snapshot(self, include_blocks: bool = True) -> CacheSnapshot:
+        """The engine's (or the server's) ``CacheSnapshot``."""
+        return self.require_engine().snapshot(include_blocks)
+
     def cache_snapshot(self) -> dict:
+        """``snapshot()`` as plain data (what the inspector encodes for its widget)."""
         return self.require_engine().cache_snapshot()
 
     def reset_prefix_cache(self) -> bool:
@@ -457,10 +463,10 @@ class Session:
             server = self.engine.get_stats()
             return {"model": self.model, "loaded": True, "server": self.engine.url,
                     "active": [g.name for g in self.active()], **server["stats"]}  # fmt: skip
-        stats = self.engine.cache_snapshot(include_blocks=False)["stats"]
-        backend = backend_summary(self.engine.call(lambda engine: engine.weight_format))
+        stats = self.engine.snapshot(include_blocks=False).stats
+        backend = backend_summary(self.engine.weight_format)
         return {"model": self.model, "loaded": True, "options": dict(self.options), "backend": backend,
-                "active": [g.name for g in self.active()], **stats}  # fmt: skip
+                "active": [g.name for g in self.active()], **stats.to_dict()}  # fmt: skip
 
     def request_rows(self) -> list[dict]:
         """The inspector's names and states for requests (it merges them with the engine's
@@ -527,7 +533,7 @@ class Session:
             return 0.0
         start = time.monotonic()
         try:
-            requests = engine.cache_snapshot(include_blocks=False)["requests"]
+            requests = engine.snapshot(include_blocks=False).requests
         except Exception:  # noqa: BLE001 - the engine stopped: the streams report it
             return 0.0
         cost = time.monotonic() - start

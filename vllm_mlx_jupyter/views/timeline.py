@@ -1,6 +1,6 @@
 """SchedulerTimeline: the engine's steps, one column each, scrolling live (an anywidget).
 
-It reads only the engine's ``step_records`` (``StepRecord``s the engine keeps anyway, a bounded
+It reads only the engine's ``recent_step_records()`` (``StepRecord``s the engine keeps anyway, a bounded
 deque), polling a few times per second from a background thread; with no widget on screen
 nothing reads them. Each push sends only the records newer than the last one sent (at most
 ``MAX_RECORDS``); the widget's JavaScript (``static/timeline.js``) appends them to its own
@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 import anywidget
 import traitlets
 
-from vllm_mlx.core.outputs import StepRecord
+from vllm_mlx.core.outputs import StepRecord, recent_step_records
 from vllm_mlx_jupyter.views.inspector import PALETTE, STATIC, WidgetFallbacks, color_slot
 from vllm_mlx_jupyter.views.markup import as_float, as_int, escape
 
@@ -35,15 +35,10 @@ MAX_RECORDS = 256  # per push: a burst of steps between two polls is cut to the 
 MAX_COLUMNS = 400
 
 
-def recent_records(records: Iterable[StepRecord], after: int, limit: int = MAX_RECORDS) -> list[StepRecord]:
+def recent_records(records: Sequence[StepRecord], after: int, limit: int = MAX_RECORDS) -> list[StepRecord]:
     """The newest ``limit`` records with ``step_id > after``, oldest first (records are in
-    step order)."""
-    newest: list[StepRecord] = []
-    for record in reversed(records):
-        if record.step_id <= after or len(newest) == limit:
-            break
-        newest.append(record)
-    return newest[::-1]
+    step order; ``core.outputs.recent_step_records``)."""
+    return recent_step_records(records, after, limit)
 
 
 def encode_record(record: StepRecord, colors: dict[str, int]) -> dict:
@@ -69,12 +64,14 @@ def read_records(source, after: int, limit: int = MAX_RECORDS) -> tuple[object, 
     """(the engine, its records after step ``after``) from a notebook ``Session``, an
     ``AsyncEngineCore`` (read on its thread), an ``EngineCore`` or an ``LLM``."""
     engine = source.require_engine() if hasattr(source, "require_engine") else source
-    if hasattr(engine, "call"):
-        return engine, engine.call(lambda core: recent_records(core.step_records, after, limit), timeout=5)
+    if hasattr(engine, "call"):  # an AsyncEngineCore: read on its thread
+        return engine, engine.recent_step_records(after, limit, timeout=5)
     core = getattr(engine, "engine", engine)  # LLM -> its EngineCore
     for _ in range(3):  # the engine's thread may append while we read
         try:
-            return engine, recent_records(core.step_records, after, limit)
+            if hasattr(core, "recent_step_records"):
+                return engine, core.recent_step_records(after, limit)
+            return engine, recent_records(core.step_records, after, limit)  # anything keeping records
         except RuntimeError:
             continue
     return engine, []

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 from vllm_mlx.core.kv.block_pool import CacheBlock
 from vllm_mlx.core.kv.coordinator import KVCacheCoordinator
-from vllm_mlx.core.kv.observation import CacheStats, block_group_usage, cache_snapshot, cache_stats
+from vllm_mlx.core.kv.observation import CacheStats, KVSnapshot, cache_stats, kv_snapshot
 from vllm_mlx.core.kv.prefix_cache import BlockAwarePrefixCache, PrefixCacheStats
 from vllm_mlx.core.kv.state_slots import NULL_STATE_SLOT
-from vllm_mlx.core.kv.tenant_stats import TenantCacheCounters
+from vllm_mlx.core.kv.tenant_stats import TenantCacheCounters, TenantCacheStats
 from vllm_mlx.core.request import Request
 
 
@@ -146,17 +146,20 @@ class KVCacheManager:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return self.prefix_cache.stats()
 
-    def tenant_stats(self) -> dict[str, dict]:
-        """Prefix-cache counters per tenant label (``tenant_stats.py``), plain data."""
-        return self.tenants.to_dict()
+    def tenant_stats(self) -> dict[str, TenantCacheStats]:
+        """Prefix-cache counters per tenant label (``tenant_stats.py``), copies."""
+        return self.tenants.copy()
+
+    def view(self, include_blocks: bool = True) -> KVSnapshot:
+        """The typed view (``kv_observation.kv_snapshot``); without ``include_blocks``, only
+        ``block_size``, ``stats`` and ``block_groups``."""
+        return kv_snapshot(self.coordinator, include_blocks)
 
     def snapshot(self, include_blocks: bool = True) -> dict:
-        """Plain data (``kv_observation.cache_snapshot``); without ``include_blocks``, only
-        ``block_size``, ``stats`` and ``block_groups`` (``blocks`` and ``free_queue`` empty)."""
-        if include_blocks:
-            return cache_snapshot(self.coordinator)
-        return {"block_size": self.block_size, "blocks": [], "free_queue": [], "stats": self.stats().to_dict(),
-                "block_groups": block_group_usage(self.coordinator)}  # fmt: skip
+        """``view()`` as plain data; without ``include_blocks``, only ``block_size``, ``stats``
+        and ``block_groups`` (``blocks`` and ``free_queue`` empty)."""
+        view = self.view(include_blocks)
+        return view.to_dict() if include_blocks else view.to_short_dict()
 
     def reset_prefix_cache(self) -> bool:
         """Forget the hashes of unreferenced blocks (blocks in use keep theirs)."""

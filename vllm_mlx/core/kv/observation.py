@@ -1,12 +1,14 @@
-"""What observers read of the KV coordinator: counts, a plain-data snapshot, and its invariants.
+"""What observers read of the KV coordinator: counts, a typed snapshot, and its invariants.
 
 Reads only: nothing here changes the cache. The KV manager (``core/kv/manager.py``) serves these
-to the scheduler's observers (engine stats, cache snapshots, the inspector).
+to the scheduler's observers (engine stats, cache snapshots, the inspector). Each observation is
+a dataclass with one ``to_dict()`` (the plain-data form, made only where it leaves the process or
+a test reads it) and, where a remote side rebuilds it from JSON, one ``from_dict()``.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 
 from vllm_mlx.core.kv.block_pool import CacheBlock
 from vllm_mlx.core.kv.coordinator import KVCacheCoordinator
@@ -39,9 +41,113 @@ class CacheStats:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
     def to_dict(self) -> dict:
-        data = asdict(self)
+        """The fields, then ``prefix_hit_rate`` (derived)."""
+        data = {f.name: getattr(self, f.name) for f in fields(CacheStats)}
         data["prefix_hit_rate"] = self.prefix_hit_rate
         return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CacheStats:
+        """The inverse of ``to_dict`` (derived keys and keys of no field are ignored; a count
+        the data leaves out, as a server's public stats do, is 0)."""
+        return cls(**{"num_blocks": 0, "block_size": 0, **_known(CacheStats, data)})
+
+
+@dataclass
+class BlockView:
+    """One physical block as observers see it."""
+
+    id: int
+    state: str
+    """``"null"`` (block 0), ``"used"`` (held by a request), ``"cached"`` (free, hashed:
+    a prefix hit revives it) or ``"free"``."""
+    ref_cnt: int
+    owners: list[str]
+    """Ids of the requests whose tables hold it."""
+    hash: str | None
+    """The first 12 hex digits of its block hash; None until the block is full."""
+    num_tokens: int
+    token_ids: list[int] | None
+    """Its tokens (a block being filled: the tokens of an owner's table); None if unknown."""
+    text: str | None = None
+    """The tokens decoded (at most ``MAX_BLOCK_TEXT`` characters); None where not decoded (the
+    KV manager's own snapshot). Left out of ``to_dict`` when None."""
+
+    def to_dict(self) -> dict:
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "text"}
+        data["owners"] = list(self.owners)
+        if self.text is not None:
+            data["text"] = self.text
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> BlockView:
+        """The inverse of ``to_dict``; ``owners``, ``hash`` and ``token_ids`` may be missing (a
+        server's block view has none)."""
+        return cls(**{"owners": [], "hash": None, "token_ids": None, **_known(cls, data)})
+
+
+@dataclass
+class BlockGroupUsage:
+    """A block group (``kv_spec.BlockGroups``): its sliding window (None: full attention) and how
+    many distinct blocks its tables hold now."""
+
+    window: int | None
+    num_used_blocks: int
+
+    def to_dict(self) -> dict:
+        return {"window": self.window, "num_used_blocks": self.num_used_blocks}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> BlockGroupUsage:
+        return cls(**_known(cls, data))
+
+
+@dataclass
+class KVSnapshot:
+    """The KV coordinator's whole view, one pass over the blocks (``kv_snapshot``)."""
+
+    block_size: int
+    stats: CacheStats
+    block_groups: list[BlockGroupUsage]
+    blocks: list[BlockView] = field(default_factory=list)
+    """Every block, by id (block 0 is the null block); empty without ``include_blocks``."""
+    requests: dict[str, list[int]] = field(default_factory=dict)
+    """Per request holding blocks, the blocks of all its tables."""
+    tables: dict[str, list[list[int]]] = field(default_factory=dict)
+    """Per request holding blocks, its block table in each block group."""
+    free_queue: list[int] = field(default_factory=list)
+    """Free block ids in eviction order, head first."""
+    state_slots: dict[str, int] = field(default_factory=dict)
+    """Per request, its recurrent-state slot."""
+    state_checkpoints: dict | None = None
+    """``StateCheckpoints.snapshot()``; None where no checkpoints are kept."""
+
+    def to_dict(self) -> dict:
+        """The full form (``blocks`` first); the KV manager's short form is ``to_short_dict``."""
+        return {
+            "block_size": self.block_size,
+            "blocks": [block.to_dict() for block in self.blocks],
+            "requests": {rid: list(ids) for rid, ids in self.requests.items()},
+            "tables": {rid: [list(t) for t in tables] for rid, tables in self.tables.items()},
+            "block_groups": [group.to_dict() for group in self.block_groups],
+            "free_queue": list(self.free_queue),
+            "state_slots": dict(self.state_slots),
+            "state_checkpoints": self.state_checkpoints,
+            "stats": self.stats.to_dict(),
+        }
+
+    def to_short_dict(self) -> dict:
+        """Without blocks: ``block_size``, ``blocks`` and ``free_queue`` (empty), ``stats``,
+        ``block_groups``."""
+        return {"block_size": self.block_size, "blocks": [], "free_queue": [], "stats": self.stats.to_dict(),
+                "block_groups": [group.to_dict() for group in self.block_groups]}  # fmt: skip
+
+
+def _known(cls, data: dict) -> dict:
+    """The items of ``data`` that name a field of dataclass ``cls``."""
+    names = {f.name for f in fields(cls)}
+    return {key: value for key, value in data.items() if key in names}
 
 
 def cache_stats(kv: KVCacheCoordinator) -> CacheStats:
@@ -69,8 +175,11 @@ def cache_stats(kv: KVCacheCoordinator) -> CacheStats:
     )
 
 
-def cache_snapshot(kv: KVCacheCoordinator) -> dict:
-    """Plain-data view for stats endpoints and the inspector (one pass over the blocks)."""
+def kv_snapshot(kv: KVCacheCoordinator, include_blocks: bool = True) -> KVSnapshot:
+    """The typed view for stats endpoints and the inspector (one pass over the blocks); without
+    ``include_blocks`` only ``block_size``, ``stats`` and ``block_groups``."""
+    if not include_blocks:
+        return KVSnapshot(kv.block_size, cache_stats(kv), block_group_usage(kv))
     owners: dict[int, list[str]] = {}
     held: dict[str, list[int]] = {}  # per request, the blocks of all its tables
     for request_id, record in _holders(kv):
@@ -78,25 +187,30 @@ def cache_snapshot(kv: KVCacheCoordinator) -> dict:
         for block_id in held[request_id]:
             owners.setdefault(block_id, []).append(request_id)
     state = kv.state
-    return {
-        "block_size": kv.block_size,
-        "blocks": [_block_view(b, owners.get(b.block_id, [])) for b in kv.pool.blocks],
-        "requests": held,
-        "tables": {rid: kv.get_block_tables(rid) for rid, _ in _holders(kv)},  # per group
-        "block_groups": block_group_usage(kv),
-        "free_queue": kv.pool.free_queue.block_ids(),  # eviction order, head first
-        "state_slots": state.slots.owners() if state else {},
-        "state_checkpoints": state.checkpoints.snapshot() if state and state.checkpoints else None,  # None: none kept
-        "stats": cache_stats(kv).to_dict(),
-    }
+    return KVSnapshot(
+        block_size=kv.block_size,
+        stats=cache_stats(kv),
+        block_groups=block_group_usage(kv),
+        blocks=[_block_view(b, owners.get(b.block_id, [])) for b in kv.pool.blocks],
+        requests=held,
+        tables={rid: kv.get_block_tables(rid) for rid, _ in _holders(kv)},  # per group
+        free_queue=kv.pool.free_queue.block_ids(),  # eviction order, head first
+        state_slots=state.slots.owners() if state else {},
+        state_checkpoints=state.checkpoints.snapshot() if state and state.checkpoints else None,  # None: none kept
+    )
 
 
-def block_group_usage(kv: KVCacheCoordinator) -> list[dict]:
+def cache_snapshot(kv: KVCacheCoordinator) -> dict:
+    """``kv_snapshot(kv).to_dict()``: plain data (what the coordinator's ``snapshot()`` returns)."""
+    return kv_snapshot(kv).to_dict()
+
+
+def block_group_usage(kv: KVCacheCoordinator) -> list[BlockGroupUsage]:
     """Per block group: its window and how many distinct blocks its tables hold now."""
     usage = []
     for g, window in enumerate(kv.group_windows):
         held = {b.block_id for _, record in _holders(kv) for b in record.tables[g] if not b.is_null}
-        usage.append({"window": window, "num_used_blocks": len(held)})
+        usage.append(BlockGroupUsage(window, len(held)))
     return usage
 
 
@@ -104,7 +218,7 @@ def _holders(kv: KVCacheCoordinator):
     return ((rid, record) for rid, record in kv.requests.items() if record.holds_blocks)
 
 
-def _block_view(block: CacheBlock, owners: list[str]) -> dict:
+def _block_view(block: CacheBlock, owners: list[str]) -> BlockView:
     if block.is_null:
         state = "null"
     elif block.ref_cnt > 0:
@@ -113,15 +227,9 @@ def _block_view(block: CacheBlock, owners: list[str]) -> dict:
         state = "cached"
     else:
         state = "free"
-    return {
-        "id": block.block_id,
-        "state": state,
-        "ref_cnt": block.ref_cnt,
-        "owners": owners,
-        "hash": _short_hash(block.block_hash),
-        "num_tokens": block.num_tokens,
-        "token_ids": list(block.token_ids) if block.token_ids is not None else None,
-    }
+    token_ids = list(block.token_ids) if block.token_ids is not None else None
+    block_hash = _short_hash(block.block_hash)
+    return BlockView(block.block_id, state, block.ref_cnt, owners, block_hash, block.num_tokens, token_ids)
 
 
 def _short_hash(block_hash: bytes | None) -> str | None:

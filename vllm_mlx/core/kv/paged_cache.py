@@ -12,7 +12,16 @@ from __future__ import annotations
 from vllm_mlx.core.kv.block_pool import BlockTable, CacheBlock, FreeBlockQueue
 from vllm_mlx.core.kv.checkpoints import StateCheckpoints
 from vllm_mlx.core.kv.coordinator import KVCacheCoordinator
-from vllm_mlx.core.kv.observation import CacheStats, block_group_usage, cache_snapshot, cache_stats, check_invariants
+from vllm_mlx.core.kv.observation import (
+    BlockGroupUsage,
+    CacheStats,
+    KVSnapshot,
+    block_group_usage,
+    cache_snapshot,
+    cache_stats,
+    check_invariants,
+    kv_snapshot,
+)
 from vllm_mlx.core.kv.state_slots import NULL_STATE_SLOT, StateSlots
 
 __all__ = ["BlockTable", "CacheBlock", "CacheStats", "FreeBlockQueue", "PagedCacheManager"]
@@ -117,7 +126,11 @@ class PagedCacheManager(KVCacheCoordinator):
         """Plain-data view for stats endpoints and the inspector (``kv_observation``)."""
         return cache_snapshot(self)
 
-    def block_group_usage(self) -> list[dict]:
+    def view(self, include_blocks: bool = True) -> KVSnapshot:
+        """The typed view ``snapshot()`` serialises (``kv_observation.kv_snapshot``)."""
+        return kv_snapshot(self, include_blocks)
+
+    def block_group_usage(self) -> list[BlockGroupUsage]:
         """Per block group: its window and how many blocks its tables hold now."""
         return block_group_usage(self)
 

@@ -16,7 +16,7 @@ import hashlib
 import sys
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from vllm_mlx.core.canonical import canonical_bytes
 from vllm_mlx.core.kv.block_pool import CacheBlock
@@ -109,6 +109,11 @@ class PrefixCacheStats:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "hit_rate": self.hit_rate, "tokens_saved": self.tokens_saved}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PrefixCacheStats:
+        """The inverse of ``to_dict`` (the derived ``hit_rate`` and ``tokens_saved`` are ignored)."""
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
 
 class PrefixCacheManager:

@@ -153,18 +153,62 @@ class GroupLayout:
     bytes_per_token: int
     bytes_per_request: int = 0
 
-    def to_dict(self, num_blocks: int, num_state_slots: int = 0, num_checkpoints: int = 0) -> dict:
-        """Plain data for snapshots: a paged group draws on the pool's ``num_blocks`` blocks
-        (shared by every block group, see the module docstring); a state group has
+    def view(self, dtype: str, num_blocks: int, num_state_slots: int = 0, num_checkpoints: int = 0) -> KVGroupView:
+        """What snapshots show of the group: a paged group draws on the pool's ``num_blocks``
+        blocks (shared by every block group, see the module docstring); a state group has
         ``num_state_slots`` slots of ``bytes_per_request`` for running requests and
         ``num_checkpoints`` more for states kept at block boundaries."""
         kind = getattr(self.spec, "kind", type(self.spec).__name__)
-        info = {"kind": kind, "window": getattr(self.spec, "window", None), "layers": list(self.layers),
-                "bytes_per_token": self.bytes_per_token}  # fmt: skip
+        view = KVGroupView(kind, getattr(self.spec, "window", None), list(self.layers), self.bytes_per_token, dtype)
         if self.bytes_per_request:
-            return info | {"bytes_per_request": self.bytes_per_request, "state_slots": num_state_slots,
-                           "state_checkpoints": num_checkpoints}  # fmt: skip
-        return info | {"num_blocks": num_blocks}
+            view.bytes_per_request, view.state_slots, view.state_checkpoints = (
+                self.bytes_per_request, num_state_slots, num_checkpoints)  # fmt: skip
+        else:
+            view.num_blocks = num_blocks
+        return view
+
+
+@dataclass
+class KVGroupView:
+    """A layer group as snapshots show it (``cache_snapshot()["kv_groups"]``), fixed for the
+    engine's life. A paged group has ``num_blocks``; a recurrent-state group has
+    ``bytes_per_request``, ``state_slots`` and ``state_checkpoints`` instead (the others are
+    None and left out of ``to_dict``)."""
+
+    kind: str
+    """``"full_attention"``, ``"sliding_window"``, ``"recurrent_state"``, ..."""
+    window: int | None
+    """Sliding window in tokens; None for full attention and state groups."""
+    layers: list[int]
+    bytes_per_token: int
+    """Keys and values one token takes in all the group's layers."""
+    dtype: str
+    """The KV dtype's name, e.g. ``"bfloat16"``."""
+    num_blocks: int | None = None
+    """Blocks of the shared pool (including the null block)."""
+    bytes_per_request: int | None = None
+    state_slots: int | None = None
+    """Slots for running requests' states."""
+    state_checkpoints: int | None = None
+    """Slots for states kept at block boundaries."""
+
+    def to_dict(self) -> dict:
+        data = {"kind": self.kind, "window": self.window, "layers": list(self.layers),
+                "bytes_per_token": self.bytes_per_token}  # fmt: skip
+        if self.bytes_per_request is not None:
+            data |= {"bytes_per_request": self.bytes_per_request, "state_slots": self.state_slots,
+                     "state_checkpoints": self.state_checkpoints}  # fmt: skip
+        else:
+            data["num_blocks"] = self.num_blocks
+        return data | {"dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> KVGroupView:
+        """The inverse of ``to_dict``; a server's view may leave out ``bytes_per_token`` (0) and
+        ``dtype`` ("")."""
+        names = ("kind", "window", "layers", "bytes_per_token", "dtype", "num_blocks", "bytes_per_request",
+                 "state_slots", "state_checkpoints")  # fmt: skip
+        return cls(**{"bytes_per_token": 0, "dtype": "", **{name: data[name] for name in names if name in data}})
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,9 +242,9 @@ class KVLayout:
         per_token = self.bytes_per_token if block_groups is None else self.bytes_per_block_token(block_groups)
         return blocks_for_bytes(budget_bytes, block_size, per_token)
 
-    def to_dicts(self, num_blocks: int, num_state_slots: int = 0, num_checkpoints: int = 0) -> list[dict]:
-        return [group.to_dict(num_blocks, num_state_slots, num_checkpoints) | {"dtype": self.dtype}
-                for group in self.groups]  # fmt: skip
+    def views(self, num_blocks: int, num_state_slots: int = 0, num_checkpoints: int = 0) -> list[KVGroupView]:
+        """Each group as snapshots show it (``GroupLayout.view``)."""
+        return [group.view(self.dtype, num_blocks, num_state_slots, num_checkpoints) for group in self.groups]
 
 
 def blocks_for_bytes(budget_bytes: int, block_size: int, bytes_per_block_token: int) -> int:

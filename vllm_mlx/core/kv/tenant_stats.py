@@ -13,7 +13,7 @@ new salts count under ``"other"``. The engine thread owns the counters; observer
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 
 MAX_TENANTS = 256
 NO_SALT = "none"
@@ -44,6 +44,13 @@ class TenantCacheStats:
     allocations: int = 0
     """Blocks taken from the free queue for the tenant's new content (a hit takes none)."""
 
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TenantCacheStats:
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
 
 class TenantCacheCounters:
     """``TenantCacheStats`` per tenant label, at most ``max_tenants`` of them plus ``"other"``."""
@@ -63,9 +70,13 @@ class TenantCacheCounters:
         if num_blocks:
             self._of(cache_salt).allocations += num_blocks
 
+    def copy(self) -> dict[str, TenantCacheStats]:
+        """``{label: counters}``, copies (observers read these, never the live counters)."""
+        return {label: replace(stats) for label, stats in self._stats.items()}
+
     def to_dict(self) -> dict[str, dict]:
         """``{label: counters}``, plain data (a copy)."""
-        return {label: asdict(stats) for label, stats in self._stats.items()}
+        return {label: stats.to_dict() for label, stats in self._stats.items()}
 
     def _of(self, cache_salt: str | None) -> TenantCacheStats:
         label = tenant_label(cache_salt)

@@ -18,6 +18,7 @@ from vllm_mlx.core.kv.coordinator import KVCacheCoordinator
 from vllm_mlx.core.kv.manager import KVCacheManager
 from vllm_mlx.core.outputs import Admission, ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from vllm_mlx.core.request import Request, RequestStatus
+from vllm_mlx.core.sched.observation import RequestView, SchedulerStats, requests_to_dict
 from vllm_mlx.core.sched.prefill_budget import PrefillCost
 from vllm_mlx.core.sched.waiting_queue import WaitingQueue
 from vllm_mlx.platform.errors import internal_error_message
@@ -369,29 +370,32 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def stats(self) -> dict:
-        return {
-            "running": len(self.running),
-            "waiting": len(self.waiting),
-            "preemptions": self.num_preemptions,
-            "steps": self.step_id,
-            "kv_cache": self.kv.stats().to_dict(),
-        }
+    def stats_view(self) -> SchedulerStats:
+        """The counters, with the KV pool's."""
+        return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions, self.step_id, self.kv.stats())
 
-    def snapshot(self) -> dict:
-        """Plain data per unfinished request id (running first, then waiting in queue order)."""
+    def stats(self) -> dict:
+        """``stats_view()`` as plain data."""
+        return self.stats_view().to_dict()
+
+    def request_views(self) -> dict[str, RequestView]:
+        """One view per unfinished request id (running first, then waiting in queue order)."""
         return {r.request_id: self._request_view(r) for r in [*self.running, *self.waiting]}
 
-    def _request_view(self, request: Request) -> dict:
-        return {
-            "status": request.status.name,
-            "num_prompt_tokens": request.num_prompt_tokens,
-            "num_computed_tokens": request.num_computed_tokens,
-            "num_cached_tokens": request.num_cached_tokens,
-            "num_output_tokens": request.num_output_tokens,
-            "num_preemptions": request.num_preemptions,
-            "block_ids": self.kv.block_ids(request.request_id),
-        }
+    def snapshot(self) -> dict:
+        """``request_views()`` as plain data."""
+        return requests_to_dict(self.request_views())
+
+    def _request_view(self, request: Request) -> RequestView:
+        return RequestView(
+            status=request.status.name,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_computed_tokens=request.num_computed_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_preemptions=request.num_preemptions,
+            block_ids=self.kv.block_ids(request.request_id),
+        )
 
     def check_invariants(self) -> None:
         """Raise AssertionError if a step-boundary invariant (class docstring) is broken."""

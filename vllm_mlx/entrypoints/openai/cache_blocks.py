@@ -27,65 +27,76 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from vllm_mlx.core.kv.observation import BlockView
+from vllm_mlx.core.sched.observation import RequestView
+from vllm_mlx.core.snapshot import CacheSnapshot
 from vllm_mlx.entrypoints.openai.cache_disclosure import public_block_states, public_stats, visible_stats
 
 STATE_LETTERS = {"null": "n", "free": "f", "cached": "c", "used": "u"}
-_REQUEST_FIELDS = ("status", "num_prompt_tokens", "num_output_tokens")
 
 
 def block_view(
-    snapshot: dict,
+    snapshot: CacheSnapshot | dict,
     request_ids: Iterable[str],
     *,
     per_request: bool = False,
     disclose_hits: bool = False,
     per_tenant: bool = False,
 ) -> dict:
-    """The endpoint's body for an engine ``cache_snapshot()`` (see the module docstring)."""
-    live = snapshot["requests"]
+    """The endpoint's body for an engine ``snapshot()`` (see the module docstring); a
+    ``cache_snapshot()`` dict is read into a ``CacheSnapshot`` first."""
+    if isinstance(snapshot, dict):
+        snapshot = CacheSnapshot.from_dict(snapshot)
+    live = snapshot.requests
     wanted = list(live) if per_request else [rid for rid in dict.fromkeys(request_ids) if rid in live]
     tables = per_request or disclose_hits
-    requests = {rid: _request(live[rid], tables) for rid in wanted}
+    shown = {rid: live[rid] for rid in wanted}
     return {
-        "block_size": snapshot["block_size"],
+        "block_size": snapshot.block_size,
         "block_states": _grid(snapshot) if tables else _public_grid(snapshot),
-        "free_queue": snapshot["free_queue"] if tables else [],
-        "requests": requests,
-        "blocks": _held_blocks(snapshot["blocks"], requests, real_refs=per_request),
+        "free_queue": list(snapshot.free_queue) if tables else [],
+        "requests": {rid: _request(view, tables) for rid, view in shown.items()},
+        "blocks": _held_blocks(snapshot.blocks, shown if tables else {}, real_refs=per_request),
         "tables_disclosed": tables,
-        "stats": visible_stats(snapshot["stats"], live, disclose=tables, per_tenant=per_tenant),
-        "kv_groups": snapshot.get("kv_groups", []),
-        "block_groups": snapshot.get("block_groups", []) if tables else [],  # distinct blocks held: shared ones once
+        "stats": visible_stats(snapshot.stats, live, disclose=tables, per_tenant=per_tenant),
+        "kv_groups": [group.to_dict() for group in snapshot.kv_groups],
+        # distinct blocks held per block group: shared ones once
+        "block_groups": [group.to_dict() for group in snapshot.block_groups] if tables else [],
     }
 
 
-def _grid(snapshot: dict) -> str:
-    return "".join(STATE_LETTERS[block["state"]] for block in snapshot["blocks"])
+def _grid(snapshot: CacheSnapshot) -> str:
+    return "".join(STATE_LETTERS[block.state] for block in snapshot.blocks)
 
 
-def _public_grid(snapshot: dict) -> str:
-    used = public_stats(snapshot["stats"], snapshot["requests"])["num_used_blocks"]
-    return public_block_states(len(snapshot["blocks"]), used)
+def _public_grid(snapshot: CacheSnapshot) -> str:
+    used = public_stats(snapshot.stats, snapshot.requests).num_used_blocks
+    return public_block_states(len(snapshot.blocks), used)
 
 
-def _request(view: dict, tables: bool) -> dict:
-    out = {key: view[key] for key in _REQUEST_FIELDS}
-    out["num_cached_tokens"] = view["num_cached_tokens"] if tables else 0
-    out["block_ids"] = view["block_ids"] if tables else []
-    return out
+def _request(view: RequestView, tables: bool) -> dict:
+    """What a caller reads of one request: its status and lengths; cached tokens and block ids
+    only with ``tables`` (else 0 and [])."""
+    return {
+        "status": view.status,
+        "num_prompt_tokens": view.num_prompt_tokens,
+        "num_output_tokens": view.num_output_tokens,
+        "num_cached_tokens": view.num_cached_tokens if tables else 0,
+        "block_ids": list(view.block_ids) if tables else [],
+    }
 
 
-def _held_blocks(blocks: list[dict], requests: dict[str, dict], real_refs: bool) -> dict[str, dict]:
+def _held_blocks(blocks: list[BlockView], requests: dict[str, RequestView], real_refs: bool) -> dict[str, dict]:
     """``{block id: {ref_cnt, num_tokens}}`` for the blocks the listed requests hold."""
     holds: dict[int, int] = {}
     for view in requests.values():
-        for block_id in set(view["block_ids"]):
+        for block_id in set(view.block_ids):
             if block_id:  # block 0 is the null block
                 holds[block_id] = holds.get(block_id, 0) + 1
     return {
         str(block_id): {
-            "ref_cnt": blocks[block_id]["ref_cnt"] if real_refs else count,
-            "num_tokens": blocks[block_id]["num_tokens"],
+            "ref_cnt": blocks[block_id].ref_cnt if real_refs else count,
+            "num_tokens": blocks[block_id].num_tokens,
         }
         for block_id, count in sorted(holds.items())
         if block_id < len(blocks)

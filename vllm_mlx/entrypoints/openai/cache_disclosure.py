@@ -21,35 +21,61 @@ Disclosed, the engine's stats go out as they are; the per-tenant counters
 
 from __future__ import annotations
 
-TENANTS_KEY = "prefix_cache_tenants"
-_PUBLIC_KEYS = ("num_blocks", "block_size", "running", "waiting", "preemptions", "num_state_slots",
-                "num_used_state_slots")  # fmt: skip
+from dataclasses import asdict, dataclass
+
+from vllm_mlx.core.sched.observation import RequestView
+from vllm_mlx.core.snapshot import SnapshotStats
 
 
-def visible_stats(stats: dict, requests: dict, *, disclose: bool, per_tenant: bool = False) -> dict:
-    """The stats a caller reads: the engine's own (``disclose``), else ``public_stats``."""
-    if not disclose:
-        return public_stats(stats, requests)
-    shown = dict(stats)
-    if not per_tenant:
-        shown.pop(TENANTS_KEY, None)
-    return shown
+@dataclass
+class PublicStats:
+    """The stats any caller may read (module docstring): the pool's size, the scheduler's
+    counts, the state slots, and the blocks in use counted from the live requests' lengths."""
 
-
-def public_stats(stats: dict, requests: dict) -> dict:
-    """Numbers no prefix hit changes (module docstring); ``requests``: the snapshot's."""
-    num_blocks = stats["num_blocks"]
-    used = logical_used_blocks(requests, stats["block_size"], num_blocks)
-    public = {key: stats[key] for key in _PUBLIC_KEYS if key in stats}
-    usage = used / num_blocks if num_blocks else 0.0
-    public.update(num_used_blocks=used, num_free_blocks=num_blocks - used, usage=usage)
-    return public
-
-
-def logical_used_blocks(requests: dict, block_size: int, num_blocks: int) -> int:
+    num_blocks: int
+    block_size: int
+    running: int
+    waiting: int
+    preemptions: int
+    num_state_slots: int
+    num_used_state_slots: int
+    num_used_blocks: int
     """Whole blocks the running requests' tokens fill, each counted alone (none shared)."""
-    running = [view for view in requests.values() if view["status"] == "RUNNING"]
-    lengths = (view["num_prompt_tokens"] + view["num_output_tokens"] for view in running)
+    num_free_blocks: int
+    usage: float
+
+    def to_dict(self, tenants: bool = False) -> dict:
+        """Plain data (``tenants`` is ignored: no per-tenant counter is public)."""
+        return asdict(self)
+
+
+def visible(stats: SnapshotStats, requests: dict[str, RequestView], *, disclose: bool) -> SnapshotStats | PublicStats:
+    """The stats a caller reads: the engine's own (``disclose``), else ``public_stats``."""
+    return stats if disclose else public_stats(stats, requests)
+
+
+def visible_stats(
+    stats: SnapshotStats, requests: dict[str, RequestView], *, disclose: bool, per_tenant: bool = False
+) -> dict:
+    """``visible`` as the JSON an endpoint sends; the per-tenant counters only with ``per_tenant``."""
+    return visible(stats, requests, disclose=disclose).to_dict(tenants=per_tenant)
+
+
+def public_stats(stats: SnapshotStats, requests: dict[str, RequestView]) -> PublicStats:
+    """Numbers no prefix hit changes (module docstring); ``requests``: the snapshot's."""
+    num_blocks = stats.num_blocks
+    used = logical_used_blocks(requests, stats.block_size, num_blocks)
+    usage = used / num_blocks if num_blocks else 0.0
+    return PublicStats(
+        num_blocks, stats.block_size, stats.running, stats.waiting, stats.preemptions, stats.num_state_slots,
+        stats.num_used_state_slots, num_used_blocks=used, num_free_blocks=num_blocks - used, usage=usage,
+    )  # fmt: skip
+
+
+def logical_used_blocks(requests: dict[str, RequestView], block_size: int, num_blocks: int) -> int:
+    """Whole blocks the running requests' tokens fill, each counted alone (none shared)."""
+    running = [view for view in requests.values() if view.status == "RUNNING"]
+    lengths = (view.num_prompt_tokens + view.num_output_tokens for view in running)
     return min(num_blocks, sum(-(-length // block_size) for length in lengths))
 
 

@@ -21,15 +21,17 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from vllm_mlx.core.kv.tenant_stats import TenantCacheStats
 from vllm_mlx.core.request import RequestOutput
-from vllm_mlx.entrypoints.openai.cache_disclosure import TENANTS_KEY, visible_stats
+from vllm_mlx.core.snapshot import SnapshotStats
+from vllm_mlx.entrypoints.openai.cache_disclosure import visible
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
-TENANT_COUNTERS = (
+TENANT_COUNTERS = (  # (``TenantCacheStats`` field, series, help)
     ("queries", "vllm_mlx:tenant_prefix_cache_lookups", "Prefix-cache lookups (request admissions) of the tenant."),
     ("query_tokens", "vllm_mlx:tenant_prefix_cache_queries", "Prompt tokens of the tenant looked up in the prefix cache."),
     ("hits", "vllm_mlx:tenant_prefix_cache_lookup_hits", "Lookups of the tenant that found at least one cached block."),
@@ -49,42 +51,40 @@ class EngineStatsCollector(Collector):
 
     def collect(self):
         try:
-            snapshot = self.engine.cache_snapshot(include_blocks=False)
+            snapshot = self.engine.snapshot(include_blocks=False)
         except Exception:  # a dead engine: /health says so; the scrape still succeeds
             return
-        stats = visible_stats(
-            snapshot["stats"], snapshot["requests"], disclose=self.disclose_hits, per_tenant=self.per_tenant
-        )
+        stats = visible(snapshot.stats, snapshot.requests, disclose=self.disclose_hits)
         gauges = [
-            ("vllm:num_requests_running", "Requests in the running batch.", stats["running"]),
-            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats["waiting"]),
-            ("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", stats["usage"]),
+            ("vllm:num_requests_running", "Requests in the running batch.", stats.running),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.waiting),
+            ("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", stats.usage),
         ]
-        counters = [("vllm:num_preemptions", "Requests preempted (KV blocks ran out).", stats["preemptions"])]
-        if self.disclose_hits:
+        counters = [("vllm:num_preemptions", "Requests preempted (KV blocks ran out).", stats.preemptions)]
+        if isinstance(stats, SnapshotStats):  # disclosed
             hit_rate = "Prompt tokens found in the prefix cache / looked up."
-            gauges.append(("vllm:prefix_cache_hit_rate", hit_rate, stats["prefix_hit_rate"]))
+            gauges.append(("vllm:prefix_cache_hit_rate", hit_rate, stats.prefix_hit_rate))
             counters += [
-                ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats["prefix_queries"]),
-                ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats["prefix_hits"]),
+                ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_queries),
+                ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_hits),
             ]
         for name, doc, value in gauges:
             yield self._family(GaugeMetricFamily, name, doc, value)
         for name, doc, value in counters:
             yield self._family(CounterMetricFamily, name, doc, value)
-        if TENANTS_KEY in stats:
-            yield from self._tenant_families(stats[TENANTS_KEY])
+        if isinstance(stats, SnapshotStats) and self.per_tenant:
+            yield from self._tenant_families(stats.prefix_cache_tenants)
 
     def _family(self, cls, name: str, doc: str, value: float):
         family = cls(name, doc, labels=["model_name"])
         family.add_metric([self.model_name], value)
         return family
 
-    def _tenant_families(self, tenants: dict[str, dict]):
+    def _tenant_families(self, tenants: dict[str, TenantCacheStats]):
         for key, name, doc in TENANT_COUNTERS:
             family = CounterMetricFamily(name, doc, labels=["model_name", "tenant"])
             for tenant, counters in tenants.items():
-                family.add_metric([self.model_name, tenant], counters[key])
+                family.add_metric([self.model_name, tenant], getattr(counters, key))
             yield family
 
 

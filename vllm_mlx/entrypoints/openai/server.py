@@ -31,12 +31,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_mlx import __version__
 from vllm_mlx.config import EngineConfig
+from vllm_mlx.core.sched.observation import RequestView
+from vllm_mlx.core.snapshot import CacheSnapshot
 from vllm_mlx.distributed.watchdog import RankLostError
 from vllm_mlx.engine.async_engine import AsyncEngineCore, EngineDeadError
 from vllm_mlx.entrypoints.anthropic.protocol import MessagesInput, MessagesRequest, error_body, is_messages_path
 from vllm_mlx.entrypoints.anthropic.serving import AnthropicServing
 from vllm_mlx.entrypoints.openai.cache_blocks import block_view
-from vllm_mlx.entrypoints.openai.cache_disclosure import visible_stats
+from vllm_mlx.entrypoints.openai.cache_disclosure import visible
 from vllm_mlx.entrypoints.openai.cli_args import serve_media_policy, serving_options
 from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
 from vllm_mlx.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware, BodySizeLimitMiddleware
@@ -152,11 +154,11 @@ def _add_cache_routes(app: FastAPI, engine: AsyncEngineCore, metrics: ServerMetr
 
     @app.get("/v1/cache/stats")
     async def cache_stats() -> dict:
-        return summarize_snapshot(await engine_call(engine.cache_snapshot), options)
+        return summarize_snapshot(await engine_call(engine.snapshot), options)
 
     @app.get("/v1/cache/blocks")
     async def cache_blocks(request_id: Annotated[list[str] | None, Query()] = None) -> dict:
-        snapshot = await engine_call(engine.cache_snapshot)
+        snapshot = await engine_call(engine.snapshot)
         return block_view(
             snapshot, request_id or [], per_request=options.cache_stats_per_request,
             disclose_hits=options.discloses_prefix_hits, per_tenant=options.enable_cache_stats_disclosure,
@@ -183,38 +185,45 @@ async def _respond(pending, stall_timeout: float | None) -> Response:
     return SSEResponse(result, stall_timeout=stall_timeout, headers=headers)
 
 
-def summarize_snapshot(snapshot: dict, options: ServingOptions | None = None) -> dict:
-    """The stats endpoint's view of ``cache_snapshot()``: counts, not the block list.
+def summarize_snapshot(snapshot: CacheSnapshot | dict, options: ServingOptions | None = None) -> dict:
+    """The stats endpoint's view of an engine ``snapshot()``: counts, not the block list (a
+    ``cache_snapshot()`` dict is read into a ``CacheSnapshot`` first).
 
     Requests appear as counts by status; with ``options.cache_stats_per_request`` (an operator's
     switch) also one entry per live request (its id and token counts, which other clients must
     not see). Numbers that move with prefix hits (counters, cached blocks, the free queue) only
     where ``options.discloses_prefix_hits`` (see ``cache_disclosure``).
     """
+    if isinstance(snapshot, dict):
+        snapshot = CacheSnapshot.from_dict(snapshot)
     options = options or ServingOptions()
-    views, disclose = snapshot["requests"], options.discloses_prefix_hits
-    stats = visible_stats(snapshot["stats"], views, disclose=disclose, per_tenant=options.enable_cache_stats_disclosure)
+    views, disclose = snapshot.requests, options.discloses_prefix_hits
+    stats = visible(snapshot.stats, views, disclose=disclose)
     if disclose:
-        block_states = dict(Counter(block["state"] for block in snapshot["blocks"]))
-        free_queue_length = len(snapshot["free_queue"])
+        block_states = dict(Counter(block.state for block in snapshot.blocks))
+        free_queue_length = len(snapshot.free_queue)
     else:
-        used, free = stats["num_used_blocks"], stats["num_free_blocks"]
+        used, free = stats.num_used_blocks, stats.num_free_blocks
         block_states = {state: count for state, count in (("null", 1), ("used", used), ("free", free)) if count}
         free_queue_length = free
     summary = {
-        "block_size": snapshot["block_size"],
-        "stats": stats,
+        "block_size": snapshot.block_size,
+        "stats": stats.to_dict(tenants=options.enable_cache_stats_disclosure),
         "block_states": block_states,
         "free_queue_length": free_queue_length,
-        "request_states": dict(Counter(view["status"] for view in views.values())),
+        "request_states": dict(Counter(view.status for view in views.values())),
         "cache_stats_disclosed": disclose,
     }
     if options.cache_stats_per_request:
-        summary["requests"] = {
-            request_id: {**{k: v for k, v in view.items() if k != "block_ids"}, "num_blocks": len(view["block_ids"])}
-            for request_id, view in views.items()
-        }
+        summary["requests"] = {request_id: _request_summary(view) for request_id, view in views.items()}
     return summary
+
+
+def _request_summary(view: RequestView) -> dict:
+    """One live request's counts for the stats endpoint: its view less the block ids, plus how many."""
+    data = view.to_dict()
+    del data["block_ids"]
+    return data | {"num_blocks": len(view.block_ids)}
 
 
 def engine_health(engine: AsyncEngineCore) -> str:
@@ -304,7 +313,7 @@ def run_server(args: argparse.Namespace, engine_options: dict) -> int:
     options = serving_options(args)
     engine = AsyncEngineCore(EngineConfig(model=args.model, **engine_options)).start()
     try:
-        name = args.served_model_name or served_name(args.model, engine.call(lambda e: e.model_path))
+        name = args.served_model_name or served_name(args.model, engine.model_path)
         app = build_app(
             engine,
             served_model_name=name,
@@ -314,7 +323,7 @@ def run_server(args: argparse.Namespace, engine_options: dict) -> int:
             media_policy=media_policy,
             options=options,
         )
-        backend = backend_summary(engine.call(lambda e: e.weight_format))
+        backend = backend_summary(engine.weight_format)
         print(f"vllm-mlx: serving {name!r} on http://{args.host}:{args.port} ({backend})", file=sys.stderr, flush=True)
         warn_reference_blas()
         if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:

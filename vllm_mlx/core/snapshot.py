@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from vllm_mlx.core.kv.observation import BlockGroupUsage, BlockView, CacheStats
 from vllm_mlx.core.kv.prefix_cache import PrefixCacheStats
@@ -28,23 +28,25 @@ _TEXT_MEMO_SIZE = 8192
 
 
 @dataclass
-class MLLMStats:
-    """The multimodal cache's counters (``multimodal.cache.MLLMCacheStats``'s fields), whether it
-    is on, and the vision-encoder runs so far. All zero for a text model or with the cache off."""
+class MLLMCacheStats:
+    """Multimodal cache effectiveness and occupancy (counters since creation). Kept by
+    ``multimodal.cache.MLLMCacheManager``; here, beside ``MLLMStats``, so the counters are
+    declared once."""
 
     queries: int = 0
+    """Lookups by image hash (``get``, and ``get_or_compute`` through it)."""
     hits: int = 0
     misses: int = 0
     tokens_saved: int = 0
-    """Image placeholder tokens not re-encoded (sum of the hit entries' ``num_tokens``)."""
+    """Sum of the hit entries' ``num_tokens``: image placeholder tokens not re-encoded."""
     evictions: int = 0
+    """Entries dropped to make room for a new one (not ``remove``/``clear``)."""
     oversized: int = 0
+    """Entries not cached because they alone exceed the whole budget."""
     memory_used: int = 0
+    """Bytes of the cached features (equals the sum of the entries' ``nbytes``)."""
     max_memory_bytes: int = 0
     num_entries: int = 0
-    enabled: bool = False
-    encoder_runs: int = 0
-    """Vision-encoder runs of the runner (cache misses and uncached images)."""
 
     @property
     def encoder_runs_skipped(self) -> int:
@@ -55,10 +57,28 @@ class MLLMStats:
         return self.hits / self.queries if self.queries else 0.0
 
     def to_dict(self) -> dict:
-        """The counters, ``encoder_runs_skipped`` and ``hit_rate`` (derived), ``enabled``, ``encoder_runs``."""
-        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("enabled", "encoder_runs")}
-        data |= {"encoder_runs_skipped": self.encoder_runs_skipped, "hit_rate": self.hit_rate}
-        return data | {"enabled": self.enabled, "encoder_runs": self.encoder_runs}
+        return {
+            **asdict(self),
+            "encoder_runs_skipped": self.encoder_runs_skipped,
+            "hit_rate": self.hit_rate,
+        }
+
+
+
+@dataclass
+class MLLMStats(MLLMCacheStats):
+    """The multimodal cache's counters (``MLLMCacheStats``), whether it is on, and the
+    vision-encoder runs so far. All zero for a text model or with the cache off."""
+
+    enabled: bool = False
+    encoder_runs: int = 0
+    """Vision-encoder runs of the runner (cache misses and uncached images)."""
+
+    def to_dict(self) -> dict:
+        """``MLLMCacheStats.to_dict()``, then ``enabled`` and ``encoder_runs``."""
+        counters = {f.name: getattr(self, f.name) for f in fields(MLLMCacheStats)}
+        derived = {"encoder_runs_skipped": self.encoder_runs_skipped, "hit_rate": self.hit_rate}
+        return counters | derived | {"enabled": self.enabled, "encoder_runs": self.encoder_runs}
 
     @classmethod
     def from_dict(cls, data: dict) -> MLLMStats:

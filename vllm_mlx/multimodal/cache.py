@@ -27,10 +27,10 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from vllm_mlx.core.snapshot import MLLMEntryView
+from vllm_mlx.core.snapshot import MLLMCacheStats, MLLMEntryView
 from vllm_mlx.multimodal.images import ImageSource, image_content_hash, load_image, thumbnail_png
 
 if TYPE_CHECKING:
@@ -47,41 +47,6 @@ __all__ = [
 
 DEFAULT_MAX_MEMORY_BYTES = 512 * 1024 * 1024
 THUMBNAIL_SIDE = 96
-
-
-@dataclass
-class MLLMCacheStats:
-    """Multimodal cache effectiveness and occupancy (counters since creation)."""
-
-    queries: int = 0
-    """Lookups by image hash (``get``, and ``get_or_compute`` through it)."""
-    hits: int = 0
-    misses: int = 0
-    tokens_saved: int = 0
-    """Sum of the hit entries' ``num_tokens``: image placeholder tokens not re-encoded."""
-    evictions: int = 0
-    """Entries dropped to make room for a new one (not ``remove``/``clear``)."""
-    oversized: int = 0
-    """Entries not cached because they alone exceed the whole budget."""
-    memory_used: int = 0
-    """Bytes of the cached features (equals the sum of the entries' ``nbytes``)."""
-    max_memory_bytes: int = 0
-    num_entries: int = 0
-
-    @property
-    def encoder_runs_skipped(self) -> int:
-        return self.hits
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
-    def to_dict(self) -> dict:
-        return {
-            **asdict(self),
-            "encoder_runs_skipped": self.encoder_runs_skipped,
-            "hit_rate": self.hit_rate,
-        }
 
 
 @dataclass(slots=True, eq=False)  # identity equality: features may be arrays

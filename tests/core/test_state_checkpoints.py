@@ -116,6 +116,24 @@ def test_a_failed_step_frees_its_reserved_checkpoint_and_without_caching_none_is
     assert off.checkpoints is None and off.reserve_state_checkpoint("a") is None and not off.resumes_prefixes
 
 
+def test_a_request_that_ends_leaves_nothing_but_its_published_checkpoints():
+    kv = manager_with_prompt_cached()
+    kv.allocate_slots("b", 10, kv.get_computed_blocks("b", [b"h1", b"h2"]))
+    assert kv.requests["b"].resumes_from == b"h2" and kv.requests["b"].state_slot == 2
+    assert kv.reserve_state_checkpoint("b") == 4 and kv.requests["b"].pending_checkpoint_slot == 4
+    kv.free("b")  # aborted mid-step: its slot, pin and pending slot go with its record
+    kv.forget("b")
+    assert kv.reserve_state_checkpoint("a") == 4
+    kv.finish_step("a", succeeded=True)
+    kv.publish_state_checkpoint("a", b"h3", moving=True)
+    assert kv.requests["a"].latest_checkpoint == b"h3"
+    kv.free("a")  # finished
+    kv.forget("a")
+    assert kv.requests == {} and kv.state_slots.owners() == {} and kv.checkpoints.snapshot()["pending"] == {}
+    assert kv.checkpoints.keys() == [b"h2", b"h3"] and kv.stats().num_used_state_slots == 0
+    kv.check_invariants()
+
+
 @pytest.mark.parametrize("value", [-1, 2.5, "8", True])
 def test_a_bad_max_state_checkpoints_is_refused_naming_the_option(value):
     from vllm_mlx.engine.core import EngineConfig

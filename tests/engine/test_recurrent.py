@@ -308,6 +308,28 @@ def test_random_joins_and_aborts_leak_no_slot_or_block(tmp_path, default_model_d
         engine.shutdown()
 
 
+def test_finished_and_aborted_requests_leave_no_trace_in_the_cache(tmp_path, default_model_dir):
+    path = build_tiny_llama(tmp_path / "qwen3_5", default_model_dir, **TINY_QWEN3_5)
+    engine = EngineCore(model=str(path), block_size=4, num_kv_blocks=48, max_num_seqs=4)
+    try:
+        run_one_by_one(engine, [PROMPTS[4]])  # keeps checkpoints for the next one to resume from
+        finished = engine.add_request(PROMPTS[4], GREEDY)
+        aborted = engine.add_request(PROMPTS[3], GREEDY)
+        engine.step()
+        kv = engine.kv_cache
+        assert kv.requests[aborted].state_slot == kv.state_slots.slot_of(aborted) is not None
+        engine.abort_request(aborted)
+        assert finish(engine)[finished].num_cached_tokens > 0  # it resumed from a checkpoint
+        assert kv.requests == {} and kv.state_slots.owners() == {} and kv.checkpoints.snapshot()["pending"] == {}
+        assert len(kv.checkpoints) > 0  # published checkpoints outlive their requests
+        for structure in (kv.state, kv.state_slots, kv.checkpoints):  # nothing else names a request
+            kept = repr([value for value in vars(structure).values() if value is not kv.requests])
+            assert finished not in kept and aborted not in kept
+        assert_nothing_held(engine)
+    finally:
+        engine.shutdown()
+
+
 def test_a_state_slot_comes_with_the_first_allocation_and_goes_with_free():
     kv = PagedCacheManager(num_blocks=10, block_size=4, num_state_slots=3)  # slots 1, 2
     assert kv.allocate_slots("a", 5) == [1, 2]

@@ -17,9 +17,12 @@ Invariants (checked by ``kv_observation.check_invariants``):
 * Each group has its own hash map (``pool.cached[g]``); each hash maps to the one block carrying
   it, and every hashed block is in the map of its ``group`` (a block whose content duplicates an
   already registered block simply stays unhashed).
+* Each request has one record (``records.RequestCache``) from its first lookup to its end, and
+  nothing else keeps anything per request: its tables, hashes, state slot and checkpoints are
+  all on it, so ending a request (``free``, then ``forget``) is its record going away.
 * A request holding blocks holds one table per group (``RequestCache.tables``), all of the same
-  length, and, with recurrent layers, one state slot (taken with its first allocation, freed
-  with its blocks).
+  length, and, with recurrent layers, one state slot (``RequestCache.state_slot``: taken with
+  its first allocation, freed with its blocks).
 * A prefix hit must be a prefix *every* kind can resume from: a sliding-window group needs only
   the blocks its window reaches at the hit point; recurrent layers need a state checkpoint kept
   there (none when ``num_state_checkpoints == 0``: then the model gets no prefix hits). A
@@ -28,36 +31,11 @@ Invariants (checked by ``kv_observation.check_invariants``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from vllm_mlx.core.kv.block_pool import BlockPool, CacheBlock
 from vllm_mlx.core.kv.managers import FullAttentionManager, RecurrentStateManager, block_group_manager
+from vllm_mlx.core.kv.records import RequestCache, RequestRecords
 
-
-@dataclass
-class RequestCache:
-    """Everything the KV cache keeps for one request, from its first lookup to its end."""
-
-    request_id: str
-    tables: list[list[CacheBlock]] | None = None
-    """Its table of every block group (group 0's first); None while it holds no blocks."""
-    num_cached_tokens: int = 0
-    """Tokens its admission found cached (its prefix hit)."""
-    num_tokens: int = 0
-    """Token slots handed out to it (a high-water mark; hashed blocks are full)."""
-    block_hashes: list[bytes] = field(default_factory=list)
-    """Hashes of its full blocks, computed once each (kept over preemption, for readmission)."""
-    branch_point: int | None = None
-    """Where the blocks cached at its admission ended, past its hit (hybrid models)."""
-
-    @property
-    def holds_blocks(self) -> bool:
-        return self.tables is not None
-
-    @property
-    def is_empty(self) -> bool:
-        """Nothing worth keeping: no blocks, no hashes."""
-        return self.tables is None and not self.block_hashes and self.branch_point is None
+__all__ = ["KVCacheCoordinator", "RequestCache"]
 
 
 class KVCacheCoordinator:
@@ -90,11 +68,13 @@ class KVCacheCoordinator:
         self.groups: list[FullAttentionManager] = [
             block_group_manager(self.pool, g, w) for g, w in enumerate(self.group_windows)
         ]
+        self.requests = RequestRecords()
+        """Every request's one record (``records.RequestCache``), by id: the requests holding
+        blocks in the order they took their first blocks."""
         self.state: RecurrentStateManager | None = None
         if num_state_slots:
-            self.state = RecurrentStateManager(num_state_slots, num_state_checkpoints, enable_caching)
+            self.state = RecurrentStateManager(num_state_slots, num_state_checkpoints, enable_caching, self.requests)
         self.pool.on_evict = self.state.drop_checkpoint if self.state else None
-        self.requests: dict[str, RequestCache] = {}
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
 
@@ -109,10 +89,7 @@ class KVCacheCoordinator:
 
     def request_cache(self, request_id: str) -> RequestCache:
         """The request's record, made on first use (``forget`` ends it)."""
-        record = self.requests.get(request_id)
-        if record is None:
-            record = self.requests[request_id] = RequestCache(request_id)
-        return record
+        return self.requests.record(request_id)
 
     def get_block_tables(self, request_id: str) -> list[list[int]]:
         """The request's table of every block group (block 0 where a block left the window)."""
@@ -191,14 +168,14 @@ class KVCacheCoordinator:
         num_revived = sum(1 for hits in hit_tables for b in hits if b.ref_cnt == 0 and not b.is_null)
         if sum(num_new) + num_revived > self.pool.get_num_free_blocks():
             return None
-        if self.state is not None and is_new:
-            if not self.state.has_free_slot():
-                return None
-            self.state.take_slot(request_id, computed[-1].block_hash if computed else None)
+        if self.state is not None and is_new and not self.state.has_free_slot():
+            return None
 
         if is_new:  # holders stay in the order they took their first blocks
             record = self.requests.pop(request_id, None) or RequestCache(request_id)
             self.requests[request_id] = record
+            if self.state is not None:  # on the record: its slot, the checkpoint its hit resumes from
+                self.state.take_slot(request_id, computed[-1].block_hash if computed else None)
         record.tables = tables
         if computed or is_new:
             record.num_cached_tokens = len(computed) * self.block_size
@@ -258,8 +235,7 @@ class KVCacheCoordinator:
             return
         tables, record.tables = record.tables, None
         record.num_cached_tokens = record.num_tokens = 0
-        if record.is_empty:
-            del self.requests[request_id]
+        self.requests.discard_if_empty(request_id)
         for position in reversed(range(len(tables[0]) if tables else 0)):  # tails first, across the groups
             for table in tables:
                 if not table[position].is_null:
@@ -270,8 +246,7 @@ class KVCacheCoordinator:
         record = self.requests.get(request_id)
         if record is not None:
             record.block_hashes, record.branch_point = [], None
-            if record.is_empty:
-                del self.requests[request_id]
+            self.requests.discard_if_empty(request_id)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the hashes of every free block (they become plain free, queue order kept),

@@ -5,14 +5,16 @@ every block) or a ``SlidingWindowManager`` (gives back the blocks its window lef
 layers by a ``RecurrentStateManager`` (one state slot per request, and state checkpoints).
 The coordinator (``core/kv/coordinator.py``) drives them all over one ``BlockPool``.
 
-The block managers keep no per-request dicts: they work on the table of their group that the
-request's one record (``kv_coordinator.RequestCache``) carries.
+None of them keeps anything per request: the block managers work on the table of their group
+that the request's one record (``records.RequestCache``) carries, and the recurrent-state
+structures on the state slot and checkpoints that the same record carries.
 """
 
 from __future__ import annotations
 
 from vllm_mlx.core.kv.block_pool import BlockPool, CacheBlock
 from vllm_mlx.core.kv.checkpoints import StateCheckpoints
+from vllm_mlx.core.kv.records import RequestRecords
 from vllm_mlx.core.kv.state_slots import NULL_STATE_SLOT, StateSlots
 
 
@@ -109,12 +111,23 @@ def block_group_manager(pool: BlockPool, group: int, window: int | None) -> Full
 class RecurrentStateManager:
     """Recurrent layers: one state slot per request holding blocks (``state_slots.py``), and,
     with prefix caching, state checkpoints at block boundaries (``core/kv/checkpoints.py``): a
-    hybrid model resumes a prefix only where one is kept (none: no prefix hits)."""
+    hybrid model resumes a prefix only where one is kept (none: no prefix hits). Each request's
+    slot and checkpoints are on its record; the structures keep the free slots and the keyed
+    checkpoints."""
 
-    def __init__(self, num_state_slots: int, num_state_checkpoints: int, enable_caching: bool) -> None:
-        self.slots = StateSlots(num_state_slots)
+    def __init__(
+        self,
+        num_state_slots: int,
+        num_state_checkpoints: int,
+        enable_caching: bool,
+        records: RequestRecords | None = None,
+    ) -> None:
+        """``records``: the requests' records (the coordinator's), where each request's slot and
+        checkpoints live; on its own, a fresh set."""
+        records = RequestRecords() if records is None else records
+        self.slots = StateSlots(num_state_slots, records)
         keeps = enable_caching and num_state_checkpoints > 0
-        self.checkpoints = StateCheckpoints(num_state_slots, num_state_checkpoints) if keeps else None
+        self.checkpoints = StateCheckpoints(num_state_slots, num_state_checkpoints, records) if keeps else None
 
     def has_free_slot(self) -> bool:
         return self.slots.num_free > 0

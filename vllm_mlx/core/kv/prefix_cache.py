@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass, fields
 
 from vllm_mlx.core.canonical import canonical_bytes
 from vllm_mlx.core.kv.block_pool import CacheBlock
-from vllm_mlx.core.kv.coordinator import KVCacheCoordinator, RequestCache
+from vllm_mlx.core.kv.coordinator import KVCacheCoordinator
+from vllm_mlx.core.kv.records import RequestCache
 from vllm_mlx.core.request import Request
 
 __all__ = [
@@ -168,7 +169,7 @@ class BlockAwarePrefixCache(PrefixCacheManager):
 
     A hit maps the new request's block table onto the same physical blocks (ref count + 1,
     zero copy). Each request's block hashes are computed once, incrementally, as blocks fill,
-    and kept in the request's record (``kv_coordinator.RequestCache``) until ``forget``.
+    and kept in the request's record (``records.RequestCache``) until ``forget``.
     A hit never includes the block holding the request's last known token: at least one token
     is computed (there must be logits to sample), and no request ever writes into a shared block.
     """

@@ -53,7 +53,7 @@ class CacheStats:
         return cls(**{"num_blocks": 0, "block_size": 0, **_known(CacheStats, data)})
 
 
-@dataclass
+@dataclass(slots=True)  # a snapshot holds one per block of the pool: kept small and cheap
 class BlockView:
     """One physical block as observers see it."""
 
@@ -74,8 +74,11 @@ class BlockView:
     KV manager's own snapshot). Left out of ``to_dict`` when None."""
 
     def to_dict(self) -> dict:
-        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "text"}
-        data["owners"] = list(self.owners)
+        # Spelled out, not ``fields()``: a large pool's snapshot calls this for every block.
+        data = {
+            "id": self.id, "state": self.state, "ref_cnt": self.ref_cnt, "owners": list(self.owners),
+            "hash": self.hash, "num_tokens": self.num_tokens, "token_ids": self.token_ids,
+        }  # fmt: skip
         if self.text is not None:
             data["text"] = self.text
         return data

@@ -237,7 +237,7 @@ def test_engine_equals_mlx_lm_on_the_default_model(default_model_dir):
 
 
 def test_n_siblings_reuse_the_prompt_blocks(engine_factory):
-    engine = engine_factory(block_size=4)
+    engine = engine_factory(block_size=4, num_kv_blocks=64)
     rid = engine.add_request(PROMPTS[4], SamplingParams(max_tokens=4, temperature=1.0, n=3, seed=1, ignore_eos=True))
     shared = 0
     while engine.has_unfinished_requests():
@@ -253,7 +253,7 @@ def test_n_siblings_reuse_the_prompt_blocks(engine_factory):
 def test_cache_snapshot_is_plain_data(engine_factory):
     import json
 
-    engine = engine_factory(block_size=4)
+    engine = engine_factory(block_size=4, num_kv_blocks=64)
     engine.add_request(PROMPTS[1], GREEDY, request_id="a")
     engine.step()
     snapshot = engine.cache_snapshot()
@@ -304,7 +304,7 @@ def test_split_head_is_used_only_when_exact(tiny_model_dir):
 
 
 def test_cache_snapshot_without_blocks_is_requests_and_stats(engine_factory):
-    engine = engine_factory(block_size=4)
+    engine = engine_factory(block_size=4, num_kv_blocks=64)
     engine.add_request(PROMPTS[1], GREEDY, request_id="a")
     engine.step()
     full, light = engine.cache_snapshot(), engine.cache_snapshot(include_blocks=False)

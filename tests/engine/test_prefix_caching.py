@@ -12,6 +12,9 @@ from vllm_mlx.llm import LLM
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 DOC = "Paged attention stores keys and values in fixed-size blocks. " * 4
+# Blocks of the engines here that size no pool on purpose: plenty for these prompts (no eviction),
+# and cheap (the default pool of the tiny model holds half a million 4-token blocks).
+POOL = 512
 
 
 @pytest.fixture
@@ -36,10 +39,10 @@ def token_block(seed: int, size: int = 4) -> list[int]:
 
 def test_cache_on_equals_cache_off(takeover_engines):
     prompts = [DOC + q for q in ("What is a block?", "Why fixed size?", "What is a block?")]
-    off = takeover_engines(enable_prefix_caching=False, block_size=4)
+    off = takeover_engines(enable_prefix_caching=False, block_size=4, num_kv_blocks=POOL)
     expected = [final_output(off, p).token_ids for p in prompts]
     assert off.scheduler.kv.prefix_cache.stats().hit_tokens == 0
-    on = takeover_engines(block_size=4)
+    on = takeover_engines(block_size=4, num_kv_blocks=POOL)
     outs = [final_output(on, p) for p in prompts]
     assert [o.token_ids for o in outs] == expected
     assert outs[0].num_cached_tokens == 0
@@ -49,9 +52,9 @@ def test_cache_on_equals_cache_off(takeover_engines):
 
 def test_batched_requests_sharing_a_prefix_equal_cache_off(takeover_engines):
     prompts = [DOC + f"Question {i}?" for i in range(4)]
-    off = takeover_engines(enable_prefix_caching=False, block_size=4)
+    off = takeover_engines(enable_prefix_caching=False, block_size=4, num_kv_blocks=POOL)
     expected = [final_output(off, p).token_ids for p in prompts]
-    on = takeover_engines(block_size=4)
+    on = takeover_engines(block_size=4, num_kv_blocks=POOL)
     final_output(on, prompts[0])  # warm the document's blocks
     ids = [on.add_request(p, GREEDY) for p in prompts]
     final = {}
@@ -64,17 +67,17 @@ def test_batched_requests_sharing_a_prefix_equal_cache_off(takeover_engines):
 def test_same_tokens_after_a_different_prefix_are_not_reused(takeover_engines):
     # [A, B] and [C, D] cached; then [A, D]: A hits, D must not (its KV depends on A, not C).
     A, B, C, D, tail = token_block(0), token_block(1), token_block(2), token_block(3), [7, 8]
-    on = takeover_engines(block_size=4)
+    on = takeover_engines(block_size=4, num_kv_blocks=POOL)
     final_output(on, A + B + tail)
     final_output(on, C + D + tail)
     out = final_output(on, A + D + tail)
     assert out.num_cached_tokens == 4
-    off = takeover_engines(enable_prefix_caching=False, block_size=4)
+    off = takeover_engines(enable_prefix_caching=False, block_size=4, num_kv_blocks=POOL)
     assert out.token_ids == final_output(off, A + D + tail).token_ids
 
 
 def test_cache_salt_keeps_tenants_apart(takeover_engines):
-    engine = takeover_engines(block_size=4)
+    engine = takeover_engines(block_size=4, num_kv_blocks=POOL)
     prompt = token_block(0) + token_block(1) + [5]
     assert final_output(engine, prompt, cache_salt="alice").num_cached_tokens == 0
     assert final_output(engine, prompt, cache_salt="bob").num_cached_tokens == 0
@@ -83,7 +86,7 @@ def test_cache_salt_keeps_tenants_apart(takeover_engines):
 
 
 def test_reset_prefix_cache_forgets_free_blocks(takeover_engines):
-    engine = takeover_engines(block_size=4)
+    engine = takeover_engines(block_size=4, num_kv_blocks=POOL)
     prompt = token_block(0) + token_block(1) + [5]
     final_output(engine, prompt)
     assert engine.reset_prefix_cache()
@@ -92,7 +95,7 @@ def test_reset_prefix_cache_forgets_free_blocks(takeover_engines):
 
 
 def test_multi_turn_chat_computes_only_the_new_turn(takeover_engines):
-    engine = takeover_engines(block_size=4)
+    engine = takeover_engines(block_size=4, num_kv_blocks=POOL)
     tokenizer = engine.tokenizer
     messages, computed = [], []
     for turn in range(4):
@@ -108,7 +111,7 @@ def test_multi_turn_chat_computes_only_the_new_turn(takeover_engines):
 
 
 def test_prefix_stats_add_up(takeover_engines):
-    engine = takeover_engines(block_size=4)
+    engine = takeover_engines(block_size=4, num_kv_blocks=POOL)
     prompt = token_block(0) + token_block(1) + token_block(2) + [5]
     final_output(engine, prompt)
     final_output(engine, prompt)
@@ -141,7 +144,7 @@ def test_kv_budget_as_a_fraction_of_memory(takeover_engines):
 
 
 def test_llm_accepts_cache_options(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir), enable_prefix_caching=False, block_size=4, force_model_takeover=True)
+    llm = LLM(str(tiny_model_dir), enable_prefix_caching=False, block_size=4, num_kv_blocks=POOL, force_model_takeover=True)
     try:
         prompt = {"prompt_token_ids": token_block(0) + token_block(1) + [5], "cache_salt": "x"}
         llm.generate(prompt, GREEDY)
@@ -156,7 +159,7 @@ def test_llm_accepts_cache_options(tiny_model_dir):
 def test_async_engine_exposes_snapshot_and_reset(tiny_model_dir):
     from vllm_mlx.engine.async_engine import AsyncEngineCore
 
-    with AsyncEngineCore(model=str(tiny_model_dir), block_size=4, force_model_takeover=True) as engine:
+    with AsyncEngineCore(model=str(tiny_model_dir), block_size=4, num_kv_blocks=POOL, force_model_takeover=True) as engine:
         prompt = token_block(0) + token_block(1) + [5]
         engine.add_request(prompt, GREEDY).result()
         assert engine.add_request(prompt, GREEDY).result().num_cached_tokens == 8

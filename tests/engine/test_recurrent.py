@@ -52,6 +52,9 @@ PROMPTS = [
     "A much longer prompt " * 6,
 ]
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+# Blocks of the engines here that size no pool on purpose: plenty for these prompts, and cheap (the
+# default pool of a tiny model holds half a million 4-token blocks, costing seconds per engine).
+POOL = 512
 FULL = FullAttentionSpec()
 
 
@@ -139,7 +142,7 @@ def test_prompts_arriving_together_equal_mlx_lm(recurrent_engines, arch):
 
 
 def test_chunked_prefill_carries_the_state_across_chunks(recurrent_engines, arch):
-    engine = recurrent_engines(block_size=4, max_num_batched_tokens=11)
+    engine = recurrent_engines(block_size=4, num_kv_blocks=POOL, max_num_batched_tokens=11)
     assert engine_tokens(engine, PROMPTS, GREEDY) == arch[2]
     chunks = [n for r in engine.step_records for n in r.num_new_tokens if n > 1]
     assert chunks and max(chunks) <= 11 and len(chunks) > len(PROMPTS)  # prompts were split
@@ -165,7 +168,7 @@ def test_staggered_arrivals_and_preemption_equal_mlx_lm(recurrent_engines, arch)
 def test_without_checkpoints_a_recurrent_model_gets_no_prefix_hit(recurrent_engines, arch):
     """``max_state_checkpoints=0``: the state at a hit point is never kept, so no hit."""
     prompt = PROMPTS[4] + "What is a state?"
-    on = recurrent_engines(block_size=4, max_state_checkpoints=0)
+    on = recurrent_engines(block_size=4, num_kv_blocks=POOL, max_state_checkpoints=0)
     outs = run_one_by_one(on, [prompt, prompt])
     assert [o.num_cached_tokens for o in outs] == [0, 0]
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
@@ -239,8 +242,8 @@ def test_prefix_hits_resume_from_state_checkpoints_and_equal_caching_off(recurre
     shared = tokenizer.encode(PROMPTS[4])
     questions = [tokenizer.encode(q, add_special_tokens=False) for q in ("What is a state?", "Why recur?", "How?")]
     prompts = [shared + questions[0], shared + questions[1], shared + questions[0], shared + questions[2]]
-    expected = caching_off_tokens(arch[1], prompts, block_size=4)
-    engine = recurrent_engines(block_size=4)
+    expected = caching_off_tokens(arch[1], prompts, block_size=4, num_kv_blocks=POOL)
+    engine = recurrent_engines(block_size=4, num_kv_blocks=POOL)
     outs = run_one_by_one(engine, prompts)
     assert [o.outputs[0].token_ids for o in outs] == expected
     branch = len(shared) // 4 * 4  # where the blocks of the shared part end
@@ -251,7 +254,7 @@ def test_prefix_hits_resume_from_state_checkpoints_and_equal_caching_off(recurre
 def test_a_conversation_computes_only_each_new_turn(recurrent_engines, arch):
     """Turn k+1 is turn k's prompt and answer plus a new message: it resumes from the latest
     checkpoint decode kept, the last block boundary before turn k's last computed token."""
-    engine = recurrent_engines(block_size=4)
+    engine = recurrent_engines(block_size=4, num_kv_blocks=POOL)
     message = engine.tokenizer.encode(" And then?", add_special_tokens=False)
     history, turns, answers, cached = engine.tokenizer.encode(PROMPTS[1]), [], [], []
     for _ in range(4):
@@ -264,11 +267,11 @@ def test_a_conversation_computes_only_each_new_turn(recurrent_engines, arch):
     assert cached == [0] + [n // 4 * 4 for n in computed[:-1]]
     assert_nothing_held(engine)
     engine.shutdown()
-    assert caching_off_tokens(arch[1], turns, block_size=4) == answers
+    assert caching_off_tokens(arch[1], turns, block_size=4, num_kv_blocks=POOL) == answers
 
 
 def test_a_hit_falls_back_to_an_earlier_checkpoint_when_the_latest_was_evicted(recurrent_engines, arch):
-    engine = recurrent_engines(block_size=4)
+    engine = recurrent_engines(block_size=4, num_kv_blocks=POOL)
     first = engine.tokenizer.encode(PROMPTS[4])
     answer = run_one_by_one(engine, [first])[0].outputs[0].token_ids
     follow_up = first + answer + engine.tokenizer.encode(" Why?", add_special_tokens=False)
@@ -279,7 +282,7 @@ def test_a_hit_falls_back_to_an_earlier_checkpoint_when_the_latest_was_evicted(r
     assert out.num_cached_tokens == max(latest - 4, (len(first) - 1) // 4 * 4)  # the one before
     assert_nothing_held(engine)
     engine.shutdown()
-    assert out.outputs[0].token_ids == caching_off_tokens(arch[1], [follow_up], block_size=4)[0]
+    assert out.outputs[0].token_ids == caching_off_tokens(arch[1], [follow_up], block_size=4, num_kv_blocks=POOL)[0]
 
 
 # -- bookkeeping ------------------------------------------------------------------------------

@@ -108,7 +108,7 @@ def test_padded_rows_see_a_key_and_masks_are_built_once_per_window():
 
 
 def test_batched_chunked_prefill_equals_mlx_lm(windowed_engines, windowed_arch):
-    engine = windowed_engines(block_size=4, max_num_batched_tokens=11)  # chunks split windows
+    engine = windowed_engines(block_size=4, num_kv_blocks=256, max_num_batched_tokens=11)  # chunks split windows
     assert engine_tokens(engine, PROMPTS, GREEDY) == windowed_arch[1]
     assert max(len(r.request_ids) for r in engine.step_records) > 1
     assert engine.kv_cache.stats().num_used_blocks == 0

@@ -9,12 +9,12 @@ import pytest
 # the slowest files go first and the short ones fill in at the end: longest-first keeps one worker
 # from finishing a slow file alone while the other idles. Stale figures only cost wall time.
 FILE_SECONDS = {
-    "test_docs.py": 340, "test_recurrent.py": 110, "test_tensor_parallel.py": 202,
-    "test_distributed_serve.py": 197, "test_tensor_parallel_failures.py": 189,
-    "test_structured_output.py": 122, "test_jupyter_notebooks.py": 105, "test_jupyter_browser.py": 100,
-    "test_pipeline_parallel.py": 97, "test_vllm_plugin.py": 85, "test_sliding_window.py": 45,
-    "test_prefix_caching.py": 30, "test_distributed_costs.py": 59, "test_cpu_backend.py": 55,
-    "test_model_support.py": 54, "test_engine.py": 51,
+    "test_docs.py": 340, "test_distributed_serve.py": 197, "test_tensor_parallel_failures.py": 189,
+    "test_structured_output.py": 122, "test_recurrent.py": 110, "test_jupyter_notebooks.py": 105,
+    "test_jupyter_browser.py": 100, "test_vllm_plugin.py": 85, "test_tensor_parallel.py": 60,
+    "test_cpu_backend.py": 55, "test_model_support.py": 54, "test_engine.py": 51,
+    "test_sliding_window.py": 45, "test_prefix_caching.py": 30, "test_pipeline_parallel.py": 25,
+    "test_distributed_costs.py": 20,
 }
 
 

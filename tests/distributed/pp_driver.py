@@ -1,18 +1,18 @@
-"""The pipeline-parallel test's ranks: ``python tests/distributed/pp_driver.py MODEL_DIR OUT_PREFIX [MODE]``
-under ``mlx.launch -n 2``. Rank 0 runs ``tp_driver.run_batch`` (the tensor-parallel test's
-workload) on ``EngineCore(pipeline_parallel=True)`` and writes ``OUT_PREFIX.rank0.json``; rank 1
-runs ``worker_loop(..., pipeline_parallel=True)`` and writes its ``WorkerStats``. Both write what
-their pools hold. MODE ``memory``: ``size_with_a_small_rank_1`` instead. A rank refused at
-start-up (``TensorParallelError``) writes the error to ``OUT_PREFIX.rankN.refused`` and exits 0,
-so the launcher does not end the other rank first."""
+"""The pipeline-parallel tests' ranks: the scenarios each rank runs (``SCENARIOS``), all of a test
+module on one launch (``rank_scenarios.launch_scenarios``; ``python tests/distributed/pp_driver.py
+OUT_DIR`` under ``mlx.launch -n 2``):
+
+- ``stages``: rank 0 runs ``tp_driver.run_batch`` (the tensor-parallel tests' workload) on
+  ``EngineCore(pipeline_parallel=True)``, rank 1 ``worker_loop(..., pipeline_parallel=True)``
+  (its ``WorkerStats``); both report the layers their pools hold. A model without pipeline
+  support is refused there, on both ranks;
+- ``memory``: ``size_with_a_small_rank_1``."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
-from pathlib import Path
 
+from rank_scenarios import Scenario, run_scenarios
 from tp_driver import run_batch
 
 # 13 blocks of 4 tokens cannot hold every request (preemption); 8 tokens a step (chunks).
@@ -26,38 +26,23 @@ def pool_layers(runner) -> dict:
     return dict(zip(("kv_layers", "state_layers"), held_layers(runner)))
 
 
-def main(model_dir: str, out_prefix: str, mode: str = "") -> None:
-    from vllm_mlx.distributed.group import TensorParallelError, init_group
+def stages(group, scenario: Scenario) -> dict:
+    from vllm_mlx.engine.core import EngineCore
     from vllm_mlx.engine.rank_worker import worker_loop
 
-    group = init_group()
-    try:
-        if mode == "memory":
-            result = size_with_a_small_rank_1(model_dir, group)
-        elif group.rank() == 0:
-            result = run_engine(model_dir)
-        else:
-            result = dataclasses.asdict(worker_loop(model_dir, group=group, pipeline_parallel=True))
-    except TensorParallelError as exc:
-        Path(f"{out_prefix}.rank{group.rank()}.refused").write_text(str(exc))
-        return
-    Path(f"{out_prefix}.rank{group.rank()}.json").write_text(json.dumps(result))
-
-
-def run_engine(model_dir: str) -> dict:
-    from vllm_mlx.engine.core import EngineCore
-
-    engine = EngineCore(model=model_dir, pipeline_parallel=True, force_model_takeover=True, **ENGINE_OPTIONS)
+    if group.rank() > 0:
+        return dataclasses.asdict(worker_loop(scenario.model, group=group, pipeline_parallel=True))
+    engine = EngineCore(model=scenario.model, pipeline_parallel=True, force_model_takeover=True, **ENGINE_OPTIONS)
     try:
         return {**run_batch(engine), **pool_layers(engine.runner)}
     finally:
         engine.shutdown()  # sends "stop": the workers return
 
 
-SMALL_MEMORY = 64 << 20  # what rank 1 claims to have available in the "memory" mode
+SMALL_MEMORY = 64 << 20  # what rank 1 claims to have available in the "memory" scenario
 
 
-def size_with_a_small_rank_1(model_dir: str, group) -> dict:
+def size_with_a_small_rank_1(group, scenario: Scenario) -> dict:
     """Rank 1 reports ``SMALL_MEMORY`` available; rank 0 sizes its pools from a fraction of the
     memory available, with no block count given. Both first combine made-up needs directly."""
     from vllm_mlx.core.kv.sizing import MemoryNeeds
@@ -65,12 +50,15 @@ def size_with_a_small_rank_1(model_dir: str, group) -> dict:
     from vllm_mlx.engine import core as engine_core
     from vllm_mlx.engine.rank_worker import worker_loop
 
-    rank = group.rank()
+    rank, model_dir = group.rank(), scenario.model
     combined = combine_memory_needs(group, MemoryNeeds(100 + rank, 7 - rank, 5000 - rank))
     result = {"combined": dataclasses.asdict(combined)}
     if rank > 0:
-        engine_core.available_memory = lambda: SMALL_MEMORY
-        return result | dataclasses.asdict(worker_loop(model_dir, group=group, pipeline_parallel=True))
+        stock, engine_core.available_memory = engine_core.available_memory, lambda: SMALL_MEMORY
+        try:
+            return result | dataclasses.asdict(worker_loop(model_dir, group=group, pipeline_parallel=True))
+        finally:
+            engine_core.available_memory = stock  # for the scenarios after this one
     engine = engine_core.EngineCore(model=model_dir, pipeline_parallel=True, force_model_takeover=True,
                                     kv_cache_memory=0.5, block_size=4, seed=0)  # fmt: skip
     try:
@@ -85,5 +73,7 @@ def size_with_a_small_rank_1(model_dir: str, group) -> dict:
         engine.shutdown()
 
 
+SCENARIOS = {"stages": stages, "memory": size_with_a_small_rank_1}
+
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    run_scenarios(SCENARIOS)

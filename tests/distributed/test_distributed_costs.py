@@ -97,19 +97,17 @@ def test_ring_wire_bytes_and_predicted_seconds():
 
 
 def test_two_ranks_hand_their_collectives_what_the_cost_model_counts(tiny_model_dir, tmp_path):
-    """A real 2-rank run (tests/distributed/tp_driver.py ``traffic``): on rank 0 each step's all_sum calls
-    and bytes equal ``step_traffic`` of its forward calls, padded tokens and real message size,
-    for the prefill step of four prompts of different lengths and for the decode steps after it."""
-    import mlx.core as mx
+    """A real 2-rank run (tests/distributed/tp_driver.py's ``traffic`` scenario, the module's only
+    launch): on rank 0 each step's all_sum calls and bytes equal ``step_traffic`` of its forward
+    calls, padded tokens and real message size, for the prefill step of four prompts of different
+    lengths and for the decode steps after it."""
+    from rank_scenarios import TESTS, Scenario, launch_scenarios
+    from tp_driver import TRAFFIC_PROMPTS
 
-    from tp_driver import TRAFFIC_PROMPTS, launch_two_ranks
-
-    if not mx.distributed.is_available():
-        pytest.skip("mlx has no distributed backend")
     config = json.loads((tiny_model_dir / "config.json").read_text())
-    done = launch_two_ranks(tiny_model_dir, tmp_path / "tp", "traffic")
-    assert (tmp_path / "tp.rank1.json").exists(), done.output[-3000:]
-    steps = json.loads((tmp_path / "tp.rank0.json").read_text())["steps"]
+    scenario = Scenario("traffic", "traffic", str(tiny_model_dir))
+    launched = launch_scenarios(tmp_path, [scenario], TESTS / "tp_driver.py")
+    steps = launched.results("traffic")[0]["steps"]  # (rank 1's result: it ran to rank 0's stop)
     prefill, decodes = steps[0], steps[1:]
     assert prefill["forward_calls"] == 2 and len(decodes) >= 5
     assert {d["padded_tokens"] for d in decodes} == {len(TRAFFIC_PROMPTS)}  # one row per request

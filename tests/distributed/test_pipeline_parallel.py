@@ -5,17 +5,14 @@ engine through chunked prefill, prefix-cache hits and preemption."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
+from rank_scenarios import TESTS, LaunchedScenarios, Scenario, launch_scenarios
+
 from vllm_mlx.core.kv.spec import FullAttentionSpec, RecurrentStateSpec
-from vllm_mlx.distributed.launch import LaunchResult
 from vllm_mlx.distributed.pipeline import PipelineParallelError, StageRange, check_stages_alike, layer_split
 from vllm_mlx.distributed.group import TensorParallelError
 
-TESTS = Path(__file__).parent
 FULL, LINEAR = FullAttentionSpec(), RecurrentStateSpec(2, pads=True)
 
 
@@ -39,13 +36,20 @@ def test_tensor_and_pipeline_parallel_are_exclusive():
     assert issubclass(PipelineParallelError, TensorParallelError)
 
 
-def _launch_two_ranks(model_dir: Path, out_prefix: Path, *args: str) -> LaunchResult:
-    from tp_driver import launch_two_ranks
+@pytest.fixture(scope="module")
+def pp_launch(tiny_qwen3_5_dir, tiny_model_dir, tmp_path_factory) -> LaunchedScenarios:
+    """The module's 2-rank scenarios (pp_driver.py's), on one launch: two stages of the tiny
+    Qwen3.5, its pools sized for a rank with little memory, then (last: a refusal, see
+    rank_scenarios.py) the tiny llama, which has no pipeline()."""
+    scenarios = [
+        Scenario("stages", "stages", str(tiny_qwen3_5_dir)),
+        Scenario("memory", "memory", str(tiny_qwen3_5_dir)),
+        Scenario("no_pipeline", "stages", str(tiny_model_dir)),
+    ]
+    return launch_scenarios(tmp_path_factory.mktemp("pp-launch"), scenarios, TESTS / "pp_driver.py")
 
-    return launch_two_ranks(model_dir, out_prefix, *args, driver=TESTS / "pp_driver.py")
 
-
-def test_two_stages_on_loopback_equal_the_single_process_engine(tiny_qwen3_5_dir, tmp_path):
+def test_two_stages_on_loopback_equal_the_single_process_engine(tiny_qwen3_5_dir, pp_launch):
     from pp_driver import ENGINE_OPTIONS, pool_layers
     from tp_driver import run_batch
     from vllm_mlx.engine.core import EngineCore
@@ -57,10 +61,7 @@ def test_two_stages_on_loopback_equal_the_single_process_engine(tiny_qwen3_5_dir
         engine.shutdown()
     assert expected["kv_layers"] == 2 and expected["state_layers"] == 2  # the whole model
 
-    done = _launch_two_ranks(tiny_qwen3_5_dir, tmp_path / "pp")
-    assert (tmp_path / "pp.rank1.json").exists(), done.output[-3000:]  # (mlx.launch exits 0 regardless)
-    rank0 = json.loads((tmp_path / "pp.rank0.json").read_text())
-    rank1 = json.loads((tmp_path / "pp.rank1.json").read_text())
+    rank0, rank1 = pp_launch.results("stages")
     assert rank0["tokens"] == expected["tokens"]
     assert rank0["preemptions"] > 0 and rank0["prefix_hits"] > 0 and rank0["chunks"] > 0
     for what in ("preemptions", "prefix_hits", "chunks"):  # rank 0 scheduled as one process does
@@ -73,7 +74,7 @@ def test_two_stages_on_loopback_equal_the_single_process_engine(tiny_qwen3_5_dir
     assert rank1["compared"] > 0 and rank1["mismatches"] == 0
 
 
-def test_rank_0_sizes_the_pools_for_the_rank_with_the_least_memory(tiny_qwen3_5_dir, tmp_path):
+def test_rank_0_sizes_the_pools_for_the_rank_with_the_least_memory(pp_launch):
     """Every rank allocates the block and state-slot counts rank 0 chose, so rank 0 sizes them
     from the most any rank's layers need and the least memory any rank has: rank 1 claims 64 MiB
     available, and rank 0's pool is what half of that holds."""
@@ -83,10 +84,7 @@ def test_rank_0_sizes_the_pools_for_the_rank_with_the_least_memory(tiny_qwen3_5_
     from vllm_mlx.core.kv.spec import blocks_for_bytes
     from vllm_mlx.engine.core import EngineConfig
 
-    done = _launch_two_ranks(tiny_qwen3_5_dir, tmp_path / "pp", "memory")
-    assert (tmp_path / "pp.rank1.json").exists(), done.output[-3000:]
-    rank0 = json.loads((tmp_path / "pp.rank0.json").read_text())
-    rank1 = json.loads((tmp_path / "pp.rank1.json").read_text())
+    rank0, rank1 = pp_launch.results("memory")
     # The collective itself: the largest costs, the smallest memory, the same on both ranks.
     expected = {"kv_bytes_per_token": 101, "state_bytes_per_request": 7, "available_bytes": 4999}
     assert rank0["combined"] == rank1["combined"] == expected
@@ -97,14 +95,11 @@ def test_rank_0_sizes_the_pools_for_the_rank_with_the_least_memory(tiny_qwen3_5_
     assert rank1["steps"] == 0 and rank1["errors"] == 0
 
 
-def test_an_architecture_without_pipeline_is_refused_on_both_ranks(tiny_model_dir, tmp_path):
+def test_an_architecture_without_pipeline_is_refused_on_both_ranks(pp_launch):
     """The tiny llama: mlx-lm's llama has no pipeline(). Both ranks refuse before splitting."""
-    done = _launch_two_ranks(tiny_model_dir, tmp_path / "pp")
-    refusals = [tmp_path / f"pp.rank{r}.refused" for r in (0, 1)]
-    assert all(r.exists() for r in refusals), done.output[-3000:]
-    for refusal in refusals:
-        assert "'llama' has no pipeline()" in refusal.read_text()
-    assert not list(tmp_path.glob("pp.rank*.json"))
+    for refusal in pp_launch.refusals("no_pipeline"):
+        assert "'llama' has no pipeline()" in refusal
+    assert not pp_launch.result_files("no_pipeline")
 
 
 def test_serve_flags_choose_the_split():

@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from rank_scenarios import TESTS, LaunchedScenarios, Scenario, launch_scenarios
 from tiny_model import TINY_GPT_OSS, build_tiny_llama
-from tp_driver import launch_two_ranks
 
 from vllm_mlx.core.outputs import ScheduledRequest, SchedulerOutput
 from vllm_mlx.core.request import Request, RequestStatus, SamplingParams
-from vllm_mlx.distributed.launch import LaunchResult
 from vllm_mlx.distributed.group import TensorParallelError
 from vllm_mlx.distributed.protocol import NewRequest, StepEncoder, StepMessage, StepRow, row_tables, sampling_dict
 from vllm_mlx.distributed.sharding import check_shardable
@@ -150,13 +149,53 @@ class TPArch:
 TP_ARCHS = {"llama": TPArch({}, 1), "gpt_oss": TPArch(TINY_GPT_OSS, 2)}
 
 
+@pytest.fixture(scope="module")
+def tp_models(tiny_model_dir, default_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """The model directory of each of ``TP_ARCHS``."""
+    return {
+        name: build_tiny_llama(tmp_path_factory.mktemp(name), default_model_dir, **arch.overrides)
+        if arch.overrides else tiny_model_dir
+        for name, arch in TP_ARCHS.items()
+    }  # fmt: skip
+
+
 @pytest.fixture(scope="module", params=list(TP_ARCHS))
-def tp_arch(request, tiny_model_dir, default_model_dir, tmp_path_factory) -> tuple[Path, TPArch]:
-    """(model directory, architecture) of each of ``TP_ARCHS``."""
-    arch = TP_ARCHS[request.param]
-    if not arch.overrides:
-        return tiny_model_dir, arch
-    return build_tiny_llama(tmp_path_factory.mktemp(request.param), default_model_dir, **arch.overrides), arch
+def tp_arch(request, tp_models) -> tuple[str, Path, TPArch]:
+    """(name, model directory, architecture) of each of ``TP_ARCHS``."""
+    return request.param, tp_models[request.param], TP_ARCHS[request.param]
+
+
+def corrupted_copy(model_dir: Path, other: Path) -> Path:
+    """A copy of ``model_dir`` whose weight file differs in one byte of its last MiB (same size,
+    same header, same config)."""
+    import shutil
+
+    shutil.copytree(model_dir, other)
+    with (other / "model.safetensors").open("r+b") as f:
+        f.seek(-3, 2)
+        last = f.read(1)
+        f.seek(-3, 2)
+        f.write(bytes([last[0] ^ 0x40]))
+    return other
+
+
+@pytest.fixture(scope="module")
+def tp_launch(tp_models, tiny_model_dir, default_model_dir, tmp_path_factory) -> LaunchedScenarios:
+    """The module's 2-rank scenarios (tp_driver.py's), on one launch: each of ``TP_ARCHS``, a
+    request that fails on every rank, then the refusals (last: see rank_scenarios.py), a model
+    of 3 KV heads and a rank 1 given a corrupted copy of the model."""
+    root = tmp_path_factory.mktemp("tp-launch")
+    kv3 = build_tiny_llama(
+        root / "kv3", default_model_dir, hidden_size=96, num_attention_heads=6, num_key_value_heads=3
+    )
+    corrupted = corrupted_copy(tiny_model_dir, root / "corrupted")
+    scenarios = [
+        *(Scenario(name, "batch", str(model_dir)) for name, model_dir in tp_models.items()),
+        Scenario("poison", "poison", str(tiny_model_dir)),
+        Scenario("kv3", "batch", str(kv3)),
+        Scenario("other_model", "batch", str(tiny_model_dir), other_model=str(corrupted)),
+    ]  # fmt: skip
+    return launch_scenarios(root / "out", scenarios, TESTS / "tp_driver.py")
 
 
 _SINGLE_PROCESS: dict[Path, dict] = {}
@@ -181,15 +220,10 @@ def single_process(model_dir: Path) -> dict:
     return _SINGLE_PROCESS[model_dir]
 
 
-def _results(tmp_path: Path, done: LaunchResult) -> tuple[dict, dict]:
-    assert (tmp_path / "tp.rank1.json").exists(), done.output[-3000:]  # (mlx.launch exits 0 regardless)
-    return json.loads((tmp_path / "tp.rank0.json").read_text()), json.loads((tmp_path / "tp.rank1.json").read_text())
-
-
-def test_two_ranks_on_loopback_equal_the_single_process_engine(tp_arch, tmp_path):
-    model_dir, arch = tp_arch
+def test_two_ranks_on_loopback_equal_the_single_process_engine(tp_arch, tp_launch):
+    name, model_dir, arch = tp_arch
     expected = single_process(model_dir)
-    rank0, rank1 = _results(tmp_path, launch_two_ranks(model_dir, tmp_path / "tp"))
+    rank0, rank1 = tp_launch.results(name)
     assert rank0["tokens"] == expected["tokens"]
     assert rank0["kv_heads"] == 1  # each rank holds half of the 2 KV heads
     assert rank0["block_groups"] == expected["block_groups"] == arch.block_groups
@@ -202,12 +236,12 @@ def test_two_ranks_on_loopback_equal_the_single_process_engine(tp_arch, tmp_path
     assert rank0["errors"] == [None] * len(expected["tokens"])
 
 
-def test_a_request_that_fails_on_every_rank_fails_alone(tiny_model_dir, tmp_path):
+def test_a_request_that_fails_on_every_rank_fails_alone(tiny_model_dir, tp_launch):
     """Steps holding request p3 raise on both ranks: rank 0 re-runs them request by request (and
     probes when p3 ran alone), sending each re-run; the others' tokens are unchanged."""
     from tp_driver import POISON
 
-    rank0, rank1 = _results(tmp_path, launch_two_ranks(tiny_model_dir, tmp_path / "tp", "poison"))
+    rank0, rank1 = tp_launch.results("poison")
     poisoned = int(POISON[1:])
     assert "ValueError" in rank0["errors"][poisoned]  # (the message to callers hides the details)
     others = [i for i in range(len(rank0["tokens"])) if i != poisoned]
@@ -216,44 +250,18 @@ def test_a_request_that_fails_on_every_rank_fails_alone(tiny_model_dir, tmp_path
     assert rank1["errors"] > 0 and rank1["mismatches"] == 0
 
 
-def test_two_ranks_refuse_kv_heads_that_do_not_divide(default_model_dir, tmp_path):
+def test_two_ranks_refuse_kv_heads_that_do_not_divide(tp_launch):
     """Both ranks check before sharding and fail alike (no rank is left waiting for the other)."""
-    import mlx.core as mx
-
-    if not mx.distributed.is_available():
-        pytest.skip("mlx has no distributed backend")
-    model = build_tiny_llama(
-        tmp_path / "kv3", default_model_dir, hidden_size=96, num_attention_heads=6, num_key_value_heads=3
-    )
-    done = launch_two_ranks(model, tmp_path / "tp")
-    # mlx.launch exits 0 whatever its ranks do, and ends the others when one fails.
-    assert "rank 0 exited with code 1" in done.output or "rank 1 exited with code 1" in done.output
-    assert "2 ranks needs heads that divide evenly: the model has 3 KV heads" in done.output
-    assert not list(tmp_path.glob("tp.rank*.json"))
+    for refusal in tp_launch.refusals("kv3"):  # every rank raised, with this message
+        assert "2 ranks needs heads that divide evenly: the model has 3 KV heads" in refusal
+    assert not tp_launch.result_files("kv3")
 
 
-def test_ranks_with_a_differing_weight_file_are_refused_on_both(tiny_model_dir, tmp_path):
+def test_ranks_with_a_differing_weight_file_are_refused_on_both(tiny_model_dir, tp_launch):
     """Rank 1 loads a copy whose weight file differs in one byte of its last MiB (same size,
     same header, same config): both ranks refuse at start-up, naming rank 1, and neither waits."""
-    import shutil
-
-    import mlx.core as mx
-
-    if not mx.distributed.is_available():
-        pytest.skip("mlx has no distributed backend")
-    other = tmp_path / "corrupted"
-    shutil.copytree(tiny_model_dir, other)
-    weights = other / "model.safetensors"
-    with weights.open("r+b") as f:
-        f.seek(-3, 2)
-        last = f.read(1)
-        f.seek(-3, 2)
-        f.write(bytes([last[0] ^ 0x40]))
-    done = launch_two_ranks(tiny_model_dir, tmp_path / "tp", f"other-model={other}")
-    refusals = [tmp_path / f"tp.rank{r}.refused" for r in (0, 1)]
-    assert all(r.exists() for r in refusals), done.output[-3000:]
-    for rank, refusal in enumerate(refusals):
-        text = refusal.read_text()
+    other = tp_launch.scenarios["other_model"].other_model
+    for rank, text in enumerate(tp_launch.refusals("other_model")):
         assert "the ranks loaded different models: rank(s) 1 differ from rank 0" in text
         assert str(other if rank else tiny_model_dir) in text
-    assert not list(tmp_path.glob("tp.rank*.json"))
+    assert not tp_launch.result_files("other_model")

@@ -1,23 +1,23 @@
-"""The tensor-parallel test's two sides: ``run_batch`` (the same workload for the 2-rank engine and
-the single-process one) and ``main`` (what each rank of ``mlx.launch -n 2`` runs).
+"""The tensor-parallel tests' two sides: ``run_batch`` (the same workload for the 2-rank engine and
+the single-process one) and the scenarios each rank runs (``SCENARIOS``), one launch per test
+module (``rank_scenarios.launch_scenarios``; ``python tests/distributed/tp_driver.py OUT_DIR``
+under ``mlx.launch``). In each, rank 0 runs an engine and writes what it did, the other ranks
+run ``worker_loop`` and write their ``WorkerStats``:
 
-``python tests/distributed/tp_driver.py MODEL_DIR OUT_PREFIX [MODE]`` under ``mlx.launch``: rank 0 writes
-``OUT_PREFIX.rank0.json`` (tokens and what the steps did), rank 1 ``OUT_PREFIX.rank1.json``
-(its ``WorkerStats``). MODE ``poison``: see ``poison_the_runner``; ``traffic``: rank 0 runs
-``measure_traffic`` instead and writes what each step handed its collectives;
-``other-model=DIR``: ranks > 0 load DIR instead, and a rank refused at start-up writes the error
-to ``OUT_PREFIX.rankN.refused`` and exits 0 (so the launcher does not kill the other rank before
-it has written its own)."""
+- ``batch``: ``run_batch``, and the heads rank 0's KV pool holds (a model that cannot be split,
+  or ranks given different models, are refused there, on every rank);
+- ``poison``: the same, with ``poison_the_runner``;
+- ``traffic``: ``measure_traffic`` instead: what each step handed its collectives."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from rank_scenarios import LAUNCH_TIMEOUT, Scenario, launch_ranks, run_scenarios
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog and keeps running far away.",
@@ -55,26 +55,14 @@ def run_batch(engine) -> dict:
     }
 
 
-TESTS = Path(__file__).parent  # tests/distributed: the ranks import from it, from tests/ and from the repository
-LAUNCH_TIMEOUT = 400  # seconds: two model loads and ~40 steps take ~30 s on 2 cores, 4 min with 6 other jobs
-
-
-def launch_two_ranks(model_dir: Path, out_prefix: Path, *args: str, driver: Path | str = __file__):
-    """``driver`` (this one by default) on two ranks (``ring_launch``: its own session, killed
-    whole on timeout), given the model, the output prefix and ``args``; the test skips where
-    ``mlx.launch`` cannot run and fails on a timeout."""
-    import mlx.core as mx
+def launch_two_ranks(model_dir: Path, out_prefix: Path, *args: str, driver: Path | str):
+    """``driver`` on two ranks, given the model, the output prefix and ``args``: one launch per
+    test, for tests/distributed/test_tensor_parallel_failures.py, whose ranks die or hang (the
+    other modules share a launch: ``rank_scenarios``); the test skips where ``mlx.launch``
+    cannot run and fails on a timeout."""
     import pytest
 
-    from vllm_mlx.distributed.launch import LaunchError, launch_ring
-
-    if not mx.distributed.is_available():
-        pytest.skip("mlx has no distributed backend")
-    try:
-        done = launch_ring(str(driver), [str(model_dir), str(out_prefix), *args],
-                           timeout=LAUNCH_TIMEOUT, pythonpath=[str(TESTS.parents[1]), str(TESTS.parent), str(TESTS)])  # fmt: skip
-    except LaunchError as exc:
-        pytest.skip(str(exc))
+    done = launch_ranks(driver, [str(model_dir), str(out_prefix), *args], LAUNCH_TIMEOUT)
     if done.timed_out:
         pytest.fail(f"two ranks did not finish in {LAUNCH_TIMEOUT} s:\n{done.output[-3000:]}")
     return done
@@ -83,10 +71,11 @@ def launch_two_ranks(model_dir: Path, out_prefix: Path, *args: str, driver: Path
 POISON = "p3"  # with ``poison``: every step whose batch holds this request fails, on every rank
 
 
-def poison_the_runner() -> None:
-    """Make every step that runs the ``POISON`` request raise before its forward (alike on every
-    rank, before any collective): rank 0 re-runs such a batch request by request, and so do the
-    workers, from its messages."""
+@contextmanager
+def poison_the_runner():
+    """While inside, every step that runs the ``POISON`` request raises before its forward (alike
+    on every rank, before any collective): rank 0 re-runs such a batch request by request, and so
+    do the workers, from its messages. The stock method is back afterwards."""
     from vllm_mlx.executor.model_runner import MLXModelRunner
 
     stock = MLXModelRunner.execute_model
@@ -97,6 +86,10 @@ def poison_the_runner() -> None:
         return stock(self, scheduler_output)
 
     MLXModelRunner.execute_model = execute_model
+    try:
+        yield
+    finally:
+        MLXModelRunner.execute_model = stock
 
 
 # Prompts of different lengths arriving together: the first step prefills them all in two padded
@@ -174,42 +167,46 @@ def measure_traffic(engine) -> list[dict]:
     return [dataclasses.asdict(s) for s in steps if s.forward_calls]
 
 
-def main(model_dir: str, out_prefix: str, mode: str = "") -> None:
-    from vllm_mlx.distributed.group import TensorParallelError, init_group
-
-    if mode == "poison":
-        poison_the_runner()
-    group = init_group()
-    if mode.startswith("other-model=") and group.rank() > 0:
-        model_dir = mode.removeprefix("other-model=")
-    try:
-        run_rank(group, model_dir, Path(f"{out_prefix}.rank{group.rank()}.json"), mode)
-    except TensorParallelError as exc:
-        if not mode.startswith("other-model="):
-            raise
-        Path(f"{out_prefix}.rank{group.rank()}.refused").write_text(str(exc))
-
-
-def run_rank(group, model_dir: str, out: Path, mode: str = "") -> None:
+def worker(group, scenario: Scenario) -> dict:
+    """A rank > 0 of any scenario: ``worker_loop`` until rank 0's engine stops, its ``WorkerStats``."""
     from vllm_mlx.engine.rank_worker import worker_loop
 
-    if group.rank() == 0:
-        from vllm_mlx.engine.core import EngineCore
+    return dataclasses.asdict(worker_loop(scenario.model_for(group.rank()), group=group))
 
-        options = TRAFFIC_OPTIONS if mode == "traffic" else ENGINE_OPTIONS
-        engine = EngineCore(model=model_dir, tensor_parallel=True, force_model_takeover=True, **options)
-        try:
-            if mode == "traffic":
-                result = {"steps": measure_traffic(engine)}
-            else:
-                result = run_batch(engine)
-                result["kv_heads"] = engine.runner.pool.keys[0].shape[0]  # this rank's slice ([heads, slots, dim])
-        finally:
-            engine.shutdown()  # sends "stop": the workers return
-    else:
-        result = dataclasses.asdict(worker_loop(model_dir, group=group))
-    out.write_text(json.dumps(result))
 
+def tp_engine(model: str, options: dict):
+    from vllm_mlx.engine.core import EngineCore
+
+    return EngineCore(model=model, tensor_parallel=True, force_model_takeover=True, **options)
+
+
+def batch(group, scenario: Scenario) -> dict:
+    if group.rank() > 0:
+        return worker(group, scenario)
+    engine = tp_engine(scenario.model, ENGINE_OPTIONS)
+    try:
+        result = run_batch(engine)
+        return {**result, "kv_heads": engine.runner.pool.keys[0].shape[0]}  # this rank's slice ([heads, slots, dim])
+    finally:
+        engine.shutdown()  # sends "stop": the workers return
+
+
+def poison(group, scenario: Scenario) -> dict:
+    with poison_the_runner():
+        return batch(group, scenario)
+
+
+def traffic(group, scenario: Scenario) -> dict:
+    if group.rank() > 0:
+        return worker(group, scenario)
+    engine = tp_engine(scenario.model, TRAFFIC_OPTIONS)
+    try:
+        return {"steps": measure_traffic(engine)}
+    finally:
+        engine.shutdown()
+
+
+SCENARIOS = {"batch": batch, "poison": poison, "traffic": traffic}
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    run_scenarios(SCENARIOS)

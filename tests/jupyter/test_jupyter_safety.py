@@ -466,7 +466,7 @@ def test_inspector_takes_any_hostile_block_view(hostile_shell):
 def test_static_pictures_coerce_numbers_and_escape_text():
     """The saved pictures of the inspector and the timeline, from states whose every field is
     hostile (as a crafted widget state or a corrupted notebook could hold)."""
-    from vllm_mlx_jupyter import inspector, timeline
+    from vllm_mlx_jupyter.views import inspector, timeline
 
     request = {"id": SCRIPT, "name": SCRIPT, "status": IMG, "prompt_tokens": SCRIPT, "cached_tokens": IMG,
                "output_tokens": JS_URL, "num_blocks": "' onmouseover='x", "offset": 0, "color": SCRIPT}  # fmt: skip

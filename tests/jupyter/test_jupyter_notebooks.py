@@ -119,20 +119,22 @@ def test_quickstart_on_the_default_model(monkeypatch, default_model_dir, tmp_pat
     assert_three_cells_done(nb)
 
 
-def test_demo_command_runs_the_quickstart_and_summarises(tmp_path, tiny_model_dir):
+@pytest.mark.e2e
+def test_demo_command_runs_the_quickstart_and_summarises(tmp_path, default_model_dir):
+    """On the default model (what `vllm-mlx demo` runs by default): an answer takes seconds, so the
+    three cells, sent a fraction of a second apart, share the batch however busy the machine is.
+    (On the tiny model an answer took ~0.01 s: whether the cells overlapped was up to timing.)"""
     import subprocess
     import sys
 
     output = tmp_path / "quickstart.executed.ipynb"
     done = subprocess.run(
         [sys.executable, "-m", "vllm_mlx.entrypoints.cli", "demo", "notebooks/quickstart.ipynb",
-         "--output", str(output), "--model", str(tiny_model_dir)],
+         "--output", str(output), "--model", str(default_model_dir)],
         cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    # Cells share the batch; with the tiny model an answer takes ~0.1 s, so on a loaded machine
-    # the first may finish before the third cell runs: at least two must overlap.
-    assert re.search(r"3 requests, up to [23] in one batch", done.stdout), done.stdout
+    assert re.search(r"3 requests, up to 3 in one batch", done.stdout), done.stdout
     assert "tok/s aggregate" in done.stdout and "time to first token: haiku" in done.stdout
     executed = json.loads(output.read_text())
     assert not any("VLLM_MLX_DEMO_SUMMARY" in "".join(c["source"]) for c in executed["cells"])

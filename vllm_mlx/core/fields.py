@@ -19,6 +19,13 @@ def described(default: Any = dataclasses.MISSING, *, doc: str, default_factory: 
     return dataclasses.field(default=default, default_factory=default_factory, metadata={DOC: doc})
 
 
+def known_fields(cls: type, data: dict) -> dict:
+    """The items of ``data`` that name a field of dataclass ``cls`` (what a ``from_dict`` may pass
+    on: derived keys, and keys a newer or older peer added, are left out)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {key: value for key, value in data.items() if key in names}
+
+
 def field_doc(f: dataclasses.Field) -> str:
     """The meaning of ``f``; ``ValueError`` when it was declared without one (``described``)."""
     doc = f.metadata.get(DOC)

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from vllm_mlx.core.fields import known_fields
 from vllm_mlx.core.kv.observation import BlockGroupUsage, BlockView, CacheStats
 from vllm_mlx.core.kv.prefix_cache import PrefixCacheStats
 from vllm_mlx.core.kv.spec import KVGroupView
@@ -82,7 +83,7 @@ class MLLMStats(MLLMCacheStats):
 
     @classmethod
     def from_dict(cls, data: dict) -> MLLMStats:
-        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+        return cls(**known_fields(cls, data))
 
 
 @dataclass
@@ -156,8 +157,7 @@ class SnapshotStats(CacheStats):
     def from_dict(cls, data: dict) -> SnapshotStats:
         """The inverse of ``to_dict``; what the data leaves out (a server's public stats have no
         prefix-cache counters) is 0, or empty."""
-        base = CacheStats.from_dict(data)
-        counts = {f.name: getattr(base, f.name) for f in fields(CacheStats)}
+        counts = {"num_blocks": 0, "block_size": 0, **known_fields(CacheStats, data)}
         tenants = data.get("prefix_cache_tenants", {})
         return cls(
             **counts, running=data.get("running", 0), waiting=data.get("waiting", 0),

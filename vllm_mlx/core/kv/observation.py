@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from vllm_mlx.core.fields import known_fields
 from vllm_mlx.core.kv.block_pool import CacheBlock
 from vllm_mlx.core.kv.coordinator import KVCacheCoordinator
 
@@ -50,7 +51,7 @@ class CacheStats:
     def from_dict(cls, data: dict) -> CacheStats:
         """The inverse of ``to_dict`` (derived keys and keys of no field are ignored; a count
         the data leaves out, as a server's public stats do, is 0)."""
-        return cls(**{"num_blocks": 0, "block_size": 0, **_known(CacheStats, data)})
+        return cls(**{"num_blocks": 0, "block_size": 0, **known_fields(CacheStats, data)})
 
 
 @dataclass(slots=True)  # a snapshot holds one per block of the pool: kept small and cheap
@@ -87,7 +88,7 @@ class BlockView:
     def from_dict(cls, data: dict) -> BlockView:
         """The inverse of ``to_dict``; ``owners``, ``hash`` and ``token_ids`` may be missing (a
         server's block view has none)."""
-        return cls(**{"owners": [], "hash": None, "token_ids": None, **_known(cls, data)})
+        return cls(**{"owners": [], "hash": None, "token_ids": None, **known_fields(cls, data)})
 
 
 @dataclass
@@ -103,7 +104,7 @@ class BlockGroupUsage:
 
     @classmethod
     def from_dict(cls, data: dict) -> BlockGroupUsage:
-        return cls(**_known(cls, data))
+        return cls(**known_fields(cls, data))
 
 
 @dataclass
@@ -145,12 +146,6 @@ class KVSnapshot:
         ``block_groups``."""
         return {"block_size": self.block_size, "blocks": [], "free_queue": [], "stats": self.stats.to_dict(),
                 "block_groups": [group.to_dict() for group in self.block_groups]}  # fmt: skip
-
-
-def _known(cls, data: dict) -> dict:
-    """The items of ``data`` that name a field of dataclass ``cls``."""
-    names = {f.name for f in fields(cls)}
-    return {key: value for key, value in data.items() if key in names}
 
 
 def cache_stats(kv: KVCacheCoordinator) -> CacheStats:

@@ -16,9 +16,10 @@ import hashlib
 import sys
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 from vllm_mlx.core.canonical import canonical_bytes
+from vllm_mlx.core.fields import known_fields
 from vllm_mlx.core.kv.block_pool import CacheBlock
 from vllm_mlx.core.kv.coordinator import KVCacheCoordinator
 from vllm_mlx.core.kv.records import RequestCache
@@ -114,7 +115,7 @@ class PrefixCacheStats:
     @classmethod
     def from_dict(cls, data: dict) -> PrefixCacheStats:
         """The inverse of ``to_dict`` (the derived ``hit_rate`` and ``tokens_saved`` are ignored)."""
-        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+        return cls(**known_fields(cls, data))
 
 
 class PrefixCacheManager:

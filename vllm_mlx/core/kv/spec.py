@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from vllm_mlx.core.fields import known_fields
+
 
 @dataclass(frozen=True, slots=True)
 class FullAttentionSpec:
@@ -206,9 +208,7 @@ class KVGroupView:
     def from_dict(cls, data: dict) -> KVGroupView:
         """The inverse of ``to_dict``; a server's view may leave out ``bytes_per_token`` (0) and
         ``dtype`` ("")."""
-        names = ("kind", "window", "layers", "bytes_per_token", "dtype", "num_blocks", "bytes_per_request",
-                 "state_slots", "state_checkpoints")  # fmt: skip
-        return cls(**{"bytes_per_token": 0, "dtype": "", **{name: data[name] for name in names if name in data}})
+        return cls(**{"bytes_per_token": 0, "dtype": "", **known_fields(cls, data)})
 
 
 @dataclass(frozen=True, slots=True)

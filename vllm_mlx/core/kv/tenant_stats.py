@@ -13,7 +13,9 @@ new salts count under ``"other"``. The engine thread owns the counters; observer
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
+
+from vllm_mlx.core.fields import known_fields
 
 MAX_TENANTS = 256
 NO_SALT = "none"
@@ -49,7 +51,7 @@ class TenantCacheStats:
 
     @classmethod
     def from_dict(cls, data: dict) -> TenantCacheStats:
-        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+        return cls(**known_fields(cls, data))
 
 
 class TenantCacheCounters:

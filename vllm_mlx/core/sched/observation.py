@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from vllm_mlx.core.fields import known_fields
 from vllm_mlx.core.kv.observation import CacheStats
 
 
@@ -60,8 +61,7 @@ class RequestView:
     def from_dict(cls, data: dict) -> RequestView:
         """The inverse of ``to_dict``; a server's view leaves out ``num_computed_tokens`` and
         ``num_preemptions`` (0)."""
-        known = {f.name: data[f.name] for f in fields(cls) if f.name in data}
-        return cls(**{"num_computed_tokens": 0, "num_preemptions": 0, **known})
+        return cls(**{"num_computed_tokens": 0, "num_preemptions": 0, **known_fields(cls, data)})
 
 
 def requests_to_dict(requests: dict[str, RequestView]) -> dict[str, dict]:

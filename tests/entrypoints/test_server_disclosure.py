@@ -27,6 +27,7 @@ from live_server import LiveServer  # noqa: E402
 
 from vllm_mlx.core.kv.tenant_stats import TenantCacheCounters, tenant_label  # noqa: E402
 from vllm_mlx.core.request import SamplingParams  # noqa: E402
+from vllm_mlx.core.snapshot import CacheSnapshot  # noqa: E402
 from vllm_mlx.engine.async_engine import AsyncEngineCore  # noqa: E402
 from vllm_mlx.entrypoints.cli import build_parser  # noqa: E402
 from vllm_mlx.entrypoints.openai.server import build_app, summarize_snapshot  # noqa: E402
@@ -110,11 +111,11 @@ def test_usage_counts_lengths_not_shared_blocks(engine):
         views = [snapshot["requests"][rid] for rid in ("sharer-1", "sharer-2")]
         own_blocks = sum(math.ceil((v["num_prompt_tokens"] + v["num_output_tokens"]) / BLOCK) for v in views)
         assert snapshot["stats"]["num_used_blocks"] < own_blocks  # they do share (the engine's view)
-        public = summarize_snapshot(snapshot)
+        public = summarize_snapshot(CacheSnapshot.from_dict(snapshot))
         assert public["stats"]["num_used_blocks"] == own_blocks
         free = snapshot["stats"]["num_blocks"] - own_blocks  # the pool less the null block
         assert public["block_states"] == {"null": 1, "used": own_blocks, "free": free}
-        disclosed = summarize_snapshot(snapshot, ServingOptions(enable_cache_stats_disclosure=True))
+        disclosed = summarize_snapshot(CacheSnapshot.from_dict(snapshot), ServingOptions(enable_cache_stats_disclosure=True))
         assert disclosed["stats"] == snapshot["stats"]
     finally:
         engine.abort("sharer-1")

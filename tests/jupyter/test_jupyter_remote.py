@@ -351,6 +351,7 @@ def test_blocks_endpoint_shows_no_other_tenant(server, http, engine):
 
 
 def test_blocks_view_discloses_tables_only_where_the_operator_allows(engine):
+    from vllm_mlx.core.snapshot import CacheSnapshot
     from vllm_mlx.entrypoints.openai.cache_blocks import block_view
 
     stream = engine.add_request("a prompt long enough to fill two blocks " * 3, _params(min_tokens=400, max_tokens=400),
@@ -359,13 +360,14 @@ def test_blocks_view_discloses_tables_only_where_the_operator_allows(engine):
         wait_until(lambda: engine.cache_snapshot()["requests"].get("viewed", {}).get("block_ids"), "blocks")
         snapshot = engine.cache_snapshot()
         truth = snapshot["requests"]["viewed"]
-        hidden = block_view(snapshot, ["viewed"])
+        typed = CacheSnapshot.from_dict(snapshot)  # the same moment as ``snapshot``
+        hidden = block_view(typed, ["viewed"])
         assert hidden["requests"]["viewed"]["block_ids"] == [] and hidden["blocks"] == {}
         assert not hidden["tables_disclosed"] and hidden["requests"]["viewed"]["num_prompt_tokens"]
-        shown = block_view(snapshot, ["viewed"], disclose_hits=True)
+        shown = block_view(typed, ["viewed"], disclose_hits=True)
         assert shown["requests"]["viewed"]["block_ids"] == truth["block_ids"]
         assert set(shown["blocks"]) == {str(b) for b in truth["block_ids"] if b}
-        everyone = block_view(snapshot, [], per_request=True)
+        everyone = block_view(typed, [], per_request=True)
         assert set(everyone["requests"]) == set(snapshot["requests"])
         assert len(hidden["block_states"]) == len(snapshot["blocks"])
     finally:

@@ -36,17 +36,14 @@ STATE_LETTERS = {"null": "n", "free": "f", "cached": "c", "used": "u"}
 
 
 def block_view(
-    snapshot: CacheSnapshot | dict,
+    snapshot: CacheSnapshot,
     request_ids: Iterable[str],
     *,
     per_request: bool = False,
     disclose_hits: bool = False,
     per_tenant: bool = False,
 ) -> dict:
-    """The endpoint's body for an engine ``snapshot()`` (see the module docstring); a
-    ``cache_snapshot()`` dict is read into a ``CacheSnapshot`` first."""
-    if isinstance(snapshot, dict):
-        snapshot = CacheSnapshot.from_dict(snapshot)
+    """The endpoint's body for an engine ``snapshot()`` (see the module docstring)."""
     live = snapshot.requests
     wanted = list(live) if per_request else [rid for rid in dict.fromkeys(request_ids) if rid in live]
     tables = per_request or disclose_hits

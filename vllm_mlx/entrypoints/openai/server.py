@@ -185,17 +185,14 @@ async def _respond(pending, stall_timeout: float | None) -> Response:
     return SSEResponse(result, stall_timeout=stall_timeout, headers=headers)
 
 
-def summarize_snapshot(snapshot: CacheSnapshot | dict, options: ServingOptions | None = None) -> dict:
-    """The stats endpoint's view of an engine ``snapshot()``: counts, not the block list (a
-    ``cache_snapshot()`` dict is read into a ``CacheSnapshot`` first).
+def summarize_snapshot(snapshot: CacheSnapshot, options: ServingOptions | None = None) -> dict:
+    """The stats endpoint's view of an engine ``snapshot()``: counts, not the block list.
 
     Requests appear as counts by status; with ``options.cache_stats_per_request`` (an operator's
     switch) also one entry per live request (its id and token counts, which other clients must
     not see). Numbers that move with prefix hits (counters, cached blocks, the free queue) only
     where ``options.discloses_prefix_hits`` (see ``cache_disclosure``).
     """
-    if isinstance(snapshot, dict):
-        snapshot = CacheSnapshot.from_dict(snapshot)
     options = options or ServingOptions()
     views, disclose = snapshot.requests, options.discloses_prefix_hits
     stats = visible(snapshot.stats, views, disclose=disclose)

@@ -551,9 +551,8 @@ class EngineCore:
         """The scheduler's, the KV pool's and the compiled grammars' counters, and the
         multimodal cache's for a vision-language model (``engine/observation.py``)."""
         mllm = self._mllm_stats() if self.vision is not None else None
-        return EngineStats(
-            self.scheduler.stats_view(), self.scheduler.kv.stats(), self.input_processor.grammars.stats_view(), mllm
-        )
+        scheduler = self.scheduler.stats_view()  # the pool's counts come with it: counted once
+        return EngineStats(scheduler, scheduler.kv_cache, self.input_processor.grammars.stats_view(), mllm)
 
     def get_stats(self) -> dict:
         """Plain data (``stats().to_dict()``): ``{"scheduler": {running, waiting, preemptions,

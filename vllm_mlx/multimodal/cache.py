@@ -230,7 +230,11 @@ class MLLMCacheManager:
     def entries(self) -> list[MLLMEntryView]:
         """The entries as observers see them, most recently used first."""
         with self._lock:
-            return [e.view() for e in reversed(self._entries.values())]
+            return self._entry_views()
+
+    def _entry_views(self) -> list[MLLMEntryView]:
+        """Most recently used first; the caller holds the lock."""
+        return [e.view() for e in reversed(self._entries.values())]
 
     def snapshot(self) -> dict:
         """Plain data: ``{"entries": [...] (MRU first), "stats": {...}}``.
@@ -240,7 +244,7 @@ class MLLMCacheManager:
         ``created`` and ``last_used``. Everything but ``thumbnail_png`` is JSON-serialisable.
         """
         with self._lock:
-            entries = [e.to_dict() for e in reversed(self._entries.values())]
+            entries = [view.to_dict() for view in self._entry_views()]
             stats = replace(
                 self._stats, memory_used=self._memory_used, num_entries=len(self._entries)
             )

@@ -21,9 +21,9 @@ from traitlets import Bool, Dict, Enum, Float, Int, TraitError, Unicode, default
 
 from vllm_mlx.platform.cpu_backend import warn_reference_blas
 from vllm_mlx_jupyter.session.constraints import compile_check, response_format, variable
-from vllm_mlx_jupyter.views.markup import as_float, as_int, escape
 from vllm_mlx_jupyter.session.prompt import interpolate
 from vllm_mlx_jupyter.session.session import Session, SessionError
+from vllm_mlx_jupyter.views.markup import as_float, as_int, escape
 from vllm_mlx_jupyter.views.token_view import TOKENS, TokenLog
 
 MODEL_ENV = "VLLM_MLX_JUPYTER_MODEL"
@@ -201,8 +201,8 @@ class GenerateMagics(Magics):
     def run_over(self, items, template: str, args, *, previous=None, values: dict | None = None):
         """Start an ``--over`` run of ``template`` over ``items`` with the cell flags ``args``;
         ``values`` are constraint objects by name (``generate_over``'s ``schema=...``)."""
-        from vllm_mlx_jupyter.over.generation import OverGeneration
         from vllm_mlx_jupyter.over.cell import OverRequest, start_over
+        from vllm_mlx_jupyter.over.generation import OverGeneration
 
         template = template.strip("\n") if args.raw else template.strip()
         if not template:

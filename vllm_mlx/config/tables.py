@@ -17,7 +17,6 @@ from vllm_mlx.core.request import SamplingParams
 from vllm_mlx.core.sched.scheduler import SchedulerConfig
 
 
-
 def _code(value: Any) -> str:
     text = f'"{value}"' if isinstance(value, str) else repr(value)
     return f"`{text}`"

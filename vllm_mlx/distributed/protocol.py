@@ -43,7 +43,6 @@ from vllm_mlx.core.outputs import ScheduledRequest, SchedulerOutput
 from vllm_mlx.core.request import Request, SamplingParams
 from vllm_mlx.distributed.watchdog import RankLostError
 
-
 # ---- the step protocol (plain data) ---------------------------------------------------------
 
 

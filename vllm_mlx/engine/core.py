@@ -135,8 +135,8 @@ def prepare_engine_model(config: EngineConfig, group=None) -> PreparedModel:
 def _split_model(config: EngineConfig, loaded: LoadedModel, specs: list, group) -> list:
     """Keep this rank's part of the model (a shard of every layer, or a pipeline stage); returns
     the layer specs of what this rank now runs."""
-    from vllm_mlx.distributed.pipeline import pipeline_model
     from vllm_mlx.distributed.group import TensorParallelError, check_same_mode
+    from vllm_mlx.distributed.pipeline import pipeline_model
     from vllm_mlx.distributed.sharding import shard_model
     from vllm_mlx.executor.attention import layer_specs
 

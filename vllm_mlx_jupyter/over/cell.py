@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from vllm_mlx_jupyter.over.generation import OverGeneration, RowResult
-from vllm_mlx_jupyter.session.prompt import interpolate
 from vllm_mlx_jupyter.over.rows import Row, RowSource
+from vllm_mlx_jupyter.session.prompt import interpolate
 from vllm_mlx_jupyter.session.session import Session, SessionError
 
 IN_FLIGHT_PER_SEQ = 2  # default bound: twice the engine's batch, so a finished row's slot is refilled at once

@@ -28,11 +28,11 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from vllm_mlx_jupyter.over.rows import Row, RowSource
 from vllm_mlx_jupyter.session.generation import (
     ABORTED, DONE, ERROR, GENERATING, MIN_INTERVAL, GenerationError, LiveViews, await_or_cancel, wait_or_cancel,
 )  # fmt: skip
 from vllm_mlx_jupyter.session.reading import OutputReader
-from vllm_mlx_jupyter.over.rows import Row, RowSource
 
 RECENT = 5  # finished rows the live view shows
 PARSED_KINDS = ("json", "json_object")  # constraints whose output parses to an object (--schema, --json)

@@ -24,7 +24,7 @@ import pytest
 from gguf_builder import write_tiny_llama_gguf
 from gguf_reference import reference_logits
 
-import vllm_mlx.models.gguf as gguf_module
+import vllm_mlx.models.gguf.convert as gguf_module
 from vllm_mlx.models import resolve_model
 from vllm_mlx.models.default import default_gguf_path
 from vllm_mlx.models.gguf import convert_gguf, resolve_gguf

@@ -33,10 +33,10 @@ def corpus_text() -> str:
     import vllm_mlx.engine.core
     import vllm_mlx.executor.attention
     import vllm_mlx.executor.model_runner
-    import vllm_mlx.models.gguf
+    import vllm_mlx.models.gguf.convert
 
     modules = [vllm_mlx.executor.attention, vllm_mlx.engine.async_engine, vllm_mlx.engine.core, vllm_mlx.executor.model_runner,
-               vllm_mlx.models.gguf, vllm_mlx.core.kv.paged_cache]  # fmt: skip
+               vllm_mlx.models.gguf.convert, vllm_mlx.core.kv.paged_cache]  # fmt: skip
     return "\n\n".join(m.__doc__ for m in modules)
 
 

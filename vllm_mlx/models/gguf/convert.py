@@ -22,8 +22,8 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from vllm_mlx.models.gguf_header import check_gguf_header
-from vllm_mlx.models.gguf_tokenizer import write_tokenizer_files
+from vllm_mlx.models.gguf.header import check_gguf_header
+from vllm_mlx.models.gguf.tokenizer import write_tokenizer_files
 from vllm_mlx.models.store import MANIFEST, atomic_directory, models_dir, write_manifest
 from vllm_mlx.platform.errors import ModelSourceError
 

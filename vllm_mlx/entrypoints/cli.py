@@ -60,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "refused or unknown (with the reason); name some to classify only those")  # fmt: skip
     models.set_defaults(handler=run_models)
 
-    pull = commands.add_parser("pull", help="prepare a model ahead of time (e.g. 'default')")
+    pull = commands.add_parser(
+        "pull", help="prepare a model ahead of time (e.g. 'default', 'gemma3-270m-q4_k_m', a .gguf file)"
+    )
     pull.add_argument("model", nargs="?", default="default")
     pull.set_defaults(handler=run_pull)
     return parser

@@ -1,4 +1,5 @@
-"""Model sources: local MLX directories, hub ids, GGUF files and the built-in default model.
+"""Model sources: local MLX directories, hub ids, GGUF files, and the GGUF checkpoints that packages
+on the index ship (``catalog.py``: the built-in default model, Gemma-3 270M Q4_K_M).
 
 ``resolve_model(source)`` turns any source into a local MLX model directory (preparing it if
 needed); ``load_model(source)`` loads it with mlx-lm. Failures raise ``ModelSourceError`` with a
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_mlx.models.default import DEFAULT_MODEL_ALIASES, prepare_default_model
+from vllm_mlx.models.catalog import find_checkpoint, prepare_checkpoint
 from vllm_mlx.models.hub import looks_like_repo_id, resolve_repo
 from vllm_mlx.models.store import CachedModel, cache_root, list_cached_models, models_dir
 from vllm_mlx.models.trust import check_model_code
@@ -31,12 +32,13 @@ __all__ = [
 
 
 def resolve_model(source: str | Path, trust_remote_code: bool = False) -> Path:
-    """The local MLX model directory for ``source``: a directory, a ``.gguf`` file, ``default``
-    (or ``smollm2-135m-instruct``), or a Hugging Face repo id (downloaded without ``*.py``
-    files unless ``trust_remote_code``)."""
+    """The local MLX model directory for ``source``: a directory, a ``.gguf`` file, the name of a
+    checkpoint a package on the index ships (``default`` or ``smollm2-135m-instruct``,
+    ``gemma3-270m-q4_k_m``), or a Hugging Face repo id (downloaded without ``*.py`` files unless
+    ``trust_remote_code``)."""
     text = str(source)
-    if text.lower() in DEFAULT_MODEL_ALIASES:
-        return prepare_default_model()
+    if (checkpoint := find_checkpoint(text)) is not None:
+        return prepare_checkpoint(checkpoint)
     path = Path(text).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():

@@ -1,0 +1,293 @@
+"""The GGUF architectures we convert: mlx-lm's config and parameter names for each.
+
+What llama.cpp's converter (``convert_hf_to_gguf.py``) does to a Hugging Face checkpoint, and so
+what we undo, per ``general.architecture``:
+
+* Names: ``blk.N.attn_q`` for ``model.layers.N.self_attn.q_proj`` and so on (the tables below).
+* llama and granite run GGML's "normal" RoPE on interleaved Q/K rows, so the converter permutes
+  those rows (``rope_permuted``); qwen, gemma and phi run NEOX RoPE on rows as Hugging Face has
+  them.
+* Gemma's RMSNorm multiplies by ``1 + w``; the converter stores ``w + 1`` in every ``*_norm``
+  tensor (``norm_offset``), so we subtract it again. Gemma's embedding scale (``sqrt(hidden)``)
+  is applied at run time by both llama.cpp and mlx-lm: nothing to convert.
+* Config values llama.cpp does not store take the values its loader assumes (Gemma's attention
+  scale and sliding-window pattern, Llama 3's RoPE smoothing factors, checked against the
+  stored frequencies).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm_mlx.platform.errors import ModelSourceError
+
+_LLAMA_LAYERS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_MOE = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj",
+    "ffn_down_exps": "mlp.switch_mlp.down_proj",
+}
+_GEMMA_LAYERS = {
+    **{k: v for k, v in _LLAMA_LAYERS.items() if k != "ffn_norm"},
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_PHI3_LAYERS = {
+    "attn_norm": "input_layernorm",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_up": "mlp.gate_up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBALS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_TENSOR_RE = re.compile(r"^(?:blk\.(\d+)\.)?([a-z_]+)\.(weight|bias)$")
+
+
+class Fields:
+    """``<arch>.KEY`` metadata reads, with a clear error for a missing required key."""
+
+    def __init__(self, arch: str, metadata: dict) -> None:
+        self.arch, self.metadata = arch, metadata
+
+    def get(self, key: str, default=None):
+        return self.metadata.get(f"{self.arch}.{key}", default)
+
+    def need(self, key: str):
+        value = self.get(key)
+        if value is None:
+            raise ModelSourceError(f"GGUF metadata lacks {self.arch}.{key}")
+        return value
+
+    def one_per_model(self, key: str, default=None):
+        """A value llama.cpp may store per layer (a list): we need it the same for all."""
+        value = self.get(key, default)
+        if isinstance(value, list):
+            if len(set(value)) != 1:
+                raise ModelSourceError(f"{self.arch}.{key} differs between layers, which mlx-lm models do not support")
+            value = value[0]
+        return value
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How one ``general.architecture`` maps to an mlx-lm model."""
+
+    name: str
+    model_type: str
+    families: str  # what people call the models of this architecture (the support table)
+    layers: dict
+    rope_permuted: bool = False
+    norm_offset: float = 0.0
+    extra_config: Callable[[Fields, dict], dict] = field(default=lambda fields, tensors: {})
+
+    def hf_name(self, gguf_name: str) -> str:
+        match = _TENSOR_RE.match(gguf_name)
+        if match is None:
+            raise ModelSourceError(f"unexpected tensor {gguf_name!r} in a {self.name} GGUF")
+        layer, base, part = match.groups()
+        table = self.layers if layer is not None else _GLOBALS
+        if base not in table:
+            raise ModelSourceError(f"tensor {gguf_name!r} is not one a {self.name} model has in mlx-lm")
+        prefix = f"model.layers.{layer}." if layer is not None else ""
+        return f"{prefix}{table[base]}.{part}"
+
+    def is_norm(self, gguf_name: str) -> bool:
+        return gguf_name.endswith("norm.weight")
+
+
+def _epsilon(fields: Fields) -> float:
+    # GGUF stores float32; round to the decimal it was written from (9.9999997e-06 -> 1e-05).
+    return float(f"{fields.get('attention.layer_norm_rms_epsilon', 1e-5):.7g}")
+
+
+def base_config(arch: Architecture, metadata: dict, tensors: dict) -> dict:
+    """The config fields every architecture has, then its own (``extra_config``)."""
+    fields = Fields(arch.name, metadata)
+    if "tokenizer.ggml.tokens" not in metadata:
+        raise ModelSourceError("the GGUF file has no tokenizer (tokenizer.ggml.tokens)")
+    hidden = int(fields.need("embedding_length"))
+    heads = int(fields.one_per_model("attention.head_count"))
+    head_dim = int(fields.get("attention.key_length", hidden // heads))
+    config = {
+        "model_type": arch.model_type,
+        "hidden_size": hidden,
+        "intermediate_size": int(fields.one_per_model("feed_forward_length", 0)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(fields.one_per_model("attention.head_count_kv", heads)),
+        "num_hidden_layers": int(fields.need("block_count")),
+        "head_dim": head_dim,
+        "rms_norm_eps": _epsilon(fields),
+        "rope_theta": float(fields.get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(fields.get("context_length", 2048)),
+        "vocab_size": len(metadata["tokenizer.ggml.tokens"]),
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
+        "tie_word_embeddings": "output.weight" not in tensors,
+    }
+    config.update(arch.extra_config(fields, tensors))
+    return config
+
+
+def _llama_extra(fields: Fields, tensors: dict) -> dict:
+    return {
+        "rope_traditional": False,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "mlp_bias": "blk.0.ffn_up.bias" in tensors,
+    }
+
+
+def llama3_rope_scaling(factors: np.ndarray, rope_theta: float, head_dim: int) -> dict:
+    """The ``rope_scaling`` whose per-frequency factors llama.cpp stored as ``rope_freqs``.
+
+    Llama 3.1+ smooths between ``low_freq_factor`` and ``high_freq_factor`` over an original
+    context; llama.cpp keeps only the resulting factors. ``factor`` is their largest; the other
+    three take Meta's values (1, 4, 8192), and the factors they give must equal the stored ones.
+    """
+    scaling = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    low_wavelen = scaling["original_max_position_embeddings"] / scaling["low_freq_factor"]
+    high_wavelen = scaling["original_max_position_embeddings"] / scaling["high_freq_factor"]
+    expected = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * rope_theta ** (i / head_dim)
+        if wavelen < high_wavelen:
+            expected.append(1.0)
+        elif wavelen > low_wavelen:
+            expected.append(scaling["factor"])
+        else:
+            smooth = (scaling["original_max_position_embeddings"] / wavelen - 1.0) / (4.0 - 1.0)
+            expected.append(1 / ((1 - smooth) / scaling["factor"] + smooth))
+    if not np.allclose(factors, expected, rtol=1e-4):
+        raise ModelSourceError("rope_freqs holds RoPE factors that are not Llama 3's scaling, which vllm-mlx cannot map")
+    return scaling
+
+
+def _gemma_attention_scalar(fields: Fields, hidden: int, heads: int, head_dim: int, big_layers: int) -> int:
+    # llama.cpp scales queries by 1/sqrt(hidden/heads) for the 27B models (told apart by their
+    # layer count) and by 1/sqrt(head_dim) otherwise; Hugging Face's query_pre_attn_scalar.
+    return hidden // heads if int(fields.need("block_count")) == big_layers else head_dim
+
+
+def _gemma2_extra(fields: Fields, tensors: dict) -> dict:
+    hidden, heads = int(fields.need("embedding_length")), int(fields.one_per_model("attention.head_count"))
+    head_dim = int(fields.get("attention.key_length", hidden // heads))
+    return {
+        "query_pre_attn_scalar": _gemma_attention_scalar(fields, hidden, heads, head_dim, big_layers=46),
+        "attn_logit_softcapping": float(fields.get("attn_logit_softcapping", 50.0)),
+        "final_logit_softcapping": float(fields.get("final_logit_softcapping", 30.0)),
+        "sliding_window": int(fields.get("attention.sliding_window", 4096)),
+    }
+
+
+def _gemma3_extra(fields: Fields, tensors: dict) -> dict:
+    hidden, heads = int(fields.need("embedding_length")), int(fields.one_per_model("attention.head_count"))
+    head_dim = int(fields.get("attention.key_length", hidden // heads))
+    config = {
+        "query_pre_attn_scalar": _gemma_attention_scalar(fields, hidden, heads, head_dim, big_layers=62),
+        "rope_local_base_freq": 10000.0,  # llama.cpp's fixed value for the sliding layers
+        "sliding_window": int(fields.get("attention.sliding_window", 512)),
+        "sliding_window_pattern": 6,  # every sixth layer global: fixed in llama.cpp too
+    }
+    if fields.get("rope.scaling.type") == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(fields.need("rope.scaling.factor"))}
+    return config
+
+
+def _qwen3moe_extra(fields: Fields, tensors: dict) -> dict:
+    moe_size = int(fields.need("expert_feed_forward_length"))
+    return {
+        "num_experts": int(fields.need("expert_count")),
+        "num_experts_per_tok": int(fields.need("expert_used_count")),
+        "moe_intermediate_size": moe_size,
+        "intermediate_size": int(fields.get("feed_forward_length", moe_size)),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+    }
+
+
+def _phi3_extra(fields: Fields, tensors: dict) -> dict:
+    hidden, heads = int(fields.need("embedding_length")), int(fields.one_per_model("attention.head_count"))
+    rotary = int(fields.get("rope.dimension_count", hidden // heads))
+    config = {"partial_rotary_factor": rotary / (hidden // heads)}
+    original = fields.get("rope.scaling.original_context_length")
+    if original is not None:
+        config["original_max_position_embeddings"] = int(original)
+    return config
+
+
+def _granite_extra(fields: Fields, tensors: dict) -> dict:
+    return {
+        **_llama_extra(fields, tensors),
+        "embedding_multiplier": float(fields.get("embedding_scale", 1.0)),
+        "residual_multiplier": float(fields.get("residual_scale", 1.0)),
+        "attention_multiplier": float(fields.need("attention.scale")),
+        "logits_scaling": float(fields.get("logit_scale", 1.0)),
+    }
+
+
+ARCHITECTURES = {
+    arch.name: arch
+    for arch in (
+        Architecture("llama", "llama", "Llama 2/3, Mistral, SmolLM", _LLAMA_LAYERS, rope_permuted=True,
+                     extra_config=_llama_extra),
+        Architecture("qwen2", "qwen2", "Qwen2, Qwen2.5", _LLAMA_LAYERS),
+        Architecture("qwen3", "qwen3", "Qwen3", {**_LLAMA_LAYERS, **_QK_NORMS}),
+        Architecture("qwen3moe", "qwen3_moe", "Qwen3 MoE", {**_LLAMA_LAYERS, **_QK_NORMS, **_MOE},
+                     extra_config=_qwen3moe_extra),
+        Architecture("gemma2", "gemma2", "Gemma 2", _GEMMA_LAYERS, norm_offset=1.0, extra_config=_gemma2_extra),
+        Architecture("gemma3", "gemma3_text", "Gemma 3 (text)", {**_GEMMA_LAYERS, **_QK_NORMS}, norm_offset=1.0,
+                     extra_config=_gemma3_extra),
+        Architecture("phi3", "phi3", "Phi-3, Phi-3.5, Phi-4 mini", _PHI3_LAYERS, extra_config=_phi3_extra),
+        Architecture("granite", "granite", "Granite 3", _LLAMA_LAYERS, rope_permuted=True,
+                     extra_config=_granite_extra),
+    )
+}  # fmt: skip
+# Tensors that become config values, not weights: Llama 3's RoPE factors, Phi-3's long-RoPE ones.
+CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def architecture_of(metadata: dict) -> Architecture:
+    name = metadata.get("general.architecture")
+    if name not in ARCHITECTURES:
+        raise ModelSourceError(
+            f"GGUF architecture {name!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+        )
+    return ARCHITECTURES[name]
+
+
+def rope_config(arch: Architecture, config: dict, config_tensors: dict[str, np.ndarray]) -> dict:
+    """The RoPE scaling the config tensors describe (none: ``{}``)."""
+    if "rope_freqs.weight" in config_tensors:
+        if arch.name not in ("llama", "granite"):
+            raise ModelSourceError(f"rope_freqs in a {arch.name} GGUF is not supported")
+        factors = config_tensors["rope_freqs.weight"]
+        return {"rope_scaling": llama3_rope_scaling(factors, config["rope_theta"], config["head_dim"])}
+    if "rope_factors_long.weight" in config_tensors:
+        return {
+            "rope_scaling": {
+                "type": "longrope",
+                "long_factor": config_tensors["rope_factors_long.weight"].tolist(),
+                "short_factor": config_tensors["rope_factors_short.weight"].tolist(),
+            }
+        }
+    return {}

@@ -32,6 +32,8 @@ llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp's Python bindings
 from vllm_mlx.core.request import SamplingParams  # noqa: E402
 from vllm_mlx.llm import LLM  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # real checkpoints through the engine
+
 STEPS = 16
 TOP = 5
 MIN_AGREEMENT = 4
@@ -42,7 +44,9 @@ MIN_AGREEMENT = 4
 # default model). A wrong model is off by more: converted with the RoPE rows left un-permuted,
 # the same five log-probabilities move by up to 6.9 and the paths part at step 5 (checked by hand).
 FIRST_STEP_ATOL = 0.5
-TIE = 1.0
+# Where the paths part, the two candidates were observed 0.013 (llama.cpp) and 0.16 (engine) nats
+# apart (Gemma-3, step 5); the default model's paths agree for all 16 tokens.
+TIE = 0.5
 
 # A prompt whose continuation is factual for the first tokens (no tie there), then free text.
 PROMPTS = {
@@ -126,7 +130,7 @@ def llamacpp_greedy(llm, prompt: list[int], steps: int) -> Greedy:
     return Greedy(tokens, logprobs)
 
 
-@pytest.fixture(scope="module", params=["default", pytest.param("gemma3", marks=pytest.mark.e2e)])
+@pytest.fixture(scope="module", params=["default", "gemma3"])
 def reference(request) -> Reference:
     gguf = gguf_path(request, request.param)
     text = PROMPTS[request.param]

@@ -55,7 +55,7 @@ CASES = {
         _common("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                 decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True),
         {"expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 32},
-    ),  # fmt: skip
+    ),
     "gemma2": ArchCase(
         "gemma2",
         _common("gemma2", query_pre_attn_scalar=HEAD_DIM, attn_logit_softcapping=20.0, final_logit_softcapping=10.0),
@@ -68,7 +68,7 @@ CASES = {
                 sliding_window_pattern=6, rope_theta=1_000_000.0, rope_local_base_freq=10000.0),
         {"attention.sliding_window": 4},
         norm_offset=1.0,
-    ),  # fmt: skip
+    ),
     "phi3": ArchCase("phi3", _common("phi3", tie_word_embeddings=False)),
     "granite": ArchCase(
         "granite",
@@ -76,7 +76,7 @@ CASES = {
                 residual_multiplier=0.5, attention_bias=False, mlp_bias=False),
         {"logit_scale": 4.0, "attention.scale": 0.2, "embedding_scale": 6.0, "residual_scale": 0.5},
         rope_permuted=True,
-    ),  # fmt: skip
+    ),
 }
 
 

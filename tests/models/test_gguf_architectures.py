@@ -65,7 +65,7 @@ def test_converted_model_equals_the_original(converted, name):
 @pytest.mark.parametrize("name", ["gemma3", "llama"])
 def test_undoing_nothing_is_noticed(converted, name, monkeypatch):
     """Negative control: the oracle tells a conversion that skips the offset or permutation."""
-    import vllm_mlx.models.gguf.architectures as architectures
+    from vllm_mlx.models.gguf import architectures
 
     original, model_dir = converted(name)
     arch = ARCHITECTURES[CASES[name].gguf_arch]
@@ -97,7 +97,7 @@ def test_manifest_records_source_digest_and_architecture(converted):
     assert manifest["source_sha256"] == file_sha256(next(model_dir.parent.glob("phi3-F32.gguf")))
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3moe", "phi3", "granite"])
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_engine_greedy_equals_mlx_lm_on_the_converted_model(converted, name):
     from mlx_lm.generate import generate_step
 

@@ -23,7 +23,6 @@ import json
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 
 from vllm_mlx.models.gguf.architectures import (
     CONFIG_TENSORS,

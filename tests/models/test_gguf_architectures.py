@@ -124,3 +124,19 @@ def test_unsupported_architecture_is_refused_by_name(tmp_path):
     message = str(error.value)
     assert "'falcon'" in message and all(name in message for name in ARCHITECTURES)
     assert not (tmp_path / "out").exists()
+
+
+def test_large_models_are_written_in_shards(converted, tmp_path, monkeypatch):
+    """A conversion holds one shard in memory: with small shards the model still loads whole."""
+    from vllm_mlx.models.gguf import convert as convert_module
+
+    original, model_dir = converted("qwen3moe")
+    monkeypatch.setattr(convert_module, "SHARD_BYTES", 64 << 10)
+    path = next(model_dir.parent.glob("qwen3moe-F32.gguf"))
+    sharded = convert_gguf(path, tmp_path / "sharded", scale_dtype="float32")
+    shards = sorted(p.name for p in sharded.glob("model*.safetensors"))
+    assert len(shards) > 3 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    loaded, _ = mlx_lm.load(str(sharded))
+    np.testing.assert_array_equal(logits(loaded, TOKEN_IDS), logits(mlx_lm.load(str(model_dir))[0], TOKEN_IDS))

@@ -295,3 +295,16 @@ def test_resolve_gguf_caches_by_content(tiny_gguf, tmp_path, empty_cache, monkey
     third = resolve_gguf(changed)
     assert hash_part(third) != hash_part(first) and third.name != first.name
     assert sorted(p.name for p in (empty_cache / "models").iterdir()) == sorted({first.name, second.name, third.name})
+
+
+def test_convert_command_writes_a_directory_mlx_lm_loads(tiny_gguf, tmp_path, capsys):
+    from vllm_mlx.entrypoints.cli import main
+
+    out_dir = tmp_path / "converted"
+    assert main(["convert", str(tiny_gguf("Q4_1")), str(out_dir), "--scale-dtype", "float32"]) == 0
+    assert capsys.readouterr().out.strip() == str(out_dir)
+    assert_close_logits(mlx_logits(out_dir, TOKEN_IDS), reference_logits(tiny_gguf("Q4_1"), TOKEN_IDS), rel=1e-4)
+    manifest = json.loads((out_dir / "vllm_mlx_model.json").read_text())
+    assert manifest["source_sha256"] == gguf_module.file_sha256(tiny_gguf("Q4_1"))
+    assert main(["convert", str(tiny_gguf("Q4_1")), str(out_dir)]) == 1  # never over an existing directory
+    assert "exists" in capsys.readouterr().err

@@ -85,9 +85,9 @@ def page_rows() -> dict[tuple[str, str], dict]:
     for line in PAGE.read_text().splitlines():
         if line.startswith("## "):
             source = line[3:].strip()
-        match = re.match(r"\| `([^`]+)` \| ([^|]*) \| ([a-z-]+) \| (.*) \|$", line)
+        match = re.match(r"\| `([^`]+)` \| ([^|]*) \| ([^|]*) \| ([a-z-]+) \| (.*) \|$", line)
         if match:
-            rows[(source, match[1])] = {"status": match[3], "detail": match[4]}
+            rows[(source, match[1])] = {"gguf": match[3].strip(), "status": match[4], "detail": match[5]}
     return rows
 
 

@@ -53,6 +53,9 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
         "gemma3_text": "tests/engine/test_sliding_window.py::test_default_block_size_equals_mlx_lm[gemma3_text]",
         "gpt_oss": "tests/engine/test_sliding_window.py::test_default_block_size_equals_mlx_lm[gpt_oss]",
         "qwen2": "tests/engine/test_engine.py::test_another_architecture_runs_unmodified",
+        **{name: f"tests/models/test_gguf_architectures.py::test_engine_greedy_equals_mlx_lm_on_the_converted_model[{gguf}]"
+           for name, gguf in (("qwen3", "qwen3"), ("qwen3_moe", "qwen3moe"), ("gemma2", "gemma2"), ("phi3", "phi3"),
+                              ("granite", "granite"))},
         "deepseek_v3": "tests/core/test_kv_sizing.py::test_latent_attention_equals_mlx_lm",
         **{name: f"tests/engine/test_recurrent.py::test_staggered_arrivals_and_preemption_equal_mlx_lm[{name}]"
            for name in ("lfm2", "qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_h")},
@@ -238,13 +241,24 @@ def counts(rows: Sequence[Architecture]) -> dict[str, dict[str, int]]:
             for source in (TEXT, VISION)}  # fmt: skip
 
 
+def gguf_architectures(row: Architecture) -> list[str]:
+    """The GGUF ``general.architecture`` values that convert to this row's mlx-lm architecture."""
+    from vllm_mlx.models.gguf.architectures import ARCHITECTURES
+
+    if row.source != TEXT:
+        return []
+    names = {row.name, *row.aliases}
+    return [gguf.name for gguf in ARCHITECTURES.values() if gguf.model_type in names]
+
+
 def format_table(rows: Sequence[Architecture]) -> str:
     """Plain text for the terminal: one line per architecture, then the counts."""
     lines = []
     for row in rows:
         name = f"{row.name} ({', '.join(row.aliases)})" if row.aliases else row.name
         why = row.test if row.status == SUPPORTED else row.detail
-        lines.append(f"{row.source:8s} {name[:40]:40s} {row.status:14s} {why}")
+        gguf = ",".join(gguf_architectures(row)) or "-"
+        lines.append(f"{row.source:8s} {name[:40]:40s} {row.status:14s} gguf:{gguf:10s} {why}")
     for source, by_status in counts(rows).items():
         if any(by_status.values()):
             lines.append(f"{source}: " + ", ".join(f"{n} {status}" for status, n in by_status.items()))
@@ -260,11 +274,12 @@ def markdown_page(rows: Sequence[Architecture]) -> str:
     for source, by_status in counts(rows).items():
         summary = ", ".join(f"{n} {status}" for status, n in by_status.items())
         parts.append(f"\n## {source}\n\n{summary}.\n")
-        parts.append("| architecture | also | status | detail |\n| --- | --- | --- | --- |")
+        parts.append("| architecture | also | GGUF | status | detail |\n| --- | --- | --- | --- | --- |")
         for row in (r for r in rows if r.source == source):
             detail = f"`{row.test}`" if row.status == SUPPORTED else row.detail
             also = ", ".join(row.aliases)
-            parts.append(f"| `{row.name}` | {also} | {row.status} | {_cell(detail)} |")
+            gguf = ", ".join(f"`{name}`" for name in gguf_architectures(row))
+            parts.append(f"| `{row.name}` | {also} | {gguf} | {row.status} | {_cell(detail)} |")
     return "\n".join(parts) + "\n"
 
 
@@ -291,6 +306,28 @@ The statuses are generated, not claimed (`vllm-mlx models --supported` prints th
 
 Text architectures are mlx-lm's model modules; vision-language ones are mlx-vlm's packages with
 a vision tower (a model directory whose config has a `vision_config` loads through mlx-vlm).
+
+The **GGUF** column names the `general.architecture` of the GGUF files (llama.cpp's format) that
+convert to the architecture (see [GGUF files](#gguf-files)). A GGUF of another architecture is
+refused at load, with the list of those supported.
+
+## GGUF files
+
+`--model FILE.gguf` converts the file once into an MLX model directory in the cache (keyed by the
+file's SHA-256, which the directory's manifest records); `vllm-mlx convert FILE.gguf DIR` writes
+one where you choose, which mlx-lm loads as it is. Each tensor type becomes:
+
+| GGUF tensor types | in the MLX directory |
+| --- | --- |
+| F32, F16, BF16 | the same floating-point type |
+| Q4_0, Q4_1, Q4_K | 4-bit affine, groups of 32: the same numbers, re-packed bit for bit |
+| Q5_0, Q5_1, Q5_K | 5-bit affine, groups of 32: the same numbers |
+| Q8_0 | 8-bit affine, groups of 32: the same numbers |
+| Q2_K, Q3_K, Q6_K (sub-blocks of 16, which MLX cannot group); IQ1-IQ4, TQ1_0, TQ2_0, MXFP4 (not affine) | dequantized exactly, then 8-bit affine in groups of 32: the one lossy step |
+
+The tokenizer (byte-level BPE or SentencePiece, special and added tokens) and the chat template
+come from the file's metadata. On the CPU backend the engine then runs the weights in the format
+`weight_format` picks ([Configuration](configuration.md)).
 """
 
 

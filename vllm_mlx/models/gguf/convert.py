@@ -21,9 +21,9 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 
 from vllm_mlx.models.gguf.architectures import (
     CONFIG_TENSORS,
@@ -37,6 +37,9 @@ from vllm_mlx.models.gguf.tensors import GROUP_SIZE, check_supported, convert_te
 from vllm_mlx.models.gguf.tokenizer import write_tokenizer_files
 from vllm_mlx.models.store import MANIFEST, atomic_directory, models_dir, write_manifest
 from vllm_mlx.platform.errors import ModelSourceError
+
+# Converted weights are written in shards of about this size: the most a conversion holds.
+SHARD_BYTES = 2 << 30
 
 
 def file_sha256(path: Path, chunk_size: int = 1 << 22) -> str:
@@ -93,14 +96,13 @@ def model_config(gguf: GGUFFile, arch: Architecture) -> dict:
     return config
 
 
-def convert_tensors(gguf: GGUFFile, arch: Architecture, config: dict, scale_dtype: str) -> dict:
-    """Every weight tensor as mlx-lm parameters (``name.weight`` and, if quantized, ``.scales``
-    and ``.biases``), with llama.cpp's RoPE row order and norm offset undone."""
+def converted_tensors(gguf: GGUFFile, arch: Architecture, config: dict, scale_dtype: str) -> Iterator[tuple[str, dict]]:
+    """Every weight tensor as ``(mlx-lm module name, {"weight"|"bias"|"scales"|"biases": array})``,
+    one at a time, with llama.cpp's RoPE row order and norm offset undone."""
     import mlx.core as mx
 
     from tqdm.auto import tqdm
 
-    weights = {}
     names = [name for name in gguf.tensors if name not in CONFIG_TENSORS]
     for name in tqdm(names, desc="converting", unit="tensor", leave=False):
         info = gguf.tensors[name]
@@ -112,19 +114,57 @@ def convert_tensors(gguf: GGUFFile, arch: Architecture, config: dict, scale_dtyp
             arrays = {key: unpermute_rope_rows(array, heads) for key, array in arrays.items()}
         if arch.norm_offset and arch.is_norm(name):
             arrays["weight"] = arrays["weight"] - arch.norm_offset
-        for key, array in arrays.items():
-            mx.eval(array)  # do the work here, so the progress bar measures it
-            weights[f"{module}.{key}" if key != "weight" else f"{module}.{part}"] = array
-    return weights
+        arrays[part] = arrays.pop("weight")  # a ".bias" tensor is the module's bias
+        mx.eval(list(arrays.values()))  # do the work here, so the progress bar measures it
+        yield module, arrays
 
 
-def quantization_config(weights: dict) -> dict | None:
-    """Groups of 32 everywhere; the most common bit width as default, per-layer overrides."""
-    bits = {
-        name.removesuffix(".scales"): quantized_bits(weights, name.removesuffix(".scales"))
-        for name in weights
-        if name.endswith(".scales")
-    }
+class ShardWriter:
+    """Writes converted tensors into safetensors shards of about ``shard_bytes``, so that a
+    conversion holds one shard in memory, never the whole model. One shard is
+    ``model.safetensors``; more are ``model-0000i-of-0000n.safetensors`` with the index
+    Hugging Face and mlx-lm read."""
+
+    def __init__(self, directory: Path, shard_bytes: int | None = None) -> None:
+        self.directory, self.shard_bytes = directory, shard_bytes or SHARD_BYTES
+        self.pending: dict = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []  # the tensor names of each written shard
+
+    def add(self, name: str, array) -> None:
+        self.pending[name] = array
+        self.pending_bytes += array.nbytes
+        if self.pending_bytes >= self.shard_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        import mlx.core as mx
+
+        if not self.pending:
+            return
+        path = self.directory / f"shard-{len(self.shards):05d}.safetensors"
+        try:
+            mx.save_safetensors(str(path), self.pending, metadata={"format": "mlx"})
+        except RuntimeError as exc:  # MLX reports failed writes (EFBIG, ENOSPC) as RuntimeError
+            raise OSError(f"cannot write the weights: {exc}") from exc
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> None:
+        self.flush()
+        count = len(self.shards)
+        names = ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        for i, name in enumerate(names):
+            (self.directory / f"shard-{i:05d}.safetensors").rename(self.directory / name)
+        if count > 1:
+            weight_map = {tensor: name for name, tensors in zip(names, self.shards) for tensor in tensors}
+            index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def quantization_config(bits: dict[str, int]) -> dict | None:
+    """Groups of 32 everywhere; the most common bit width (``bits``: per quantized module) as
+    default, per-layer overrides."""
     if not bits:
         return None
     default_bits = Counter(bits.values()).most_common(1)[0][0]
@@ -140,21 +180,20 @@ def convert_gguf(
 ) -> Path:
     """Convert ``gguf_path`` into ``out_dir`` atomically; return ``out_dir``. ``digest``: the
     file's SHA-256 when the caller has it already (the manifest records it)."""
-    import mlx.core as mx
-
     scale_dtype = scale_dtype or default_scale_dtype()
     gguf, arch = read_header(gguf_path)
     config = model_config(gguf, arch)
-    weights = convert_tensors(gguf, arch, config, scale_dtype)
-    quantization = quantization_config(weights)
-    if quantization:
-        config["quantization"] = quantization
     digest = digest or file_sha256(gguf_path)
     with atomic_directory(out_dir) as tmp:
-        try:
-            mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-        except RuntimeError as exc:  # MLX reports failed writes (EFBIG, ENOSPC) as RuntimeError
-            raise OSError(f"cannot write model.safetensors: {exc}") from exc
+        writer, bits = ShardWriter(tmp), {}
+        for module, arrays in converted_tensors(gguf, arch, config, scale_dtype):
+            if "scales" in arrays:
+                bits[module] = quantized_bits(arrays)
+            for key, array in arrays.items():
+                writer.add(f"{module}.{key}", array)
+        writer.finish()
+        if quantization := quantization_config(bits):
+            config["quantization"] = quantization
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         write_tokenizer_files(gguf.metadata, tmp)
         write_manifest(tmp, source=source or str(gguf_path), format="gguf", scale_dtype=scale_dtype,

@@ -234,6 +234,7 @@ def _float_tensor(raw: np.ndarray, kind: str, shape: tuple[int, ...]):
     return mx.array(bits.view(np.float32).reshape(shape)).astype(mx.bfloat16)
 
 
-def quantized_bits(weights: dict, module: str) -> int:
-    """The bit width of a converted module, from its packed weight and scales."""
-    return weights[f"{module}.weight"].shape[-1] * 32 // (weights[f"{module}.scales"].shape[-1] * GROUP_SIZE)
+def quantized_bits(arrays: dict) -> int:
+    """The bit width of a converted tensor (``convert_tensor``'s triple), from its packed
+    weight and scales."""
+    return arrays["weight"].shape[-1] * 32 // (arrays["scales"].shape[-1] * GROUP_SIZE)

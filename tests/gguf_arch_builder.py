@@ -1,0 +1,161 @@
+"""Write a tiny mlx-lm model of any supported architecture as llama.cpp's converter would.
+
+Independent of ``vllm_mlx``: the GGUF tensor names come from gguf-py's ``TensorNameMap`` (the
+table llama.cpp's converter itself uses), the metadata from gguf-py's ``GGUFWriter``, and the
+two transformations the converter applies are written out here from its source: llama-family
+Q/K rows interleaved for GGML's RoPE, Gemma norms stored as ``w + 1``. The model the file was
+written from is the oracle: a correct conversion loads back into mlx-lm with the same logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
+from gguf.tensor_mapping import get_tensor_name_map
+from gguf_builder import CHATML_TEMPLATE, MERGES, llama_cpp_permute, tiny_vocab
+from mlx.utils import tree_flatten
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 64, 4, 2, 16, 128, 2
+
+
+@dataclass
+class ArchCase:
+    """One architecture: its GGUF name, the mlx-lm config of the tiny model, and metadata
+    llama.cpp writes for it beyond the common keys."""
+
+    gguf_arch: str
+    config: dict
+    extra_metadata: dict = field(default_factory=dict)
+    rope_permuted: bool = False
+    norm_offset: float = 0.0
+
+
+def _common(model_type: str, **more) -> dict:
+    vocab = len(tiny_vocab()[0])
+    return {
+        "model_type": model_type, "hidden_size": HIDDEN, "num_hidden_layers": LAYERS,
+        "intermediate_size": FFN, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM, "rms_norm_eps": 1e-5, "vocab_size": vocab, "rope_theta": 10000.0,
+        "max_position_embeddings": 256, "tie_word_embeddings": True, **more,
+    }  # fmt: skip
+
+
+CASES = {
+    "llama": ArchCase("llama", _common("llama"), rope_permuted=True),
+    "llama-untied": ArchCase("llama", _common("llama", tie_word_embeddings=False), rope_permuted=True),
+    "qwen2": ArchCase("qwen2", _common("qwen2")),
+    "qwen3": ArchCase("qwen3", _common("qwen3", tie_word_embeddings=False)),
+    "qwen3moe": ArchCase(
+        "qwen3moe",
+        _common("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True),
+        {"expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 32},
+    ),
+    "gemma2": ArchCase(
+        "gemma2",
+        _common("gemma2", query_pre_attn_scalar=HEAD_DIM, attn_logit_softcapping=20.0, final_logit_softcapping=10.0),
+        {"attn_logit_softcapping": 20.0, "final_logit_softcapping": 10.0, "attention.sliding_window": 4096},
+        norm_offset=1.0,
+    ),
+    "gemma3": ArchCase(
+        "gemma3",
+        _common("gemma3_text", num_hidden_layers=6, query_pre_attn_scalar=HEAD_DIM, sliding_window=4,
+                sliding_window_pattern=6, rope_theta=1_000_000.0, rope_local_base_freq=10000.0),
+        {"attention.sliding_window": 4},
+        norm_offset=1.0,
+    ),
+    "phi3": ArchCase("phi3", _common("phi3", tie_word_embeddings=False)),
+    "granite": ArchCase(
+        "granite",
+        _common("granite", logits_scaling=4.0, attention_multiplier=0.2, embedding_multiplier=6.0,
+                residual_multiplier=0.5, attention_bias=False, mlp_bias=False),
+        {"logit_scale": 4.0, "attention.scale": 0.2, "embedding_scale": 6.0, "residual_scale": 0.5},
+        rope_permuted=True,
+    ),
+}
+
+
+def build_model(case: ArchCase, seed: int = 0):
+    """The tiny mlx-lm model, weights drawn large enough that attention and logits are far from
+    uniform (so a wrong name, offset or row order moves the logits by about their scale)."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(case.config)
+    model = model_class(args_class.from_dict(case.config))
+    rng = np.random.default_rng(seed)
+    params = []
+    for name, value in tree_flatten(model.parameters()):
+        if name.endswith("norm.weight"):
+            drawn = (0.1 if case.norm_offset else 1.0) + rng.normal(0, 0.1, value.shape)
+        else:
+            drawn = rng.normal(0, 0.5 if "embed" in name or "lm_head" in name else 0.2, value.shape)
+        params.append((name, mx.array(drawn.astype(np.float32))))
+    model.load_weights(params)
+    return model
+
+
+def _gguf_name(name_map, hf_name: str) -> str:
+    module, suffix = hf_name.rsplit(".", 1)
+    module = module.replace(".switch_mlp.", ".experts.")
+    target = name_map.get_name(module)
+    assert target is not None, f"gguf-py has no llama.cpp name for {hf_name}"
+    return f"{target}.{suffix}"
+
+
+def _metadata(writer: GGUFWriter, case: ArchCase) -> None:
+    c = case.config
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(c["hidden_size"])
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_head_count(c["num_attention_heads"])
+    writer.add_head_count_kv(c["num_key_value_heads"])
+    writer.add_key_length(c["head_dim"])
+    writer.add_value_length(c["head_dim"])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    writer.add_rope_freq_base(c["rope_theta"])
+    for key, value in case.extra_metadata.items():
+        full = f"{case.gguf_arch}.{key}"
+        if isinstance(value, float):
+            writer.add_float32(full, value)
+        else:
+            writer.add_uint32(full, value)
+    tokens, types = tiny_vocab()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML_TEMPLATE)
+
+
+def write_arch_gguf(path: Path, case: ArchCase, model, qtype: str = "F32") -> None:
+    """``model``'s weights as llama.cpp's converter lays them out: matrices in ``qtype``, vectors F32."""
+    arch_enum = next(k for k, v in MODEL_ARCH_NAMES.items() if v == case.gguf_arch)
+    name_map = get_tensor_name_map(arch_enum, case.config["num_hidden_layers"])
+    writer = GGUFWriter(str(path), case.gguf_arch)
+    _metadata(writer, case)
+    for name, value in tree_flatten(model.parameters()):
+        array = np.array(value, dtype=np.float32)
+        if case.rope_permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = case.config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+            array = llama_cpp_permute(array, heads)
+        if case.norm_offset and name.endswith("norm.weight"):
+            array = array + case.norm_offset
+        kind = GGMLQuantizationType[qtype] if array.ndim > 1 else GGMLQuantizationType.F32
+        if kind == GGMLQuantizationType.F32:
+            writer.add_tensor(_gguf_name(name_map, name), array)
+        else:
+            writer.add_tensor(_gguf_name(name_map, name), quantize(array, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

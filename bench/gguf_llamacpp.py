@@ -13,8 +13,8 @@ them; llama.cpp is fed the ids):
 Each side runs in a fresh subprocess (llama.cpp's OpenMP threads would otherwise spin beside
 MLX's). The engine: ``EngineCore`` with its defaults (weight format ``auto``) and prefix caching
 off. llama.cpp: its Python bindings (``pip install -e ".[llamacpp]"``, a ~10 minute build from
-source), ``--threads`` threads (default: every core), one batch for the whole prompt, its default f16 KV cache; its greedy step is
-an argmax over the logits in Python, as the engine's is an argmax in MLX.
+source), ``--threads`` threads (default: every core), one batch for the whole prompt, its default
+f16 KV cache; its greedy step is an argmax over the logits in Python, as the engine's is in MLX.
 
     python bench/gguf_llamacpp.py [--models default gemma3-270m-q4_k_m] [--prompt-tokens 256]
                                   [--decode-tokens 64] [--repeats 3] [--threads N]
@@ -31,8 +31,21 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 DECODE_PROMPT = "The capital of France is Paris. The capital of Germany is"
+
+
+@dataclass
+class Job:
+    """What both sides run: the file, the prompts (token ids), and how much."""
+
+    gguf: str
+    prefill: list[int]
+    decode: list[int]
+    decode_tokens: int
+    repeats: int
+    threads: int  # llama.cpp's
 
 
 @dataclass
@@ -61,23 +74,23 @@ def prompts(tokenizer, prompt_tokens: int) -> tuple[list[int], list[int]]:
     return ids[:prompt_tokens], tokenizer.encode(DECODE_PROMPT)
 
 
-def measure(run, prefill: list[int], decode: list[int], decode_tokens: int, repeats: int) -> Side:
-    """Medians over ``repeats`` after a warm-up; ``run(prompt, max_tokens)`` returns (seconds to
-    the first token, seconds for the rest, the tokens)."""
-    run(prefill, 4)  # warm-up
-    prefill_s = statistics.median(run(prefill, 1)[0] for _ in range(repeats))
-    decodes = [run(decode, decode_tokens) for _ in range(repeats)]
+def measure(run, job: Job) -> Side:
+    """Medians over ``job.repeats`` after a warm-up; ``run(prompt, max_tokens)`` returns (seconds
+    to the first token, seconds for the rest, the tokens)."""
+    run(job.prefill, 4)  # warm-up
+    prefill_s = statistics.median(run(job.prefill, 1)[0] for _ in range(job.repeats))
+    decodes = [run(job.decode, job.decode_tokens) for _ in range(job.repeats)]
     decode_s = statistics.median(seconds for _, seconds, _ in decodes)
     tokens = decodes[0][2]
-    return Side(len(prefill) / prefill_s, (len(tokens) - 1) / decode_s, tokens)
+    return Side(len(job.prefill) / prefill_s, (len(tokens) - 1) / decode_s, tokens)
 
 
-def engine_side(gguf: str, prefill: list[int], decode: list[int], decode_tokens: int, repeats: int, threads: int) -> Side:
+def engine_side(job: Job) -> Side:
     from vllm_mlx import SamplingParams
     from vllm_mlx.engine.core import EngineCore
 
-    engine = EngineCore(model=gguf, enable_prefix_caching=False, force_model_takeover=True,
-                        max_num_batched_tokens=max(512, len(prefill)))  # fmt: skip
+    engine = EngineCore(model=job.gguf, enable_prefix_caching=False, force_model_takeover=True,
+                        max_num_batched_tokens=max(512, len(job.prefill)))  # fmt: skip
 
     def run(prompt: list[int], max_tokens: int) -> tuple[float, float, list[int]]:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -92,17 +105,17 @@ def engine_side(gguf: str, prefill: list[int], decode: list[int], decode_tokens:
         return first - start, time.perf_counter() - first, tokens
 
     try:
-        return measure(run, prefill, decode, decode_tokens, repeats)
+        return measure(run, job)
     finally:
         engine.shutdown()
 
 
-def llamacpp_side(gguf: str, prefill: list[int], decode: list[int], decode_tokens: int, repeats: int, threads: int) -> Side:
+def llamacpp_side(job: Job) -> Side:
     import llama_cpp
     import numpy as np
 
-    n_ctx = max(len(prefill), len(decode) + decode_tokens) + 8
-    llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, verbose=False)
+    n_ctx = max(len(job.prefill), len(job.decode) + job.decode_tokens) + 8
+    llm = llama_cpp.Llama(model_path=job.gguf, n_ctx=n_ctx, n_batch=n_ctx, n_threads=job.threads, verbose=False)
 
     def argmax() -> int:
         logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
@@ -120,7 +133,7 @@ def llamacpp_side(gguf: str, prefill: list[int], decode: list[int], decode_token
         return first - start, time.perf_counter() - first, tokens
 
     try:
-        return measure(run, prefill, decode, decode_tokens, repeats)
+        return measure(run, job)
     finally:
         llm.close()
 
@@ -130,14 +143,14 @@ SIDES = {"engine": engine_side, "llama.cpp": llamacpp_side}
 
 def child(side: str, job_file: str) -> None:
     """Run one side (in a fresh process) on the job in ``job_file``; print its figures as JSON."""
-    job = json.loads(open(job_file).read())
-    result = SIDES[side](**job)
+    job = json.loads(Path(job_file).read_text())
+    result = SIDES[side](Job(**job))
     print(json.dumps(asdict(result)))
 
 
-def run_side(side: str, job: dict) -> Side:
+def run_side(side: str, job: Job) -> Side:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(job, f)
+        json.dump(asdict(job), f)
     try:
         out = subprocess.run([sys.executable, __file__, "--child", side, f.name],
                              capture_output=True, text=True, check=True)  # fmt: skip
@@ -153,13 +166,13 @@ def compare(model: str, args: argparse.Namespace) -> None:
 
     gguf = gguf_of(model)
     prefill, decode = prompts(load_model(gguf).tokenizer, args.prompt_tokens)
-    job = {"gguf": gguf, "prefill": prefill, "decode": decode, "decode_tokens": args.decode_tokens,
-           "repeats": args.repeats, "threads": args.threads}  # fmt: skip
+    job = Job(gguf, prefill, decode, args.decode_tokens, args.repeats, args.threads)
     load_before = os.getloadavg()[0]
     ours, theirs = run_side("engine", job), run_side("llama.cpp", job)
     load = f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
     agree = next((i for i, (a, b) in enumerate(zip(ours.tokens, theirs.tokens)) if a != b), len(ours.tokens))
-    print(f"\n{model} ({os.path.basename(gguf)}), {os.cpu_count()} cores ({load}), llama.cpp on {args.threads} threads:")
+    print(f"\n{model} ({os.path.basename(gguf)}), {os.cpu_count()} cores ({load}), "
+          f"llama.cpp on {args.threads} threads:")  # fmt: skip
     print(f"{'':28s} {'vllm-mlx':>10s} {'llama.cpp':>10s} {'ratio':>7s}")
     for label, a, b in (
         (f"prefill tok/s ({len(prefill)} tokens)", ours.prefill_tps, theirs.prefill_tps),

@@ -12,8 +12,8 @@ import pytest
 FILE_SECONDS = {
     "test_docs.py": 146, "test_tensor_parallel_failures.py": 132, "test_recurrent.py": 96,
     "test_distributed_serve.py": 93, "test_jupyter_browser.py": 88, "test_vllm_plugin.py": 50,
-    "test_jupyter_notebooks.py": 46, "test_tensor_parallel.py": 45, "test_engine.py": 41,
-    "test_async_engine.py": 41, "test_sliding_window.py": 37, "test_cpu_backend.py": 37,
+    "test_model_catalog.py": 48, "test_jupyter_notebooks.py": 46, "test_tensor_parallel.py": 45,
+    "test_engine.py": 41, "test_async_engine.py": 41, "test_sliding_window.py": 37, "test_cpu_backend.py": 37,
     "test_structured_output.py": 36, "test_ring_formation.py": 34, "test_pipeline_parallel.py": 31,
     "test_distributed_costs.py": 30, "test_server_fuzz.py": 27, "test_model_support.py": 24,
     "test_model_sources.py": 17, "test_engine_faults.py": 16,

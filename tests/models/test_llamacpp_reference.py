@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp's Python bindings (the `llamacpp` extra) are not installed")
+llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp's bindings (the `llamacpp` extra) are not installed")
 
 from vllm_mlx.core.request import SamplingParams  # noqa: E402
 from vllm_mlx.llm import LLM  # noqa: E402

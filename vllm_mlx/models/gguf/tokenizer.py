@@ -88,6 +88,11 @@ class GGUFVocab:
         return self.tokens[token_id] if token_id is not None else None
 
 
+def _array(metadata: dict, key: str, default: list) -> list:
+    value = metadata.get(f"tokenizer.ggml.{key}")
+    return list(value) if value is not None else default
+
+
 def read_vocab(metadata: dict) -> GGUFVocab:
     """The vocabulary and flags from GGUF metadata; unsupported kinds are refused by name."""
     model = metadata.get("tokenizer.ggml.model")
@@ -101,7 +106,7 @@ def read_vocab(metadata: dict) -> GGUFVocab:
     if "tokenizer.ggml.tokens" not in metadata:
         raise ModelSourceError("the GGUF file has no tokenizer (tokenizer.ggml.tokens)")
     tokens = list(metadata["tokenizer.ggml.tokens"])
-    types = list(metadata.get("tokenizer.ggml.token_type") or [TOKEN_TYPE_NORMAL] * len(tokens))
+    types = _array(metadata, "token_type", [TOKEN_TYPE_NORMAL] * len(tokens))
     spm = model == "llama"
     special_ids = {}
     for kind in ("bos", "eos", "unknown", "padding"):
@@ -119,8 +124,8 @@ def read_vocab(metadata: dict) -> GGUFVocab:
         pre=pre,
         tokens=tokens,
         types=[int(t) for t in types],
-        scores=list(metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)),
-        merges=list(metadata.get("tokenizer.ggml.merges") or []),
+        scores=[float(s) for s in _array(metadata, "scores", [0.0] * len(tokens))],
+        merges=_array(metadata, "merges", []),
         special_ids=special_ids,
         add_bos=flag("add_bos_token", spm or PRE_TOKENIZERS[pre].add_bos),
         add_eos=flag("add_eos_token", False),
@@ -132,8 +137,7 @@ def read_vocab(metadata: dict) -> GGUFVocab:
 def spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
     """Every split of every token into two tokens, best-scored token first.
 
-    Splits of the same token keep (left id, right id) order; ``sorted`` is stable, so tokens of
-    equal score keep their id order.
+    Ties go by the merged token's id, then by (left id, right id), as transformers orders them.
     """
     ids = {token: i for i, token in enumerate(tokens)}
     found = []

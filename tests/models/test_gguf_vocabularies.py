@@ -163,6 +163,12 @@ def test_gemma3_special_tokens(gemma3_tokenizers):
     assert ours.encode("<start_of_turn>", add_special_tokens=False) == [105]
     assert ours.encode("a  b", add_special_tokens=False)[1] == 138  # "  " is a user-defined token
     assert ours.model_max_length == 32768  # gemma3.context_length
+    # A run of spaces longer than the longest all-space token: longest match first, as llama.cpp's
+    # special-token partition (and SentencePiece's user-defined pieces) do; transformers differs.
+    vocab = ours.get_vocab()
+    assert ours.encode("x" + " " * 40 + "y", add_special_tokens=False) == [
+        vocab["x"], vocab[" " * 31], vocab[" " * 9], vocab["y"]
+    ]
 
 
 # ---------------------------------------------------------------------------

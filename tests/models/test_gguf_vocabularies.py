@@ -186,6 +186,13 @@ REFERENCE_PATTERNS = {
     "default": ([r"[\p{P}\$\+<=>\^~\|]+", GPT2_CPP, r"\p{N}+", "[0-9][0-9][0-9]"], False),
     "llama-bpe": ([CONTRACTIONS_CPP + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}" + REST_CPP], True),
     "qwen2": ([CONTRACTIONS_CPP + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}" + REST_CPP], False),
+    "qwen35": (
+        [
+            CONTRACTIONS_CPP + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+            r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+        ],
+        False,
+    ),
     "tekken": (
         [
             (
@@ -202,6 +209,7 @@ BPE_TEXTS = [
     "DON'T I'M YOU'RE we'LL it's they'Ve she'D",
     "hello\n\n\nworld  \n  x\r\n\r\n end\n",
     "ἙΛΛΆΣ café naïve Ünïcödé русский 日本語のテキスト",
+    "combining marks: nai\u0308ve cafe\u0301 x\u0301 हिन्दी ภาษาไทย",
     "$$$ !!! ... <=> ^~| foo-bar_baz (a)[b]{c} @#%&*",
     "camelCaseÉté ΑβΓδ aÉ HTTPServer iPhone McDonald's",
     "def f(x):\n    return {'a': x ** 2}  # comment\n\n\tif x != 0: pass",
@@ -209,9 +217,15 @@ BPE_TEXTS = [
 ]
 
 
-# SmolLM2's vocabulary has no multi-digit tokens nor "'T": merges appended (lowest priority) so that
-# digit grouping and case-insensitive contractions change ids.
-EXTRA_MERGES = [("1", "2"), ("12", "3"), ("4", "5"), ("'", "T"), ("'", "M"), ("'", "D")]
+# SmolLM2's vocabulary has no multi-digit tokens, no "'T" and no letter joined to a combining mark:
+# merges appended (lowest priority) so that digit grouping, case-insensitive contractions and
+# marks kept with their letter (qwen35) change ids. Byte-level spelling: U+0301 is "Ìģ", " " is "Ġ".
+ACUTE = "".join(byte_symbols()[b] for b in "\u0301".encode())
+EXTRA_MERGES = [
+    *[("1", "2"), ("12", "3"), ("4", "5")],
+    *[("'", "T"), ("'", "M"), ("'", "D")],
+    *[(ACUTE[0], ACUTE[1]), ("Ġx", ACUTE)],
+]
 
 
 @pytest.fixture(scope="module")

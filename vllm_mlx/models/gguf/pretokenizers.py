@@ -28,6 +28,10 @@ QWEN2 = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+QWEN35 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 TEKKEN = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
@@ -79,12 +83,15 @@ PRE_TOKENIZERS: dict[str, BPEPreTokenizer] = {
     "llama-bpe": _LLAMA3,
     "falcon3": _LLAMA3,
     "pixtral": _LLAMA3,
+    "falcon-h1": _LLAMA3,
+    "lfm2": _LLAMA3,
     "dbrx": BPEPreTokenizer((LLAMA3,)),
     "smaug-bpe": BPEPreTokenizer((LLAMA3,)),
     "qwen2": _QWEN2,
     "deepseek-r1-qwen": _QWEN2,
     "megrez": BPEPreTokenizer((QWEN2,)),
     "stablelm2": BPEPreTokenizer((QWEN2,)),
+    "qwen35": BPEPreTokenizer((QWEN35,), clean_spaces=False),  # Qwen3.5: combining marks stay with letters
     "tekken": BPEPreTokenizer((TEKKEN,), ignore_merges=True, add_bos=True, clean_spaces=False),  # Mistral Nemo
     "gpt-4o": BPEPreTokenizer((GPT4O,), clean_spaces=False),  # Phi-4-mini
     "llama4": BPEPreTokenizer((GPT4O,), clean_spaces=False),

@@ -141,6 +141,19 @@ def convert(kind: str, raw: np.ndarray, shape: tuple[int, ...], scale_dtype: str
     return tensors.convert_tensor("blk.0.w", raw.reshape(-1), qtype(kind).value, shape, scale_dtype)
 
 
+@pytest.mark.parametrize("kind", ["Q5_K", "Q8_0", "Q6_K", "IQ4_NL"])
+def test_row_chunks_convert_like_the_whole_tensor(kind, monkeypatch):
+    """Quantized tensors convert in whole-row chunks (bounded temporaries): same arrays."""
+    shape = (2, 5, 256)  # 10 rows; experts
+    raw = tensor_bytes(kind, shape, np.random.default_rng(3))
+    whole = convert(kind, raw, shape)
+    monkeypatch.setattr(tensors, "CONVERT_CHUNK_VALUES", 3 * 256)  # 3 rows a chunk: 4 chunks
+    chunked = convert(kind, raw, shape)
+    for key in ("weight", "scales", "biases"):
+        assert chunked[key].shape == whole[key].shape
+        assert mx.array_equal(chunked[key], whole[key]).item(), key
+
+
 def test_exact_types_are_the_documented_ones():
     assert set(tensors.EXACT_TYPES) == set(EXACT_BITS)
 
@@ -154,7 +167,7 @@ def test_exact_type_equals_gguf_dequantizer(kind, shape):
     bits = EXACT_BITS[kind]
     assert arrays["scales"].dtype == mx.float32 and arrays["biases"].dtype == mx.float32
     assert arrays["scales"].shape == (*shape[:-1], shape[-1] // GROUP)
-    assert tensors.quantized_bits({"w.weight": arrays["weight"], "w.scales": arrays["scales"]}, "w") == bits
+    assert tensors.quantized_bits(arrays) == bits
     # Bit-equal, not just within rtol 1e-6 (observed: 0 differences). Every product here is exact
     # in float32 (an f16 scale's 11-bit significand times q, and K's 6-bit sub-scales), so MLX's
     # scale*q + bias and gguf-py's formula round the same single sum the same way.

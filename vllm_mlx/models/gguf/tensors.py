@@ -27,7 +27,10 @@ representable, which can leave the far end of a group that spans 0 up to a step 
 the group-16 types' own step that is at most (levels - 1)/255 of it where a group's two
 sub-blocks share a scale (63/255 of a Q6_K step, 7/255 of Q3_K's, 3/255 of Q2_K's); where they
 differ, the small-scale sub-block gets the large one's 8-bit step: on gemma-3-270m's Q6_K
-tensors the error was a median 0.12, 99th percentile 0.25 and at worst 1.5 Q6_K steps.
+tensors the error was a median 0.12, 99th percentile 0.25 and at worst 1.5 Q6_K steps. What it
+does to the model: gemma-3-270m Q4_K_M with its nine Q6_K tensors re-quantized vs. dequantized
+exactly (float32 compute, a 28-token prompt) moved no top-1 token, the logits by at most 0.19
+(of a ±29 range), KL 8e-5 nats on average (``bench/gguf_requantization.py``; ``docs/benchmarks.md``).
 F32/F16/BF16 stay floating point. ``tests/models/test_gguf_tensors.py`` checks every type against
 gguf-py's dequantizer.
 """

@@ -105,10 +105,10 @@ def prepare_engine_model(config: EngineConfig, group=None) -> PreparedModel:
     rank calls this (rank 0 from ``EngineCore``, the others from ``worker_loop``): the shard
     checks and the measuring forwards are collectives, issued here in the same order on all."""
     from vllm_mlx.core.kv.spec import is_recurrent
+    from vllm_mlx.engine.weight_plan import log_plan, plan_weight_format
     from vllm_mlx.executor.attention import check_supported
     from vllm_mlx.executor.model_runner import measure_kv_layout
     from vllm_mlx.executor.state_pool import probe_state_layout
-    from vllm_mlx.engine.weight_plan import log_plan, plan_weight_format
     from vllm_mlx.models import load_model, resolve_model
     from vllm_mlx.platform.cpu_backend import prepare_model_weights
 
@@ -226,8 +226,7 @@ class EngineCore:
         loaded, state_layout = prepared.loaded, prepared.state_layout
         self.vision = loaded.vision
         self.weight_format = prepared.weight_format
-        self.weight_plan = prepared.plan
-        """Why ``weight_format``: every format's memory need and the memory they were held to."""
+        self.weight_plan = prepared.plan  # why weight_format: every format's need, the memory they were held to
         self.model_path: Path = loaded.path
         get_registry().claim(str(self.model_path), self, force=config.force_model_takeover)
         self.tokenizer = loaded.tokenizer

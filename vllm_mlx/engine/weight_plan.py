@@ -61,13 +61,20 @@ class FormatNeed:
 @dataclass(frozen=True)
 class WeightPlan:
     """The format chosen for ``requested``, the needs of every format and the memory they were
-    measured against."""
+    measured against. ``preferred``: what ``requested`` means by speed alone, before memory
+    (float32 for "auto" on the CPU backend, "quantized" on Metal and CUDA)."""
 
     weight_format: str
     requested: str
     sizes: WeightSizes
     memory: EngineMemory
     needs: tuple[FormatNeed, ...]
+    preferred: str = ""
+
+    @property
+    def gave_up_speed(self) -> bool:
+        """Whether memory made "auto" pick a slower format than it prefers."""
+        return self.sizes.is_quantized and bool(self.preferred) and self.weight_format != self.preferred
 
     def need(self, weight_format: str) -> FormatNeed:
         return next(n for n in self.needs if n.weight_format == weight_format)
@@ -85,9 +92,9 @@ class WeightPlan:
         chosen = self.need(self.weight_format)
         name = f"{self.weight_format} weights" if self.sizes.is_quantized else f"{self.sizes.float_dtype} weights as stored"
         head = f"{name} ({self.requested}): {chosen.describe()}, within {self.budget}"
-        faster = self.needs[: FORMATS.index(self.weight_format)]
-        if self.requested != "auto" or not self.sizes.is_quantized or not faster:
+        if not self.gave_up_speed:
             return head
+        faster = self.needs[FORMATS.index(self.preferred) : FORMATS.index(self.weight_format)]
         over = "; ".join(f"{n.weight_format} would need {format_bytes(n.total)}" for n in faster)
         return f"{head}; {over}"
 
@@ -179,13 +186,14 @@ def plan_weight_format(
     needs = format_needs(config, _read_config(model_dir), sizes) if sizes else ()
     plan = WeightPlan("quantized", config.weight_format, sizes, memory, needs)
     chosen = choose_weight_format(config.weight_format, fits=plan.fits if sizes else None)
+    preferred = choose_weight_format(config.weight_format)
     if group is not None:  # before any raise: every rank must reach the collective
         from vllm_mlx.distributed.group import most_of
 
         chosen = FORMATS[most_of(group, FORMATS.index(chosen))]
     if sizes is None:
         raise ModelSourceError(f"cannot load the model in {model_dir}: {error}".splitlines()[0])
-    plan = WeightPlan(chosen, plan.requested, sizes, memory, needs)
+    plan = WeightPlan(chosen, plan.requested, sizes, memory, needs, preferred)
     if not plan.fits(chosen):
         raise _refusal(plan, chosen)
     return plan
@@ -194,11 +202,7 @@ def plan_weight_format(
 def log_plan(plan: WeightPlan) -> None:
     """The one line that says which format runs and why: a warning when "auto" gave up the
     fastest format for memory, else at info level."""
-    from vllm_mlx.platform.cpu_backend import choose_weight_format
-
-    slower = plan.requested == "auto" and plan.weight_format != choose_weight_format("auto")
-    level = logging.WARNING if slower and plan.sizes.is_quantized else logging.INFO
-    logger.log(level, "vllm-mlx: %s", plan.line())
+    logger.log(logging.WARNING if plan.gave_up_speed else logging.INFO, "vllm-mlx: %s", plan.line())
 
 
 def _read_config(model_dir: Path) -> dict:

@@ -193,6 +193,8 @@ class EngineCore:
 
     Raises:
         ModelSourceError: The model cannot be found, downloaded, converted or loaded.
+        ModelMemoryError: The weights in ``weight_format`` plus the KV pool cannot fit the
+            memory the engine may use (``memory_limit``); raised before loading, with figures.
         ModelOwnershipError: Another live engine owns the model and
             ``force_model_takeover`` is False.
         UnsupportedModelError: The architecture needs caches we do not support (chunked

@@ -28,12 +28,46 @@ def byte_symbols() -> dict[int, str]:
     return symbols
 
 
+def regex_split(text: str, patterns: list[str]) -> list[str]:
+    """llama.cpp's ``unicode_regex_split``: each pattern in turn cuts every piece into its matches
+    and the text between them, both kept."""
+    pieces = [text]
+    for pattern in patterns:
+        compiled = regex.compile(pattern)
+        cut = []
+        for piece in pieces:
+            start = 0
+            for match in compiled.finditer(piece):
+                if match.start() > start:
+                    cut.append(piece[start : match.start()])
+                if match.end() > match.start():
+                    cut.append(match.group())
+                start = max(start, match.end())
+            if start < len(piece):
+                cut.append(piece[start:])
+        pieces = cut
+    return pieces
+
+
 class ReferenceBPE:
-    def __init__(self, tokens: list[str], merges: list[str], special: list[str], split_digits: bool):
+    """``patterns``, when given, replaces the GPT-2 (``split_digits``) pre-tokenization with
+    llama.cpp's list of regexes; ``ignore_merges`` emits a piece that is a whole token as is."""
+
+    def __init__(
+        self,
+        tokens: list[str],
+        merges: list[str],
+        special: list[str],
+        split_digits: bool = False,
+        patterns: list[str] | None = None,
+        ignore_merges: bool = False,
+    ):
         self.ids = {token: i for i, token in enumerate(tokens)}
         self.ranks = {tuple(m.split(" ", 1)): rank for rank, m in enumerate(merges)}
         self.special = sorted(special, key=len, reverse=True)
         self.split_digits = split_digits
+        self.patterns = patterns
+        self.ignore_merges = ignore_merges
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -43,6 +77,9 @@ class ReferenceBPE:
                 continue
             for word in self._pre_tokenize(piece):
                 symbols = "".join(byte_symbols()[b] for b in word.encode("utf-8"))
+                if self.ignore_merges and symbols in self.ids:
+                    ids.append(self.ids[symbols])
+                    continue
                 ids.extend(self.ids[part] for part in self._bpe(symbols))
         return ids
 
@@ -62,6 +99,8 @@ class ReferenceBPE:
             yield text[start:], False
 
     def _pre_tokenize(self, text: str) -> list[str]:
+        if self.patterns is not None:
+            return regex_split(text, self.patterns)
         chunks = regex.findall(r"\p{N}|\P{N}+", text) if self.split_digits else [text]
         return [word for chunk in chunks for word in GPT2_PATTERN.findall(chunk)]
 

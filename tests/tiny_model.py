@@ -150,3 +150,39 @@ def build_tiny_llama(out_dir: Path, tokenizer_dir: Path, *, seed: int = 0, **ove
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, out_dir / name)
     return out_dir
+
+
+def build_tiny_quantized(
+    out_dir: Path, tokenizer_dir: Path, *, bits: int = 4, group_size: int = 32, layer_bits: dict | None = None,
+    seed: int = 0, **overrides,
+) -> Path:
+    """The tiny model of ``build_tiny_llama``, stored as mlx-lm stores a quantized checkpoint: a
+    bfloat16 model (as most published ones are) whose linear layers and embedding are quantized
+    (packed uint32 weights with ``.scales``/``.biases``; ``config.json``'s ``quantization``).
+    ``layer_bits``: per-layer overrides (module path -> bits), written as mlx-lm writes them."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx_lm
+    from mlx.utils import tree_flatten
+
+    float_dir = build_tiny_llama(out_dir.parent / f"{out_dir.name}-float", tokenizer_dir, seed=seed, **overrides)
+    model, _ = mlx_lm.load(str(float_dir))
+    model.set_dtype(mx.bfloat16)
+    layer_bits = layer_bits or {}
+
+    def settings(path: str, module) -> dict | bool:
+        if not hasattr(module, "to_quantized"):
+            return False
+        return {"group_size": group_size, "bits": layer_bits.get(path, bits)}
+
+    nn.quantize(model, class_predicate=settings)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out_dir / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    config = json.loads((float_dir / "config.json").read_text())
+    quantization = {"group_size": group_size, "bits": bits}
+    quantization |= {path: {"group_size": group_size, "bits": b} for path, b in layer_bits.items()}
+    config["quantization"] = quantization
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, out_dir / name)
+    return out_dir

@@ -41,6 +41,8 @@ class LLM:
 
     Raises:
         ModelSourceError: The model cannot be found, downloaded, converted or loaded.
+        ModelMemoryError: The model cannot fit the memory the engine may use in its weight
+            format (``memory_limit``, ``weight_format``); raised before loading.
         ModelOwnershipError: Another live engine owns the model (pass
             ``force_model_takeover=True`` to take it over).
         UnsupportedModelError: The architecture needs recurrent or chunked-attention caches.

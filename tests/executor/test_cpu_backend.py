@@ -68,9 +68,10 @@ def _mkl_installed() -> bool:
 # --- choose_weight_format ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", ["quantized", "float32"])
+@pytest.mark.parametrize("fmt", ["quantized", "float32", "bfloat16"])
 def test_explicit_format_is_honoured(fmt):
     assert cpu_backend.choose_weight_format(fmt) == fmt
+    assert cpu_backend.choose_weight_format(fmt, fits=lambda _: False) == fmt  # fitting: the caller's check
 
 
 def test_bad_format_names_the_allowed_values():
@@ -78,7 +79,7 @@ def test_bad_format_names_the_allowed_values():
         cpu_backend.choose_weight_format("int8")
     message = str(info.value)
     assert "'int8'" in message
-    for allowed in ("auto", "quantized", "float32"):
+    for allowed in ("auto", "quantized", "float32", "bfloat16"):
         assert repr(allowed) in message
 
 
@@ -90,6 +91,19 @@ def test_auto_is_float32_on_cpu_and_quantized_on_accelerators(monkeypatch):
         monkeypatch.setattr(cpu_backend, "_backend", lambda device=device: device)
         assert cpu_backend.choose_weight_format("auto") == "quantized"
         assert cpu_backend.choose_weight_format("float32") == "float32"
+
+
+def test_auto_on_cpu_is_the_fastest_format_that_fits(monkeypatch):
+    monkeypatch.setattr(cpu_backend, "_backend", lambda: "cpu")
+    for fitting, expected in [
+        ({"float32", "bfloat16", "quantized"}, "float32"),
+        ({"bfloat16", "quantized"}, "bfloat16"),
+        ({"quantized"}, "quantized"),
+        (set(), "quantized"),  # nothing fits: the smallest, for the caller to refuse with its figures
+    ]:
+        assert cpu_backend.choose_weight_format("auto", fits=fitting.__contains__) == expected
+    monkeypatch.setattr(cpu_backend, "_backend", lambda: "metal")
+    assert cpu_backend.choose_weight_format("auto", fits=lambda _: True) == "quantized"
 
 
 def test_auto_matches_this_machine():
@@ -311,7 +325,44 @@ def test_float16_scales_dequantize_to_float32():
     assert mx.allclose(model(tokens), expected, atol=5e-2, rtol=5e-2).item()
 
 
-@pytest.mark.parametrize("fmt", ["float32", "quantized", "auto"])
+def test_bfloat16_dequantizes_every_layer():
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    model = _tiny_llama()
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=32, bits=4)
+    tokens = mx.array([[1, 5, 9, 42, 7, 200, 3, 3]])
+    expected = model(tokens).astype(mx.float32)
+    weights = {k: v for k, v in tree_flatten(model.parameters())}
+    dequantized = mx.dequantize(
+        weights["model.layers.0.mlp.up_proj.weight"], weights["model.layers.0.mlp.up_proj.scales"],
+        weights["model.layers.0.mlp.up_proj.biases"], 32, 4,
+    )  # fmt: skip
+    assert cpu_backend.prepare_model_weights(model, "bfloat16") == "bfloat16"
+    assert _quantized_layers(model) == []
+    assert {v.dtype for _, v in tree_flatten(model.parameters())} == {mx.bfloat16}
+    assert mx.array_equal(model.model.layers[0].mlp.up_proj.weight, dequantized).item()  # bfloat16 scales: exact
+    # The same weights; only the arithmetic differs (bfloat16 matmuls vs the quantized kernel's
+    # float accumulation): logits up to ~3.3 moved by at most 0.08 when measured.
+    assert mx.allclose(model(tokens).astype(mx.float32), expected, atol=0.1, rtol=0).item()
+
+
+def test_float32_weights_dequantize_to_bfloat16_by_rounding():
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    model = _tiny_llama()
+    nn.quantize(model, group_size=32, bits=4)
+    exact = mx.dequantize(model.model.embed_tokens.weight, model.model.embed_tokens.scales,
+                          model.model.embed_tokens.biases, 32, 4)  # fmt: skip
+    assert cpu_backend.prepare_model_weights(model, "bfloat16") == "bfloat16"
+    assert model.model.embed_tokens.weight.dtype == mx.bfloat16
+    assert mx.array_equal(model.model.embed_tokens.weight, exact.astype(mx.bfloat16)).item()
+
+
+@pytest.mark.parametrize("fmt", ["float32", "quantized", "auto", "bfloat16"])
 def test_float_model_is_left_unchanged(fmt):
     import mlx.core as mx
     from mlx.utils import tree_flatten

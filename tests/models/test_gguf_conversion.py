@@ -308,3 +308,13 @@ def test_convert_command_writes_a_directory_mlx_lm_loads(tiny_gguf, tmp_path, ca
     assert manifest["source_sha256"] == gguf_module.file_sha256(tiny_gguf("Q4_1"))
     assert main(["convert", str(tiny_gguf("Q4_1")), str(out_dir)]) == 1  # never over an existing directory
     assert "exists" in capsys.readouterr().err
+
+
+def test_generation_stops_where_llama_cpp_stops(tiny_gguf, tmp_path):
+    """EOS and the end-of-turn tokens llama.cpp stops on (here <|endoftext|> beside the file's
+    EOS <|im_end|>) are all the converted model's EOS ids, which the engine stops on."""
+    out_dir = convert_gguf(tiny_gguf("Q4_1"), tmp_path / "model", scale_dtype="float32")
+    config = json.loads((out_dir / "config.json").read_text())
+    assert config["eos_token_id"] == [0, 2]  # <|endoftext|>, <|im_end|>
+    _, tokenizer = mlx_lm.load(str(out_dir))
+    assert set(tokenizer.eos_token_ids) == {0, 2}

@@ -121,10 +121,21 @@ class EngineConfig:
         doc_flag="`--seed` (`serve` only)",
     )  # fmt: skip
     weight_format: str = option(
-        "auto", surfaces=(ENGINE, BENCH, NOTEBOOK), choices=("auto", "quantized", "float32"),
-        help="auto: quantized on Metal/CUDA, float32 on the CPU backend",
-        doc="`\"auto\"`, `\"quantized\"` or `\"float32\"`; auto keeps quantized weights on Metal and CUDA, and runs "
-        "float32 weights on the CPU backend, where they run faster ([why](installation.md#linux-cpu))",
+        "auto", surfaces=(ENGINE, BENCH, NOTEBOOK), choices=("auto", "quantized", "float32", "bfloat16"),
+        help="auto: quantized on Metal/CUDA; on the CPU backend float32, else bfloat16, else quantized, the first "
+        "that fits --memory-limit",
+        doc="`\"auto\"`, `\"quantized\"`, `\"float32\"` or `\"bfloat16\"`; auto keeps quantized weights on Metal and "
+        "CUDA, and on the CPU backend runs the fastest format whose weights and KV pool fit `memory_limit`: float32, "
+        "else bfloat16, else the checkpoint's quantized weights; a format that cannot fit is refused before loading "
+        "([Weight formats and memory](installation.md#weight-formats-and-memory))",
+    )  # fmt: skip
+    memory_limit: int | None = option(
+        None, surfaces=(ENGINE, BENCH, NOTEBOOK), unit=BYTES,
+        help="bytes the engine may use for weights and pools, e.g. 16G (default: the memory available at start "
+        "less a margin)",
+        doc="bytes the engine may use for its weights, KV pool and vision cache, checked before the weights load "
+        "(it decides what `weight_format=\"auto\"` picks on the CPU backend); `None` = the memory available at start "
+        "less a margin (10%, at least 1 GiB) ([Weight formats and memory](installation.md#weight-formats-and-memory))",
     )  # fmt: skip
     force_model_takeover: bool = option(
         False, surfaces=(NOTEBOOK,),

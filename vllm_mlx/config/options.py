@@ -161,13 +161,13 @@ _TEXT_PARSERS = {BYTES: parse_bytes, MEMORY: parse_memory, SECONDS: parse_second
 def checked_value(f: dataclasses.Field, opt: Option, value: Any) -> Any:
     """``value`` of field ``f`` in its canonical form (sizes parsed), or ``ValueError`` naming it."""
     name, kind = f.name, str(f.type)
+    if value is None and kind.endswith("| None"):
+        return value
     if opt.unit in (BYTES, MEMORY):
         try:
             return _TEXT_PARSERS[opt.unit](value)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
-    if value is None and kind.endswith("| None"):
-        return value
     if opt.unit == SECONDS:
         if not is_seconds(value, opt.minimum or 0):
             raise ValueError(f"{name} must be a number of seconds > {opt.minimum or 0:g}, got {value!r}")

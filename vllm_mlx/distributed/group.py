@@ -1,7 +1,8 @@
 """The group of ranks (``init_group``) and what every rank must agree on at start-up, checked
 collectively (every rank calls each check, in the same order, and all raise alike): the same model
 (``check_same_model``), the same way of splitting it (``check_same_mode``), and one KV pool sizing
-from the ranks' combined memory needs (``combine_memory_needs``)."""
+from the ranks' combined memory needs (``combine_memory_needs``), and one weight format
+(``most_of``: the smallest format any rank's memory allows)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,12 @@ def check_same_mode(group: mx.distributed.Group, mode: str) -> None:
             "the ranks disagree on how to split the model: "
             + ", ".join(f"rank {rank} {m} parallelism" for rank, m in enumerate(modes))
         )
+
+
+def most_of(group: mx.distributed.Group, mine: int) -> int:
+    """The largest of every rank's ``mine`` (collectively: every rank must call it)."""
+    gathered = mx.distributed.all_gather(mx.array([mine], dtype=mx.int64), group=group)
+    return int(np.array(gathered).max())
 
 
 def combine_memory_needs(group: mx.distributed.Group, mine: MemoryNeeds) -> MemoryNeeds:

@@ -65,6 +65,7 @@ from vllm_mlx.structured.grammar import CompiledGrammar
 
 if TYPE_CHECKING:
     from vllm_mlx.core.kv.spec import BlockGroups, KVLayout
+    from vllm_mlx.engine.weight_plan import WeightPlan
     from vllm_mlx.executor.state_pool import StateLayout
     from vllm_mlx.models import LoadedModel
 
@@ -95,6 +96,8 @@ class PreparedModel:
     kv_layout: KVLayout
     block_groups: BlockGroups
     memory: MemoryNeeds
+    plan: WeightPlan | None = None
+    """The weight format's choice by memory, made before loading (``engine/weight_plan.py``)."""
 
 
 def prepare_engine_model(config: EngineConfig, group=None) -> PreparedModel:
@@ -102,16 +105,22 @@ def prepare_engine_model(config: EngineConfig, group=None) -> PreparedModel:
     rank calls this (rank 0 from ``EngineCore``, the others from ``worker_loop``): the shard
     checks and the measuring forwards are collectives, issued here in the same order on all."""
     from vllm_mlx.core.kv.spec import is_recurrent
+    from vllm_mlx.engine.weight_plan import log_plan, plan_weight_format
     from vllm_mlx.executor.attention import check_supported
     from vllm_mlx.executor.model_runner import measure_kv_layout
     from vllm_mlx.executor.state_pool import probe_state_layout
-    from vllm_mlx.models import load_model
-    from vllm_mlx.platform.cpu_backend import choose_weight_format, prepare_model_weights
+    from vllm_mlx.models import load_model, resolve_model
+    from vllm_mlx.platform.cpu_backend import prepare_model_weights
 
-    loaded = load_model(config.model, trust_remote_code=config.trust_remote_code)
+    path = resolve_model(config.model, config.trust_remote_code)
+    # Before the weights load: a format that cannot fit is refused here, not by the OOM killer.
+    plan = plan_weight_format(config, path, group=group)
+    log_plan(plan)
+    loaded = load_model(path, trust_remote_code=config.trust_remote_code)
     specs = check_supported(loaded.model, loaded.config.get("model_type", "?"))
+    # The whole vision-language model (tower, projector, language model), as the plan counted it.
     weights = loaded.vision.model if loaded.vision else loaded.model
-    weight_format = prepare_model_weights(weights, choose_weight_format(config.weight_format))
+    weight_format = prepare_model_weights(weights, plan.weight_format)
     # Decided on the whole model, so that every rank probes (a forward: collectives) or none does.
     recurrent = any(map(is_recurrent, specs))
     if group is not None:
@@ -123,13 +132,22 @@ def prepare_engine_model(config: EngineConfig, group=None) -> PreparedModel:
     memory = MemoryNeeds(
         kv_layout.bytes_per_block_token(block_groups),
         state_layout.bytes_per_request if state_layout else 0,
-        available_memory(),
+        _memory_left(config, plan),
     )
     if group is not None:
         from vllm_mlx.distributed.group import combine_memory_needs
 
         memory = combine_memory_needs(group, memory)
-    return PreparedModel(loaded, specs, weight_format, state_layout, kv_layout, block_groups, memory)
+    return PreparedModel(loaded, specs, weight_format, state_layout, kv_layout, block_groups, memory, plan)
+
+
+def _memory_left(config: EngineConfig, plan: WeightPlan) -> int:
+    """The memory available now that the weights are in (what a fractional ``kv_cache_memory``
+    takes its share of): within ``memory_limit`` when set, what the weights leave of it."""
+    available = available_memory()
+    if config.memory_limit is None:
+        return available
+    return max(min(available, config.memory_limit - plan.need(plan.weight_format).weights), 0)
 
 
 def _split_model(config: EngineConfig, loaded: LoadedModel, specs: list, group) -> list:
@@ -175,6 +193,8 @@ class EngineCore:
 
     Raises:
         ModelSourceError: The model cannot be found, downloaded, converted or loaded.
+        ModelMemoryError: The weights in ``weight_format`` plus the KV pool cannot fit the
+            memory the engine may use (``memory_limit``); raised before loading, with figures.
         ModelOwnershipError: Another live engine owns the model and
             ``force_model_takeover`` is False.
         UnsupportedModelError: The architecture needs caches we do not support (chunked
@@ -208,6 +228,7 @@ class EngineCore:
         loaded, state_layout = prepared.loaded, prepared.state_layout
         self.vision = loaded.vision
         self.weight_format = prepared.weight_format
+        self.weight_plan = prepared.plan  # why weight_format: every format's need, the memory they were held to
         self.model_path: Path = loaded.path
         get_registry().claim(str(self.model_path), self, force=config.force_model_takeover)
         self.tokenizer = loaded.tokenizer

@@ -103,11 +103,17 @@ def run_mlx_lm(args, prompts, arrivals) -> dict:
     import mlx_lm
     from mlx_lm.generate import BatchGenerator
 
+    from vllm_mlx.engine.weight_plan import plan_weight_format
     from vllm_mlx.models import resolve_model
-    from vllm_mlx.platform.cpu_backend import choose_weight_format, prepare_model_weights
+    from vllm_mlx.platform.cpu_backend import prepare_model_weights
 
-    model, _ = mlx_lm.load(str(resolve_model(args.model)))
-    weight_format = prepare_model_weights(model, choose_weight_format(args.weight_format))
+    path = resolve_model(args.model)
+    # The format our engine runs with the same flags, refused alike when it cannot fit.
+    config = EngineConfig(**options_from_args(args, EngineConfig, BENCH))
+    config.normalize()
+    plan = plan_weight_format(config, path)
+    model, _ = mlx_lm.load(str(path))
+    weight_format = prepare_model_weights(model, plan.weight_format)
 
     def run_batch(batch: list[int], t0: float, ttft: dict) -> int:
         gen = BatchGenerator(model, completion_batch_size=args.max_num_seqs, prefill_batch_size=8)

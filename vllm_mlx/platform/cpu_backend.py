@@ -14,13 +14,17 @@ unoptimised quantized-matmul kernel. Two facts follow (numbers in ``bench/cpu_fo
   reference BLAS (float32 decodes 1.2-1.4x and prefills 1.3x faster, on the default model and on
   a 330M-parameter one), and it gains nothing from batching (~11 tok/s at batch 1, 8 or 32). With
   the optimised BLAS, float32 decodes ~2x faster single-stream, scales with the batch (~110 tok/s
-  at batch 8, ~200-275 at batch 32, 2 cores) and prefills ~20x faster. So on the CPU backend
-  "auto" means float32 weights, at ~4-6x the memory of Q4 weights. On Metal (and CUDA) quantized
-  weights stay: their kernels are the fast path there.
+  at batch 8, ~200-275 at batch 32, 2 cores) and prefills ~20x faster. bfloat16 weights (no
+  BLAS: MLX's own CPU matmul) sit between: ~1.3-2x faster than the quantized kernel, ~4x slower
+  than float32 on the BLAS. So on the CPU backend "auto" means float32 weights, at ~4-6x the
+  memory of Q4 weights, when they fit; else bfloat16 (half that); else the quantized checkpoint
+  as is. What "fits" means (the weights plus the KV pool within the memory the engine may use)
+  is decided above this layer (``engine/weight_plan.py``) and handed in as ``fits``. On Metal
+  (and CUDA) quantized weights stay: their kernels are the fast path there.
 
 Switches: ``VLLM_MLX_FAST_BLAS=0`` turns the preload off; ``=mkl`` or ``=openblas`` tries that
 provider first; ``=/path/to/lib.so`` tries that library first. An explicit weight format
-("quantized" or "float32") overrides "auto". Threads: MKL runs its sequential layer unless
+("quantized", "float32" or "bfloat16") overrides "auto". Threads: MKL runs its sequential layer unless
 ``MKL_THREADING_LAYER`` says otherwise (see ``_MKL_LAYERS``); OpenBLAS uses one thread per core
 unless ``OPENBLAS_NUM_THREADS`` says otherwise (on 2 cores two threads decoded as fast as or
 faster than one, so it is left). When no optimised BLAS serves MLX, ``warn_reference_blas()`` prints
@@ -34,10 +38,12 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from collections.abc import Callable
 
 __all__ = [
     "FAST_BLAS_ENV",
     "BLAS_PROVIDERS",
+    "CPU_FORMATS_BY_SPEED",
     "FAST_BLAS_PATH",
     "FAST_BLAS_PROVIDER",
     "WEIGHT_FORMATS",
@@ -52,7 +58,10 @@ __all__ = [
 ]
 
 FAST_BLAS_ENV = "VLLM_MLX_FAST_BLAS"
-WEIGHT_FORMATS = ("auto", "quantized", "float32")
+WEIGHT_FORMATS = ("auto", "quantized", "float32", "bfloat16")
+# What "auto" tries on the CPU backend, fastest first (see the module docstring); the last one,
+# the checkpoint as it is, is also what a checkpoint without quantized weights always runs.
+CPU_FORMATS_BY_SPEED = ("float32", "bfloat16", "quantized")
 # Providers in the order preload_fast_blas() tries them, fastest first as measured by
 # bench/blas.py (docs/benchmarks.md): on the 2-core x86_64 test machine MKL ran most of MLX's
 # decode-shape matmuls 1.5-3.5x faster than OpenBLAS and prefill shapes as fast, so it goes first
@@ -222,21 +231,27 @@ def _backend() -> str:
     return "cpu"
 
 
-def choose_weight_format(requested: str = "auto") -> str:
-    """The weight format to run: "quantized" or "float32".
+def choose_weight_format(requested: str = "auto", fits: Callable[[str], bool] | None = None) -> str:
+    """The weight format to run: "quantized", "float32" or "bfloat16".
 
-    Explicit "quantized"/"float32" are honoured. "auto" keeps quantized weights on Metal and CUDA,
-    and picks float32 on the CPU backend, where dequantized weights were measured faster than MLX's
-    quantized CPU kernel at every batch size, with or without the optimised BLAS (which widens the
-    gap from ~1.3x to 1.5-20x; see ``bench/cpu_formats.py``). The price is memory: float32 weights
-    take ~4-6x the space of Q4 ones. Pass "quantized" explicitly to keep them small.
+    Explicit formats are honoured (whether they fit is the caller's check). "auto" keeps
+    quantized weights on Metal and CUDA. On the CPU backend it picks the fastest of
+    ``CPU_FORMATS_BY_SPEED`` that ``fits`` (float32, then bfloat16, then the quantized checkpoint):
+    dequantized float32 weights were measured faster than MLX's quantized CPU kernel at every
+    batch size, with or without the optimised BLAS (which widens the gap from ~1.3x to 1.5-20x;
+    see ``bench/cpu_formats.py``), at ~4-6x the memory of Q4 weights. Without ``fits`` (no size
+    known) the CPU answer is float32; when nothing fits it is "quantized", the smallest.
     """
     if requested not in WEIGHT_FORMATS:
         allowed = ", ".join(repr(f) for f in WEIGHT_FORMATS)
         raise ValueError(f"unknown weight format {requested!r}; allowed values: {allowed}")
     if requested != "auto":
         return requested
-    return "float32" if _backend() == "cpu" else "quantized"
+    if _backend() != "cpu":
+        return "quantized"
+    if fits is None:
+        return CPU_FORMATS_BY_SPEED[0]
+    return next((fmt for fmt in CPU_FORMATS_BY_SPEED if fits(fmt)), "quantized")
 
 
 def _is_quantized(module) -> bool:
@@ -263,42 +278,89 @@ def _weights_dtype(model) -> str:
 def prepare_model_weights(model, weight_format: str) -> str:
     """Put ``model``'s weights in ``weight_format`` in place; return the format actually used.
 
-    "float32" dequantizes every quantized layer (``QuantizedLinear``, ``QuantizedEmbedding`` —
-    tied output heads go through the embedding's ``as_linear`` — and mlx-lm's
-    ``QuantizedSwitchLinear``) with mlx-lm's ``dequantize_model`` and casts the floating-point
-    parameters to float32. Dequantization is exact, so logits only change by summation order.
-    "quantized" leaves the model as it is. A model without quantized layers is never changed; the
-    return value is then its weights' dtype (e.g. "float32", "bfloat16"). "auto" is resolved with
-    ``choose_weight_format`` first.
+    "float32" and "bfloat16" dequantize every quantized layer (``QuantizedLinear``,
+    ``QuantizedEmbedding`` — tied output heads go through the embedding's ``as_linear`` — and
+    mlx-lm's ``QuantizedSwitchLinear``) and cast the floating-point parameters to that dtype.
+    Dequantization is exact, so float32 logits only change by summation order; bfloat16 rounds
+    each weight to 8 bits of mantissa. "quantized" leaves the model as it is. A model without
+    quantized layers is never changed; the return value is then its weights' dtype (e.g.
+    "float32", "bfloat16"). "auto" is resolved with ``choose_weight_format`` first (by speed
+    only: the engine decides by memory before loading, ``engine/weight_plan.py``).
+
+    Layers are converted one at a time, each evaluated before the next, so memory peaks at the
+    converted copy plus one layer's quantized weights, not at both whole copies.
     """
     if weight_format not in WEIGHT_FORMATS:
         choose_weight_format(weight_format)  # raises the ValueError naming the allowed values
     if weight_format == "auto":
         weight_format = choose_weight_format("auto")
 
-    quantized = any(_is_quantized(m) for _, m in model.named_modules())
-    if not quantized:
+    names = [name for name, m in model.named_modules() if _is_quantized(m)]
+    if not names:
         return _weights_dtype(model)
     if weight_format == "quantized":
         return "quantized"
 
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
-    from mlx_lm.utils import dequantize_model
 
-    dequantize_model(model)
+    dtype = getattr(mx, weight_format)
+    for name in names:
+        _dequantize_layer(model, name, dtype)
     left = [(name, type(m).__name__) for name, m in model.named_modules() if _is_quantized(m)]
     if left:
         raise ValueError(f"cannot dequantize layer {left[0][0]} ({left[0][1]})")
     casts = [
-        (name, value.astype(mx.float32))
+        (name, value.astype(dtype))
         for name, value in tree_flatten(model.parameters())
-        if mx.issubdtype(value.dtype, mx.floating) and value.dtype != mx.float32
+        if mx.issubdtype(value.dtype, mx.floating) and value.dtype != dtype
     ]
     if casts:
         model.update(tree_unflatten(casts))
     mx.eval(model.parameters())
-    return "float32"
+    mx.clear_cache()
+    return weight_format
+
+
+def _submodule(model, name: str):
+    """The module at dotted path ``name`` (lists of layers indexed by number)."""
+    module = model
+    for part in name.split("."):
+        module = module[int(part)] if isinstance(module, list) else module[part]
+    return module
+
+
+def _dequantize_layer(model, name: str, dtype) -> None:
+    """Replace the quantized layer at ``name`` by its float twin in ``dtype`` (as mlx-lm's
+    ``dequantize_model`` builds it), evaluated at once; a layer of another kind is left for the
+    caller's check. Only the path is held, never the old module, so its quantized arrays are
+    freed as soon as the layer is replaced."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_unflatten
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    module = _submodule(model, name)
+    bias = "bias" in module
+    if isinstance(module, nn.QuantizedLinear):
+        cls, kwargs = nn.Linear, {"bias": bias}
+    elif isinstance(module, nn.QuantizedEmbedding):
+        cls, kwargs = nn.Embedding, {}
+    elif isinstance(module, QuantizedSwitchLinear):
+        cls, kwargs = SwitchLinear, {"bias": bias}
+    else:
+        return
+    weight = mx.dequantize(
+        module.weight, module.scales, module.get("biases"), module.group_size, module.bits, module.mode
+    ).astype(dtype)
+    replacement = cls(*weight.shape[::-1], **kwargs)  # its random init is never evaluated
+    replacement.weight = weight
+    if bias:
+        replacement.bias = module.bias.astype(dtype)
+    mx.eval(replacement.parameters())
+    del module
+    model.update_modules(tree_unflatten([(name, replacement)]))
+    mx.clear_cache()  # the quantized buffers just freed go back to the system, not MLX's cache
 
 
 def _blas_name(path: str | None) -> str:

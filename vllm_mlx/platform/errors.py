@@ -9,6 +9,11 @@ class ModelSourceError(VllmMlxError):
     """A model source cannot be resolved: a missing path, a bad GGUF, a failed download."""
 
 
+class ModelMemoryError(VllmMlxError):
+    """A model cannot fit the memory the engine may use, in the weight format asked for (or in
+    any, for "auto"): refused before its weights are loaded, with the figures."""
+
+
 class ImageInputError(VllmMlxError):
     """An image input cannot be used: missing, unreadable, too large, or a failed fetch."""
 

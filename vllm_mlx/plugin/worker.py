@@ -135,19 +135,28 @@ class MLXWorker(WorkerBase):
         _quiet_accelerator_cache_calls()
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
-        """Load the model as our engine does: the same sources, checks and CPU weight format."""
+        """Load the model as our engine does: the same sources, checks and CPU weight format,
+        chosen by memory before loading (the KV pool counted as ``determine_available_memory``
+        will size it: ``kv_cache_memory_bytes``, else our default budget)."""
+        from vllm_mlx.config import EngineConfig
+        from vllm_mlx.engine.weight_plan import log_plan, plan_weight_format
         from vllm_mlx.executor.attention import check_supported
-        from vllm_mlx.models import load_model
-        from vllm_mlx.platform.cpu_backend import choose_weight_format, prepare_model_weights
+        from vllm_mlx.models import load_model, resolve_model
+        from vllm_mlx.platform.cpu_backend import prepare_model_weights
 
         if load_dummy_weights:
             raise ValueError("load_format='dummy' is not supported by the MLX platform plugin")
-        loaded = load_model(self.model_config.model, trust_remote_code=bool(self.model_config.trust_remote_code))
+        trust = bool(self.model_config.trust_remote_code)
+        path = resolve_model(self.model_config.model, trust)
+        kv_budget = self.cache_config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY
+        plan = plan_weight_format(EngineConfig(kv_cache_memory=int(kv_budget)), path)
+        log_plan(plan)
+        loaded = load_model(path, trust_remote_code=trust)
         if loaded.vision is not None:
             raise ValueError("vision-language models are not supported through vLLM on MLX yet")
         # Recurrent state needs slots that vLLM's scheduler does not hand our runner yet.
         check_supported(loaded.model, loaded.config.get("model_type", "?"), recurrent=False)
-        prepare_model_weights(loaded.model, choose_weight_format("auto"))
+        prepare_model_weights(loaded.model, plan.weight_format)
         self.loaded = loaded
         self.kv_dtype = activation_dtype(loaded.model)
         logger.info("MLX model loaded from %s (KV cache in %s)", loaded.path, self.kv_dtype)

@@ -35,6 +35,53 @@ def available_memory() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+# The share of the available memory kept back from the engine's weights and pools, and its floor.
+# What it covers, none of which the weights or the KV pool account for: each step's activations
+# (for an 8B model at the default 512-token budget, a few tens of MB per MLP intermediate, and
+# the sampling rows' logits), MLX's cache of freed buffers, the tokenizer and Python's objects,
+# one layer's quantized copy while the weights are converted (at most the embedding: ~0.3 GB for
+# a 128k-token vocabulary of 4096 at 4 bits), and the other processes growing after the check
+# (MemAvailable is a snapshot, nothing is reserved). The floor covers the fixed part on a small
+# machine; the share, what grows with the model and the machine.
+MEMORY_MARGIN_SHARE = 0.10
+MEMORY_MARGIN_FLOOR = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """The bytes the engine may use for its weights and pools (``limit``), and where the figure
+    comes from: ``memory_limit`` when set (``explicit``; no margin is taken off), else the memory
+    available at start (``available``) less ``margin``."""
+
+    limit: int
+    available: int
+    margin: int
+    explicit: bool
+
+    @classmethod
+    def of(cls, memory_limit: int | None, available: int | None = None) -> EngineMemory:
+        """``memory_limit`` (bytes; None: the available memory less the margin)."""
+        available = available_memory() if available is None else available
+        if memory_limit is not None:
+            return cls(int(memory_limit), available, 0, True)
+        margin = max(MEMORY_MARGIN_FLOOR, int(available * MEMORY_MARGIN_SHARE))
+        return cls(max(available - margin, 0), available, margin, False)
+
+    def describe(self) -> str:
+        """Where ``limit`` comes from, for messages: "memory_limit" or "X available less Y"."""
+        if self.explicit:
+            return "memory_limit"
+        return f"{format_bytes(self.available)} available less a {format_bytes(self.margin)} margin"
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes for people: "1.3 GB", "512 MB", "4 KB" (decimal units)."""
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}" if unit == "GB" else f"{n / size:.0f} {unit}"
+    return f"{n} B"
+
+
 def kv_budget_bytes(kv_cache_memory: int | float, available_bytes: int | None = None) -> int:
     """An absolute byte count, or a fraction of the available memory (``available_bytes``, by
     default ``available_memory()``)."""

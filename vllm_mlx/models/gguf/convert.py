@@ -34,7 +34,7 @@ from vllm_mlx.models.gguf.architectures import (
 )
 from vllm_mlx.models.gguf.header import GGUFFile, open_gguf
 from vllm_mlx.models.gguf.tensors import GROUP_SIZE, check_supported, convert_tensor, dequantize, quantized_bits
-from vllm_mlx.models.gguf.tokenizer import write_tokenizer_files
+from vllm_mlx.models.gguf.tokenizer import eog_token_ids, write_tokenizer_files
 from vllm_mlx.models.store import MANIFEST, atomic_directory, models_dir, write_manifest
 from vllm_mlx.platform.errors import ModelSourceError
 
@@ -93,6 +93,10 @@ def model_config(gguf: GGUFFile, arch: Architecture) -> dict:
         if name in CONFIG_TENSORS
     }
     config.update(rope_config(arch, config, config_tensors))
+    # Stop where llama.cpp stops: EOS and the end-of-turn tokens (Gemma's <end_of_turn>, ...).
+    stops = eog_token_ids(gguf.metadata)
+    if len(stops) > 1:
+        config["eos_token_id"] = stops
     return config
 
 

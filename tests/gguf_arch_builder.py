@@ -37,6 +37,7 @@ class ArchCase:
     norm_offset: float = 0.0
     rope_base_written: bool = True  # Gemma 1's converter writes no rope.freq_base
     squeezed: bool = False  # converters before mid-2024: ``data_torch.squeeze()`` on every tensor
+    fused_qkv: bool = False  # Phi-2 as published in 2023: one ``mixer.Wqkv`` (q, k, v rows)
 
 
 def _common(model_type: str, drop: tuple[str, ...] = (), **more) -> dict:
@@ -95,6 +96,12 @@ CASES = {
         _common("phi", drop=("head_dim", "rms_norm_eps"), num_key_value_heads=HEADS, intermediate_size=4 * HIDDEN,
                 partial_rotary_factor=0.5, layer_norm_eps=1e-5),
         {"rope.dimension_count": 8}, rope_base_written=False,
+    ),
+    "phi2-2023": ArchCase(
+        "phi2",
+        _common("phi", drop=("head_dim", "rms_norm_eps"), num_key_value_heads=HEADS, intermediate_size=4 * HIDDEN,
+                partial_rotary_factor=0.5, layer_norm_eps=1e-5),
+        {"rope.dimension_count": 8}, rope_base_written=False, squeezed=True, fused_qkv=True,
     ),
     "gemma": ArchCase("gemma", _common("gemma"), norm_offset=1.0, rope_base_written=False),
     "qwen2moe": ArchCase(
@@ -234,13 +241,30 @@ def _stacked_per_head(model) -> list[tuple[str, np.ndarray]]:
     return params
 
 
+def _fused_qkv(params: list[tuple[str, np.ndarray]]) -> list[tuple[str, np.ndarray]]:
+    """q/k/v projections as 2023's Phi-2 checkpoint had them: ``transformer.h.N.mixer.Wqkv``, rows
+    q then k then v (the layout Hugging Face's later split undid)."""
+    fused, parts = [], {}
+    for name, array in params:
+        module, _, suffix = name.rpartition(".")
+        if module.endswith(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")):
+            layer = int(module.split(".")[2])
+            parts.setdefault((layer, suffix), {})[module[-6]] = array
+            continue
+        fused.append((name, array))
+    for (layer, suffix), qkv in sorted(parts.items()):
+        fused.append((f"transformer.h.{layer}.mixer.Wqkv.{suffix}", np.concatenate([qkv["q"], qkv["k"], qkv["v"]])))
+    return fused
+
+
 def write_arch_gguf(path: Path, case: ArchCase, model, qtype: str = "F32") -> None:
     """``model``'s weights as llama.cpp's converter lays them out: matrices in ``qtype``, vectors F32."""
     arch_enum = next(k for k, v in MODEL_ARCH_NAMES.items() if v == case.gguf_arch)
     name_map = get_tensor_name_map(arch_enum, case.config["num_hidden_layers"])
     writer = GGUFWriter(str(path), case.gguf_arch)
     _metadata(writer, case)
-    for name, array in _stacked_per_head(model):
+    params = _stacked_per_head(model)
+    for name, array in _fused_qkv(params) if case.fused_qkv else params:
         if case.rope_permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = case.config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
             array = llama_cpp_permute(array, heads)

@@ -14,6 +14,8 @@ what we undo, per ``general.architecture``:
   as mlx-lm's ``SwitchGLU`` has them (granitemoe's fused gate+up is split by the converter).
 * StableLM 2 12B's per-head q/k LayerNorms are stacked into one ``[heads, head_dim]`` tensor
   (``per_head``): we split it again.
+* Phi-2 files from 2023 hold q, k and v in one ``attn_qkv`` tensor (``split_qkv``): we split its
+  rows into mlx-lm's three projections.
 * Converters before mid-2024 squeezed every tensor, so a one-row matrix (Qwen2-MoE's shared-expert
   gate) may be stored 1-D (``row_vectors``): we give it its row back.
 * Config values llama.cpp does not store take the values its loader assumes (Gemma's attention
@@ -103,6 +105,7 @@ _PHI2_LAYERS = {  # parallel attention and MLP after one LayerNorm; every projec
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.dense",
+    "attn_qkv": "self_attn.qkv_proj",  # files from 2023 (Wqkv): split into q/k/v_proj
     "ffn_up": "mlp.fc1",
     "ffn_down": "mlp.fc2",
 }
@@ -148,6 +151,7 @@ class Architecture:
     row_vectors: tuple[str, ...] = ()  # GGUF tensors mlx-lm has as [1, n], maybe stored 1-D
     per_head: tuple[str, ...] = ()  # [heads, head_dim] GGUF tensors mlx-lm has as ``.norms.<head>``
     global_names: dict = field(default_factory=lambda: _GLOBALS)  # the tensors outside the layers
+    split_qkv: bool = False  # a fused ``attn_qkv`` (q, k, v rows) goes to separate q/k/v_proj
     extra_config: Callable[[Fields, dict], dict] = field(default=lambda fields, tensors: {})
 
     def hf_name(self, gguf_name: str) -> str:
@@ -169,6 +173,9 @@ class Architecture:
 
     def is_per_head(self, gguf_name: str) -> bool:
         return _base_name(gguf_name) in self.per_head
+
+    def is_fused_qkv(self, gguf_name: str) -> bool:
+        return self.split_qkv and _base_name(gguf_name) == "attn_qkv"
 
 
 def _base_name(gguf_name: str) -> str | None:
@@ -399,7 +406,7 @@ ARCHITECTURES = {
         Architecture("gemma2", "gemma2", "Gemma 2", _GEMMA_LAYERS, norm_offset=1.0, extra_config=_gemma2_extra),
         Architecture("gemma3", "gemma3_text", "Gemma 3 (text)", {**_GEMMA_LAYERS, **_QK_NORMS}, norm_offset=1.0,
                      extra_config=_gemma3_extra),
-        Architecture("phi2", "phi", "Phi-1.5, Phi-2", _PHI2_LAYERS, global_names=_PHI2_GLOBALS,
+        Architecture("phi2", "phi", "Phi-1.5, Phi-2", _PHI2_LAYERS, global_names=_PHI2_GLOBALS, split_qkv=True,
                      extra_config=_phi2_extra),
         Architecture("phi3", "phi3", "Phi-3, Phi-3.5, Phi-4 mini", _PHI3_LAYERS, extra_config=_phi3_extra),
         Architecture("granite", "granite", "Granite 3", _LLAMA_LAYERS, rope_permuted=True,

@@ -317,7 +317,7 @@ def _qwen2moe_extra(fields: Fields, tensors: dict) -> dict:
 
 def _olmo2_extra(fields: Fields, tensors: dict) -> dict:
     # OLMo 3 is written as olmo2 with a sliding window (and YaRN): a different mlx-lm model.
-    if fields.get("attention.sliding_window") is not None or fields.get("rope.scaling.type") is not None:
+    if fields.get("attention.sliding_window") is not None or fields.get("rope.scaling.type") not in (None, "none"):
         raise ModelSourceError("an olmo2 GGUF with a sliding window or RoPE scaling (OLMo 3) is not supported")
     return {"attention_bias": "blk.0.attn_q.bias" in tensors, "mlp_bias": "blk.0.ffn_up.bias" in tensors}
 

@@ -3,10 +3,11 @@
 Independent of ``vllm_mlx``: the GGUF tensor names come from gguf-py's ``TensorNameMap`` (the
 table llama.cpp's converter itself uses), the metadata from gguf-py's ``GGUFWriter``, and the
 transformations the converter applies are written out here from its source: llama-family Q/K
-rows interleaved for GGML's RoPE (llama, granite, granitemoe: ``LLAMA_ROPE_TYPE_NORM``), Gemma
-norms stored as ``w + 1``, granitemoe's fused expert gate+up split into two tensors, and the
-squeeze every tensor went through in converters before mid-2024. The model the file was written
-from is the oracle: a correct conversion loads back into mlx-lm with the same logits.
+rows interleaved for GGML's RoPE (llama, granite, granitemoe, smollm3: ``LLAMA_ROPE_TYPE_NORM``),
+Gemma norms stored as ``w + 1``, granitemoe's fused expert gate+up split into two tensors,
+StableLM's per-head norms stacked, 2023's fused Phi-2 ``Wqkv``, and the squeeze every tensor went
+through in converters before mid-2024. The model the file was written from is the oracle: a
+correct conversion loads back into mlx-lm with the same logits.
 """
 
 from __future__ import annotations
@@ -138,6 +139,8 @@ CASES = {
         "stablelm", _stablelm(use_qkv_bias=False, use_parallel_residual=True, qk_layernorm=True),
         {"rope.dimension_count": 4, "use_parallel_residual": True}, rope_base_written=False,
     ),
+    # Four layers, so that one (the fourth) runs without RoPE; Q/K permuted as for llama.
+    "smollm3": ArchCase("smollm3", _common("smollm3", num_hidden_layers=4), rope_permuted=True),
     "starcoder2": ArchCase("starcoder2", _common("starcoder2", drop=("head_dim", "rms_norm_eps"), norm_epsilon=1e-5)),
     "granite": ArchCase(
         "granite",

@@ -57,7 +57,8 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
            for name, gguf in (("qwen3", "qwen3"), ("qwen3_moe", "qwen3moe"), ("gemma2", "gemma2"), ("phi3", "phi3"),
                               ("granite", "granite"), ("gemma", "gemma"), ("qwen2_moe", "qwen2moe"),
                               ("olmo2", "olmo2"), ("olmoe", "olmoe"), ("granitemoe", "granitemoe"),
-                              ("stablelm", "stablelm"), ("starcoder2", "starcoder2"), ("phi", "phi2"))},
+                              ("stablelm", "stablelm"), ("starcoder2", "starcoder2"), ("phi", "phi2"),
+                              ("smollm3", "smollm3"))},
         "deepseek_v3": "tests/core/test_kv_sizing.py::test_latent_attention_equals_mlx_lm",
         **{name: f"tests/engine/test_recurrent.py::test_staggered_arrivals_and_preemption_equal_mlx_lm[{name}]"
            for name in ("lfm2", "qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_h")},

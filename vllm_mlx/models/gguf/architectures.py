@@ -4,8 +4,8 @@ What llama.cpp's converter (``convert_hf_to_gguf.py``) does to a Hugging Face ch
 what we undo, per ``general.architecture``:
 
 * Names: ``blk.N.attn_q`` for ``model.layers.N.self_attn.q_proj`` and so on (the tables below).
-* llama, granite and granitemoe run GGML's "normal" RoPE on interleaved Q/K rows, so the
-  converter permutes those rows (``rope_permuted``); qwen, gemma, olmo2, olmoe, phi, stablelm
+* llama, granite, granitemoe and smollm3 run GGML's "normal" RoPE on interleaved Q/K rows, so
+  the converter permutes those rows (``rope_permuted``); qwen, gemma, olmo2, olmoe, phi, stablelm
   and starcoder2 run NEOX RoPE on rows as Hugging Face has them (llama.cpp's ``llama_model_rope_type``).
 * Gemma's RMSNorm (1, 2 and 3) multiplies by ``1 + w``; the converter stores ``w + 1`` in every
   ``*_norm`` tensor (``norm_offset``), so we subtract it again. Gemma's embedding scale
@@ -374,6 +374,11 @@ def _granitemoe_extra(fields: Fields, tensors: dict) -> dict:
     }
 
 
+def _smollm3_extra(fields: Fields, tensors: dict) -> dict:
+    # Every fourth layer without RoPE: a constant in llama.cpp (n_no_rope_layer_step), no key.
+    return {**_llama_extra(fields, tensors), "no_rope_layer_interval": 4}
+
+
 def _starcoder2_extra(fields: Fields, tensors: dict) -> dict:
     return {"norm_epsilon": _epsilon(fields, "attention.layer_norm_epsilon")}
 
@@ -415,6 +420,7 @@ ARCHITECTURES = {
                      rope_permuted=True, extra_config=_granitemoe_extra),
         Architecture("olmo2", "olmo2", "OLMo 2", _OLMO2_LAYERS, extra_config=_olmo2_extra),
         Architecture("olmoe", "olmoe", "OLMoE", _OLMOE_LAYERS, extra_config=_olmoe_extra),
+        Architecture("smollm3", "smollm3", "SmolLM3", _LLAMA_LAYERS, rope_permuted=True, extra_config=_smollm3_extra),
         Architecture("stablelm", "stablelm", "StableLM 2, StableLM 3B", _STABLELM_LAYERS,
                      per_head=("attn_q_norm", "attn_k_norm"), extra_config=_stablelm_extra),
         Architecture("starcoder2", "starcoder2", "StarCoder2", _STARCODER2_LAYERS, extra_config=_starcoder2_extra),

@@ -139,6 +139,8 @@ CASES = {
         "stablelm", _stablelm(use_qkv_bias=False, use_parallel_residual=True, qk_layernorm=True),
         {"rope.dimension_count": 4, "use_parallel_residual": True}, rope_base_written=False,
     ),
+    # LLAMA_ROPE_TYPE_NORM, yet not permuted: ERNIE's own rotary is interleaved already.
+    "ernie4_5": ArchCase("ernie4_5", _common("ernie4_5", use_bias=False)),
     # Four layers, so that one (the fourth) runs without RoPE; Q/K permuted as for llama.
     "smollm3": ArchCase("smollm3", _common("smollm3", num_hidden_layers=4), rope_permuted=True),
     "starcoder2": ArchCase("starcoder2", _common("starcoder2", drop=("head_dim", "rms_norm_eps"), norm_epsilon=1e-5)),

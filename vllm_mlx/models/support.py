@@ -58,7 +58,7 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
                               ("granite", "granite"), ("gemma", "gemma"), ("qwen2_moe", "qwen2moe"),
                               ("olmo2", "olmo2"), ("olmoe", "olmoe"), ("granitemoe", "granitemoe"),
                               ("stablelm", "stablelm"), ("starcoder2", "starcoder2"), ("phi", "phi2"),
-                              ("smollm3", "smollm3"))},
+                              ("smollm3", "smollm3"), ("ernie4_5", "ernie4_5"))},
         "deepseek_v3": "tests/core/test_kv_sizing.py::test_latent_attention_equals_mlx_lm",
         **{name: f"tests/engine/test_recurrent.py::test_staggered_arrivals_and_preemption_equal_mlx_lm[{name}]"
            for name in ("lfm2", "qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_h")},

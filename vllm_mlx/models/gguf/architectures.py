@@ -6,7 +6,9 @@ what we undo, per ``general.architecture``:
 * Names: ``blk.N.attn_q`` for ``model.layers.N.self_attn.q_proj`` and so on (the tables below).
 * llama, granite, granitemoe and smollm3 run GGML's "normal" RoPE on interleaved Q/K rows, so
   the converter permutes those rows (``rope_permuted``); qwen, gemma, olmo2, olmoe, phi, stablelm
-  and starcoder2 run NEOX RoPE on rows as Hugging Face has them (llama.cpp's ``llama_model_rope_type``).
+  and starcoder2 run NEOX RoPE on rows as Hugging Face has them (llama.cpp's
+  ``llama_model_rope_type``). ERNIE 4.5 runs the normal RoPE on rows as they are: its checkpoint
+  is interleaved already, so the converter leaves it, and mlx-lm's ernie4_5 runs traditional RoPE.
 * Gemma's RMSNorm (1, 2 and 3) multiplies by ``1 + w``; the converter stores ``w + 1`` in every
   ``*_norm`` tensor (``norm_offset``), so we subtract it again. Gemma's embedding scale
   (``sqrt(hidden)``) is applied at run time by both llama.cpp and mlx-lm: nothing to convert.
@@ -374,6 +376,10 @@ def _granitemoe_extra(fields: Fields, tensors: dict) -> dict:
     }
 
 
+def _ernie4_5_extra(fields: Fields, tensors: dict) -> dict:
+    return {"use_bias": "blk.0.attn_q.bias" in tensors}
+
+
 def _smollm3_extra(fields: Fields, tensors: dict) -> dict:
     # Every fourth layer without RoPE: a constant in llama.cpp (n_no_rope_layer_step), no key.
     return {**_llama_extra(fields, tensors), "no_rope_layer_interval": 4}
@@ -420,6 +426,7 @@ ARCHITECTURES = {
                      rope_permuted=True, extra_config=_granitemoe_extra),
         Architecture("olmo2", "olmo2", "OLMo 2", _OLMO2_LAYERS, extra_config=_olmo2_extra),
         Architecture("olmoe", "olmoe", "OLMoE", _OLMOE_LAYERS, extra_config=_olmoe_extra),
+        Architecture("ernie4_5", "ernie4_5", "ERNIE 4.5 (dense)", _LLAMA_LAYERS, extra_config=_ernie4_5_extra),
         Architecture("smollm3", "smollm3", "SmolLM3", _LLAMA_LAYERS, rope_permuted=True, extra_config=_smollm3_extra),
         Architecture("stablelm", "stablelm", "StableLM 2, StableLM 3B", _STABLELM_LAYERS,
                      per_head=("attn_q_norm", "attn_k_norm"), extra_config=_stablelm_extra),

@@ -55,7 +55,10 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
         "qwen2": "tests/engine/test_engine.py::test_another_architecture_runs_unmodified",
         **{name: f"tests/models/test_gguf_architectures.py::test_engine_greedy_equals_mlx_lm_on_the_converted_model[{gguf}]"
            for name, gguf in (("qwen3", "qwen3"), ("qwen3_moe", "qwen3moe"), ("gemma2", "gemma2"), ("phi3", "phi3"),
-                              ("granite", "granite"))},
+                              ("granite", "granite"), ("gemma", "gemma"), ("qwen2_moe", "qwen2moe"),
+                              ("olmo2", "olmo2"), ("olmoe", "olmoe"), ("granitemoe", "granitemoe"),
+                              ("stablelm", "stablelm"), ("starcoder2", "starcoder2"), ("phi", "phi2"),
+                              ("smollm3", "smollm3"), ("ernie4_5", "ernie4_5"))},
         "deepseek_v3": "tests/core/test_kv_sizing.py::test_latent_attention_equals_mlx_lm",
         **{name: f"tests/engine/test_recurrent.py::test_staggered_arrivals_and_preemption_equal_mlx_lm[{name}]"
            for name in ("lfm2", "qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_h")},

@@ -274,6 +274,7 @@ def markdown_page(rows: Sequence[Architecture]) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in environment.items() if k != "backend")
     versions += f"; MLX backend: {environment['backend']}"
     parts = [MARKDOWN_HEAD.format(versions=versions, environment=json.dumps(environment, sort_keys=True))]
+    parts.append(gguf_architecture_table())
     for source, by_status in counts(rows).items():
         summary = ", ".join(f"{n} {status}" for status, n in by_status.items())
         parts.append(f"\n## {source}\n\n{summary}.\n")
@@ -284,6 +285,15 @@ def markdown_page(rows: Sequence[Architecture]) -> str:
             gguf = ", ".join(f"`{name}`" for name in gguf_architectures(row))
             parts.append(f"| `{row.name}` | {also} | {gguf} | {row.status} | {_cell(detail)} |")
     return "\n".join(parts) + "\n"
+
+
+def gguf_architecture_table() -> str:
+    """The GGUF architectures that convert, with the mlx-lm model each becomes."""
+    from vllm_mlx.models.gguf.architectures import ARCHITECTURES
+
+    rows = [f"| `{a.name}` | `{a.model_type}` | {a.families} |" for a in ARCHITECTURES.values()]
+    head = "The GGUF architectures that convert:\n\n| `general.architecture` | mlx-lm model | models |\n| --- | --- | --- |"
+    return "\n".join([head, *rows])
 
 
 def _cell(text: str) -> str:

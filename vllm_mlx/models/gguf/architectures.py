@@ -146,7 +146,7 @@ class Architecture:
 
     name: str
     model_type: str
-    families: str  # what people call the models of this architecture (the support table)
+    families: str  # what people call the models of this architecture (docs/models.md lists them)
     layers: dict
     rope_permuted: bool = False
     norm_offset: float = 0.0

@@ -9,10 +9,12 @@ default), the token embedding Q8_0, norms float32. Tests must take their oracle 
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import quantize
 
 CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -24,6 +26,48 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "F32")
+# Types gguf-py cannot quantize: their layer matrices are random blocks of the type's layout.
+RANDOM_BLOCK_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL")
+# Largest float16 block scale per type: random weights of spread ~0.05, a gain below 1 per layer
+# at hidden size 256, so the tiny model does not amplify a lossy type's rounding into its logits.
+RANDOM_BLOCK_SCALE = {"Q4_K": 3e-4, "Q5_K": 1.75e-4, "Q6_K": 6e-5, "Q3_K": 1.75e-3, "Q2_K": 6e-3,
+                      "IQ4_XS": 7.5e-5, "IQ4_NL": 1.5e-3}  # fmt: skip
+
+
+# Byte offsets of each block's float16 scale fields (llama.cpp ggml-common.h).
+F16_FIELDS = {
+    "Q4_K": (0, 2), "Q5_K": (0, 2),  # d, dmin, scales[12], (qh[32],) qs[128]
+    "Q2_K": (80, 82),  # scales[16], qs[64], d, dmin
+    "Q3_K": (108,),  # hmask[32], qs[64], scales[12], d
+    "Q6_K": (208,),  # ql[128], qh[64], scales[16] (int8), d
+    "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,),
+    "IQ1_S": (0,), "IQ4_NL": (0,), "IQ4_XS": (0,),  # d first
+    "TQ1_0": (52,),  # qs[48], qh[4], d
+    "TQ2_0": (64,),  # qs[64], d
+}  # fmt: skip
+
+
+def sane_f16(rng: np.random.Generator, n: int, high: float = 2e-2) -> np.ndarray:
+    return rng.uniform(high / 20, high, n).astype(np.float16)
+
+
+def random_blocks(kind: str, n_blocks: int, rng: np.random.Generator, d_high: float = 2e-2) -> np.ndarray:
+    """``n_blocks`` random blocks of ``kind`` with sane scale fields (float16 scales up to
+    ``d_high``): (n_blocks, type_size) bytes, the layouts of llama.cpp's ggml-common.h."""
+    _, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    blocks = rng.integers(0, 256, (n_blocks, type_size), dtype=np.uint8)
+    for offset in F16_FIELDS.get(kind, ()):
+        blocks[:, offset : offset + 2] = sane_f16(rng, n_blocks, d_high).view(np.uint8).reshape(-1, 2)
+    if kind == "IQ1_M":  # qs[32], qh[16], scales[8]: d's 16 bits are the top nibbles of 4 uint16
+        scales = blocks[:, 48:].copy().view(np.uint16)
+        d = sane_f16(rng, n_blocks, d_high).view(np.uint16)[:, None]
+        nibbles = (d >> np.array([0, 4, 8, 12], dtype=np.uint16)) & 0xF
+        blocks[:, 48:] = ((scales & 0x0FFF) | (nibbles << 12)).view(np.uint8)
+    if kind == "MXFP4":  # e (E8M0 exponent), qs[16]
+        blocks[:, 0] = rng.integers(118, 127, n_blocks)
+    if kind == "NVFP4":  # d[4] (UE4M3, one per 16 values), qs[32]
+        blocks[:, :4] = rng.integers(0x08, 0x30, (n_blocks, 4))
+    return blocks
 
 
 def bytes_to_unicode() -> list[str]:
@@ -55,7 +99,12 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def _add(writer: GGUFWriter, name: str, array: np.ndarray, qtype: GGMLQuantizationType) -> None:
     array = np.ascontiguousarray(array, dtype=np.float32)
-    if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+    if qtype.name in RANDOM_BLOCK_TYPES:  # the drawn values only give the shape: random blocks
+        block_size, _ = GGML_QUANT_SIZES[qtype]
+        rng = np.random.default_rng(zlib.crc32(name.encode()))
+        blocks = random_blocks(qtype.name, array.size // block_size, rng, RANDOM_BLOCK_SCALE[qtype.name])
+        writer.add_tensor(name, blocks.reshape(array.shape[0], -1), raw_dtype=qtype)
+    elif qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         writer.add_tensor(name, quantize(array, qtype))
     else:
         writer.add_tensor(name, quantize(array, qtype), raw_dtype=qtype)
@@ -83,8 +132,8 @@ def write_tiny_llama_gguf(
     size 64 attention is far from uniform, logits span ~±15 with clear argmax gaps, and a wrong
     RoPE layout moves the logits by about as much as their scale.
     """
-    if quant not in QUANT_TYPES:
-        raise ValueError(f"quant must be one of {QUANT_TYPES}")
+    if quant not in QUANT_TYPES + RANDOM_BLOCK_TYPES:
+        raise ValueError(f"quant must be one of {QUANT_TYPES + RANDOM_BLOCK_TYPES}")
     layer_type = GGMLQuantizationType[quant]
     embd_type = layer_type if quant in ("F16", "F32") else GGMLQuantizationType.Q8_0
     rng = np.random.default_rng(seed)

@@ -3,13 +3,14 @@
 A tiny random-weight mlx-lm model of each architecture is written as llama.cpp's converter
 would (``tests/gguf_arch_builder.py``: gguf-py's name table, the converter's row permutation and
 norm offset), converted with vllm-mlx, and loaded with mlx-lm: equal logits prove the names, the
-config (head dims, soft-capping, sliding windows, multipliers, experts), the undone
-permutation and offset. Then the engine's greedy tokens on the converted directory equal
+config (head dims, soft-capping, sliding windows, multipliers, experts, shared experts), the
+undone permutation and offset. Then the engine's greedy tokens on the converted directory equal
 mlx-lm's, and an architecture we do not support is refused by name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import mlx.core as mx
@@ -62,15 +63,15 @@ def test_converted_model_equals_the_original(converted, name):
     np.testing.assert_array_equal(out.argmax(-1), ref.argmax(-1))
 
 
-@pytest.mark.parametrize("name", ["gemma3", "llama"])
+@pytest.mark.parametrize("name", ["gemma3", "gemma", "llama", "granitemoe"])
 def test_undoing_nothing_is_noticed(converted, name, monkeypatch):
     """Negative control: the oracle tells a conversion that skips the offset or permutation."""
     from vllm_mlx.models.gguf import architectures
 
     original, model_dir = converted(name)
     arch = ARCHITECTURES[CASES[name].gguf_arch]
-    broken = architectures.Architecture(arch.name, arch.model_type, arch.families, arch.layers,
-                                        extra_config=arch.extra_config)  # fmt: skip
+    assert arch.rope_permuted or arch.norm_offset
+    broken = dataclasses.replace(arch, rope_permuted=False, norm_offset=0.0)
     monkeypatch.setitem(architectures.ARCHITECTURES, arch.name, broken)
     path = next(model_dir.parent.glob(f"{name}-F32.gguf"))
     bad = convert_gguf(path, model_dir.parent / f"{name}-broken", scale_dtype="float32")
@@ -123,6 +124,30 @@ def test_unsupported_architecture_is_refused_by_name(tmp_path):
         convert_gguf(path, tmp_path / "out")
     message = str(error.value)
     assert "'falcon'" in message and all(name in message for name in ARCHITECTURES)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tensor_the_model_has_no_place_for_is_refused_before_converting(converted, tmp_path, monkeypatch):
+    """E.g. GraniteMoeShared is written as granitemoe plus shared-expert tensors, which mlx-lm's
+    granitemoe lacks: refused by name, before anything is converted or written."""
+    from vllm_mlx.models.gguf import architectures
+
+    _, model_dir = converted("qwen2moe")
+    arch = ARCHITECTURES["qwen2moe"]
+    no_shared = {k: v for k, v in arch.layers.items() if not k.endswith("_shexp")}
+    monkeypatch.setitem(architectures.ARCHITECTURES, "qwen2moe", dataclasses.replace(arch, layers=no_shared))
+    with pytest.raises(ModelSourceError, match=r"blk\.0\.ffn_\w+_shexp\.weight"):
+        convert_gguf(next(model_dir.parent.glob("qwen2moe-F32.gguf")), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_olmo3_written_as_olmo2_is_refused(tmp_path):
+    """llama.cpp writes OLMo 3 as ``olmo2`` with a sliding window: not the mlx-lm olmo2 model."""
+    case = dataclasses.replace(CASES["olmo2"], extra_metadata={"attention.sliding_window": 4})
+    path = tmp_path / "olmo3.gguf"
+    write_arch_gguf(path, case, build_model(case))
+    with pytest.raises(ModelSourceError, match="OLMo 3"):
+        convert_gguf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 

@@ -21,6 +21,8 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
+from gguf_builder import F16_FIELDS, random_blocks
+
 from vllm_mlx.models.gguf import tensors
 from vllm_mlx.models.gguf.header import open_gguf
 from vllm_mlx.platform.errors import ModelSourceError
@@ -83,41 +85,6 @@ def test_pack_across_chunks_matches_mlx(bits, chunk_values, monkeypatch):
 
 # ---------------------------------------------------------------------------
 # Blocks: realistic bytes for every type
-
-# Byte offsets of each block's float16 scale fields (llama.cpp ggml-common.h).
-F16_FIELDS = {
-    "Q4_K": (0, 2), "Q5_K": (0, 2),  # d, dmin, scales[12], (qh[32],) qs[128]
-    "Q2_K": (80, 82),  # scales[16], qs[64], d, dmin
-    "Q3_K": (108,),  # hmask[32], qs[64], scales[12], d
-    "Q6_K": (208,),  # ql[128], qh[64], scales[16] (int8), d
-    "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,),
-    "IQ1_S": (0,), "IQ4_NL": (0,), "IQ4_XS": (0,),  # d first
-    "TQ1_0": (52,),  # qs[48], qh[4], d
-    "TQ2_0": (64,),  # qs[64], d
-}  # fmt: skip
-
-
-def sane_f16(rng: np.random.Generator, n: int) -> np.ndarray:
-    return rng.uniform(1e-3, 2e-2, n).astype(np.float16)
-
-
-def random_blocks(kind: str, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
-    """``n_blocks`` random blocks of ``kind`` with sane scale fields: (n_blocks, type_size) bytes."""
-    _, type_size = GGML_QUANT_SIZES[qtype(kind)]
-    blocks = rng.integers(0, 256, (n_blocks, type_size), dtype=np.uint8)
-    for offset in F16_FIELDS.get(kind, ()):
-        blocks[:, offset : offset + 2] = sane_f16(rng, n_blocks).view(np.uint8).reshape(-1, 2)
-    if kind == "IQ1_M":  # qs[32], qh[16], scales[8]: d's 16 bits are the top nibbles of 4 uint16
-        scales = blocks[:, 48:].copy().view(np.uint16)
-        d = sane_f16(rng, n_blocks).view(np.uint16)[:, None]
-        nibbles = (d >> np.array([0, 4, 8, 12], dtype=np.uint16)) & 0xF
-        blocks[:, 48:] = ((scales & 0x0FFF) | (nibbles << 12)).view(np.uint8)
-    if kind == "MXFP4":  # e (E8M0 exponent), qs[16]
-        blocks[:, 0] = rng.integers(118, 127, n_blocks)
-    if kind == "NVFP4":  # d[4] (UE4M3, one per 16 values), qs[32]
-        blocks[:, :4] = rng.integers(0x08, 0x30, (n_blocks, 4))
-    return blocks
-
 
 def tensor_bytes(kind: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     """A tensor of ``kind`` in numpy ``shape`` as GGUF stores it: (rows..., row bytes) uint8."""

@@ -55,7 +55,10 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
         "qwen2": "tests/engine/test_engine.py::test_another_architecture_runs_unmodified",
         **{name: f"tests/models/test_gguf_architectures.py::test_engine_greedy_equals_mlx_lm_on_the_converted_model[{gguf}]"
            for name, gguf in (("qwen3", "qwen3"), ("qwen3_moe", "qwen3moe"), ("gemma2", "gemma2"), ("phi3", "phi3"),
-                              ("granite", "granite"))},
+                              ("granite", "granite"), ("gemma", "gemma"), ("qwen2_moe", "qwen2moe"),
+                              ("olmo2", "olmo2"), ("olmoe", "olmoe"), ("granitemoe", "granitemoe"),
+                              ("stablelm", "stablelm"), ("starcoder2", "starcoder2"), ("phi", "phi2"),
+                              ("smollm3", "smollm3"), ("ernie4_5", "ernie4_5"))},
         "deepseek_v3": "tests/core/test_kv_sizing.py::test_latent_attention_equals_mlx_lm",
         **{name: f"tests/engine/test_recurrent.py::test_staggered_arrivals_and_preemption_equal_mlx_lm[{name}]"
            for name in ("lfm2", "qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_h")},
@@ -271,6 +274,7 @@ def markdown_page(rows: Sequence[Architecture]) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in environment.items() if k != "backend")
     versions += f"; MLX backend: {environment['backend']}"
     parts = [MARKDOWN_HEAD.format(versions=versions, environment=json.dumps(environment, sort_keys=True))]
+    parts.append(gguf_architecture_table())
     for source, by_status in counts(rows).items():
         summary = ", ".join(f"{n} {status}" for status, n in by_status.items())
         parts.append(f"\n## {source}\n\n{summary}.\n")
@@ -281,6 +285,15 @@ def markdown_page(rows: Sequence[Architecture]) -> str:
             gguf = ", ".join(f"`{name}`" for name in gguf_architectures(row))
             parts.append(f"| `{row.name}` | {also} | {gguf} | {row.status} | {_cell(detail)} |")
     return "\n".join(parts) + "\n"
+
+
+def gguf_architecture_table() -> str:
+    """The GGUF architectures that convert, with the mlx-lm model each becomes."""
+    from vllm_mlx.models.gguf.architectures import ARCHITECTURES
+
+    rows = [f"| `{a.name}` | `{a.model_type}` | {a.families} |" for a in ARCHITECTURES.values()]
+    head = "The GGUF architectures that convert:\n\n| `general.architecture` | mlx-lm model | models |\n| --- | --- | --- |"
+    return "\n".join([head, *rows])
 
 
 def _cell(text: str) -> str:

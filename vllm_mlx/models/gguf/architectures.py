@@ -4,12 +4,22 @@ What llama.cpp's converter (``convert_hf_to_gguf.py``) does to a Hugging Face ch
 what we undo, per ``general.architecture``:
 
 * Names: ``blk.N.attn_q`` for ``model.layers.N.self_attn.q_proj`` and so on (the tables below).
-* llama and granite run GGML's "normal" RoPE on interleaved Q/K rows, so the converter permutes
-  those rows (``rope_permuted``); qwen, gemma and phi run NEOX RoPE on rows as Hugging Face has
-  them.
-* Gemma's RMSNorm multiplies by ``1 + w``; the converter stores ``w + 1`` in every ``*_norm``
-  tensor (``norm_offset``), so we subtract it again. Gemma's embedding scale (``sqrt(hidden)``)
-  is applied at run time by both llama.cpp and mlx-lm: nothing to convert.
+* llama, granite, granitemoe and smollm3 run GGML's "normal" RoPE on interleaved Q/K rows, so
+  the converter permutes those rows (``rope_permuted``); qwen, gemma, olmo2, olmoe, phi, stablelm
+  and starcoder2 run NEOX RoPE on rows as Hugging Face has them (llama.cpp's
+  ``llama_model_rope_type``). ERNIE 4.5 runs the normal RoPE on rows as they are: its checkpoint
+  is interleaved already, so the converter leaves it, and mlx-lm's ernie4_5 runs traditional RoPE.
+* Gemma's RMSNorm (1, 2 and 3) multiplies by ``1 + w``; the converter stores ``w + 1`` in every
+  ``*_norm`` tensor (``norm_offset``), so we subtract it again. Gemma's embedding scale
+  (``sqrt(hidden)``) is applied at run time by both llama.cpp and mlx-lm: nothing to convert.
+* Mixture-of-experts weights are stored stacked, one ``[experts, out, in]`` tensor per projection,
+  as mlx-lm's ``SwitchGLU`` has them (granitemoe's fused gate+up is split by the converter).
+* StableLM 2 12B's per-head q/k LayerNorms are stacked into one ``[heads, head_dim]`` tensor
+  (``per_head``): we split it again.
+* Phi-2 files from 2023 hold q, k and v in one ``attn_qkv`` tensor (``split_qkv``): we split its
+  rows into mlx-lm's three projections.
+* Converters before mid-2024 squeezed every tensor, so a one-row matrix (Qwen2-MoE's shared-expert
+  gate) may be stored 1-D (``row_vectors``): we give it its row back.
 * Config values llama.cpp does not store take the values its loader assumes (Gemma's attention
   scale and sliding-window pattern, Llama 3's RoPE smoothing factors, checked against the
   stored frequencies).
@@ -58,7 +68,50 @@ _PHI3_LAYERS = {
     "ffn_up": "mlp.gate_up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_QWEN2MOE_LAYERS = {
+    **_LLAMA_LAYERS,
+    **_MOE,
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+_OLMO2_LAYERS = {  # no norm before attention or MLP; q/k norms over the whole projection
+    **{k: v for k, v in _LLAMA_LAYERS.items() if k not in ("attn_norm", "ffn_norm")},
+    **_QK_NORMS,
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_OLMOE_LAYERS = {**_LLAMA_LAYERS, **_QK_NORMS, **_MOE}  # q/k norms over the whole projection
+_GRANITEMOE_LAYERS = {
+    **{k: v for k, v in _LLAMA_LAYERS.items() if not k.startswith(("ffn_gate", "ffn_up", "ffn_down"))},
+    "ffn_gate_inp": "block_sparse_moe.router.layer",
+    "ffn_gate_exps": "block_sparse_moe.switch_mlp.gate_proj",
+    "ffn_up_exps": "block_sparse_moe.switch_mlp.up_proj",
+    "ffn_down_exps": "block_sparse_moe.switch_mlp.down_proj",
+}
+_STARCODER2_LAYERS = {  # LayerNorms with bias, every projection with bias, a GELU MLP
+    **{k: v for k, v in _LLAMA_LAYERS.items() if not k.startswith(("ffn_gate", "ffn_up", "ffn_down"))},
+    "ffn_up": "mlp.c_fc",
+    "ffn_down": "mlp.c_proj",
+}
+_STABLELM_LAYERS = {  # LayerNorms with bias; StableLM 2 12B: per-head q/k LayerNorms, parallel residual
+    **_LLAMA_LAYERS,
+    "attn_q_norm": "self_attn.q_layernorm",
+    "attn_k_norm": "self_attn.k_layernorm",
+}
 _GLOBALS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_PHI2_LAYERS = {  # parallel attention and MLP after one LayerNorm; every projection with bias
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.dense",
+    "attn_qkv": "self_attn.qkv_proj",  # files from 2023 (Wqkv): split into q/k/v_proj
+    "ffn_up": "mlp.fc1",
+    "ffn_down": "mlp.fc2",
+}
+_PHI2_GLOBALS = {**_GLOBALS, "output_norm": "model.final_layernorm"}
 _TENSOR_RE = re.compile(r"^(?:blk\.(\d+)\.)?([a-z_]+)\.(weight|bias)$")
 
 
@@ -93,10 +146,14 @@ class Architecture:
 
     name: str
     model_type: str
-    families: str  # what people call the models of this architecture (the support table)
+    families: str  # what people call the models of this architecture (docs/models.md lists them)
     layers: dict
     rope_permuted: bool = False
     norm_offset: float = 0.0
+    row_vectors: tuple[str, ...] = ()  # GGUF tensors mlx-lm has as [1, n], maybe stored 1-D
+    per_head: tuple[str, ...] = ()  # [heads, head_dim] GGUF tensors mlx-lm has as ``.norms.<head>``
+    global_names: dict = field(default_factory=lambda: _GLOBALS)  # the tensors outside the layers
+    split_qkv: bool = False  # a fused ``attn_qkv`` (q, k, v rows) goes to separate q/k/v_proj
     extra_config: Callable[[Fields, dict], dict] = field(default=lambda fields, tensors: {})
 
     def hf_name(self, gguf_name: str) -> str:
@@ -104,7 +161,7 @@ class Architecture:
         if match is None:
             raise ModelSourceError(f"unexpected tensor {gguf_name!r} in a {self.name} GGUF")
         layer, base, part = match.groups()
-        table = self.layers if layer is not None else _GLOBALS
+        table = self.layers if layer is not None else self.global_names
         if base not in table:
             raise ModelSourceError(f"tensor {gguf_name!r} is not one a {self.name} model has in mlx-lm")
         prefix = f"model.layers.{layer}." if layer is not None else ""
@@ -113,10 +170,31 @@ class Architecture:
     def is_norm(self, gguf_name: str) -> bool:
         return gguf_name.endswith("norm.weight")
 
+    def is_row_vector(self, gguf_name: str) -> bool:
+        return _base_name(gguf_name) in self.row_vectors
 
-def _epsilon(fields: Fields) -> float:
+    def is_per_head(self, gguf_name: str) -> bool:
+        return _base_name(gguf_name) in self.per_head
+
+    def is_fused_qkv(self, gguf_name: str) -> bool:
+        return self.split_qkv and _base_name(gguf_name) == "attn_qkv"
+
+
+def _base_name(gguf_name: str) -> str | None:
+    """``attn_q_norm`` for ``blk.3.attn_q_norm.weight``."""
+    match = _TENSOR_RE.match(gguf_name)
+    return None if match is None else match.group(2)
+
+
+def _epsilon(fields: Fields, key: str = "attention.layer_norm_rms_epsilon") -> float:
     # GGUF stores float32; round to the decimal it was written from (9.9999997e-06 -> 1e-05).
-    return float(f"{fields.get('attention.layer_norm_rms_epsilon', 1e-5):.7g}")
+    return float(f"{fields.get(key, 1e-5):.7g}")
+
+
+def _rows(tensors: dict, name: str) -> int | None:
+    """The output width (rows) of a tensor, from the tensor table (numpy order: rows last-but-one)."""
+    info = tensors.get(name)
+    return None if info is None else int(info.shape[-2])
 
 
 def base_config(arch: Architecture, metadata: dict, tensors: dict) -> dict:
@@ -225,6 +303,51 @@ def _qwen3moe_extra(fields: Fields, tensors: dict) -> dict:
     }
 
 
+def _qwen2moe_extra(fields: Fields, tensors: dict) -> dict:
+    # Files from before llama.cpp wrote the expert sizes: take them from the tensors' shapes.
+    moe_size = fields.get("expert_feed_forward_length") or _rows(tensors, "blk.0.ffn_up_exps.weight")
+    shared_size = fields.get("expert_shared_feed_forward_length") or _rows(tensors, "blk.0.ffn_up_shexp.weight")
+    if moe_size is None or shared_size is None:
+        raise ModelSourceError("a qwen2moe GGUF without expert or shared-expert tensors is not Qwen2-MoE")
+    return {
+        "num_experts": int(fields.need("expert_count")),
+        "num_experts_per_tok": int(fields.need("expert_used_count")),
+        "moe_intermediate_size": int(moe_size),
+        "shared_expert_intermediate_size": int(shared_size),
+    }
+
+
+def _olmo2_extra(fields: Fields, tensors: dict) -> dict:
+    # OLMo 3 is written as olmo2 with a sliding window (and YaRN): a different mlx-lm model.
+    if fields.get("attention.sliding_window") is not None or fields.get("rope.scaling.type") not in (None, "none"):
+        raise ModelSourceError("an olmo2 GGUF with a sliding window or RoPE scaling (OLMo 3) is not supported")
+    return {"attention_bias": "blk.0.attn_q.bias" in tensors, "mlp_bias": "blk.0.ffn_up.bias" in tensors}
+
+
+def _olmoe_extra(fields: Fields, tensors: dict) -> dict:
+    if fields.get("attention.clamp_kqv") is not None:
+        raise ModelSourceError("an olmoe GGUF with clamped q/k/v (clip_qkv) is not supported by mlx-lm's olmoe")
+    return {
+        "num_experts": int(fields.need("expert_count")),
+        "num_experts_per_tok": int(fields.need("expert_used_count")),
+        # The experts' width is feed_forward_length; the tensors say it whatever the metadata.
+        "intermediate_size": _rows(tensors, "blk.0.ffn_up_exps.weight") or int(fields.need("feed_forward_length")),
+        "norm_topk_prob": bool(fields.get("expert_weights_norm", False)),  # llama.cpp: unnormalized
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+    }
+
+
+def _phi2_extra(fields: Fields, tensors: dict) -> dict:
+    hidden, heads = int(fields.need("embedding_length")), int(fields.one_per_model("attention.head_count"))
+    head_dim = hidden // heads
+    return {
+        "layer_norm_eps": _epsilon(fields, "attention.layer_norm_epsilon"),
+        "partial_rotary_factor": int(fields.get("rope.dimension_count", head_dim)) / head_dim,
+        # The converter writes 4 * hidden, which Phi-2 has; the tensors say it for any model.
+        "intermediate_size": _rows(tensors, "blk.0.ffn_up.weight") or int(fields.need("feed_forward_length")),
+    }
+
+
 def _phi3_extra(fields: Fields, tensors: dict) -> dict:
     hidden, heads = int(fields.need("embedding_length")), int(fields.one_per_model("attention.head_count"))
     rotary = int(fields.get("rope.dimension_count", hidden // heads))
@@ -245,6 +368,40 @@ def _granite_extra(fields: Fields, tensors: dict) -> dict:
     }
 
 
+def _granitemoe_extra(fields: Fields, tensors: dict) -> dict:
+    return {
+        **_granite_extra(fields, tensors),
+        "num_local_experts": int(fields.need("expert_count")),
+        "num_experts_per_tok": int(fields.need("expert_used_count")),
+    }
+
+
+def _ernie4_5_extra(fields: Fields, tensors: dict) -> dict:
+    return {"use_bias": "blk.0.attn_q.bias" in tensors}
+
+
+def _smollm3_extra(fields: Fields, tensors: dict) -> dict:
+    # Every fourth layer without RoPE: a constant in llama.cpp (n_no_rope_layer_step), no key.
+    return {**_llama_extra(fields, tensors), "no_rope_layer_interval": 4}
+
+
+def _starcoder2_extra(fields: Fields, tensors: dict) -> dict:
+    return {"norm_epsilon": _epsilon(fields, "attention.layer_norm_epsilon")}
+
+
+def _stablelm_extra(fields: Fields, tensors: dict) -> dict:
+    hidden, heads = int(fields.need("embedding_length")), int(fields.one_per_model("attention.head_count"))
+    head_dim = hidden // heads
+    return {
+        "layer_norm_eps": _epsilon(fields, "attention.layer_norm_epsilon"),
+        "partial_rotary_factor": int(fields.get("rope.dimension_count", head_dim)) / head_dim,
+        # llama.cpp runs the parallel residual exactly when a layer has no ffn_norm: so do we.
+        "use_parallel_residual": "blk.0.ffn_norm.weight" not in tensors,
+        "use_qkv_bias": "blk.0.attn_q.bias" in tensors,
+        "qk_layernorm": "blk.0.attn_q_norm.weight" in tensors,
+    }
+
+
 ARCHITECTURES = {
     arch.name: arch
     for arch in (
@@ -252,14 +409,28 @@ ARCHITECTURES = {
                      extra_config=_llama_extra),
         Architecture("qwen2", "qwen2", "Qwen2, Qwen2.5", _LLAMA_LAYERS),
         Architecture("qwen3", "qwen3", "Qwen3", {**_LLAMA_LAYERS, **_QK_NORMS}),
+        Architecture("qwen2moe", "qwen2_moe", "Qwen1.5-MoE, Qwen2-MoE", _QWEN2MOE_LAYERS,
+                     row_vectors=("ffn_gate_inp_shexp",), extra_config=_qwen2moe_extra),
         Architecture("qwen3moe", "qwen3_moe", "Qwen3 MoE", {**_LLAMA_LAYERS, **_QK_NORMS, **_MOE},
                      extra_config=_qwen3moe_extra),
+        Architecture("gemma", "gemma", "Gemma, CodeGemma", _LLAMA_LAYERS, norm_offset=1.0),
         Architecture("gemma2", "gemma2", "Gemma 2", _GEMMA_LAYERS, norm_offset=1.0, extra_config=_gemma2_extra),
         Architecture("gemma3", "gemma3_text", "Gemma 3 (text)", {**_GEMMA_LAYERS, **_QK_NORMS}, norm_offset=1.0,
                      extra_config=_gemma3_extra),
+        Architecture("phi2", "phi", "Phi-1.5, Phi-2", _PHI2_LAYERS, global_names=_PHI2_GLOBALS, split_qkv=True,
+                     extra_config=_phi2_extra),
         Architecture("phi3", "phi3", "Phi-3, Phi-3.5, Phi-4 mini", _PHI3_LAYERS, extra_config=_phi3_extra),
         Architecture("granite", "granite", "Granite 3", _LLAMA_LAYERS, rope_permuted=True,
                      extra_config=_granite_extra),
+        Architecture("granitemoe", "granitemoe", "Granite 3 MoE (1B-A400M, 3B-A800M)", _GRANITEMOE_LAYERS,
+                     rope_permuted=True, extra_config=_granitemoe_extra),
+        Architecture("olmo2", "olmo2", "OLMo 2", _OLMO2_LAYERS, extra_config=_olmo2_extra),
+        Architecture("olmoe", "olmoe", "OLMoE", _OLMOE_LAYERS, extra_config=_olmoe_extra),
+        Architecture("ernie4_5", "ernie4_5", "ERNIE 4.5 (dense)", _LLAMA_LAYERS, extra_config=_ernie4_5_extra),
+        Architecture("smollm3", "smollm3", "SmolLM3", _LLAMA_LAYERS, rope_permuted=True, extra_config=_smollm3_extra),
+        Architecture("stablelm", "stablelm", "StableLM 2, StableLM 3B", _STABLELM_LAYERS,
+                     per_head=("attn_q_norm", "attn_k_norm"), extra_config=_stablelm_extra),
+        Architecture("starcoder2", "starcoder2", "StarCoder2", _STARCODER2_LAYERS, extra_config=_starcoder2_extra),
     )
 }  # fmt: skip
 # Tensors that become config values, not weights: Llama 3's RoPE factors, Phi-3's long-RoPE ones.

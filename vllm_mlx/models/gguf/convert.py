@@ -76,11 +76,14 @@ def unpermute_rope_rows(array, n_heads: int):
 
 
 def read_header(path: Path) -> tuple[GGUFFile, Architecture]:
-    """The file's header and architecture; every tensor's type checked before any is converted."""
+    """The file's header and architecture; every tensor's type and name checked before any is
+    converted."""
     gguf = open_gguf(path)
     arch = architecture_of(gguf.metadata)
     for info in gguf.tensors.values():
         check_supported(info.name, info.type_id)
+        if info.name not in CONFIG_TENSORS:
+            arch.hf_name(info.name)  # a tensor the mlx-lm model has no place for: refused up front
     return gguf, arch
 
 
@@ -102,7 +105,8 @@ def model_config(gguf: GGUFFile, arch: Architecture) -> dict:
 
 def converted_tensors(gguf: GGUFFile, arch: Architecture, config: dict, scale_dtype: str) -> Iterator[tuple[str, dict]]:
     """Every weight tensor as ``(mlx-lm module name, {"weight"|"bias"|"scales"|"biases": array})``,
-    one at a time, with llama.cpp's RoPE row order and norm offset undone."""
+    one at a time, with llama.cpp's RoPE row order, norm offset, squeezed rows, stacked per-head
+    norms and fused q/k/v undone."""
     import mlx.core as mx
 
     from tqdm.auto import tqdm
@@ -118,8 +122,28 @@ def converted_tensors(gguf: GGUFFile, arch: Architecture, config: dict, scale_dt
             arrays = {key: unpermute_rope_rows(array, heads) for key, array in arrays.items()}
         if arch.norm_offset and arch.is_norm(name):
             arrays["weight"] = arrays["weight"] - arch.norm_offset
+        if arch.is_row_vector(name) and arrays["weight"].ndim == 1:  # squeezed by an older converter
+            arrays["weight"] = arrays["weight"].reshape(1, -1)
         arrays[part] = arrays.pop("weight")  # a ".bias" tensor is the module's bias
         mx.eval(list(arrays.values()))  # do the work here, so the progress bar measures it
+        yield from _modules(arch, name, module, arrays, config)
+
+
+def _modules(arch: Architecture, name: str, module: str, arrays: dict, config: dict) -> Iterator[tuple[str, dict]]:
+    """The mlx-lm modules one converted GGUF tensor fills: one, except a stacked per-head norm (one
+    module per head) and a fused q/k/v projection (three; rows are independent under input-dim
+    group quantization, so weight, scales and biases split alike)."""
+    if arch.is_per_head(name):  # llama.cpp stacked one norm per head; mlx-lm keeps them apart
+        for head in range(next(iter(arrays.values())).shape[0]):
+            yield f"{module}.norms.{head}", {key: array[head] for key, array in arrays.items()}
+    elif arch.is_fused_qkv(name):
+        q_rows = config["num_attention_heads"] * config["head_dim"]
+        kv_rows = config["num_key_value_heads"] * config["head_dim"]
+        attention = module.rsplit(".", 1)[0]
+        for proj, start, stop in (("q_proj", 0, q_rows), ("k_proj", q_rows, q_rows + kv_rows),
+                                  ("v_proj", q_rows + kv_rows, q_rows + 2 * kv_rows)):  # fmt: skip
+            yield f"{attention}.{proj}", {key: array[start:stop] for key, array in arrays.items()}
+    else:
         yield module, arrays
 
 

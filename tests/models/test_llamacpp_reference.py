@@ -6,8 +6,8 @@ from source, ~10 minutes) are not a test dependency, so the module is skipped wh
 does not import. docs/installation.md says how to install them.
 
 The two sides do not run the same arithmetic. llama.cpp multiplies the quantized weights by
-activations it quantizes to 8 bits per block (Q8_0 or Q8_K); the engine dequantizes the weights
-exactly and multiplies in float32. Their logits differ by a little, so their greedy paths may part
+activations it quantizes to 8 bits per block (Q8_0 or Q8_K); the engine holds the weights as
+stored (types MLX cannot hold, such as Q6_K, re-quantized to 8 bits) and multiplies in float32. Their logits differ by a little, so their greedy paths may part
 where two tokens are nearly tied. What must hold, per checkpoint:
 
 * the tokenizers (llama.cpp's, and ours built from the file's metadata) split the prompt and
@@ -42,8 +42,8 @@ MIN_AGREEMENT = 4
 # The size of llama.cpp's own error. Against the float64 numpy oracle of tests/gguf_reference.py
 # (exact dequantization), the engine's logits of the default model are off by < 1e-3 and
 # llama.cpp's by up to 1.4 (logits span -28..28; most of it from its 8-bit activations: an F32
-# KV cache still leaves 1.0), which moves the top-5 log-probabilities by up to 0.31 (observed,
-# default model). A wrong model is off by more: converted with the RoPE rows left un-permuted,
+# KV cache still leaves 1.0), which moves the top-5 log-probabilities by up to 0.31 (observed;
+# Gemma-3: 0.10). A wrong model is off by more: converted with the RoPE rows left un-permuted,
 # the same five log-probabilities move by up to 6.9 and the paths part at step 5 (checked by hand).
 FIRST_STEP_ATOL = 0.5
 # Where the paths part, the two candidates were observed 0.013 (llama.cpp) and 0.16 (engine) nats
@@ -60,10 +60,7 @@ TEXTS = (
 )
 
 # A prompt whose continuation is factual for the first tokens (no tie there), then free text.
-PROMPTS = {
-    "default": "The capital of France is Paris. The capital of Germany is",
-    "gemma3": "The capital of France is Paris. The capital of Germany is",
-}
+PROMPT = "The capital of France is Paris. The capital of Germany is"
 
 
 @dataclass
@@ -147,9 +144,8 @@ def llamacpp_greedy(llm, prompt: list[int], steps: int) -> Greedy:
 @pytest.fixture(scope="module", params=["default", "gemma3"])
 def reference(request) -> Reference:
     gguf = gguf_path(request, request.param)
-    text = PROMPTS[request.param]
-    ours_tokenized, ours = engine_greedy(gguf, text)
-    prompt = ours_tokenized[text]
+    ours_tokenized, ours = engine_greedy(gguf, PROMPT)
+    prompt = ours_tokenized[PROMPT]
     llm = open_llamacpp(gguf, n_ctx=len(prompt) + STEPS + 8)
     try:
         tokenized = {t: (ids, llm.tokenize(t.encode(), add_bos=True, special=False))

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
 # Seconds each of the slowest test files took on 2 cores (summed `--durations=0` of a full run of
@@ -26,19 +23,6 @@ FILE_SECONDS = {
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Slowest files first (see ``FILE_SECONDS``); the order inside a file is kept."""
     items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0))
-
-
-@pytest.fixture(scope="session")
-def gemma3_gguf():
-    """The real Gemma 3 270M Q4_K_M GGUF (SentencePiece vocabulary, K-quants), or a skip.
-
-    ``VLLM_MLX_GEMMA3_GGUF`` names the file (default: the copy assembled on the dev machine).
-    TODO: take it from the lead's model catalog fixture (issue #27) once that lands.
-    """
-    path = Path(os.environ.get("VLLM_MLX_GEMMA3_GGUF", "/tmp/g3/gemma-3-270m-q4_k_m.gguf"))
-    if not path.is_file():
-        pytest.skip(f"Gemma 3 GGUF not present at {path} (set VLLM_MLX_GEMMA3_GGUF)")
-    return path
 
 
 @pytest.fixture(scope="session")

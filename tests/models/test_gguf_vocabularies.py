@@ -16,6 +16,7 @@ import sentencepiece as spm
 from bpe_reference import ReferenceBPE, byte_symbols
 from spm_reference import read_metadata, train_spm, write_spm_gguf
 
+from vllm_mlx.models.gguf.header import open_gguf
 from vllm_mlx.models.gguf.tokenizer import (
     build_tokenizer,
     tokenizer_config,
@@ -137,18 +138,19 @@ GEMMA_TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def gemma3_tokenizers(gemma3_gguf, tmp_path_factory):
+def gemma3_tokenizers(gemma3_gguf_path, tmp_path_factory):
     """(ours as mlx-lm loads the converted directory, transformers' GGUF tokenizer)."""
     import mlx_lm
     from transformers import AutoTokenizer
 
     out = tmp_path_factory.mktemp("gemma3-tokenizer")
-    write_tokenizer_files(read_metadata(gemma3_gguf), out)
+    write_tokenizer_files(open_gguf(gemma3_gguf_path).metadata, out)  # the converter's reader
     ours = mlx_lm.tokenizer_utils.load(out)
-    theirs = AutoTokenizer.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name)
+    theirs = AutoTokenizer.from_pretrained(str(gemma3_gguf_path.parent), gguf_file=gemma3_gguf_path.name)
     return ours, theirs
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("text", GEMMA_TEXTS)
 def test_gemma3_ids_match_transformers(text, gemma3_tokenizers):
     ours, theirs = gemma3_tokenizers
@@ -157,6 +159,7 @@ def test_gemma3_ids_match_transformers(text, gemma3_tokenizers):
     assert ours.decode(ours.encode(text, add_special_tokens=False)) == text
 
 
+@pytest.mark.e2e
 def test_gemma3_special_tokens(gemma3_tokenizers):
     ours, _ = gemma3_tokenizers
     assert (ours.bos_token, ours.eos_token, ours.pad_token) == ("<bos>", "<eos>", "<pad>")

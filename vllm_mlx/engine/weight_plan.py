@@ -126,7 +126,9 @@ def kv_pool_bytes(config: EngineConfig, model_config: dict, dtype_bytes: int) ->
         tokens = config.max_model_len or config.max_num_batched_tokens
         smallest = (math.ceil(tokens / config.block_size) + 1) * block
         return math.ceil(smallest / config.kv_cache_memory)
-    if not block:
+    if not block or config.kv_cache_memory < block:
+        # A budget that buys no block is the engine's sizing's to refuse, with its own reason
+        # (e.g. recurrent states that do not fit); here it only counts as what it is.
         return int(config.kv_cache_memory)
     return blocks_for_bytes(int(config.kv_cache_memory), config.block_size, per_token) * block
 

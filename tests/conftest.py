@@ -5,18 +5,19 @@ from __future__ import annotations
 import pytest
 
 # Seconds each of the slowest test files took on 2 cores (summed `--durations=0` of a full run of
-# the README's command on a quiet machine, 2026-12-02: 1505 tests, 1269 s of tests in 657 s).
+# the README's command, 2026-12-02: 1783 tests in 693 s; the machine was not quite quiet).
 # The two workers take whole files (`--dist loadfile`) in the order the items are collected, so
 # the slowest files go first and the short ones fill in at the end: longest-first keeps one worker
 # from finishing a slow file alone while the other idles. Stale figures only cost wall time.
 FILE_SECONDS = {
-    "test_docs.py": 146, "test_tensor_parallel_failures.py": 132, "test_recurrent.py": 96,
-    "test_distributed_serve.py": 93, "test_jupyter_browser.py": 88, "test_vllm_plugin.py": 50,
-    "test_model_catalog.py": 48, "test_jupyter_notebooks.py": 46, "test_tensor_parallel.py": 45,
-    "test_engine.py": 41, "test_async_engine.py": 41, "test_sliding_window.py": 37, "test_cpu_backend.py": 37,
-    "test_structured_output.py": 36, "test_ring_formation.py": 34, "test_pipeline_parallel.py": 31,
-    "test_distributed_costs.py": 30, "test_server_fuzz.py": 27, "test_model_support.py": 24,
-    "test_model_sources.py": 17, "test_engine_faults.py": 16,
+    "test_tensor_parallel_failures.py": 176, "test_docs.py": 143, "test_distributed_serve.py": 121,
+    "test_recurrent.py": 89, "test_jupyter_browser.py": 69, "test_jupyter_notebooks.py": 46,
+    "test_tensor_parallel.py": 43, "test_cpu_backend.py": 41, "test_sliding_window.py": 39,
+    "test_async_engine.py": 38, "test_vllm_plugin.py": 38, "test_ring_formation.py": 34,
+    "test_structured_output.py": 33, "test_engine.py": 32, "test_server_fuzz.py": 27, "test_model_support.py": 27,
+    "test_gguf_vocabularies.py": 25, "test_llamacpp_reference.py": 23, "test_distributed_costs.py": 18,
+    "test_constraint_bounds.py": 17, "test_engine_faults.py": 15, "test_tool_calling_server.py": 14,
+    "test_pipeline_parallel.py": 13, "test_model_sources.py": 12, "test_model_catalog.py": 12,
 }
 
 

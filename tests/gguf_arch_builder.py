@@ -20,7 +20,7 @@ import numpy as np
 from gguf import MODEL_ARCH_NAMES, MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 from gguf.tensor_mapping import get_tensor_name_map
-from gguf_builder import CHATML_TEMPLATE, MERGES, llama_cpp_permute, tiny_vocab
+from gguf_builder import add_tiny_tokenizer, llama_cpp_permute, tiny_vocab
 from mlx.utils import tree_flatten
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 64, 4, 2, 16, 128, 2
@@ -220,16 +220,7 @@ def _metadata(writer: GGUFWriter, case: ArchCase) -> None:
             writer.add_float32(full, value)
         else:
             writer.add_uint32(full, value)
-    tokens, types = tiny_vocab()
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(MERGES)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    add_tiny_tokenizer(writer)
 
 
 def _stacked_per_head(model) -> list[tuple[str, np.ndarray]]:

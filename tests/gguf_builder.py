@@ -91,6 +91,20 @@ def tiny_vocab() -> tuple[list[str], list[int]]:
     return tokens, types
 
 
+def add_tiny_tokenizer(writer: GGUFWriter) -> None:
+    """The tiny byte-level BPE vocabulary (SmolLM's pre-tokenizer), its ids and a ChatML template."""
+    tokens, types = tiny_vocab()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML_TEMPLATE)
+
+
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's ``LlamaModel.permute``: HF rotary-half rows -> GGML interleaved rows."""
     rows, cols = w.shape
@@ -159,16 +173,8 @@ def write_tiny_llama_gguf(
     writer.add_rope_freq_base(10000.0)
     writer.add_rope_dimension_count(head_dim)
 
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(MERGES)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    add_tiny_tokenizer(writer)
     writer.add_pad_token_id(2)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML_TEMPLATE)
 
     _add(writer, "token_embd.weight", proj(vocab, hidden, 0.5), embd_type)
     for i in range(n_layers):

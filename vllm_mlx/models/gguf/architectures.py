@@ -139,6 +139,22 @@ class Fields:
             value = value[0]
         return value
 
+    @property
+    def hidden_and_heads(self) -> tuple[int, int]:
+        return int(self.need("embedding_length")), int(self.one_per_model("attention.head_count"))
+
+    @property
+    def head_dim(self) -> int:
+        """``attention.key_length``, or the hidden size over the heads where the file has none."""
+        hidden, heads = self.hidden_and_heads
+        return int(self.get("attention.key_length", hidden // heads))
+
+    @property
+    def partial_rotary_factor(self) -> float:
+        """The share of each head's hidden-size-over-heads width that RoPE rotates."""
+        hidden, heads = self.hidden_and_heads
+        return int(self.get("rope.dimension_count", hidden // heads)) / (hidden // heads)
+
 
 @dataclass(frozen=True)
 class Architecture:
@@ -202,9 +218,8 @@ def base_config(arch: Architecture, metadata: dict, tensors: dict) -> dict:
     fields = Fields(arch.name, metadata)
     if "tokenizer.ggml.tokens" not in metadata:
         raise ModelSourceError("the GGUF file has no tokenizer (tokenizer.ggml.tokens)")
-    hidden = int(fields.need("embedding_length"))
-    heads = int(fields.one_per_model("attention.head_count"))
-    head_dim = int(fields.get("attention.key_length", hidden // heads))
+    hidden, heads = fields.hidden_and_heads
+    head_dim = fields.head_dim
     config = {
         "model_type": arch.model_type,
         "hidden_size": hidden,
@@ -259,17 +274,16 @@ def llama3_rope_scaling(factors: np.ndarray, rope_theta: float, head_dim: int) -
     return scaling
 
 
-def _gemma_attention_scalar(fields: Fields, hidden: int, heads: int, head_dim: int, big_layers: int) -> int:
+def _gemma_attention_scalar(fields: Fields, big_layers: int) -> int:
     # llama.cpp scales queries by 1/sqrt(hidden/heads) for the 27B models (told apart by their
     # layer count) and by 1/sqrt(head_dim) otherwise; Hugging Face's query_pre_attn_scalar.
-    return hidden // heads if int(fields.need("block_count")) == big_layers else head_dim
+    hidden, heads = fields.hidden_and_heads
+    return hidden // heads if int(fields.need("block_count")) == big_layers else fields.head_dim
 
 
 def _gemma2_extra(fields: Fields, tensors: dict) -> dict:
-    hidden, heads = int(fields.need("embedding_length")), int(fields.one_per_model("attention.head_count"))
-    head_dim = int(fields.get("attention.key_length", hidden // heads))
     return {
-        "query_pre_attn_scalar": _gemma_attention_scalar(fields, hidden, heads, head_dim, big_layers=46),
+        "query_pre_attn_scalar": _gemma_attention_scalar(fields, big_layers=46),
         "attn_logit_softcapping": float(fields.get("attn_logit_softcapping", 50.0)),
         "final_logit_softcapping": float(fields.get("final_logit_softcapping", 30.0)),
         "sliding_window": int(fields.get("attention.sliding_window", 4096)),
@@ -277,11 +291,10 @@ def _gemma2_extra(fields: Fields, tensors: dict) -> dict:
 
 
 def _gemma3_extra(fields: Fields, tensors: dict) -> dict:
-    hidden, heads = int(fields.need("embedding_length")), int(fields.one_per_model("attention.head_count"))
-    head_dim = int(fields.get("attention.key_length", hidden // heads))
     config = {
-        "query_pre_attn_scalar": _gemma_attention_scalar(fields, hidden, heads, head_dim, big_layers=62),
-        "rope_local_base_freq": 10000.0,  # llama.cpp's fixed value for the sliding layers
+        "query_pre_attn_scalar": _gemma_attention_scalar(fields, big_layers=62),
+        # Newer llama.cpp writes the sliding layers' base; older files leave its fixed 10000.
+        "rope_local_base_freq": float(fields.get("rope.freq_base_swa", 10000.0)),
         "sliding_window": int(fields.get("attention.sliding_window", 512)),
         "sliding_window_pattern": 6,  # every sixth layer global: fixed in llama.cpp too
     }
@@ -338,20 +351,16 @@ def _olmoe_extra(fields: Fields, tensors: dict) -> dict:
 
 
 def _phi2_extra(fields: Fields, tensors: dict) -> dict:
-    hidden, heads = int(fields.need("embedding_length")), int(fields.one_per_model("attention.head_count"))
-    head_dim = hidden // heads
     return {
         "layer_norm_eps": _epsilon(fields, "attention.layer_norm_epsilon"),
-        "partial_rotary_factor": int(fields.get("rope.dimension_count", head_dim)) / head_dim,
+        "partial_rotary_factor": fields.partial_rotary_factor,
         # The converter writes 4 * hidden, which Phi-2 has; the tensors say it for any model.
         "intermediate_size": _rows(tensors, "blk.0.ffn_up.weight") or int(fields.need("feed_forward_length")),
     }
 
 
 def _phi3_extra(fields: Fields, tensors: dict) -> dict:
-    hidden, heads = int(fields.need("embedding_length")), int(fields.one_per_model("attention.head_count"))
-    rotary = int(fields.get("rope.dimension_count", hidden // heads))
-    config = {"partial_rotary_factor": rotary / (hidden // heads)}
+    config = {"partial_rotary_factor": fields.partial_rotary_factor}
     original = fields.get("rope.scaling.original_context_length")
     if original is not None:
         config["original_max_position_embeddings"] = int(original)
@@ -390,11 +399,9 @@ def _starcoder2_extra(fields: Fields, tensors: dict) -> dict:
 
 
 def _stablelm_extra(fields: Fields, tensors: dict) -> dict:
-    hidden, heads = int(fields.need("embedding_length")), int(fields.one_per_model("attention.head_count"))
-    head_dim = hidden // heads
     return {
         "layer_norm_eps": _epsilon(fields, "attention.layer_norm_epsilon"),
-        "partial_rotary_factor": int(fields.get("rope.dimension_count", head_dim)) / head_dim,
+        "partial_rotary_factor": fields.partial_rotary_factor,
         # llama.cpp runs the parallel residual exactly when a layer has no ffn_norm: so do we.
         "use_parallel_residual": "blk.0.ffn_norm.weight" not in tensors,
         "use_qkv_bias": "blk.0.attn_q.bias" in tensors,

@@ -13,7 +13,9 @@ The steps (DESIGN.md §5 has the facts learned on the default model):
   per-layer overrides of the most common width; groups are always 32.
 * On the CPU backend, float16 quantization scales make the quantized matmul ~40x slower than
   float32 ones, so scales and biases are stored in float32 there.
-* The directory is written atomically with a manifest recording the source file's SHA-256.
+* Tensors stream into ~2 GiB safetensors shards (``ShardWriter``), so a conversion holds one shard,
+  never the model; the directory is renamed into place with a manifest recording the source
+  file's SHA-256 and architecture only when complete (``store.atomic_directory``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import json
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-
 
 from vllm_mlx.models.gguf.architectures import (
     CONFIG_TENSORS,

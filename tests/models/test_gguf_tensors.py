@@ -545,3 +545,16 @@ def test_corrupt_header_is_a_one_line_error(tmp_path, make, reason):
         open_gguf(path)
     message = str(info.value)
     assert reason in message and str(path) in message and "\n" not in message
+
+
+def test_a_type_gguf_py_cannot_dequantize_is_a_clear_error(monkeypatch):
+    """An older gguf-py may know a type's id but not its dequantizer: a one-line error with the fix."""
+    import gguf.quants
+
+    def not_implemented(data, qtype):
+        raise NotImplementedError(f"Dequantization for {qtype.name} is not yet implemented")
+
+    monkeypatch.setattr(gguf.quants, "dequantize", not_implemented)
+    raw = tensor_bytes("Q6_K", (2, 256), np.random.default_rng(0))
+    with pytest.raises(ModelSourceError, match=r"cannot dequantize Q6_K tensors: pip install -U gguf"):
+        convert("Q6_K", raw, (2, 256))

@@ -195,7 +195,15 @@ def dequantize(raw: np.ndarray, type_id: int, shape: tuple[int, ...]) -> np.ndar
     qtype = GGMLQuantizationType(type_id)
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     rows = raw.reshape(-1, shape[-1] // block_size * type_size)
-    return np.asarray(gguf_dequantize(rows, qtype), dtype=np.float32).reshape(shape)
+    try:
+        values = gguf_dequantize(rows, qtype)
+    except NotImplementedError:  # an older gguf-py knows the type but not its dequantizer
+        from importlib.metadata import version
+
+        raise ModelSourceError(
+            f"gguf-py {version('gguf')} cannot dequantize {qtype.name} tensors: pip install -U gguf"
+        ) from None
+    return np.asarray(values, dtype=np.float32).reshape(shape)
 
 
 def check_supported(name: str, type_id: int) -> str:

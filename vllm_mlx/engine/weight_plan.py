@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from vllm_mlx.core.kv.sizing import EngineMemory, format_bytes, kv_bytes_per_token
 from vllm_mlx.core.kv.spec import blocks_for_bytes
+from vllm_mlx.models import read_config
 from vllm_mlx.models.weight_sizes import WeightSizes, weight_sizes
 from vllm_mlx.platform.errors import ModelMemoryError
 
@@ -181,11 +182,12 @@ def plan_weight_format(
     from vllm_mlx.platform.errors import ModelSourceError
 
     memory = _within_device(EngineMemory.of(config.memory_limit, available))
+    model_config = read_config(Path(model_dir)) or {}
     try:
-        sizes = weight_sizes(model_dir)
+        sizes = weight_sizes(model_dir, model_config)
     except (OSError, ValueError) as exc:
         sizes, error = None, exc
-    needs = format_needs(config, _read_config(model_dir), sizes) if sizes else ()
+    needs = format_needs(config, model_config, sizes) if sizes else ()
     plan = WeightPlan("quantized", config.weight_format, sizes, memory, needs)
     chosen = choose_weight_format(config.weight_format, fits=plan.fits if sizes else None)
     preferred = choose_weight_format(config.weight_format)
@@ -205,15 +207,6 @@ def log_plan(plan: WeightPlan) -> None:
     """The one line that says which format runs and why: a warning when "auto" gave up the
     fastest format for memory, else at info level."""
     logger.log(logging.WARNING if plan.gave_up_speed else logging.INFO, "vllm-mlx: %s", plan.line())
-
-
-def _read_config(model_dir: Path) -> dict:
-    import json
-
-    try:
-        return json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def _within_device(memory: EngineMemory) -> EngineMemory:

@@ -83,7 +83,7 @@ def load_model(source: str | Path, trust_remote_code: bool = False) -> LoadedMod
 
     path = resolve_model(source, trust_remote_code)
     check_model_code(path, trust_remote_code)
-    config = _read_config(path)
+    config = read_config(path)
     if config is not None:
         from vllm_mlx.multimodal.vlm_models import is_vision_language_config
 
@@ -99,7 +99,8 @@ def load_model(source: str | Path, trust_remote_code: bool = False) -> LoadedMod
     return LoadedModel(model, tokenizer, config, path)
 
 
-def _read_config(path: Path) -> dict | None:
+def read_config(path: Path) -> dict | None:
+    """A model directory's ``config.json``, or None when it is missing or not JSON."""
     import json
 
     try:

@@ -164,8 +164,9 @@ def _float_dtype(tensors: dict[str, TensorInfo]) -> str:
     return _DTYPE_NAMES[max(counts, key=counts.get)] if counts else "float32"
 
 
-def weight_sizes(model_dir: Path | str) -> WeightSizes:
+def weight_sizes(model_dir: Path | str, config: dict | None = None) -> WeightSizes:
     """The bytes of ``model_dir``'s weights (``*.safetensors``) in each weight format.
+    ``config``: its ``config.json`` when the caller has read it already.
 
     Raises:
         ValueError: The directory holds no safetensors file, or one is not readable as such.
@@ -177,10 +178,10 @@ def weight_sizes(model_dir: Path | str) -> WeightSizes:
     tensors: dict[str, TensorInfo] = {}
     for path in files:
         tensors.update(read_safetensors_header(path))
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        config = {}
+    if config is None:
+        from vllm_mlx.models import read_config
+
+        config = read_config(model_dir) or {}
     stored, f32, bf16, quantized = _tensor_sizes(tensors, _quantization(config))
     if not quantized:  # a float checkpoint is never converted: the same bytes in every format
         f32 = bf16 = stored

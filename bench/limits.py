@@ -416,9 +416,9 @@ def llama_cpp_single(workload: Workload, vocab_size: int) -> Figures | None:
         import llama_cpp
     except ImportError:
         return None
-    from vllm_mlx.models.default import default_gguf_path
+    from vllm_mlx.models.catalog import SMOLLM2, checkpoint_gguf
 
-    gguf, threads = default_gguf_path(), os.cpu_count()
+    gguf, threads = checkpoint_gguf(SMOLLM2), os.cpu_count()
     context = workload.prompt_tokens + workload.decode_tokens + DECODE_PROMPT_TOKENS
     llm = llama_cpp.Llama(str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads, verbose=False)
 

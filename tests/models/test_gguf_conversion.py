@@ -26,7 +26,7 @@ from gguf_reference import reference_logits
 
 import vllm_mlx.models.gguf.convert as gguf_module
 from vllm_mlx.models import resolve_model
-from vllm_mlx.models.default import default_gguf_path
+from vllm_mlx.models.catalog import SMOLLM2, checkpoint_gguf
 from vllm_mlx.models.gguf import convert_gguf, resolve_gguf
 from vllm_mlx.platform.errors import ModelSourceError
 
@@ -137,7 +137,7 @@ def test_default_model_logits_match_reference():
     assert tokenizer.decode(ids) == "<|im_start|>user\nCapital of France<|im_end|>\n<|im_start|>assistant\n"
     assert len(ids) <= 12
     out = np.array(model(mx.array([ids]))[0].astype(mx.float32))
-    ref = reference_logits(default_gguf_path(), ids)
+    ref = reference_logits(checkpoint_gguf(SMOLLM2), ids)
     # Observed max |diff| ~1.2e-4 (logits up to ~35); with the un-permutation skipped it is > 1 at
     # every position after the first (checked by hand), so 2e-3 passes with margin and still bites.
     assert np.abs(out - ref).max() < 2e-3, np.abs(out - ref).max(-1)

@@ -21,7 +21,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from gguf_builder import F16_FIELDS, random_blocks
+from gguf_builder import random_blocks
 
 from vllm_mlx.models.gguf import tensors
 from vllm_mlx.models.gguf.header import open_gguf

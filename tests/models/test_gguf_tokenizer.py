@@ -21,9 +21,9 @@ SAMPLES = [
 def gguf_metadata():
     import mlx.core as mx
 
-    from vllm_mlx.models.default import default_gguf_path
+    from vllm_mlx.models.catalog import SMOLLM2, checkpoint_gguf
 
-    _, metadata = mx.load(str(default_gguf_path()), return_metadata=True)
+    _, metadata = mx.load(str(checkpoint_gguf(SMOLLM2)), return_metadata=True)
     return metadata
 
 

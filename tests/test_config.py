@@ -158,6 +158,16 @@ def test_normalize_checks_every_declared_field():
             EngineConfig(**{name: bad}).normalize()
 
 
+@pytest.mark.parametrize("bad", [0, -5, "-1G"])
+def test_a_memory_limit_below_one_byte_is_refused(bad):
+    with pytest.raises(ValueError, match="memory_limit must be a size of at least 1 bytes"):
+        EngineConfig(memory_limit=bad).normalize()
+    good = EngineConfig(memory_limit="16G")
+    good.normalize()
+    assert good.memory_limit == 16 << 30
+
+
+
 @pytest.mark.parametrize("cls", [SchedulerConfig, SamplingParams], ids=lambda cls: cls.__name__)
 def test_every_scheduler_and_sampling_field_is_described(cls):
     """Their docs tables are generated from the fields' declarations (``described``): each has a

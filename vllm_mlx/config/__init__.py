@@ -130,7 +130,7 @@ class EngineConfig:
         "([Weight formats and memory](installation.md#weight-formats-and-memory))",
     )  # fmt: skip
     memory_limit: int | None = option(
-        None, surfaces=(ENGINE, BENCH, NOTEBOOK), unit=BYTES,
+        None, surfaces=(ENGINE, BENCH, NOTEBOOK), unit=BYTES, minimum=1,
         help="bytes the engine may use for weights and pools, e.g. 16G (default: the memory available at start "
         "less a margin)",
         doc="bytes the engine may use for its weights, KV pool and vision cache, checked before the weights load "

@@ -165,9 +165,12 @@ def checked_value(f: dataclasses.Field, opt: Option, value: Any) -> Any:
         return value
     if opt.unit in (BYTES, MEMORY):
         try:
-            return _TEXT_PARSERS[opt.unit](value)
+            size = _TEXT_PARSERS[opt.unit](value)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
+        if opt.minimum is not None and isinstance(size, int) and size < opt.minimum:
+            raise ValueError(f"{name} must be a size of at least {opt.minimum} bytes, got {value!r}")
+        return size
     if opt.unit == SECONDS:
         if not is_seconds(value, opt.minimum or 0):
             raise ValueError(f"{name} must be a number of seconds > {opt.minimum or 0:g}, got {value!r}")

@@ -135,8 +135,8 @@ def test_thousands_of_prompts_are_refused_before_any_work(http):
     assert_serving(http)
 
 
-def test_a_small_request_is_not_starved_by_a_large_batch(raised):
-    big = {"prompt": [f"Story number {i}:" for i in range(48)], "max_tokens": 12, "ignore_eos": True, "temperature": 0}
+def test_a_small_request_is_not_starved_by_a_large_batch(raised, engine):
+    big = {"prompt": [f"Story number {i}:" for i in range(48)], "max_tokens": 32, "ignore_eos": True, "temperature": 0}
     small = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
     done = {}
 
@@ -146,7 +146,10 @@ def test_a_small_request_is_not_starved_by_a_large_batch(raised):
 
     thread = threading.Thread(target=send_big)
     thread.start()
-    time.sleep(0.5)  # the batch is queued and running (4 seats, 48 prompts)
+    deadline = time.monotonic() + 60
+    while engine.stats().scheduler.waiting == 0:  # until the batch fills the 4 seats and queues
+        assert time.monotonic() < deadline and thread.is_alive(), "the batch never queued"
+        time.sleep(0.01)
     assert raised.post("/v1/chat/completions", json=small).status_code == 200
     done["small"] = time.monotonic()
     thread.join(120)

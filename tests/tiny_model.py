@@ -126,11 +126,16 @@ TINY_NEMOTRON_H = {
 }
 
 
-def build_tiny_llama(out_dir: Path, tokenizer_dir: Path, *, seed: int = 0, **overrides) -> Path:
+def build_tiny_llama(
+    out_dir: Path, tokenizer_dir: Path, *, seed: int = 0, likely_tokens: range | None = None, **overrides
+) -> Path:
     """A tiny model of ``model_type`` (default llama; any mlx-lm architecture whose args accept
     the llama-style config plus ``overrides``, e.g. qwen2, mistral, ``**TINY_GEMMA3``).
 
-    Attention sinks (gpt-oss), zero at init, get random values so that they matter."""
+    Attention sinks (gpt-oss), zero at init, get random values so that they matter.
+    ``likely_tokens``: only these token ids keep full-size embedding and output rows (the others
+    are scaled down 100 times), so the model's text draws from a few tokens and repeats itself,
+    as speculative decoding's n-gram tests need."""
     import importlib
 
     import mlx.core as mx
@@ -144,6 +149,13 @@ def build_tiny_llama(out_dir: Path, tokenizer_dir: Path, *, seed: int = 0, **ove
     # Larger-than-init weights so logits are peaked: greedy choices are far from ties.
     weights = {k: v * 4 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
     weights |= {k: mx.random.normal(v.shape) for k, v in weights.items() if k.endswith(".sinks")}
+    if likely_tokens is not None:
+        ids = mx.arange(config["vocab_size"])
+        rows = ((ids >= likely_tokens.start) & (ids < likely_tokens.stop))[:, None]
+        weights |= {
+            k: mx.where(rows, v, v * 0.01) for k, v in weights.items()
+            if k.endswith(("embed_tokens.weight", "lm_head.weight", "embeddings.weight"))
+        }  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))

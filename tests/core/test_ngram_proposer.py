@@ -9,17 +9,17 @@ from hypothesis import strategies as st
 from vllm_mlx.core.spec_decode.ngram import NgramProposer
 
 
-def brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+def brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[list[int], int]:
     """The rule spelled out: the longest tail that occurred earlier, its latest occurrence, the
-    tokens after it."""
+    tokens after it (and the tail's length)."""
     for n in range(max_n, min_n - 1, -1):
         if n >= len(tokens):
             continue
         tail = tokens[-n:]
         starts = [i for i in range(len(tokens) - n) if tokens[i : i + n] == tail]
         if starts:
-            return tokens[starts[-1] + n : starts[-1] + n + k]
-    return []
+            return tokens[starts[-1] + n : starts[-1] + n + k], n
+    return [], 0
 
 
 @settings(max_examples=300, deadline=None)
@@ -31,7 +31,9 @@ def brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
 )
 def test_proposal_follows_the_rule(tokens, min_n, extra, k):
     proposer = NgramProposer(min_n=min_n, max_n=min_n + extra, num_tokens=k)
-    assert proposer.propose(tokens) == brute_force(tokens, min_n, min_n + extra, k)
+    found = proposer.lookup(tokens)
+    assert (found.token_ids, found.match_len) == brute_force(tokens, min_n, min_n + extra, k)
+    assert proposer.propose(tokens) == found.token_ids
 
 
 def test_an_edit_copies_the_text_it_was_given():

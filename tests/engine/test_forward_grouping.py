@@ -62,3 +62,22 @@ def test_the_grouping_is_the_cheapest_split_of_the_rows_sorted_by_length():
             for cuts in itertools.combinations(range(1, len(ordered)), k)
         )
         assert cost(groups) == min(cost(s) for s in splits)
+
+
+def verifying(num_proposed: list[int]) -> list[ScheduledRequest]:
+    """Decode rows, each verifying ``num_proposed[i]`` proposed tokens (speculative decoding)."""
+    return [
+        ScheduledRequest(Request(f"d{i}", [1, 2]), 1, 1 + k, [1], spec_token_ids=[3] * k)
+        for i, k in enumerate(num_proposed)
+    ]
+
+
+def test_decode_rows_verifying_proposals_always_share_one_call():
+    """The speculation policy prices a step as rows x the widest decode row: it must be so."""
+    groups = group_for_padding(verifying([7] + [0] * 31))
+    assert [len(g) for g in groups] == [32]
+    long_chunk = rows([300])
+    groups = group_for_padding(verifying([4, 0, 2]) + long_chunk)
+    assert sorted(len(g) for g in groups) == [1, 3]
+    groups = group_for_padding(verifying([4, 0, 2]), pad=False)  # a model that cannot pad
+    assert sorted(len(g) for g in groups) == [1, 1, 1]

@@ -48,8 +48,10 @@ def test_encode_record_plain_data():
     step = record(7, preempted=["c"], admitted=[Admission("b", 16, False), Admission("d", 0, True)])
     assert encode_record(step, colors) == {
         "step": 7, "ms": 12.5, "budget": 8, "used": 7, "calls": 1,
-        "reqs": [{"id": "a", "color": 1, "prefill": 0, "decode": 1, "start": 30, "prompt": 20},
-                 {"id": "b", "color": 0, "prefill": 6, "decode": 0, "start": 8, "prompt": 20}],
+        "reqs": [{"id": "a", "color": 1, "prefill": 0, "decode": 1, "start": 30, "prompt": 20, "proposed": 0,
+                  "accepted": 0},
+                 {"id": "b", "color": 0, "prefill": 6, "decode": 0, "start": 8, "prompt": 20, "proposed": 0,
+                  "accepted": 0}],
         "preempted": [{"id": "c", "color": 2}], "resumed": ["d"], "hits": {"b": 16},
     }  # fmt: skip
     assert colors == {"b": 0, "a": 1, "c": 2}

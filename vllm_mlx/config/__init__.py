@@ -38,6 +38,7 @@ from vllm_mlx.config.options import (
     parse_count,
 )
 from vllm_mlx.core.sched.prefill_budget import DEFAULT_PREFILL_ATTENTION_TOKENS
+from vllm_mlx.core.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from vllm_mlx.distributed.watchdog import DEFAULT_STARTUP_TIMEOUT_S
 from vllm_mlx.platform.validation import RequestLimits
 from vllm_mlx.structured.bounds import DEFAULT_MAX_CONSTRAINT_BOUND
@@ -200,6 +201,15 @@ class EngineConfig:
         "the model, then the start message) may take before a rank gives up on the others and exits with "
         "status 1; it must exceed the slowest rank's load ([Distributed](distributed.md#when-a-rank-dies-or-hangs))",
     )  # fmt: skip
+    speculative_config: SpeculativeConfig | None = option(
+        None, surfaces=(ENGINE, BENCH, NOTEBOOK), parse=parse_speculative_config, metavar="JSON",
+        help='speculative decoding: vLLM\'s keys as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\', '
+        "or a method's name alone (ngram) (default: off)",
+        doc="speculative decoding inside the batch: a `SpeculativeConfig`, a dict of its keys or their JSON "
+        "(`method` `\"ngram\"`: prompt lookup; `num_speculative_tokens`, `prompt_lookup_min`, `prompt_lookup_max`, "
+        "`adaptive`); output is token for token the same as without it; `None` = off "
+        "([Speculative decoding](speculative_decoding.md))",
+    )  # fmt: skip
     max_constraint_bound: int = option(
         DEFAULT_MAX_CONSTRAINT_BOUND, surfaces=(NOTEBOOK,), minimum=1,
         help="largest repetition bound in a structured-output constraint (maxItems, regex {n,m}, ...)",
@@ -217,6 +227,9 @@ class EngineConfig:
             setattr(self, f.name, checked_value(f, opt, getattr(self, f.name)))
         if self.tensor_parallel and self.pipeline_parallel:
             raise ValueError("tensor_parallel and pipeline_parallel are exclusive: choose one way to split the model")
+        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
+        if self.speculative_config is not None and (self.tensor_parallel or self.pipeline_parallel):
+            raise ValueError("speculative_config does not work with tensor_parallel or pipeline_parallel yet")
 
     def scheduler_config(self, num_blocks: int, context_len: int | None) -> SchedulerConfig:
         """The scheduler's limits for a pool of ``num_blocks`` and a model context of ``context_len``."""

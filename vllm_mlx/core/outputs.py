@@ -35,16 +35,30 @@ class ScheduledRequest:
     block boundary; published for prefix hits once the step succeeded)."""
     block_tables: list[list[int]] | None = None
     """With several block groups, the table of each (``block_ids`` is the first); else None."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Proposed tokens verified after the known ones (speculative decoding): the last
+    ``len(spec_token_ids)`` of ``num_new_tokens`` are these, not the request's own tokens."""
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
 
     @property
+    def num_known_tokens(self) -> int:
+        """The request's own tokens this step computes (``num_new_tokens`` less the proposals)."""
+        return self.num_new_tokens - len(self.spec_token_ids)
+
+    @property
     def samples(self) -> bool:
         """True when this step reaches the end of the known tokens, so a token is sampled.
         A prefill chunk that stops short of the prompt's end samples nothing."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        return self.num_computed_tokens + self.num_known_tokens == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens this step computes: the request's own, then the proposed ones."""
+        start = self.num_computed_tokens
+        return self.request.all_token_ids[start : start + self.num_known_tokens] + self.spec_token_ids
 
 
 @dataclass
@@ -91,6 +105,26 @@ class TokenLogprobs:
 
 
 @dataclass
+class DraftVerdict:
+    """What the target model made of one request's proposed tokens in a step."""
+
+    num_proposed: int
+    accepted_token_ids: list[int]
+    """The proposals kept (a prefix of them): each is the token the request would have sampled
+    there without speculation. The step's sampled token follows them."""
+    accepted_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    """Their logprobs (one per accepted token) when the request asks for logprobs."""
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted_token_ids)
+
+    @property
+    def num_rejected(self) -> int:
+        return self.num_proposed - self.num_accepted
+
+
+@dataclass
 class ModelRunnerOutput:
     """Sampled tokens of one step, keyed by request id (only requests whose step samples)."""
 
@@ -99,17 +133,40 @@ class ModelRunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)
     """Requests whose work failed in the runner (e.g. the vision encoder rejected an image):
     they were left out of the forward and finish with FINISHED_ERROR; the batch goes on."""
+    drafts: dict[str, DraftVerdict] = field(default_factory=dict)
+    """Requests that verified proposed tokens: how many were kept (their tokens come before
+    the sampled one)."""
+
+    def new_token_ids(self, request_id: str) -> list[int]:
+        """The request's tokens from this step, in order: accepted proposals, then the sampled one."""
+        verdict = self.drafts.get(request_id)
+        sampled = self.sampled_token_ids.get(request_id)
+        accepted = verdict.accepted_token_ids if verdict is not None else []
+        return accepted + ([sampled] if sampled is not None else [])
+
+    def new_logprobs(self, request_id: str) -> list[TokenLogprobs | None]:
+        """Per token of ``new_token_ids``, its logprobs (None where not asked for)."""
+        verdict = self.drafts.get(request_id)
+        accepted = verdict.accepted_logprobs if verdict is not None else []
+        return [*accepted, self.logprobs.get(request_id)]
+
+    def merge(self, other: ModelRunnerOutput) -> None:
+        """Take ``other``'s results in (a step re-run request by request)."""
+        self.sampled_token_ids.update(other.sampled_token_ids)
+        self.logprobs.update(other.logprobs)
+        self.errors.update(other.errors)
+        self.drafts.update(other.drafts)
 
 
 @dataclass
 class StepRequestRecord:
     """One request's share of a step.
 
-    Its ``num_new_tokens`` are either one decode token (the single newest token of a request
-    whose earlier tokens are all computed) or prefill: a chunk of the prompt or, after a
-    preemption, of the prompt and output so far being recomputed. So across the steps of a
-    request that was never preempted, prefill tokens sum to its prompt length minus its cached
-    tokens."""
+    Its ``num_new_tokens`` are either decode tokens (the single newest token of a request whose
+    earlier tokens are all computed, plus any proposed tokens it verifies) or prefill: a chunk of
+    the prompt or, after a preemption, of the prompt and output so far being recomputed. So
+    across the steps of a request that was never preempted, prefill tokens sum to its prompt
+    length minus its cached tokens."""
 
     request_id: str
     num_computed_tokens: int
@@ -117,12 +174,18 @@ class StepRequestRecord:
     num_new_tokens: int
     num_prompt_tokens: int
     is_decode: bool
+    num_draft_tokens: int = 0
+    """Proposed tokens verified in this step (speculative decoding; part of ``num_new_tokens``)."""
+    num_accepted_tokens: int = 0
+    """How many of them were kept."""
 
     @classmethod
-    def of(cls, scheduled: ScheduledRequest) -> StepRequestRecord:
+    def of(cls, scheduled: ScheduledRequest, verdict: DraftVerdict | None = None) -> StepRequestRecord:
         start, n = scheduled.num_computed_tokens, scheduled.num_new_tokens
         num_prompt = scheduled.request.num_prompt_tokens
-        return cls(scheduled.request_id, start, n, num_prompt, is_decode=n == 1 and start >= num_prompt)
+        is_decode = scheduled.num_known_tokens == 1 and start >= num_prompt
+        accepted = verdict.num_accepted if verdict is not None else 0
+        return cls(scheduled.request_id, start, n, num_prompt, is_decode, len(scheduled.spec_token_ids), accepted)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -154,13 +217,27 @@ class StepRecord:
     """Seconds the engine spent on the step (schedule, forward pass, update, outputs)."""
 
     @classmethod
-    def of(cls, output: SchedulerOutput, num_forward_calls: int, wall_time: float = 0.0) -> StepRecord:
-        scheduled = output.scheduled
+    def of(
+        cls, output: SchedulerOutput, num_forward_calls: int, wall_time: float = 0.0,
+        drafts: dict[str, DraftVerdict] | None = None,
+    ) -> StepRecord:  # fmt: skip
+        """``drafts``: the runner's verdicts on proposed tokens (``ModelRunnerOutput.drafts``)."""
+        scheduled, drafts = output.scheduled, drafts or {}
         return cls(
             output.step_id, [s.request_id for s in scheduled], [s.num_new_tokens for s in scheduled],
-            num_forward_calls, [StepRequestRecord.of(s) for s in scheduled], list(output.preempted_ids),
-            list(output.admitted), output.token_budget, wall_time,
+            num_forward_calls, [StepRequestRecord.of(s, drafts.get(s.request_id)) for s in scheduled],
+            list(output.preempted_ids), list(output.admitted), output.token_budget, wall_time,
         )  # fmt: skip
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Proposed tokens verified in this step (speculative decoding)."""
+        return sum(r.num_draft_tokens for r in self.requests)
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        """Proposed tokens kept in this step."""
+        return sum(r.num_accepted_tokens for r in self.requests)
 
     @property
     def num_scheduled_tokens(self) -> int:

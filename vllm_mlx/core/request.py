@@ -289,6 +289,13 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Tokens proposed to follow the known ones (speculative decoding), verified by the next
+    step; never part of ``output_token_ids`` until verified."""
+    num_draft_tokens: int = 0
+    """Proposed tokens verified so far."""
+    num_accepted_tokens: int = 0
+    """Of them, those kept (each one a token the model itself chose)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -335,6 +342,7 @@ class Request:
         """Mark preempted: its blocks are gone, so everything is recomputed later."""
         self.status = RequestStatus.PREEMPTED
         self.num_computed_tokens = 0
+        self.spec_token_ids = []
         self.num_preemptions += 1
 
     def finish(self, status: RequestStatus, reason: str | int | None = None) -> None:
@@ -383,6 +391,21 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """Counts of a request's generation beyond its tokens (all its completions together)."""
+
+    num_draft_tokens: int = 0
+    """Proposed tokens verified (speculative decoding; 0 without it)."""
+    num_accepted_tokens: int = 0
+    """Of them, those kept: each one a token the model chose, produced without a step of its own."""
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Kept over proposed; None before any proposal."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+
+@dataclass
 class RequestOutput:
     """A snapshot of a request's progress, delivered after each engine step.
 
@@ -407,6 +430,8 @@ class RequestOutput:
     finish_time: float | None = None
     """Times from time.monotonic()."""
     error: str | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    """Speculative decoding's proposed and accepted tokens so far."""
 
     @property
     def text(self) -> str:

@@ -44,6 +44,7 @@ from vllm_mlx.core.outputs import ModelRunnerOutput, SchedulerOutput, StepRecord
 from vllm_mlx.core.request import Request, RequestOutput, RequestStatus, SamplingParams
 from vllm_mlx.core.sched.scheduler import Scheduler
 from vllm_mlx.core.snapshot import CacheSnapshot, CacheSnapshotter, MLLMSnapshot, MLLMStats
+from vllm_mlx.core.spec_decode.speculator import Speculator
 from vllm_mlx.distributed.liveness import LivenessMonitor
 from vllm_mlx.distributed.watchdog import (
     STARTUP,
@@ -280,6 +281,8 @@ class EngineCore:
             self._mllm_snapshot,
             self.kv_layout.views(num_blocks, max(states.num_running_slots - 1, 0), states.num_checkpoints),
         )
+        self.speculator = Speculator(config.speculative_config) if config.speculative_config is not None else None
+        """Speculative decoding's proposals and acceptance estimates (None: off)."""
         self.step_records: deque[StepRecord] = deque(maxlen=4096)
         """The last steps run (plain data; the notebook timeline reads them)."""
         self._deferred: dict[str, _Siblings] = {}  # by the caller's request id
@@ -443,15 +446,19 @@ class EngineCore:
         """
         start = time.perf_counter()
         outputs = self.output_processor.take_pending()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return outputs
         with self._waiting_on_ranks(f"step {scheduler_output.step_id}"):
             runner_output = self._execute(scheduler_output)
+        if self.speculator is not None:
+            self.speculator.observe(runner_output)
         advanced = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs += self.output_processor.process(advanced, runner_output)
         self._release_deferred()
-        self._record_step(scheduler_output, time.perf_counter() - start)
+        self._record_step(scheduler_output, runner_output, time.perf_counter() - start)
         return outputs
 
     @contextmanager
@@ -495,10 +502,10 @@ class EngineCore:
         with self._waiting_on_ranks("the idle heartbeat"):
             send_message(self.tp_group, StepMessage("ping"))
 
-    def _record_step(self, scheduler_output: SchedulerOutput, wall_time: float) -> None:
+    def _record_step(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, wall_time: float) -> None:
         ran = self.runner.last_step  # stale when the step failed before the runner recorded it
         calls = ran.num_forward_calls if ran is not None and ran.step_id == scheduler_output.step_id else 0
-        self.step_records.append(StepRecord.of(scheduler_output, calls, wall_time))
+        self.step_records.append(StepRecord.of(scheduler_output, calls, wall_time, runner_output.drafts))
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step. When it fails, each request is run again alone: one that fails alone
@@ -561,9 +568,7 @@ class EngineCore:
                 logger.error("request %s failed alone", item.request_id, exc_info=True)
                 merged.errors[item.request_id] = internal_error_message(exc)
                 continue
-            merged.sampled_token_ids.update(output.sampled_token_ids)
-            merged.logprobs.update(output.logprobs)
-            merged.errors.update(output.errors)
+            merged.merge(output)
         return merged
 
     # -- observers and lifetime -------------------------------------------------------------

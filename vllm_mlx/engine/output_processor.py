@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm_mlx.core.outputs import ModelRunnerOutput, TokenLogprobs
-from vllm_mlx.core.request import CompletionOutput, Request, RequestOutput, RequestStatus
+from vllm_mlx.core.request import CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus
 from vllm_mlx.engine.detokenizer import IncrementalDetokenizer
 from vllm_mlx.platform.errors import internal_error_message
 
@@ -155,7 +155,7 @@ class OutputProcessor:
             if completion is None:
                 continue
             try:
-                self._absorb(completion, runner_output.logprobs.get(request.request_id))
+                self._absorb(completion, runner_output.new_logprobs(request.request_id))
             except Exception as exc:  # this completion's text processing failed: it ends alone
                 self._fail_request(request, exc, "processing its output")
             touched[completion.group_id] = None
@@ -166,14 +166,16 @@ class OutputProcessor:
                 outputs.append(self._finish_group(group) if group.finished else self._group_output(group))
         return outputs
 
-    def _absorb(self, completion: _Completion, logprobs: TokenLogprobs | None) -> None:
-        """Detokenize the completion's new tokens, apply stop strings, record logprobs.
+    def _absorb(self, completion: _Completion, logprobs: list[TokenLogprobs | None]) -> None:
+        """Detokenize the completion's new tokens, apply stop strings, record logprobs (one per
+        new token: a step that kept proposed tokens brings several).
 
         The token that stopped the completion (EOS or one of ``stop_token_ids``) stays in
         ``token_ids`` but is not text, as in vLLM: with ``skip_special_tokens=False`` (tool-call
         formats whose markers are special tokens) it would otherwise end every answer."""
         request = completion.request
         new_tokens = request.output_token_ids[completion.num_detokenized :]
+        self._record_logprobs(completion, logprobs[: len(new_tokens)])
         if new_tokens and _stopped_by_token(request):
             new_tokens = new_tokens[:-1]
         completion.detokenizer.add_tokens(new_tokens)
@@ -182,9 +184,15 @@ class OutputProcessor:
             self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, completion.detokenizer.stop_string)
         if request.is_finished and completion.detokenizer.stop_string is None:
             completion.detokenizer.finish()
-        if logprobs is not None and completion.logprobs is not None:
-            completion.logprobs.append({logprobs.token_id: logprobs.logprob, **logprobs.top})
-            completion.cumulative_logprob += logprobs.logprob
+
+    @staticmethod
+    def _record_logprobs(completion: _Completion, logprobs: list[TokenLogprobs | None]) -> None:
+        if completion.logprobs is None:
+            return
+        for record in logprobs:
+            if record is not None:
+                completion.logprobs.append({record.token_id: record.logprob, **record.top})
+                completion.cumulative_logprob += record.logprob
 
     def _fail_request(self, request: Request, exc: Exception, doing: str) -> None:
         """End ``request`` with an error after an unexpected exception; log the traceback."""
@@ -217,6 +225,10 @@ class OutputProcessor:
             first_token_time=r.first_token_time,
             finish_time=max((c.request.finish_time or 0.0) for c in group.completions) or None,
             error=next((c.request.error_message for c in group.completions if c.request.error_message), None),
+            metrics=RequestMetrics(
+                num_draft_tokens=sum(c.request.num_draft_tokens for c in group.completions),
+                num_accepted_tokens=sum(c.request.num_accepted_tokens for c in group.completions),
+            ),
         )
 
     def _finish_group(self, group: _Group) -> RequestOutput:

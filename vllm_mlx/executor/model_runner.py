@@ -37,8 +37,9 @@ from vllm_mlx.core.request import Request, SamplingParams
 from vllm_mlx.executor.attention import KVPool, MLXAttentionBackend, PagedLayerCache, RowSpec, layer_specs
 from vllm_mlx.executor.bitmask import StepMasks
 from vllm_mlx.executor.cpu_kernels import CPUKernels
-from vllm_mlx.executor.sampling import SamplingRow, sample
+from vllm_mlx.executor.sampling import sample, sampling_row
 from vllm_mlx.executor.state_pool import RecurrentLayerCache, StateLayout, StatePool, StateWrite, probe_state_layout
+from vllm_mlx.executor.verification import VerificationPlan, verify_proposals
 from vllm_mlx.multimodal.cache import MLLMCacheManager
 
 # What a forward call costs besides its tokens, in tokens of compute: every weight is read once
@@ -56,11 +57,21 @@ def group_for_padding(scheduled: list[ScheduledRequest], pad: bool = True) -> li
 
     Calls hold runs of the rows sorted by length (a row never pads to more than the call's
     longest row needs), and rows of equal length always share one, so the search is over where
-    to cut the list of distinct lengths: a small dynamic program.
+    to cut the list of distinct lengths: a small dynamic program. Decode rows count as long as
+    the longest of them (speculative decoding's rows verify proposals of different lengths), so
+    they always share one call.
     """
+    decoding = [s.num_new_tokens for s in scheduled if s.num_known_tokens == 1]
+    decode_width = max(decoding, default=1) if pad else None
+
+    def width(item: ScheduledRequest) -> int:
+        """A decode row (one known token, and any proposals it verifies) shares the widest
+        decode row's call: the speculation policy prices a step as rows x that width."""
+        return decode_width if decode_width is not None and item.num_known_tokens == 1 else item.num_new_tokens
+
     runs: dict[int, list[ScheduledRequest]] = {}
-    for item in sorted(scheduled, key=lambda s: s.num_new_tokens, reverse=True):
-        runs.setdefault(item.num_new_tokens, []).append(item)
+    for item in sorted(scheduled, key=width, reverse=True):
+        runs.setdefault(width(item), []).append(item)
     widths, rows = list(runs), list(runs.values())
     if not pad or len(rows) <= 1:
         return rows
@@ -179,10 +190,10 @@ class MLXModelRunner:
         picked: list[mx.array] = []
         states: list[StateWrite] = []  # written only if the whole step succeeds
         for group in groups:
-            for item, row in zip(group, self._forward(group, states)):
-                if row is not None:
+            for item, rows in zip(group, self._forward(group, states)):
+                if rows is not None:
                     sampled.append(item)
-                    picked.append(row)
+                    picked.append(rows)
         self.last_step = StepRecord(
             scheduler_output.step_id,
             [s.request_id for s in scheduler_output.scheduled],
@@ -191,22 +202,35 @@ class MLXModelRunner:
         )
         self._drop_finished_image_features(runnable)
         if sampled:
-            requests = [s.request for s in sampled]
-            logits = self._head(mx.stack(picked))
-            masks = StepMasks.build(requests)  # None when no row has a structured-output constraint
-            batch = logits if masks is None else masks.apply(logits)
-            result = sample(batch, [sampling_row(s) for s in sampled])
-            if masks is not None:  # fail closed: such a request ends with an error, alone
-                output.errors.update(masks.rejected(requests, result.token_ids))
-            for item, token_id, logprobs in zip(sampled, result.token_ids, result.logprobs):
-                if item.request_id in output.errors:
-                    continue
-                output.sampled_token_ids[item.request_id] = token_id
-                if logprobs is not None:
-                    output.logprobs[item.request_id] = logprobs
+            self._sample(sampled, self._head(mx.concatenate(picked)), output)
         if self.state_pool is not None:
-            self.state_pool.commit(states)
+            self.state_pool.commit(states, skip_slots=self._rolled_back_slots(sampled, output))
         return output
+
+    def _sample(self, sampled: list[ScheduledRequest], logits: mx.array, output: ModelRunnerOutput) -> None:
+        """Sample every position that needs a token (one per row; ``k + 1`` for a row verifying
+        ``k`` proposed tokens: ``verification.py``) and record the rows' tokens in ``output``."""
+        plan = VerificationPlan.of(sampled)
+        masks = StepMasks.build(plan.requests)  # None when no row has a structured-output constraint
+        batch = logits if masks is None else masks.apply(logits)
+        result = sample(batch, plan.sampling_rows)
+        if masks is not None:  # fail closed: such a request ends with an error, alone
+            output.errors.update(masks.rejected(plan.requests, result.token_ids))
+        for item, tokens, logprobs in plan.per_request(result):
+            if item.request_id in output.errors:
+                continue
+            verdict = verify_proposals(item.spec_token_ids, tokens, logprobs) if item.spec_token_ids else None
+            last = len(verdict.accepted_token_ids) if verdict is not None else 0
+            output.sampled_token_ids[item.request_id] = tokens[last]
+            if logprobs[last] is not None:
+                output.logprobs[item.request_id] = logprobs[last]
+            if verdict is not None:
+                output.drafts[item.request_id] = verdict
+
+    def _rolled_back_slots(self, sampled: list[ScheduledRequest], output: ModelRunnerOutput) -> set[int]:
+        """State slots whose new state must not be written: rows that rejected a proposed token
+        (their state saw it; the request recomputes from the step's start instead)."""
+        return {s.state_slot for s in sampled if (v := output.drafts.get(s.request_id)) is not None and v.num_rejected}
 
     def probe(self) -> None:
         """Run one token through the model and the sampler; raise if that fails.
@@ -218,19 +242,22 @@ class MLXModelRunner:
         """
         probe = Request("engine-probe", [0], SamplingParams(temperature=0, seed=0))
         item = ScheduledRequest(probe, num_computed_tokens=0, num_new_tokens=1, block_ids=[NULL_BLOCK])
-        [row] = self._forward([item], [])
-        sample(self._head(row[None]), [sampling_row(item)])
+        [rows] = self._forward([item], [])
+        sample(self._head(rows), [sampling_row(item)])
 
     def _forward(self, group: list[ScheduledRequest], states: list[StateWrite]) -> list[mx.array | None]:
-        """One padded forward; for each sampling row (else None) its last position's hidden
-        state, or its logits when the model has no separate head (``_head`` finishes them).
-        The recurrent states it computed are appended to ``states`` (not yet written)."""
+        """One padded forward; for each sampling row (else None) the hidden states of the
+        positions it samples (its last, and before it one per proposed token it verifies), or
+        their logits when the model has no separate head (``_head`` finishes them). The
+        recurrent states it computed are appended to ``states`` (not yet written)."""
         rows = [row_spec(s) for s in group]
         width = max(len(r.tokens) for r in rows)
         inputs = mx.array([r.tokens + [0] * (width - len(r.tokens)) for r in rows])
         caches = self.attention.make_caches(rows)
         wanted = [i for i, s in enumerate(group) if s.samples]
-        where = (mx.array(wanted), mx.array([len(rows[i].tokens) - 1 for i in wanted]))
+        counts = [len(group[i].spec_token_ids) + 1 for i in wanted]
+        row_index = [i for i, n in zip(wanted, counts) for _ in range(n)]
+        positions = [len(rows[i].tokens) - n + j for i, n in zip(wanted, counts) for j in range(n)]
         with self.kernels.active(_key_ranges(caches), inputs.size) if self.kernels is not None else nullcontext():
             if self.vision is not None:
                 out = self._vision_hidden_states(group, inputs, caches)
@@ -238,15 +265,17 @@ class MLXModelRunner:
                 out = self.split.backbone(inputs, cache=caches)
             else:
                 out = self.model(inputs, cache=caches)
-        picked = out[where] if wanted else None
+        picked = out[mx.array(row_index), mx.array(positions)] if wanted else None
         new_states = [w for c in caches if isinstance(c, RecurrentLayerCache) for w in c.writes()]
         # Evaluate now (asynchronously: sampling's graph is built meanwhile): the pool's next
         # scatter can then update its buffers in place (the stream runs in order).
         mx.async_eval([picked] if picked is not None else [], self.pool.arrays(), [w.value for w in new_states])
         states.extend(new_states)
         per_row: list[mx.array | None] = [None] * len(group)
-        for n, i in enumerate(wanted):
-            per_row[i] = picked[n]
+        first = 0
+        for i, n in zip(wanted, counts):
+            per_row[i] = picked[first : first + n]
+            first += n
         return per_row
 
     def _head(self, picked: mx.array) -> mx.array:
@@ -401,32 +430,12 @@ def _key_ranges(caches):
 
 
 def row_spec(item: ScheduledRequest) -> RowSpec:
-    start = item.num_computed_tokens
-    tokens = item.request.all_token_ids[start : start + item.num_new_tokens]
     return RowSpec(
-        tokens=tokens,
-        num_computed=start,
+        tokens=item.token_ids,
+        num_computed=item.num_computed_tokens,
         block_ids=item.block_ids,
         state_slot=item.state_slot,
         state_read_slot=item.state_read_slot,
         checkpoint_slot=item.checkpoint_slot,
         block_tables=item.block_tables,
-    )
-
-
-def sampling_row(item: ScheduledRequest) -> SamplingRow:
-    request = item.request
-    params = request.sampling_params
-    banned: list[int] = []
-    if request.num_output_tokens < params.min_tokens:
-        banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(request.eos_token_ids))
-    if params.seed is None:
-        raise ValueError(f"request {request.request_id} has no seed (the engine draws one for every request)")
-    return SamplingRow(
-        params=params,
-        seed=params.seed,
-        step=request.num_output_tokens,
-        prompt_token_ids=request.prompt_token_ids,
-        output_token_ids=request.output_token_ids,
-        banned_token_ids=banned,
     )

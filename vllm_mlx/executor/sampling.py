@@ -37,7 +37,7 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from vllm_mlx.core.outputs import TokenLogprobs
+from vllm_mlx.core.outputs import ScheduledRequest, TokenLogprobs
 from vllm_mlx.core.request import SamplingParams
 from vllm_mlx.executor import cpu_kernels
 
@@ -326,3 +326,25 @@ def _logprob_records(
         top = dict(zip(top_ids[j][:k], top_vals[j][:k])) if k else {}
         out[i] = TokenLogprobs(token_ids[i], token_lp[j], top)
     return out
+
+
+def sampling_row(item: ScheduledRequest, num_proposed: int = 0) -> SamplingRow:
+    """The sampling row of ``item``'s next token; with ``num_proposed``, of the position after
+    its first ``num_proposed`` proposed tokens (as if they had been sampled: same seed, the
+    step and history they would give)."""
+    request = item.request
+    params = request.sampling_params
+    history = request.output_token_ids + item.spec_token_ids[:num_proposed] if num_proposed else request.output_token_ids
+    banned: list[int] = []
+    if len(history) < params.min_tokens:
+        banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(request.eos_token_ids))
+    if params.seed is None:
+        raise ValueError(f"request {request.request_id} has no seed (the engine draws one for every request)")
+    return SamplingRow(
+        params=params,
+        seed=params.seed,
+        step=len(history),
+        prompt_token_ids=request.prompt_token_ids,
+        output_token_ids=history,
+        banned_token_ids=banned,
+    )

@@ -141,8 +141,9 @@ class StatePool:
             value = mx.where(batch.keep.reshape(-1, *([1] * (value.ndim - 1))), value, mx.zeros_like(value))
         return value
 
-    def commit(self, writes: list[StateWrite]) -> None:
-        """Write a successful step's states into the pool, in place.
+    def commit(self, writes: list[StateWrite], skip_slots: set[int] | frozenset[int] = frozenset()) -> None:
+        """Write a successful step's states into the pool, in place, except into ``skip_slots``
+        (rows whose state must stay as it was before the step: a rejected proposed token).
 
         One slice update per (row, slot), not one scatter per array: MLX's CPU scatter goes
         element by element (~14x slower for 1 MB rows), while a slice update into a buffer
@@ -155,7 +156,8 @@ class StatePool:
                 raise ValueError(f"layer {w.layer} set state array {w.index}, which the probe never saw")
             value = w.value.astype(pool.dtype)
             for row, slot in w.targets:
-                pool[slot : slot + 1] = value[row : row + 1]
+                if slot not in skip_slots:
+                    pool[slot : slot + 1] = value[row : row + 1]
             written[w.layer, w.index] = pool
         mx.eval(list(written.values()))
 

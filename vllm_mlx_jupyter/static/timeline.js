@@ -69,7 +69,8 @@ function details(step) {
   const lines = [[`Step ${step.step}`, "vmt-tip-title"],
     [`${step.used} of ${step.budget} tokens · ${step.ms.toFixed(1)} ms · ${step.calls} forward call${step.calls === 1 ? "" : "s"}`]];
   for (const q of step.reqs) {
-    const what = q.decode ? "decode 1 token"
+    const what = q.proposed ? `decode 1 token, verify ${q.proposed} proposed: ${q.accepted} kept`
+      : q.decode ? "decode 1 token"
       : q.start < q.prompt ? `prefill ${q.prefill} tokens (${q.start}–${q.start + q.prefill} of a ${q.prompt}-token prompt)`
         : `recompute ${q.prefill} tokens`;
     lines.push([`${q.id}: ${what}`, "", q.color]);

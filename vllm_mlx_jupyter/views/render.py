@@ -43,7 +43,7 @@ def current_execution_count() -> int:
 
 
 def status_parts(gen) -> list[str]:
-    """The status line as parts: name, state, tokens, tok/s, TTFT, cached prompt tokens."""
+    """The status line as parts: name, state, tokens, tok/s, speculation, TTFT, cached prompt tokens."""
     out = gen.output
     state = gen.state
     if state == DONE and out is not None and out.finish_reason:
@@ -62,6 +62,9 @@ def status_parts(gen) -> list[str]:
         rate = _tokens_per_second(out, n)
         if rate is not None:
             parts.append(f"{rate:.1f} tok/s")
+        metrics = getattr(out, "metrics", None)  # a remote server's outputs have none
+        if metrics is not None and metrics.num_draft_tokens:
+            parts.append(f"{metrics.num_accepted_tokens}/{metrics.num_draft_tokens} proposed tokens kept")
         if out.ttft is not None:
             parts.append(f"TTFT {out.ttft:.2f} s")
         parts.append(f"{out.num_cached_tokens}/{out.num_prompt_tokens} prompt tokens from cache")

@@ -9,7 +9,8 @@ for the busy cell. A view opened later starts from the latest push.
 
 Synced state (plain JSON):
 - ``records``: the newest records not sent before, oldest first, each
-  ``{step, ms, budget, used, calls, reqs: [{id, color, prefill, decode, start, prompt}],
+  ``{step, ms, budget, used, calls, reqs: [{id, color, prefill, decode, start, prompt, proposed,
+  accepted}],
   preempted: [{id, color}], resumed: [id], hits: {id: cached tokens}}``.
 - ``epoch``: bumped when the engine changes (a new model, a restart): the view starts over.
 - ``max_columns``: how many steps the view keeps; ``engine_state``: "running" or why not.
@@ -51,7 +52,8 @@ def encode_record(record: StepRecord, colors: dict[str, int]) -> dict:
         "calls": record.num_forward_calls,
         "reqs": [
             {"id": q.request_id, "color": color_slot(colors, q.request_id), "prefill": q.num_prefill_tokens,
-             "decode": q.num_decode_tokens, "start": q.num_computed_tokens, "prompt": q.num_prompt_tokens}
+             "decode": q.num_decode_tokens, "start": q.num_computed_tokens, "prompt": q.num_prompt_tokens,
+             "proposed": q.num_draft_tokens, "accepted": q.num_accepted_tokens}
             for q in record.requests
         ],  # fmt: skip
         "preempted": [{"id": rid, "color": color_slot(colors, rid)} for rid in record.preempted],
@@ -153,8 +155,12 @@ class SchedulerTimeline(WidgetFallbacks, anywidget.AnyWidget):
         used = sum(s["used"] for s in steps) / len(steps)
         ms = sum(s["ms"] for s in steps) / len(steps)
         preempted = sum(len(s["preempted"]) for s in steps)
+        proposed = sum(q.get("proposed", 0) for s in steps for q in s["reqs"])
+        accepted = sum(q.get("accepted", 0) for s in steps for q in s["reqs"])
+        speculation = f", {accepted} of {proposed} proposed tokens kept" if proposed else ""
         return (f"Scheduler timeline: steps {steps[0]['step']}–{steps[-1]['step']}, {used:.1f} of "
-                f"{steps[-1]['budget']} tokens per step, {ms:.1f} ms per step, {preempted} preemptions")  # fmt: skip
+                f"{steps[-1]['budget']} tokens per step, {ms:.1f} ms per step, {preempted} preemptions"
+                f"{speculation}")  # fmt: skip
 
     def _repr_html_(self) -> str:
         return static_html(self._history)

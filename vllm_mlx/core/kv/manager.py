@@ -87,13 +87,14 @@ class KVCacheManager:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def assign(self, request: Request, num_new: int) -> CacheAssignment:
-        """The request's tables and state slots for a step computing ``num_new`` tokens; a step
-        ending on a block boundary also gets a state checkpoint slot (hybrid models)."""
+    def assign(self, request: Request, num_new: int, speculative: bool = False) -> CacheAssignment:
+        """The request's tables and state slots for a step computing ``num_new`` known tokens; a
+        step ending on a block boundary also gets a state checkpoint slot (hybrid models), unless
+        it verifies proposed tokens (``speculative``: where its state ends is not known yet)."""
         rid, state = request.request_id, self.coordinator.state
         slot = state.slot(rid) if state else NULL_STATE_SLOT
         read_slot = state.read_slot(rid) if state else NULL_STATE_SLOT
-        on_boundary = (request.num_computed_tokens + num_new) % self.block_size == 0
+        on_boundary = (request.num_computed_tokens + num_new) % self.block_size == 0 and not speculative
         tables = self.coordinator.get_block_tables(rid)
         return CacheAssignment(
             block_ids=tables[0],
@@ -123,6 +124,14 @@ class KVCacheManager:
             self.prefix_cache.forget(request.request_id)
 
     # ---- queries -------------------------------------------------------------------------------
+
+    @property
+    def rolls_back_by_recompute(self) -> bool:
+        """Whether rejected proposed tokens are undone by recomputing from the step's start: a
+        recurrent layer's state after a step holds every token it saw, rejected ones too (the
+        runner then keeps the state from before the step). Attention alone just forgets the
+        rejected positions, whose slots are overwritten later."""
+        return self.coordinator.state is not None
 
     def token_capacity(self, max_step_tokens: int) -> int:
         return self.coordinator.token_capacity(max_step_tokens)

@@ -16,7 +16,14 @@ from dataclasses import dataclass
 from vllm_mlx.core.fields import described
 from vllm_mlx.core.kv.coordinator import KVCacheCoordinator
 from vllm_mlx.core.kv.manager import KVCacheManager
-from vllm_mlx.core.outputs import Admission, ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from vllm_mlx.core.outputs import (
+    Admission,
+    DraftVerdict,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from vllm_mlx.core.request import Request, RequestStatus
 from vllm_mlx.core.sched.observation import RequestView, SchedulerStats, requests_to_dict
 from vllm_mlx.core.sched.prefill_budget import PrefillCost
@@ -220,18 +227,31 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, request.num_computed_tokens, budget)
-            num_new = self.kv.cut_at_checkpoint(request, request.num_computed_tokens, num_new)
-            while not self.kv.allocate_slots(request, request.num_computed_tokens + num_new):
+            start = request.num_computed_tokens
+            num_new = self._chunk(request.num_tokens - start, start, budget)
+            num_new = self.kv.cut_at_checkpoint(request, start, num_new)
+            spec = self._spec_tokens(request, num_new, budget - self._charge(num_new, start))
+            if spec and not self.kv.allocate_slots(request, start + num_new + len(spec)):
+                spec = request.spec_token_ids = []  # no room to verify: decode plainly
+            while not spec and not self.kv.allocate_slots(request, start + num_new):
                 victim = self.running.pop()  # the tail: most recently admitted
                 self._preempt(victim, output)
                 if victim is request:
                     break
             else:
-                budget -= self._charge(num_new, request.num_computed_tokens)
-                output.scheduled.append(self._scheduled(request, num_new))
+                budget -= self._charge(num_new, start) + len(spec)
+                output.scheduled.append(self._scheduled(request, num_new, spec))
                 i += 1
         return budget
+
+    def _spec_tokens(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The proposed tokens ``request`` verifies in this step (speculative decoding): only
+        after a chunk that reaches its last known token, and only as many as the step's budget
+        and the request's room below ``max_model_len`` allow (its KV must fit the context)."""
+        if not request.spec_token_ids or request.num_computed_tokens + num_new != request.num_tokens:
+            return []
+        room = min(budget, self.max_model_len - request.num_tokens)
+        return request.spec_token_ids[: max(room, 0)]
 
     def _chunk(self, remaining: int, position: int, budget: int) -> int:
         """How many of a request's ``remaining`` tokens, the first at ``position``, fit in
@@ -258,7 +278,7 @@ class Scheduler:
             load[request.fairness_key] += 1
             output.admitted.append(Admission(request.request_id, num_hit, resumed=request.num_preemptions > 0))
             self._admit(request, num_hit)
-            output.scheduled.append(self._scheduled(request, num_new))
+            output.scheduled.append(self._scheduled(request, num_new, []))
             budget -= self._charge(num_new, num_hit)
 
     def update_from_output(
@@ -293,12 +313,16 @@ class Scheduler:
     def _update_request(self, scheduled: ScheduledRequest, runner_output: ModelRunnerOutput) -> bool:
         """Apply one request's share of a step; True if it advanced (a token, or its end)."""
         request = scheduled.request
+        request.spec_token_ids = []  # verified now, or to be proposed afresh
         error = runner_output.errors.get(request.request_id)
         checkpointed = scheduled.checkpoint_slot is not None
         if error is not None:  # its KV was not computed: nothing to cache
             self.kv.complete_step(request, scheduled.num_computed_tokens, checkpointed, succeeded=False)
             request.error(error)
             return True
+        verdict = runner_output.drafts.get(request.request_id)
+        if verdict is not None:
+            return self._update_verified(scheduled, runner_output.new_token_ids(request.request_id), verdict)
         request.num_computed_tokens += scheduled.num_new_tokens
         self.kv.complete_step(request, scheduled.num_computed_tokens, checkpointed, succeeded=True)
         if not scheduled.samples:
@@ -311,13 +335,38 @@ class Scheduler:
             self._check_stop(request)
         return True
 
+    def _update_verified(self, scheduled: ScheduledRequest, new_tokens: list[int], verdict: DraftVerdict) -> bool:
+        """A step that verified proposed tokens: its accepted ones and the sampled one are the
+        request's new tokens (until a stop), and its computed count covers the accepted ones;
+        the rejected positions' KV is left to be overwritten. Recurrent layers cannot drop the
+        rejected tokens from their state, which the runner then did not write: the request
+        recomputes from where the step began (``kv.rolls_back_by_recompute``)."""
+        request = scheduled.request
+        request.num_draft_tokens += verdict.num_proposed
+        request.num_accepted_tokens += verdict.num_accepted
+        if len(new_tokens) != verdict.num_accepted + 1:
+            request.error("the model runner returned no token for this request")
+            self.kv.complete_step(request, scheduled.num_computed_tokens, False, succeeded=False)
+            return True
+        for token_id in new_tokens:
+            request.append_output_token(token_id)
+            self._check_stop(request)
+            if request.is_finished:
+                break
+        computed = scheduled.num_computed_tokens + scheduled.num_known_tokens + verdict.num_accepted
+        if verdict.num_rejected and self.kv.rolls_back_by_recompute:
+            computed = scheduled.num_computed_tokens
+        request.num_computed_tokens = min(computed, request.num_tokens)  # a stop may end it early
+        self.kv.complete_step(request, scheduled.num_computed_tokens, False, succeeded=True)
+        return True
+
     # ---- helpers -------------------------------------------------------------------------------
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        cache = self.kv.assign(request, num_new)
+    def _scheduled(self, request: Request, num_new: int, spec: list[int]) -> ScheduledRequest:
+        cache = self.kv.assign(request, num_new, speculative=bool(spec))
         return ScheduledRequest(
-            request, request.num_computed_tokens, num_new, cache.block_ids, cache.state_slot,
-            cache.state_read_slot, cache.checkpoint_slot, cache.block_tables,
+            request, request.num_computed_tokens, num_new + len(spec), cache.block_ids, cache.state_slot,
+            cache.state_read_slot, cache.checkpoint_slot, cache.block_tables, list(spec),
         )  # fmt: skip
 
     def _admit(self, request: Request, num_hit: int) -> None:

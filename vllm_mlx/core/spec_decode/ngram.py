@@ -36,13 +36,26 @@ class NgramProposer:
 
     def propose(self, tokens: Sequence[int] | np.ndarray) -> list[int]:
         """The proposal for what follows ``tokens`` (empty when no tail occurred before)."""
+        return self.lookup(tokens).token_ids
+
+    def lookup(self, tokens: Sequence[int] | np.ndarray) -> Lookup:
+        """The proposal and the length of the tail it matched (0: none matched)."""
         context = np.asarray(tokens, dtype=np.int64)
         for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1):
             start = last_earlier_occurrence(context, n)
             if start is not None:
                 follows = start + n
-                return context[follows : follows + self.num_tokens].tolist()
-        return []
+                return Lookup(context[follows : follows + self.num_tokens].tolist(), n)
+        return Lookup([], 0)
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """A proposal and how it was found."""
+
+    token_ids: list[int]
+    match_len: int
+    """How many tokens of the context's tail matched (longer matches are right more often)."""
 
 
 def last_earlier_occurrence(context: np.ndarray, n: int) -> int | None:

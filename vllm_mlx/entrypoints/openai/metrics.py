@@ -104,6 +104,12 @@ class ServerMetrics:
                 "vllm:prompt_cached_tokens", "Prompt tokens served from the prefix cache.", labels, registry=r
             )
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels, registry=r)
+        self.draft_tokens = Counter(
+            "vllm:spec_decode_num_draft_tokens", "Proposed tokens verified (speculative decoding).", labels, registry=r
+        )
+        self.accepted_tokens = Counter(
+            "vllm:spec_decode_num_accepted_tokens", "Proposed tokens kept (speculative decoding).", labels, registry=r
+        )
         self.request_aborted = Counter(
             "vllm:request_aborted", "Requests aborted before they finished (client disconnects).", labels, registry=r
         )
@@ -149,6 +155,7 @@ class RequestTracker:
         self.metrics = metrics
         self.start = self.last = time.monotonic()
         self.num_tokens = self.prompt_tokens = self.cached_tokens = 0
+        self.draft_tokens = self.accepted_tokens = 0
         self.finished = False
 
     def observe(self, output: RequestOutput) -> None:
@@ -163,6 +170,7 @@ class RequestTracker:
                     m.tpot.labels(label).observe((now - self.last) / new)
             self.num_tokens, self.last = output.num_completion_tokens, now
         self.prompt_tokens, self.cached_tokens = output.num_prompt_tokens, output.num_cached_tokens
+        self.draft_tokens, self.accepted_tokens = output.metrics.num_draft_tokens, output.metrics.num_accepted_tokens
         if output.finished:
             self.finished = True
             m.e2e.labels(label).observe(now - self.start)
@@ -182,3 +190,5 @@ class RequestTracker:
         if m.cached_tokens is not None:
             m.cached_tokens.labels(label).inc(self.cached_tokens)
         m.generation_tokens.labels(label).inc(self.num_tokens)
+        m.draft_tokens.labels(label).inc(self.draft_tokens)
+        m.accepted_tokens.labels(label).inc(self.accepted_tokens)

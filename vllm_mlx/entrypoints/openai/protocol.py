@@ -156,12 +156,21 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    """OpenAI's counts of predicted tokens (its Predicted Outputs): here, speculative decoding's."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
     """Only with `--enable-prompt-tokens-details` (cached tokens tell of other tenants' prompts)."""
+    completion_tokens_details: CompletionTokensDetails | None = None
+    """With speculative decoding: the proposed tokens kept and rejected for this response."""
 
 
 class TopLogprob(BaseModel):

@@ -28,7 +28,7 @@ from vllm_mlx.engine.async_engine import AsyncEngineCore, EngineDeadError, Reque
 from vllm_mlx.engine.input_processor import PreparedPrompt
 from vllm_mlx.engine.token_bound import TokenBound, token_bound
 from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
-from vllm_mlx.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
+from vllm_mlx.entrypoints.openai.protocol import CompletionTokensDetails, PromptTokensDetails, SamplingFields, UsageInfo
 from vllm_mlx.entrypoints.openai.tokenize_pool import TokenizePool
 from vllm_mlx.platform.validation import LimitExceeded
 from vllm_mlx.structured.grammar import CompiledGrammar, ConstraintError, ConstraintTooLarge
@@ -318,6 +318,7 @@ class OpenAIServing:
             completion_tokens=completion,
             total_tokens=prompt + completion,
             prompt_tokens_details=details,
+            completion_tokens_details=speculation_details(finals),
         )
 
     async def outputs(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -461,3 +462,13 @@ def engine_error(exc: BaseException) -> OpenAIError:
 def top_entries(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
     """The ``k`` most likely (token id, logprob) of one position (the sampled one may be extra)."""
     return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+
+
+def speculation_details(finals: list[RequestOutput]) -> CompletionTokensDetails | None:
+    """Speculative decoding's kept and rejected proposals of a response (None: none proposed,
+    e.g. the engine does not speculate)."""
+    proposed = sum(f.metrics.num_draft_tokens for f in finals)
+    if not proposed:
+        return None
+    accepted = sum(f.metrics.num_accepted_tokens for f in finals)
+    return CompletionTokensDetails(accepted_prediction_tokens=accepted, rejected_prediction_tokens=proposed - accepted)

@@ -1,0 +1,97 @@
+"""What ``speculative_config`` may say (vLLM's keys), checked once when the engine is configured.
+
+``LLM(..., speculative_config={"method": "ngram", "num_speculative_tokens": 4})``, the same on
+``EngineConfig``, ``--speculative-config '{"method": "ngram", ...}'`` on the CLI and the server,
+``%vllm_mlx load --speculative-config ...`` in a notebook; a method's name alone
+(``--speculative-config ngram``) takes its defaults. An unknown key or method, or a value out
+of range, is a ``ValueError`` that names it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+NGRAM = "ngram"
+METHODS = (NGRAM,)
+"""Proposers the engine runs. vLLM's ``draft_model`` and ``mtp`` are named in the refusal."""
+PLANNED_METHODS = ("draft_model", "mtp")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How the engine speculates. Every request that may speculate (``speculates``) does, with a
+    proposal length the adaptive policy chooses up to ``num_speculative_tokens``."""
+
+    method: str = NGRAM
+    """``"ngram"``: prompt lookup, the tokens that followed the latest earlier occurrence of the
+    context's tail (``core/spec_decode/ngram.py``); no extra model."""
+    num_speculative_tokens: int = 4
+    """The most tokens proposed for one request in one step (k: a step verifies k + 1 positions)."""
+    prompt_lookup_min: int = 1
+    """ngram: the shortest tail matched."""
+    prompt_lookup_max: int = 4
+    """ngram: the longest tail matched (the longest that occurred earlier wins)."""
+    adaptive: bool = True
+    """Let each request's measured acceptance and the batch's size choose its proposal length
+    (``core/spec_decode/policy.py``); False: always propose up to ``num_speculative_tokens``."""
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            planned = " (planned, not yet implemented)" if self.method in PLANNED_METHODS else ""
+            raise ValueError(
+                f"speculative_config: method {self.method!r}{planned} is not supported; use one of {list(METHODS)}"
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be an int >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config: num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
+                f"got {self.num_speculative_tokens}"
+            )
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config: adaptive must be true or false, got {self.adaptive!r}")
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """The config from what a caller gave: itself, a dict of its keys, JSON text of one, a
+        method's name alone (``"ngram"``: its defaults), or None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str) and value.strip().isidentifier():
+            value = {"method": value.strip()}
+        elif isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config: not JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict (or JSON object), got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+MAX_SPECULATIVE_TOKENS = 16
+"""More proposed tokens than this never pay: the chance that all of them are right falls
+geometrically while the verify cost grows (bench/speculative_cost.py)."""
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    """The ``--speculative-config`` flag's JSON text."""
+    config = SpeculativeConfig.of(text)
+    assert config is not None
+    return config

@@ -233,6 +233,29 @@ class LLM:
         """Forget the hashes of every cached block not in use; returns True."""
         return self.engine.reset_prefix_cache()
 
+    def save_prefix(
+        self, prompt: str | list[int] | list[Message], path: str | Path, *, cache_salt: str | None = None
+    ) -> int:
+        """Save the KV of ``prompt`` (text, token ids, or a chat's messages, templated as ``chat``
+        would without a generation prompt) to a prefix file at ``path``; another process with
+        the same model loads it with ``load_prefix``. A prompt not cached yet is computed first
+        (one token generated). Returns the tokens saved: the prompt's full blocks.
+
+        Raises:
+            ValueError: see ``EngineCore.save_prefix``.
+        """
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            prompt = self.apply_chat_template(prompt, add_generation_prompt=False)
+        request = {"prompt_token_ids" if isinstance(prompt, list) else "prompt": prompt, "cache_salt": cache_salt}
+        self.generate(request, SamplingParams(max_tokens=1, temperature=0))  # its full blocks get cached
+        return self.engine.save_prefix(prompt, path, cache_salt=cache_salt)
+
+    def load_prefix(self, path: str | Path, *, cache_salt: str | None = None) -> int:
+        """Load a prefix file (``save_prefix``) into the prefix cache; returns the prompt tokens
+        cached now. Raises ``PrefixFileError`` (a ``ValueError``) for a file that is damaged or
+        from another model, and loads nothing of it."""
+        return self.engine.load_prefix(path, cache_salt=cache_salt)
+
     def shutdown(self) -> None:
         """Abort outstanding requests and release the model for other engines."""
         self.engine.shutdown()

@@ -485,6 +485,14 @@ class AsyncEngineCore:
         """Forget the hashes of every cached block not in use; returns True."""
         return self.call(lambda engine: engine.reset_prefix_cache())
 
+    def save_prefix(self, prompt: str | list[int], path: str | Path, *, cache_salt: str | None = None) -> int:
+        """``EngineCore.save_prefix``, run on the engine thread between steps."""
+        return self.call(lambda engine: engine.save_prefix(prompt, path, cache_salt=cache_salt))
+
+    def load_prefix(self, path: str | Path, *, cache_salt: str | None = None) -> int:
+        """``EngineCore.load_prefix``, run on the engine thread between steps."""
+        return self.call(lambda engine: engine.load_prefix(path, cache_salt=cache_salt))
+
     def _submit(self, command: _Add | _Call) -> None:
         """Queue a command the engine must answer; raise EngineDeadError if it no longer can."""
         with self._lock:

@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -57,6 +58,7 @@ from vllm_mlx.distributed.watchdog import (
 from vllm_mlx.engine.input_processor import InputProcessor, PreparedPrompt
 from vllm_mlx.engine.observation import EngineStats
 from vllm_mlx.engine.output_processor import OutputProcessor
+from vllm_mlx.engine.prefix_transfer import PrefixTransfer
 from vllm_mlx.models.registry import get_registry
 from vllm_mlx.multimodal.cache import MLLMCacheManager, MLLMCacheStats
 from vllm_mlx.multimodal.images import ImageSource
@@ -617,6 +619,34 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         """Forget the hashes of unreferenced blocks (blocks in use keep theirs)."""
         return self.scheduler.kv.reset_prefix_cache()
+
+    def save_prefix(self, prompt: str | list[int], path: str | Path, *, cache_salt: str | None = None) -> int:
+        """Save the cached KV blocks of ``prompt`` (text or token ids; its longest cached run of
+        full blocks) to a prefix file at ``path``, atomically; return the tokens saved. Generate
+        from the prompt first so that its blocks are cached (``prefix_file.py`` has the format).
+
+        Raises:
+            ValueError: none of the prompt's blocks are cached; the prompt has images; prefix
+                caching is off; the engine runs several ranks; the model has recurrent layers
+                or sliding-window block groups (not covered yet).
+        """
+        return self._prefix_transfer.save(prompt, path, cache_salt)
+
+    def load_prefix(self, path: str | Path, *, cache_salt: str | None = None) -> int:
+        """Load a prefix file saved by ``save_prefix`` (this process or another, same model and
+        weight format) into the prefix cache, under ``cache_salt``; return the prompt tokens
+        cached now. A request whose prompt starts with those tokens then skips their prefill.
+
+        Raises:
+            PrefixFileError: (a ``ValueError``) the file is unreadable, damaged, or from another
+                model, weight format or block size; nothing of it is loaded.
+            ValueError: as for ``save_prefix``.
+        """
+        return self._prefix_transfer.load(path, cache_salt)
+
+    @cached_property
+    def _prefix_transfer(self) -> PrefixTransfer:
+        return PrefixTransfer(self)
 
     def shutdown(self) -> None:
         """Release the model for other engines; outstanding requests are aborted."""

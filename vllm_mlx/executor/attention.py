@@ -331,6 +331,42 @@ class KVPool:
         values = self.values[layer][:, slots].transpose(1, 0, 2, 3)
         return keys, values
 
+    def block_slots(self, block_ids: list[int]) -> mx.array:
+        """The slots of ``block_ids``, block after block."""
+        size = self.block_size
+        return mx.array([b * size + i for b in block_ids for i in range(size)])
+
+    def read_blocks(self, block_ids: list[int]) -> dict[str, mx.array]:
+        """The keys and values of ``block_ids`` in every written array, by name (``keys.{i}``,
+        ``values.{i}``), each ``[n_kv_heads, len(block_ids) * block_size, head_dim]``."""
+        slots = self.block_slots(block_ids)
+        out = {}
+        for i, (keys, values) in enumerate(zip(self.keys, self.values)):
+            if keys is not None:
+                out[f"keys.{i}"], out[f"values.{i}"] = keys[:, slots], values[:, slots]
+        return out
+
+    def write_blocks(self, block_ids: list[int], arrays: dict[str, mx.array]) -> None:
+        """Store what ``read_blocks`` gave (another pool's) into ``block_ids``.
+
+        Raises:
+            ValueError: the arrays do not fit this pool (names, head shapes, dtype, length).
+        """
+        expected = {f"{kind}.{i}" for i in range(len(self.keys)) for kind in ("keys", "values")}
+        if set(arrays) != expected:
+            raise ValueError(f"the arrays are {sorted(arrays)[:4]}..., this model's pool has {len(self.keys)} layers")
+        slots = self.block_slots(block_ids)
+        for i in range(len(self.keys)):
+            keys, values = arrays[f"keys.{i}"], arrays[f"values.{i}"]
+            for new, old in ((keys, self.keys[i]), (values, self.values[i])):
+                if new.ndim != 3 or new.shape[1] != slots.size:
+                    raise ValueError(f"layer {i}: shape {new.shape}, expected [heads, {slots.size}, head_dim]")
+                if old is not None and (new.dtype != old.dtype or new.shape[::2] != old.shape[::2]):
+                    raise ValueError(f"layer {i}: {new.dtype} {new.shape}, the pool holds {old.dtype} {old.shape}")
+        for i in range(len(self.keys)):
+            self.write(i, slots, arrays[f"keys.{i}"], arrays[f"values.{i}"])
+        mx.eval(self.arrays())
+
     def arrays(self) -> list[mx.array]:
         return [a for a in self.keys + self.values if a is not None]
 

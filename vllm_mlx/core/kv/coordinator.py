@@ -31,11 +31,28 @@ Invariants (checked by ``kv_observation.check_invariants``):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from vllm_mlx.core.kv.block_pool import BlockPool, CacheBlock
 from vllm_mlx.core.kv.managers import FullAttentionManager, RecurrentStateManager, block_group_manager
 from vllm_mlx.core.kv.records import RequestCache, RequestRecords
 
 __all__ = ["KVCacheCoordinator", "RequestCache"]
+
+
+@dataclass
+class BlockImport:
+    """Blocks reserved for a prefix file's KV (``KVCacheCoordinator.reserve_import``)."""
+
+    held: list[CacheBlock]
+    """Blocks of the chain cached already: held (ref + 1) until ``finish_import``."""
+    taken: list[tuple[int, CacheBlock]]
+    """(index in the chain, block) of each block to fill: blank, ref 1, in no hash map."""
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The ids of the blocks to fill, in chain order."""
+        return [block.block_id for _, block in self.taken]
 
 
 class KVCacheCoordinator:
@@ -218,6 +235,50 @@ class KVCacheCoordinator:
             raise ValueError(f"{len(token_ids)} token ids cannot fill {num_full_blocks} blocks")
         for group, table in zip(self.groups, tables):
             group.cache_blocks(table, block_hashes, token_ids, num_full_blocks)
+
+    # ---- blocks from elsewhere (prefix files) ------------------------------------------------
+
+    def reserve_import(self, block_hashes: list[bytes]) -> BlockImport:
+        """Blocks to receive the KV of ``block_hashes`` (a chain, as a prompt's blocks): the ones
+        cached already are held (so that taking blocks cannot evict them), the rest get free
+        blocks, in order, while the pool has them. The caller writes the taken blocks' KV, then
+        calls ``finish_import`` whatever happens.
+
+        Raises:
+            ValueError: prefix caching is off, or the model has recurrent layers or several
+                block groups (their states and windows are not in a prefix file).
+        """
+        if not self.enable_caching:
+            raise ValueError("prefix caching is off: there is no cache to import blocks into")
+        if self.state is not None or len(self.groups) > 1:
+            raise ValueError("prefix files hold attention KV of one block group: this model has "
+                             "recurrent layers or sliding-window groups, which they do not cover yet")  # fmt: skip
+        held: list[CacheBlock] = []
+        taken: list[tuple[int, CacheBlock]] = []
+        cached = self.pool.cached[0]
+        for i, block_hash in enumerate(block_hashes):
+            block = cached.get(block_hash)
+            if block is not None:
+                self.pool.touch(block)
+                held.append(block)
+            elif self.pool.get_num_free_blocks() > 0:
+                taken.append((i, self.pool.take()))
+            else:
+                break  # the rest of the chain would hang from a missing parent
+        return BlockImport(held, taken)
+
+    def finish_import(
+        self, reserved: BlockImport, block_hashes: list[bytes], token_ids: list[int], succeeded: bool
+    ) -> int:
+        """Publish the taken blocks (their KV written: ``succeeded``) under their hashes, or
+        give them back blank; release everything held. Returns the blocks published."""
+        size = self.block_size
+        if succeeded:
+            for i, block in reserved.taken:
+                self.pool.cache_block(block, 0, block_hashes[i], tuple(token_ids[i * size : (i + 1) * size]))
+        for block in [b for _, b in reserved.taken] + reserved.held:
+            self.pool.release(block)
+        return len(reserved.taken) if succeeded else 0
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks and state slot; unknown ids are ignored (abort after

@@ -1,0 +1,166 @@
+"""Prefix files (issue #29, snapshots): a prompt's KV blocks saved by one engine and loaded by a
+new one give the same tokens as computing them cold, and hit like any cached prefix; a file that
+is damaged, truncated, from another model or unwritable is refused whole, and nothing leaks.
+Tiny random-weight llamas, real MLX."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_model import build_tiny_llama
+
+from vllm_mlx import LLM, SamplingParams
+from vllm_mlx.engine.core import EngineCore
+from vllm_mlx.engine.prefix_file import PrefixFileError, read_prefix_file
+
+PROMPT = [(7 * i) % 500 + 100 for i in range(70)]  # 4 full blocks of 16, and 6 tokens more
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def engine_for(model_dir, **options) -> EngineCore:
+    return EngineCore(model=str(model_dir), num_kv_blocks=64, force_model_takeover=True, **options)
+
+
+def run(engine: EngineCore, prompt: list[int], cache_salt: str | None = None):
+    request_id = engine.add_request(prompt, GREEDY, cache_salt=cache_salt)
+    final = None
+    while engine.has_unfinished_requests():
+        final = next((o for o in engine.step() if o.request_id == request_id and o.finished), final)
+    return final
+
+
+@pytest.fixture(scope="module")
+def saved(tiny_model_dir, tmp_path_factory):
+    """A prefix file of PROMPT, and the output computed cold (no prefix cache)."""
+    cold_engine = engine_for(tiny_model_dir, enable_prefix_caching=False)
+    cold = run(cold_engine, PROMPT)
+    cold_engine.shutdown()
+    engine = engine_for(tiny_model_dir)
+    run(engine, PROMPT)
+    path = tmp_path_factory.mktemp("prefix") / "prompt.prefix"
+    assert engine.save_prefix(PROMPT, path) == 64
+    engine.shutdown()
+    return path, cold
+
+
+def test_a_loaded_prefix_gives_the_cold_output_and_skips_the_prefill(tiny_model_dir, saved):
+    path, cold = saved
+    engine = engine_for(tiny_model_dir)
+    try:
+        assert engine.load_prefix(path) == 64
+        assert engine.kv_cache.pool.num_cached_blocks(free_only=True) == 4  # cached, held by nobody
+        warm = run(engine, PROMPT)
+        assert warm.num_cached_tokens == 64
+        assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+        assert engine.load_prefix(path) == 64  # loading again: all cached already, nothing taken
+        assert engine.kv_cache.pool.num_cached_blocks() == 4  # 78 tokens: still the prompt's 4 full blocks
+        assert run(engine, PROMPT, cache_salt="tenant-b").num_cached_tokens == 0  # another salt: no hit
+        assert engine.stats().kv_cache.num_used_blocks == 0
+    finally:
+        engine.shutdown()
+
+
+def test_a_salted_prefix_serves_only_that_salt(tiny_model_dir, saved):
+    path, cold = saved
+    engine = engine_for(tiny_model_dir)
+    try:
+        engine.load_prefix(path, cache_salt="tenant-a")
+        assert run(engine, PROMPT).num_cached_tokens == 0
+        warm = run(engine, PROMPT, cache_salt="tenant-a")
+        assert warm.num_cached_tokens == 64 and warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    finally:
+        engine.shutdown()
+
+
+def damaged_copies(path, tmp_path) -> dict[str, object]:
+    data = path.read_bytes()
+    flipped = bytearray(data)
+    flipped[-5] ^= 0xFF  # inside the last array's bytes
+    copies = {"flipped byte": bytes(flipped), "truncated": data[: len(data) // 2], "empty": b"", "not one": b"{}"}
+    out = {}
+    for name, content in copies.items():
+        out[name] = tmp_path / name.replace(" ", "-")
+        out[name].write_bytes(content)
+    out["missing"] = tmp_path / "missing"
+    return out
+
+
+def test_a_damaged_file_is_refused_whole_and_the_engine_serves_on(tiny_model_dir, saved, tmp_path):
+    path, cold = saved
+    engine = engine_for(tiny_model_dir)
+    try:
+        for name, bad in damaged_copies(path, tmp_path).items():
+            with pytest.raises(PrefixFileError):
+                engine.load_prefix(bad)
+            assert engine.kv_cache.pool.num_cached_blocks() == 0, name  # nothing of it entered
+        assert engine.stats().kv_cache.num_used_blocks == 0
+        served = run(engine, PROMPT)
+        assert served.num_cached_tokens == 0 and served.outputs[0].token_ids == cold.outputs[0].token_ids
+    finally:
+        engine.shutdown()
+
+
+def test_a_file_from_another_model_is_refused(tiny_model_dir, default_model_dir, saved, tmp_path):
+    path, _ = saved
+    other = engine_for(build_tiny_llama(tmp_path / "other", default_model_dir, seed=1))
+    try:
+        with pytest.raises(PrefixFileError, match="another model"):
+            other.load_prefix(path)
+        assert other.kv_cache.pool.num_cached_blocks() == 0
+    finally:
+        other.shutdown()
+
+
+def test_saving_is_atomic_and_refuses_an_uncached_prompt(tiny_model_dir, saved, tmp_path):
+    path, _ = saved
+    engine = engine_for(tiny_model_dir)
+    try:
+        with pytest.raises(ValueError, match="generate from it first"):
+            engine.save_prefix(PROMPT, tmp_path / "never")
+        engine.load_prefix(path)
+        target = tmp_path / "kept.prefix"
+        target.write_bytes(b"the old file")
+        in_the_way = tmp_path / "a-directory.prefix"  # the final rename fails: the data was written
+        (in_the_way / "inside").mkdir(parents=True)
+        with pytest.raises(OSError):
+            engine.save_prefix(PROMPT, in_the_way)
+        with pytest.raises(OSError):
+            engine.save_prefix(PROMPT, tmp_path / "no-such-folder" / "x.prefix")
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left
+        assert engine.save_prefix(PROMPT, target) == 64  # replaces the old file whole
+        header, _ = read_prefix_file(target)
+        assert header.token_ids == PROMPT[:64]
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    finally:
+        engine.shutdown()
+
+
+def test_a_hybrid_model_says_prefix_files_do_not_cover_it_yet(tiny_qwen3_5_dir, tmp_path):
+    engine = engine_for(tiny_qwen3_5_dir)
+    try:
+        run(engine, PROMPT)
+        with pytest.raises(ValueError, match="recurrent layers"):
+            engine.save_prefix(PROMPT, tmp_path / "hybrid.prefix")
+        with pytest.raises(ValueError, match="recurrent layers"):
+            engine.kv_cache.reserve_import([])
+        assert not (tmp_path / "hybrid.prefix").exists()
+    finally:
+        engine.shutdown()
+
+
+def test_llm_saves_a_chat_and_a_new_llm_loads_it(tiny_model_dir, tmp_path):
+    messages = [{"role": "system", "content": "You answer questions about lighthouses. " * 6}]
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=64, force_model_takeover=True)
+    try:
+        saved = llm.save_prefix(messages, tmp_path / "chat.prefix")  # computed first: not cached before
+        assert saved >= 16 and saved % 16 == 0
+        prompt = llm.apply_chat_template(messages + [{"role": "user", "content": "How tall?"}])
+        cold = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0]
+    finally:
+        llm.shutdown()
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=64, force_model_takeover=True)
+    try:
+        assert llm.load_prefix(tmp_path / "chat.prefix") == saved
+        warm = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0]
+        assert warm.num_cached_tokens > 0 and warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    finally:
+        llm.shutdown()

@@ -1,0 +1,136 @@
+"""Prefix files: a prompt's KV blocks, saved by one engine and loaded by another (issue #29).
+
+A prefix file lets a later process (a restarted notebook kernel, a resumed agent) start from a
+long prompt's KV instead of computing it again. ``EngineCore.save_prefix`` writes the cached
+full blocks of a prompt; ``EngineCore.load_prefix`` reads them into free blocks of the pool and
+publishes them under the hashes this engine computes for their tokens, so the next request
+with that prompt hits them like any cached prefix.
+
+Format, version 1: one safetensors file (the format the field uses for tensors; no code, and its
+header is read before any data). Tensors ``keys.{i}`` and ``values.{i}``, one pair per KV pool
+array (a layer), each ``[n_kv_heads, num_blocks * block_size, head_dim]`` in the pool's dtype.
+Metadata, all strings:
+
+- ``format``: ``"vllm-mlx-prefix"``; ``version``: ``"1"``;
+- ``model_digest``: ``models.digest.model_digest`` of the model that computed the KV;
+- ``weight_format``: the engine's (float32 weights give other KV than bfloat16 ones);
+- ``block_size``, ``num_blocks``; ``token_ids``: the blocks' tokens, a JSON list;
+- ``checksum``: SHA-256 over every tensor's name, dtype, shape and bytes, in name order.
+
+Never wrong: a file whose format, version, model, weight format, block size, shapes, dtype or
+checksum differ is refused as a whole with a ``PrefixFileError`` that says which, and nothing of
+it enters the cache. Hashes are not stored: the loading engine hashes the tokens itself (its
+model, the caller's ``cache_salt``), so a file cannot make an engine serve blocks under a hash
+of its choosing. Writes go to a temporary file beside the target, flushed to disk, then renamed
+over it: a reader sees the old file or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+FORMAT = "vllm-mlx-prefix"
+VERSION = 1
+
+
+class PrefixFileError(ValueError):
+    """A prefix file that cannot be used here (unreadable, damaged, or for another model)."""
+
+
+@dataclass(frozen=True)
+class PrefixHeader:
+    """What a prefix file says about its blocks (its metadata, parsed)."""
+
+    model_digest: str
+    weight_format: str
+    block_size: int
+    token_ids: list[int]
+    checksum: str
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.token_ids) // self.block_size
+
+    def metadata(self) -> dict[str, str]:
+        return {
+            "format": FORMAT, "version": str(VERSION), "model_digest": self.model_digest,
+            "weight_format": self.weight_format, "block_size": str(self.block_size),
+            "num_blocks": str(self.num_blocks), "token_ids": json.dumps(self.token_ids), "checksum": self.checksum,
+        }  # fmt: skip
+
+    @classmethod
+    def parse(cls, metadata: dict[str, str]) -> PrefixHeader:
+        if metadata.get("format") != FORMAT:
+            raise PrefixFileError(f"not a prefix file (format {metadata.get('format')!r}, expected {FORMAT!r})")
+        if metadata.get("version") != str(VERSION):
+            raise PrefixFileError(f"prefix file version {metadata.get('version')!r}; this vllm-mlx reads {VERSION}")
+        try:
+            header = cls(
+                metadata["model_digest"], metadata["weight_format"], int(metadata["block_size"]),
+                [int(t) for t in json.loads(metadata["token_ids"])], metadata["checksum"],
+            )  # fmt: skip
+            num_blocks = int(metadata["num_blocks"])
+        except (KeyError, ValueError, TypeError) as exc:
+            raise PrefixFileError(f"damaged prefix file header: {exc!r}") from None
+        if header.block_size < 1 or len(header.token_ids) != num_blocks * header.block_size:
+            raise PrefixFileError(f"damaged prefix file header: {len(header.token_ids)} tokens for {num_blocks} blocks")
+        return header
+
+
+def checksum(arrays: dict[str, mx.array]) -> str:
+    """SHA-256 over every array's name, dtype, shape and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        array = arrays[name]
+        digest.update(f"{name}\0{array.dtype}\0{tuple(array.shape)}\0".encode())
+        digest.update(np.array(array.view(mx.uint8)).tobytes())  # bytes of any dtype, bfloat16 too
+    return digest.hexdigest()
+
+
+def write_prefix_file(path: Path, header: PrefixHeader, arrays: dict[str, mx.array]) -> None:
+    """Write ``arrays`` and ``header`` to ``path`` atomically (a temporary file beside it, flushed,
+    then renamed over it). On any failure the temporary file is removed and ``path`` untouched.
+
+    Raises:
+        OSError: the folder is missing or not writable, the disk is full, or ``path`` is a folder.
+    """
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp.safetensors")  # mx adds no suffix to it
+    try:
+        try:
+            mx.save_safetensors(str(temporary), arrays, metadata=header.metadata())
+        except RuntimeError as exc:  # MLX's way of saying it could not open or write the file
+            raise OSError(f"cannot write prefix file {path}: {exc}") from None
+        with open(temporary, "rb") as written:
+            os.fsync(written.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def read_prefix_file(path: Path) -> tuple[PrefixHeader, dict[str, mx.array]]:
+    """The header and arrays of the prefix file at ``path``, checked against its checksum.
+
+    Raises:
+        PrefixFileError: the file is missing, unreadable, truncated, not a prefix file, of
+            another version, or its arrays differ from its checksum.
+    """
+    try:
+        arrays, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise PrefixFileError(f"cannot read prefix file {path}: {exc}") from None
+    header = PrefixHeader.parse(metadata)
+    slots = len(header.token_ids)
+    if not arrays or any(a.ndim != 3 or a.shape[1] != slots for a in arrays.values()):
+        raise PrefixFileError(f"prefix file {path} is damaged: its arrays do not hold {slots} token slots each")
+    if checksum(arrays) != header.checksum:
+        raise PrefixFileError(f"prefix file {path} is damaged: its arrays do not match its checksum")
+    return header, arrays

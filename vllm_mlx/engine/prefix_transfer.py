@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import mlx.core as mx
 
@@ -23,15 +23,13 @@ NOT_COVERED = (
     "sliding-window groups, which they do not cover yet"
 )
 
-if TYPE_CHECKING:
-    from vllm_mlx.engine.core import EngineCore
-
 
 @dataclass
 class PrefixTransfer:
     """Saves and loads prefix files for one engine."""
 
-    engine: EngineCore
+    engine: Any
+    """The ``EngineCore`` (not imported here: the engine imports this module)."""
 
     @cached_property
     def model_digest(self) -> str:

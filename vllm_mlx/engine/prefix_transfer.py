@@ -14,7 +14,6 @@ from typing import Any
 
 import mlx.core as mx
 
-from vllm_mlx.core.kv.prefix_cache import compute_block_hashes
 from vllm_mlx.engine.prefix_file import PrefixFileError, PrefixHeader, checksum, read_prefix_file, write_prefix_file
 from vllm_mlx.models.digest import model_digest
 
@@ -48,8 +47,7 @@ class PrefixTransfer:
         prepared = self.engine.prepare_prompt(prompt)
         if prepared.mm_input is not None:
             raise ValueError("prefix files hold text prompts only: this prompt has images")
-        hashes = self._hashes(prepared.token_ids, cache_salt)
-        blocks = self.engine.kv_cache.get_computed_blocks("", hashes)
+        blocks = self.engine.scheduler.kv.prefix_cache.lookup(prepared.token_ids, cache_salt)
         if not blocks:
             raise ValueError("none of this prompt's blocks are cached: generate from it first (cache_salt included)")
         size = self.engine.kv_cache.block_size
@@ -73,7 +71,7 @@ class PrefixTransfer:
         self._check()
         header, arrays = read_prefix_file(Path(path))
         self._check_header(header)
-        hashes = self._hashes(header.token_ids, cache_salt)
+        hashes = self.engine.scheduler.kv.prefix_cache.block_hashes(header.token_ids, cache_salt)
         kv = self.engine.kv_cache
         reserved = kv.reserve_import(hashes)
         written = False
@@ -105,10 +103,6 @@ class PrefixTransfer:
         for what, ours, file in zip(("model (digest)", "weight format", "block size"), mine, theirs):
             if ours != file:
                 raise PrefixFileError(f"the prefix file was saved with another {what}: {file!r}, this engine's {ours!r}")
-
-    def _hashes(self, token_ids: list[int], cache_salt: str | None) -> list[bytes]:
-        prefix_cache = self.engine.scheduler.kv.prefix_cache
-        return compute_block_hashes(token_ids, prefix_cache.block_size, prefix_cache.extra_keys(cache_salt))
 
 
 def _blocks_of(arrays: dict[str, mx.array], indices: list[int], block_size: int) -> dict[str, mx.array]:

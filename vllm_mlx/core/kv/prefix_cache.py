@@ -140,8 +140,11 @@ class PrefixCacheManager:
         """Cached blocks holding the longest cached prefix of ``token_ids`` (no ref counting)."""
         if not self.enabled:
             return []
-        hashes = compute_block_hashes(token_ids, self.block_size, self.extra_keys(cache_salt))
-        return self.kv_cache.get_computed_blocks("", hashes)
+        return self.kv_cache.get_computed_blocks("", self.block_hashes(token_ids, cache_salt))
+
+    def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
+        """The hashes of the full blocks of ``token_ids`` (no images) under ``cache_salt``."""
+        return compute_block_hashes(token_ids, self.block_size, self.extra_keys(cache_salt))
 
     def num_cached_tokens(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """How many leading tokens of ``token_ids`` are cached right now."""

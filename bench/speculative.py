@@ -1,4 +1,5 @@
-"""Speculative decoding (n-gram prompt lookup) against the same engine without it, and mlx-lm.
+"""Speculative decoding (n-gram prompt lookup or a draft model) against the same engine without
+it, and mlx-lm.
 
 Workloads on one model, greedy, fixed output lengths (``ignore_eos``), so every side produces
 the same tokens (checked: speculation never changes the output):
@@ -13,12 +14,15 @@ the same tokens (checked: speculation never changes the output):
 
 Single streams report decode tokens per second (from the first token to the last, so prefill
 is left out); batches report output tokens per second over the whole run. mlx-lm has no prompt
-lookup (its speculation needs a draft model), so its column is plain decoding with its own
-``stream_generate`` on the same weights (same format), for scale. Ratios are against our engine
-without speculation.
+lookup (its speculation needs a draft model), so with n-gram its column is plain decoding with
+its own ``stream_generate`` on the same weights (same format), for scale. With ``--draft MODEL``
+(a smaller model with the same tokenizer; ``--draft self`` drafts with a second copy of the
+target, every proposal kept: what the machinery costs) we propose with that model, and mlx-lm's
+column is its own speculative decoding with the same draft (``draft_model=``, single streams
+only: mlx-lm does not batch it). Ratios are against our engine without speculation.
 
     python bench/speculative.py [--model default] [--tokens 128] [--k 4] [--repeats 3]
-        [--workloads extract edit free batch8 batch32]
+        [--workloads extract edit free batch8 batch32] [--draft MODEL] [--no-adaptive]
 
 ``--match-table`` instead prints how often lookup's first proposed token is right, by the length
 of the tail it matched, over the single-stream workloads and the free-generation prompts: the
@@ -31,6 +35,7 @@ import argparse
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 PASSAGE = (
     "The lighthouse on Gull Point was built in 1871 from granite quarried on the island. Its lamp "
@@ -78,11 +83,13 @@ def engine_run(engine, prompts: list[list[int]], tokens: int) -> tuple[list[list
     return [final[i].outputs[0].token_ids for i in ids], decode, len(prompts) * tokens / wall
 
 
-def mlx_lm_decode(model, tokenizer, prompt: list[int], tokens: int) -> tuple[list[int], float]:
+def mlx_lm_decode(model, tokenizer, prompt: list[int], tokens: int, draft=None, k: int = 2) -> tuple[list[int], float]:
+    """mlx-lm's tokens and decode tok/s; with ``draft``, its speculative decoding (``k`` drafts)."""
     import mlx_lm
 
+    extra = {"draft_model": draft, "num_draft_tokens": k} if draft is not None else {}
     out, last = [], None
-    for response in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=tokens):
+    for response in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=tokens, **extra):
         out.append(response.token)
         last = response
     return out, last.generation_tps
@@ -96,6 +103,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per workload and side (the median counts)")
     parser.add_argument("--workloads", nargs="+", default=["extract", "edit", "free", "batch8", "batch32"])
     parser.add_argument("--match-table", action="store_true", help="print lookup's hit rate by match length")
+    parser.add_argument("--draft", help="a draft model (same tokenizer) instead of n-gram; 'self': the target")
+    parser.add_argument("--no-adaptive", action="store_true", help="always propose k tokens")
     args = parser.parse_args()
     if args.match_table:
         match_table(args.model, args.tokens)
@@ -109,22 +118,34 @@ def main() -> None:
 
     # One engine (one per model and process), speculating or not in turn. No prefix cache: the
     # repeats would otherwise skip their prefill, the first run not.
-    spec_config = {"method": "ngram", "num_speculative_tokens": args.k}
+    spec_config = {"method": "ngram", "num_speculative_tokens": args.k, "adaptive": not args.no_adaptive}
+    if args.draft is not None:
+        from vllm_mlx.models import resolve_model
+
+        draft_path = resolve_model(args.model if args.draft == "self" else args.draft)
+        spec_config = {**spec_config, "method": "draft_model", "model": str(draft_path)}
     engine = EngineCore(model=args.model, max_num_seqs=32, enable_prefix_caching=False, speculative_config=spec_config)
     path, weight_format = engine.model_path, engine.weight_format
+    method = "n-gram" if args.draft is None else f"draft {Path(spec_config['model']).name}"
     print(f"model {path.name}, weights {weight_format}, {args.tokens} tokens per request, k = {args.k}, "
-          f"median of {args.repeats} runs, ours with and without n-gram in turn")  # fmt: skip
+          f"median of {args.repeats} runs, ours with and without {method} in turn")  # fmt: skip
     rows = [compare(name, workload_prompts(name, engine.tokenizer), engine, args) for name in args.workloads]
     engine.shutdown()
     model, mlx_tokenizer = mlx_lm.load(str(path))
     cpu_backend.prepare_model_weights(model, weight_format)  # the weights ours ran
-    print("| workload | metric | mlx-lm | ours, plain | ours, n-gram | ratio | proposed | accepted |")
+    draft = None
+    if args.draft is not None:
+        draft, _ = mlx_lm.load(spec_config["model"])
+        cpu_backend.prepare_model_weights(draft, weight_format)
+    peer_name = "mlx-lm" if draft is None else "mlx-lm, draft"
+    print(f"| workload | metric | {peer_name} | ours, plain | ours, {method} | ratio | proposed | accepted |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         peer = "-"
         if row.single:
-            rates = [mlx_lm_decode(model, mlx_tokenizer, row.prompts[0], args.tokens)[1] for _ in range(args.repeats)]
-            peer = f"{statistics.median(rates):.1f}"
+            runs = [mlx_lm_decode(model, mlx_tokenizer, row.prompts[0], args.tokens, draft, args.k)[1]
+                    for _ in range(args.repeats)]  # fmt: skip
+            peer = f"{statistics.median(runs):.1f}"
         metric = "decode tok/s" if row.single else "output tok/s"
         print(f"| {row.name} | {metric} | {peer} | {row.plain:.1f} | {row.spec:.1f} | {row.spec / row.plain:.2f}x "
               f"| {row.proposed} | {row.accepted} |")  # fmt: skip
@@ -171,7 +192,6 @@ def match_table(model: str, tokens: int) -> None:
     """How often the first token n-gram lookup proposes is the model's own, by match length."""
     from vllm_mlx.core.spec_decode.ngram import NgramProposer
     from vllm_mlx.engine.core import EngineCore
-    from vllm_mlx.platform import cpu_backend
 
     engine = EngineCore(model=model)
     lookup = NgramProposer(1, 4, 1).lookup

@@ -9,6 +9,7 @@ from vllm_mlx.core.outputs import DraftVerdict, ModelRunnerOutput
 from vllm_mlx.core.request import Request, RequestStatus, SamplingParams
 from vllm_mlx.core.spec_decode.config import SpeculativeConfig
 from vllm_mlx.core.spec_decode.policy import (
+    DRAFT_PRIOR,
     MATCH_PRIOR,
     STEP_MS,
     AcceptanceEstimate,
@@ -59,6 +60,19 @@ def test_one_width_for_the_batch_and_every_row_fills_it():
     assert lengths[0] == lengths[1] > 0 and lengths[2] == 2
     assert choose_lengths([0.95, 0.95], [2, 0]) == [2, 0]  # what a row has to offer is its limit
     assert choose_lengths([0.1, 0.1], [6, 6], num_other_rows=30) == [0, 0]
+
+
+def test_a_draft_models_forwards_are_priced():
+    """A draft model proposes with one forward per proposed position: a small draft at its
+    prior speculates; one as large as its target, or a small one whose proposals fail, does not."""
+    small, same_size = 0.05 * step_cost(1, 1), 1.0 * step_cost(1, 1)
+    assert choose_lengths([DRAFT_PRIOR], [4], proposal_cost=small)[0] >= 2
+    assert choose_lengths([0.95], [4], proposal_cost=same_size) == [0]
+    assert choose_lengths([0.1], [4], proposal_cost=small) == [0]
+    # Drafting costs less per row in a batch: a batch of 8 small-draft rows still gains.
+    rows = 8
+    batch = choose_lengths([0.8] * rows, [4] * rows, proposal_cost=0.05 * step_cost(rows, 1))
+    assert max(batch) >= 1
 
 
 def test_the_estimate_learns_from_verifications_and_fades_back_to_the_prior():

@@ -12,17 +12,14 @@ seeded sampling; and on a hybrid (recurrent) and a sliding-window model.
 from __future__ import annotations
 
 import pytest
-from factories import run_to_end
 from oracles import mlx_lm_tokens
-from tiny_model import TINY_GEMMA3, TINY_NEMOTRON_H, TINY_QWEN3_5, build_tiny_llama
+from repeating_models import ARCHS
 
 from vllm_mlx import SamplingParams
 from vllm_mlx.config import EngineConfig
 from vllm_mlx.core.spec_decode.config import SpeculativeConfig
 from vllm_mlx.llm import LLM
 
-LIKELY = range(2000, 2012)  # " temper", " enough", "ales", " likely", ...: real text, repeating
-ARCHS = {"llama": {}, "gemma3_text": TINY_GEMMA3, "qwen3_5": TINY_QWEN3_5, "nemotron_h": TINY_NEMOTRON_H}
 PROMPTS = [
     "Hello",
     "The quick brown fox jumps over the lazy dog and keeps running far away.",
@@ -31,20 +28,6 @@ PROMPTS = [
 ]
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
-
-
-@pytest.fixture(scope="module")
-def repeating_dirs(tmp_path_factory, default_model_dir):
-    """Per architecture, a tiny model whose text repeats (built on first use)."""
-    built = {}
-
-    def get(name: str):
-        if name not in built:
-            path = tmp_path_factory.mktemp(f"repeating-{name}")
-            built[name] = build_tiny_llama(path, default_model_dir, likely_tokens=LIKELY, **ARCHS[name])
-        return built[name]
-
-    return get
 
 
 @pytest.fixture
@@ -181,7 +164,7 @@ def test_speculative_config_is_checked_when_the_engine_is_configured():
     assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=3)
     assert SpeculativeConfig.of("ngram") == SpeculativeConfig()  # a method's name: its defaults
     bad = [
-        ({"method": "draft_model"}, "planned"),
+        ({"method": "draft_model"}, "'model' .* is required"),
         ({"method": "eagle"}, "not supported"),
         ("eagle3", "not supported"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),

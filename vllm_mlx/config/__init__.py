@@ -206,8 +206,8 @@ class EngineConfig:
         help='speculative decoding: vLLM\'s keys as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\', '
         "or a method's name alone (ngram) (default: off)",
         doc="speculative decoding inside the batch: a `SpeculativeConfig`, a dict of its keys or their JSON "
-        "(`method` `\"ngram\"`: prompt lookup; `num_speculative_tokens`, `prompt_lookup_min`, `prompt_lookup_max`, "
-        "`adaptive`); output is token for token the same as without it; `None` = off "
+        "(`method` `\"ngram\"`: prompt lookup, `\"draft_model\"` with `model`: a smaller model with the same "
+        "tokenizer; `num_speculative_tokens`, `prompt_lookup_min`, `prompt_lookup_max`, `adaptive`); output is token for token the same as without it; `None` = off "
         "([Speculative decoding](speculative_decoding.md))",
     )  # fmt: skip
     max_constraint_bound: int = option(

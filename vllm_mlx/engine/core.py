@@ -68,6 +68,7 @@ from vllm_mlx.structured.grammar import CompiledGrammar
 
 if TYPE_CHECKING:
     from vllm_mlx.core.kv.spec import BlockGroups, KVLayout
+    from vllm_mlx.engine.draft_model import DraftModel, LoadedDraft
     from vllm_mlx.engine.weight_plan import WeightPlan
     from vllm_mlx.executor.state_pool import StateLayout
     from vllm_mlx.models import LoadedModel
@@ -237,13 +238,15 @@ class EngineCore:
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         self.kv_layout = prepared.kv_layout
-        # Sized for every rank: every rank allocates these counts for its own layers.
+        draft = self._load_draft(loaded)
+        # Sized for every rank: every rank allocates these counts for its own layers. A draft
+        # model's weights come out of the memory left, and its pool has as many blocks.
         memory = prepared.memory
-        budget = kv_budget_bytes(config.kv_cache_memory, memory.available_bytes)
+        budget = kv_budget_bytes(config.kv_cache_memory, memory.available_bytes - (draft.weight_bytes if draft else 0))
         states = StateBudget.plan(config, budget, memory.state_bytes_per_request)
         block_groups = prepared.block_groups
         num_blocks = config.num_kv_blocks or blocks_for_bytes(
-            states.kv_bytes_left, config.block_size, memory.kv_bytes_per_token
+            states.kv_bytes_left, config.block_size, memory.kv_bytes_per_token + (draft.kv_bytes_per_token if draft else 0)
         )
         self.kv_cache = PagedCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, states.num_running_slots,
@@ -283,12 +286,35 @@ class EngineCore:
             self._mllm_snapshot,
             self.kv_layout.views(num_blocks, max(states.num_running_slots - 1, 0), states.num_checkpoints),
         )
-        self.speculator = Speculator(config.speculative_config) if config.speculative_config is not None else None
+        self.speculator = (
+            Speculator(config.speculative_config, self._drafter(draft, loaded, num_blocks))
+            if config.speculative_config is not None
+            else None
+        )
         """Speculative decoding's proposals and acceptance estimates (None: off)."""
         self.step_records: deque[StepRecord] = deque(maxlen=4096)
         """The last steps run (plain data; the notebook timeline reads them)."""
         self._deferred: dict[str, _Siblings] = {}  # by the caller's request id
         self._ids = itertools.count()
+
+    def _load_draft(self, loaded: LoadedModel) -> LoadedDraft | None:
+        """The draft model of ``speculative_config`` (method ``draft_model``), else None."""
+        spec = self.config.speculative_config
+        if spec is None or spec.model is None:
+            return None
+        from vllm_mlx.engine.draft_model import load_draft
+
+        fmt = self.weight_plan.weight_format if self.weight_plan is not None else self.config.weight_format
+        return load_draft(spec.model, loaded, fmt, self.config.trust_remote_code)
+
+    def _drafter(self, draft: LoadedDraft | None, loaded: LoadedModel, num_blocks: int) -> DraftModel | None:
+        if draft is None:
+            return None
+        from vllm_mlx.engine.draft_model import DraftModel, parameter_bytes
+
+        target_bytes = parameter_bytes(loaded.vision.model if loaded.vision else loaded.model)
+        ratio = draft.weight_bytes / max(target_bytes, 1)
+        return DraftModel(draft, num_blocks, self.config.block_size, ratio, self.config.enable_prefix_caching)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -421,6 +447,8 @@ class EngineCore:
             self.scheduler.abort_request(request.request_id)
             request.finish(RequestStatus.FINISHED_ABORTED)  # covers deferred siblings
         self.output_processor.finish_if_done(request_id)
+        if self.speculator is not None:
+            self.speculator.settle(self.scheduler.running)
 
     @property
     def supports_images(self) -> bool:
@@ -458,6 +486,8 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.observe(runner_output)
         advanced = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.speculator is not None:
+            self.speculator.settle(self.scheduler.running)
         outputs += self.output_processor.process(advanced, runner_output)
         self._release_deferred()
         self._record_step(scheduler_output, runner_output, time.perf_counter() - start)
@@ -658,6 +688,8 @@ class EngineCore:
             self._stop_workers()
         finally:
             self.runner.release()
+            if self.speculator is not None and self.speculator.drafter is not None:
+                self.speculator.drafter.release()
 
     def _stop_workers(self) -> None:
         """With tensor parallelism: send "stop" (the workers return), unless the ranks are

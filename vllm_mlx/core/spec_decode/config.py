@@ -3,8 +3,9 @@
 ``LLM(..., speculative_config={"method": "ngram", "num_speculative_tokens": 4})``, the same on
 ``EngineConfig``, ``--speculative-config '{"method": "ngram", ...}'`` on the CLI and the server,
 ``%vllm_mlx load --speculative-config ...`` in a notebook; a method's name alone
-(``--speculative-config ngram``) takes its defaults. An unknown key or method, or a value out
-of range, is a ``ValueError`` that names it.
+(``--speculative-config ngram``) takes its defaults, and a ``model`` without a method means
+``draft_model`` (as in vLLM). An unknown key or method, or a value out of range, is a
+``ValueError`` that names it.
 """
 
 from __future__ import annotations
@@ -14,9 +15,15 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 NGRAM = "ngram"
-METHODS = (NGRAM,)
-"""Proposers the engine runs. vLLM's ``draft_model`` and ``mtp`` are named in the refusal."""
-PLANNED_METHODS = ("draft_model", "mtp")
+DRAFT_MODEL = "draft_model"
+METHODS = (NGRAM, DRAFT_MODEL)
+"""Proposers the engine runs."""
+WHY_NOT = {
+    "mtp": "mlx-lm drops the multi-token-prediction heads of every family that has them when it loads "
+    "the weights (qwen3_5, qwen3_next, deepseek_v41, nemotron_h, mimo, kimi_linear, ...: their "
+    "sanitize() removes the mtp weights), so there is no head to run; use 'draft_model' or 'ngram'",
+}
+"""vLLM's methods we do not run, and why."""
 
 
 @dataclass(frozen=True)
@@ -26,7 +33,11 @@ class SpeculativeConfig:
 
     method: str = NGRAM
     """``"ngram"``: prompt lookup, the tokens that followed the latest earlier occurrence of the
-    context's tail (``core/spec_decode/ngram.py``); no extra model."""
+    context's tail (``core/spec_decode/ngram.py``); no extra model. ``"draft_model"``: a smaller
+    model with the same tokenizer (``model``) proposes greedily (``engine/draft_model.py``)."""
+    model: str | None = None
+    """draft_model: the draft model (a path or anything ``model=`` takes); its tokenizer must
+    be the target's."""
     num_speculative_tokens: int = 4
     """The most tokens proposed for one request in one step (k: a step verifies k + 1 positions)."""
     prompt_lookup_min: int = 1
@@ -39,10 +50,16 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            planned = " (planned, not yet implemented)" if self.method in PLANNED_METHODS else ""
+            why = f": {WHY_NOT[self.method]}" if self.method in WHY_NOT else f"; use one of {list(METHODS)}"
+            raise ValueError(f"speculative_config: method {self.method!r} is not supported{why}")
+        if (self.method == DRAFT_MODEL) != (self.model is not None):
             raise ValueError(
-                f"speculative_config: method {self.method!r}{planned} is not supported; use one of {list(METHODS)}"
+                "speculative_config: 'model' (the draft model) is required with method 'draft_model'"
+                if self.model is None
+                else f"speculative_config: 'model' is for method 'draft_model', not {self.method!r}"
             )
+        if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
+            raise ValueError(f"speculative_config: model must be a path or model name, got {self.model!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -79,6 +96,8 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
+        if "model" in value and "method" not in value:
+            value = {**value, "method": DRAFT_MODEL}
         return cls(**value)
 
     def to_dict(self) -> dict[str, Any]:

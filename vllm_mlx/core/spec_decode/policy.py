@@ -10,9 +10,13 @@ tokens per unit of cost wins. A lone stream with a good guess takes many; a batc
 few or none, and speculation then costs nothing (the back-off the issue asks for).
 
 Each request's rate is estimated from its own verifications (``AcceptanceEstimate``: accepted
-over decided proposals, recent steps weighing more) and a prior measured per length of the
-n-gram match that found the proposal (``MATCH_PRIOR``), which regains its weight while a request
-does not speculate.
+over decided proposals, recent steps weighing more) and a prior: for n-gram lookup measured per
+length of the match that found the proposal (``MATCH_PRIOR``), for a draft model ``DRAFT_PRIOR``;
+it regains its weight while a request does not speculate.
+
+A draft model's proposals cost forwards of their own: one per proposed position, over the rows
+that speculate. The caller prices them (``proposal_cost``) in the same unit as ``step_cost``, so a
+draft that is slow next to its target proposes few tokens or none.
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ MATCH_PRIOR: tuple[float, ...] = (0.13, 0.42, 0.51, 0.90)
 (1, 2, 3, 4 or more tokens): ``python bench/speculative.py --match-table`` on the default model,
 greedy, 128 tokens of each of its workloads (one-token matches are right 13% of the time, and
 seldom pay; four-token ones 90%). A request's estimate starts here, per proposal."""
+DRAFT_PRIOR = 0.6
+"""A draft model's starting acceptance: the least at which the issue calls a draft worth running
+(below it the draft's own forwards eat the gain). A request's own verifications outweigh it
+after its first step or two, so a worse draft backs off quickly."""
 PRIOR_WEIGHT = 1.0
 """The prior weighs as much as this many decided proposals of the request's own."""
 MIN_GAIN = 1.03
@@ -91,7 +99,10 @@ class AcceptanceEstimate:
 
     def rate(self, match_len: int) -> float:
         """The expected acceptance of a proposal found by matching ``match_len`` tokens."""
-        prior = MATCH_PRIOR[min(max(match_len, 1), len(MATCH_PRIOR)) - 1]
+        return self.rate_from(match_prior(match_len))
+
+    def rate_from(self, prior: float) -> float:
+        """The expected acceptance, starting from ``prior``."""
         return (self.accepted + PRIOR_WEIGHT * prior) / (self.decided + PRIOR_WEIGHT)
 
     def record(self, num_proposed: int, num_accepted: int) -> None:
@@ -104,10 +115,18 @@ class AcceptanceEstimate:
         self.decided = self.decided * decay + decided
 
 
-def choose_lengths(rates: list[float], available: list[int], num_other_rows: int = 0) -> list[int]:
+def match_prior(match_len: int) -> float:
+    """``MATCH_PRIOR`` for an n-gram match of ``match_len`` tokens."""
+    return MATCH_PRIOR[min(max(match_len, 1), len(MATCH_PRIOR)) - 1]
+
+
+def choose_lengths(
+    rates: list[float], available: list[int], num_other_rows: int = 0, proposal_cost: float = 0.0
+) -> list[int]:
     """How many proposed tokens each decoding row verifies (at most ``available[i]``), for the
     most expected tokens per unit of step cost. ``num_other_rows``: decode rows that do not
-    speculate (they share the forward).
+    speculate (they share the forward). ``proposal_cost``: what making one more proposed token
+    for every speculating row costs, in ``step_cost``'s unit (0: n-gram lookup, no model).
 
     The runner pads the decode rows of a step to its widest (one forward call), so a step costs
     what ``rows x width`` positions cost, however the proposals spread: the choice is the width,
@@ -117,7 +136,7 @@ def choose_lengths(rates: list[float], available: list[int], num_other_rows: int
     plain = rows / step_cost(rows, 1)
     for width in range(2, max(available, default=0) + 2):
         expected = num_other_rows + sum(_expected(rate, min(width - 1, n)) for rate, n in zip(rates, available))
-        value = expected / step_cost(rows, width) / plain
+        value = expected / (step_cost(rows, width) + (width - 1) * proposal_cost) / plain
         if value > best_value * (MIN_GAIN if best_width == 1 else 1.0):
             best_width, best_value = width, value
     return [min(best_width - 1, n) for n in available]

@@ -1,10 +1,15 @@
 """The engine's speculation: before each step, the proposals of the requests that decode next.
 
 ``Speculator.propose`` runs before ``Scheduler.schedule``: for each running request whose next
-step decodes (its one unverified token is its last), it asks the proposer for up to
-``num_speculative_tokens`` tokens, lets the policy (``policy.py``) choose how many the batch
-verifies, and leaves them in ``Request.spec_token_ids``; the scheduler takes what its budget
-allows. ``Speculator.observe`` reads each verification after the step, for the policy.
+step decodes (its one unverified token is its last), it finds up to ``num_speculative_tokens``
+proposed tokens, lets the policy (``policy.py``) choose how many the batch verifies, and leaves
+them in ``Request.spec_token_ids``; the scheduler takes what its budget allows.
+``Speculator.observe`` reads each verification after the step, for the policy.
+
+Two proposers: n-gram lookup (``ngram.py``), which finds its proposals first and lets the policy
+cut them; and a draft model (a ``Drafter``: ``engine/draft_model.py``), whose proposals cost
+forwards, so the policy chooses the lengths first (pricing the draft's forwards) and the draft
+then proposes just that many.
 
 Requests with a structured-output constraint or a reasoning gate do not speculate: their next
 token's mask depends on the tokens before it, which the runner builds for known tokens only.
@@ -12,19 +17,37 @@ token's mask depends on the tokens before it, which the runner builds for known 
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from vllm_mlx.core.outputs import ModelRunnerOutput
 from vllm_mlx.core.request import Request, RequestStatus
 from vllm_mlx.core.spec_decode.config import SpeculativeConfig
 from vllm_mlx.core.spec_decode.ngram import Lookup, NgramProposer
-from vllm_mlx.core.spec_decode.policy import AcceptanceEstimate, choose_lengths
+from vllm_mlx.core.spec_decode.policy import DRAFT_PRIOR, AcceptanceEstimate, choose_lengths, match_prior, step_cost
+
+
+class Drafter(Protocol):
+    """A model that proposes tokens by decoding greedily ahead of its target."""
+
+    cost_ratio: float
+    """One draft forward over some rows, relative to a target decode step of those rows."""
+
+    def draft(self, requests: list[Request], lengths: list[int]) -> list[list[int]]:
+        """Up to ``lengths[i]`` proposed tokens to follow ``requests[i]``'s tokens (none for 0)."""
+        ...
+
+    def keep_only(self, request_ids: set[str]) -> None:
+        """Forget the draft's state of every request not in ``request_ids``."""
+        ...
 
 
 class Speculator:
-    """Proposals and acceptance estimates for one engine (n-gram lookup)."""
+    """Proposals and acceptance estimates for one engine (n-gram lookup, or ``drafter``)."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, drafter: Drafter | None = None) -> None:
         self.config = config
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens)
+        self.drafter = drafter
         self.estimates: dict[str, AcceptanceEstimate] = {}
 
     def propose(self, running: list[Request]) -> None:
@@ -34,12 +57,18 @@ class Speculator:
             request.spec_token_ids = []
         self.estimates = {r.request_id: self.estimates.get(r.request_id) or AcceptanceEstimate() for r in decoding}
         limits = [room_for_proposals(r, self.config.num_speculative_tokens) for r in decoding]
-        lookups = [self.proposer.lookup(r.all_token_ids) if n else NO_LOOKUP for r, n in zip(decoding, limits)]
-        proposals = [lookup.token_ids[:n] for lookup, n in zip(lookups, limits)]
-        lengths = [len(p) for p in proposals]
+        if self.drafter is not None:
+            priors, lengths, cost = [DRAFT_PRIOR] * len(decoding), limits, self.drafter.cost_ratio
+        else:
+            lookups = [self.proposer.lookup(r.all_token_ids) if n else NO_LOOKUP for r, n in zip(decoding, limits)]
+            proposals = [lookup.token_ids[:n] for lookup, n in zip(lookups, limits)]
+            priors = [match_prior(lookup.match_len) for lookup in lookups]
+            lengths, cost = [len(p) for p in proposals], 0.0
         if self.config.adaptive and decoding:
-            rates = [self.estimates[r.request_id].rate(lookup.match_len) for r, lookup in zip(decoding, lookups)]
-            lengths = choose_lengths(rates, lengths, len(running) - len(decoding))
+            rates = [self.estimates[r.request_id].rate_from(prior) for r, prior in zip(decoding, priors)]
+            lengths = choose_lengths(rates, lengths, len(running) - len(decoding), cost * step_cost(len(decoding), 1))
+        if self.drafter is not None:
+            proposals = self.drafter.draft(decoding, lengths)
         for request, proposal, n in zip(decoding, proposals, lengths):
             request.spec_token_ids = proposal[:n]
 
@@ -52,6 +81,13 @@ class Speculator:
                 estimate.record(0, 0)
             else:
                 estimate.record(verdict.num_proposed, verdict.num_accepted)
+
+
+    def settle(self, running: list[Request]) -> None:
+        """After a step or an abort: forget the draft's state of requests that no longer run
+        (finished, aborted or preempted), so that its pool holds only running requests' blocks."""
+        if self.drafter is not None:
+            self.drafter.keep_only({r.request_id for r in running})
 
 
 NO_LOOKUP = Lookup([], 0)

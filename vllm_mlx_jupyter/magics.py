@@ -115,6 +115,9 @@ class GenerateMagics(Magics):
     @argument("--raw", action="store_true", help="send the cell as is (no chat template)")
     @argument("--image", action="append", metavar="PATH_OR_VAR",
               help="an image before the text: a notebook variable (PIL image, bytes, path) or a path/URL (repeatable)")  # fmt: skip
+    @argument("--speculative", action="store_true", default=None,
+              help="speculate (the engine's --speculative-config, else n-gram lookup): same text, sooner")  # fmt: skip
+    @argument("--no-speculative", dest="speculative", action="store_false", help="never speculate")
     @argument("--wait", action="store_true", help="block until done (an interrupt aborts)")
     @argument("--format", choices=FORMATS, help="how to show the text")
     @argument("--allow-remote-images", action="store_true",
@@ -177,6 +180,7 @@ class GenerateMagics(Magics):
                 interval=self.update_interval, images=images,
                 response_format=fmt, tools=tools, tool_parser=args.tool_call_parser or self.tool_call_parser,
                 tool_choice=args.tool_choice, allow_remote_images=args.allow_remote_images or self.allow_remote_images,
+                speculative=args.speculative,
             )  # fmt: skip
         except SessionError as exc:
             raise UsageError(str(exc)) from None
@@ -217,6 +221,7 @@ class GenerateMagics(Magics):
             raw=args.raw, images=list(args.image or []), response_format=fmt, interpolate=not args.raw_braces,
             namespace=self.shell.user_ns, max_in_flight=args.max_in_flight,
             resume=previous if isinstance(previous, OverGeneration) else None, interval=self.update_interval,
+            speculative=args.speculative,
         )  # fmt: skip
         try:
             handle = start_over(self.session, request, self._image_value)

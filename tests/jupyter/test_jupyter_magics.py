@@ -246,6 +246,19 @@ def test_three_cells_in_a_row_share_engine_steps(ip, magics):
     assert any(names <= set(r.request_ids) for r in records), "the three requests never ran in one step"
 
 
+def test_a_cell_may_speculate_or_not(ip, magics):
+    """``--speculative`` on an engine loaded without a config: n-gram lookup for that cell only;
+    the text is the one ``--no-speculative`` gives."""
+    text = "one two three four, one two three four, one two three four, one two three four"
+    plain = generate(ip, "--no-speculative --temperature 0 --max-tokens 24", text)
+    assert plain.speculative is False
+    expected = plain.result(timeout=TIMEOUT)
+    asked = generate(ip, "--speculative --temperature 0 --max-tokens 24", text)
+    assert asked.speculative is True and asked.result(timeout=TIMEOUT) == expected
+    speculator = magics.session.engine.call(lambda engine: engine.speculator)
+    assert speculator is not None and speculator.by_default is False  # other cells do not speculate
+
+
 def test_live_output_is_throttled_and_ends_with_the_final_text(ip):
     with capture_output() as out:
         gen = ip.run_cell_magic("generate", "-n live --max-tokens 200 --temperature 0", "Go")

@@ -289,6 +289,10 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    speculative: bool | None = None
+    """Whether this request speculates: None leaves it to the engine (it does when the engine has
+    a ``speculative_config``); True asks for it (n-gram lookup when the engine has no config);
+    False never (``EngineCore.add_request(speculative=...)``, ``%%generate --speculative``)."""
     spec_token_ids: list[int] = field(default_factory=list)
     """Tokens proposed to follow the known ones (speculative decoding), verified by the next
     step; never part of ``output_token_ids`` until verified."""

@@ -171,6 +171,7 @@ class _Add:
     fairness_key: str | None
     stream: RequestStream
     constraint: CompiledGrammar | None = None
+    speculative: bool | None = None
 
 
 @dataclass
@@ -312,6 +313,7 @@ class AsyncEngineCore:
         images: Sequence[ImageSource] | None = None,
         fairness_key: str | None = None,
         constraint: CompiledGrammar | None = None,
+        speculative: bool | None = None,
     ) -> RequestStream:
         """Submit a request from any thread; returns its output stream at once.
 
@@ -331,6 +333,7 @@ class AsyncEngineCore:
             constraint: ``compile_constraint(sampling_params)``'s result; None compiles
                 ``sampling_params.structured_outputs`` (if any) here, on the calling thread,
                 never on the engine thread. An invalid one is raised by the stream.
+            speculative: Whether it speculates (see ``EngineCore.add_request``).
 
         Returns:
             The request's ``RequestStream``: iterate it (blocking) or ``async for`` it. Leaving
@@ -351,7 +354,7 @@ class AsyncEngineCore:
         except Exception as exc:  # the request's own error: raised by its stream
             stream.put(exc)
             return stream
-        self._submit(_Add(request_id, prompt, params, cache_salt, fairness_key, stream, constraint))
+        self._submit(_Add(request_id, prompt, params, cache_salt, fairness_key, stream, constraint, speculative))
         return stream
 
     def check_images(self, images: Sequence[ImageSource]) -> None:
@@ -576,6 +579,7 @@ class AsyncEngineCore:
                 cache_salt=command.cache_salt,
                 fairness_key=command.fairness_key,
                 constraint=command.constraint,
+                speculative=command.speculative,
             )
         except Exception as exc:
             command.stream.put(exc)

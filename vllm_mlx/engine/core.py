@@ -45,6 +45,7 @@ from vllm_mlx.core.outputs import ModelRunnerOutput, SchedulerOutput, StepRecord
 from vllm_mlx.core.request import Request, RequestOutput, RequestStatus, SamplingParams
 from vllm_mlx.core.sched.scheduler import Scheduler
 from vllm_mlx.core.snapshot import CacheSnapshot, CacheSnapshotter, MLLMSnapshot, MLLMStats
+from vllm_mlx.core.spec_decode.config import SpeculativeConfig
 from vllm_mlx.core.spec_decode.speculator import Speculator
 from vllm_mlx.distributed.liveness import LivenessMonitor
 from vllm_mlx.distributed.watchdog import (
@@ -328,6 +329,7 @@ class EngineCore:
         images: Sequence[ImageSource] | None = None,
         fairness_key: str | None = None,
         constraint: CompiledGrammar | None = None,
+        speculative: bool | None = None,
     ) -> str:
         """Queue a prompt (text or token ids); returns the request id. Outputs come from ``step()``.
 
@@ -350,6 +352,9 @@ class EngineCore:
                 gives all prompts of one HTTP request one key.
             constraint: ``compile_constraint(sampling_params)``, compiled beforehand on another
                 thread; None compiles ``sampling_params.structured_outputs`` (if any) here.
+            speculative: Whether this request speculates: None as the engine's
+                ``speculative_config`` says; True even without one (n-gram lookup with its
+                defaults); False never.
 
         Returns:
             The request id, which later ``RequestOutput``s carry.
@@ -368,9 +373,11 @@ class EngineCore:
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
         processed = self.input_processor.process(
-            prompt, params, request_id,
-            cache_salt=cache_salt, images=images, fairness_key=fairness_key, constraint=constraint,
+            prompt, params, request_id, cache_salt=cache_salt, images=images, fairness_key=fairness_key,
+            constraint=constraint, speculative=speculative,
         )  # fmt: skip
+        if speculative and self.speculator is None:  # asked for without a config: prompt lookup
+            self.speculator = Speculator(SpeculativeConfig(), by_default=False)
         self.output_processor.add(processed)
         self._admit(request_id, processed.requests)
         self.output_processor.finish_if_done(request_id)  # refused at admission (e.g. prompt too long)

@@ -100,6 +100,7 @@ class InputProcessor:
         images: Sequence[ImageSource] | None = None,
         fairness_key: str | None = None,
         constraint: CompiledGrammar | None = None,
+        speculative: bool | None = None,
     ) -> ProcessedRequest:
         """Validate, encode and split one caller's request (see ``EngineCore.add_request`` for
         the arguments and the exceptions). A prompt whose images failed to load yields requests
@@ -118,7 +119,7 @@ class InputProcessor:
                 eos_token_ids=self.eos_token_ids, cache_salt=cache_salt, mm_input=prepared.mm_input,
                 fairness_key=fairness_key or request_id,
                 constraint=RequestConstraint(grammar, self.eos_token_ids) if grammar else None,
-                reasoning_gate=gate,
+                reasoning_gate=gate, speculative=speculative,
             )  # fmt: skip
             if prepared.error is not None:
                 request.error(prepared.error)

@@ -47,6 +47,8 @@ class OverRequest:
     max_in_flight: int | None = None
     resume: OverGeneration | None = None
     interval: float = 0.1
+    speculative: bool | None = None
+    """Whether the rows speculate (None: as the engine was loaded)."""
 
 
 def start_over(session: Session, request: OverRequest, resolve_image: Callable[[object], object] = lambda x: x):
@@ -56,6 +58,9 @@ def start_over(session: Session, request: OverRequest, resolve_image: Callable[[
         SessionError: Not a list or DataFrame, a bad bound, or a resume that does not fit.
     """
     engine = session.require_engine()
+    if request.speculative is not None and session.remote:
+        raise SessionError("--speculative/--no-speculative: a server speculates as it was started; "
+                           "connected, a cell cannot choose")  # fmt: skip
     session.check_params(request.params)
     try:
         source = RowSource(request.items)
@@ -73,7 +78,7 @@ def start_over(session: Session, request: OverRequest, resolve_image: Callable[[
         handle = OverGeneration(
             name, engine, source, _row_prompt(session, request, images), request.params, max_in_flight=bound,
             reader_format=fmt, constraint=engine.compile_constraint(request.params) if fmt is not None else None,
-            kept=kept, interval=request.interval,
+            kept=kept, interval=request.interval, speculative=request.speculative,
         )  # fmt: skip
     except ValueError as exc:
         raise SessionError(f"--max-in-flight: {exc}") from None

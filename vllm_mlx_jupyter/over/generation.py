@@ -107,11 +107,13 @@ class OverGeneration(LiveViews):
         constraint=None,
         kept: dict[int, RowResult] | None = None,
         interval: float = MIN_INTERVAL,
+        speculative: bool | None = None,
     ) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, not {max_in_flight}")
         self.name = self.request_id = name
         self.params = params
+        self.speculative = speculative
         self.max_in_flight = max_in_flight
         self.state = GENERATING
         self.error: BaseException | None = None
@@ -258,7 +260,8 @@ class OverGeneration(LiveViews):
             self.in_flight_peak = max(self.in_flight_peak, len(self._in_flight))
         params = self.params.clone(seed=self.params.seed + index) if self.params.seed is not None else self.params
         try:
-            stream = self._engine.add_request(prompt, params, self._row_id(index), constraint=self._constraint)
+            chosen = {"speculative": self.speculative} if self.speculative is not None else {}
+            stream = self._engine.add_request(prompt, params, self._row_id(index), constraint=self._constraint, **chosen)
         except EngineDeadError as exc:
             self.error = exc
             with self._lock:

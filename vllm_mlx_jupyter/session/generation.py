@@ -116,8 +116,11 @@ class Generation(LiveViews):
         reader: OutputReader | None = None,
         chat=None,
         allow_remote_images: bool = False,
+        speculative: bool | None = None,
     ) -> None:
         self.name = name
+        self.speculative = speculative
+        """Whether the request speculates (None: as the engine was loaded)."""
         self.request_id = name
         self.params = params
         self.format = format
@@ -217,7 +220,8 @@ class Generation(LiveViews):
             if isinstance(token_ids, list):
                 self.num_prompt_tokens = len(token_ids)
             self.submitted_at = time.monotonic()
-            self._stream = self._engine.add_request(self.prompt, self.params, self.request_id)
+            chosen = {"speculative": self.speculative} if self.speculative is not None else {}
+            self._stream = self._engine.add_request(self.prompt, self.params, self.request_id, **chosen)
 
     def _run(self) -> None:
         try:

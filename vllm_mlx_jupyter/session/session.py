@@ -208,6 +208,7 @@ class Session:
         tool_parser: str | None = None,
         tool_choice: str | None = None,
         allow_remote_images: bool = False,
+        speculative: bool | None = None,
     ) -> Generation:
         """Submit a prompt (with ``images`` for a vision-language model: paths, URLs, bytes or
         PIL images, placed before the text); returns its started ``Generation`` at once.
@@ -218,10 +219,14 @@ class Session:
         (default), ``none``, ``required`` or a function's name (the last two are enforced by a
         constraint, on any model). An empty ``prompt`` continues a chat after tool results.
         ``allow_remote_images`` loads the images of the Markdown answer that come from URLs
-        (otherwise shown as links).
+        (otherwise shown as links). ``speculative``: whether this request speculates (None: as
+        the engine was loaded; True without a ``--speculative-config``: n-gram lookup).
         """
         engine = self.require_engine()
         self.check_params(params)
+        if speculative is not None and self.remote:
+            raise SessionError("--speculative/--no-speculative: a server speculates as it was started; "
+                               "connected, a cell cannot choose")  # fmt: skip
         if raw and (chat is not None or tools is not None):
             flag = "--chat" if chat is not None else "--tools"
             raise SessionError(f"{flag} needs the chat template; it cannot be combined with --raw")
@@ -245,7 +250,7 @@ class Session:
             build = self._reading_with(build, reader, parser_for)
         gen = Generation(name, engine, params, build, after=after, on_finish=on_finish,
                          format=format, interval=interval, reader=reader, chat=session,
-                         allow_remote_images=allow_remote_images)  # fmt: skip
+                         allow_remote_images=allow_remote_images, speculative=speculative)  # fmt: skip
         gen.start()
         self.register(gen)
         if session is not None:

@@ -44,15 +44,18 @@ class Drafter(Protocol):
 class Speculator:
     """Proposals and acceptance estimates for one engine (n-gram lookup, or ``drafter``)."""
 
-    def __init__(self, config: SpeculativeConfig, drafter: Drafter | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, drafter: Drafter | None = None, by_default: bool = True) -> None:
         self.config = config
+        self.by_default = by_default
+        """Whether requests that do not say (``Request.speculative is None``) speculate: True for
+        the engine's ``speculative_config``, False for the lookup made for requests that ask."""
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens)
         self.drafter = drafter
         self.estimates: dict[str, AcceptanceEstimate] = {}
 
     def propose(self, running: list[Request]) -> None:
         """Set ``spec_token_ids`` of the running requests that decode next (others: none)."""
-        decoding = [r for r in running if speculates(r)]
+        decoding = [r for r in running if speculates(r) and self.wanted_by(r)]
         for request in running:
             request.spec_token_ids = []
         self.estimates = {r.request_id: self.estimates.get(r.request_id) or AcceptanceEstimate() for r in decoding}
@@ -82,6 +85,9 @@ class Speculator:
             else:
                 estimate.record(verdict.num_proposed, verdict.num_accepted)
 
+
+    def wanted_by(self, request: Request) -> bool:
+        return self.by_default if request.speculative is None else request.speculative
 
     def settle(self, running: list[Request]) -> None:
         """After a step or an abort: forget the draft's state of requests that no longer run

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Notebooks keep KV blocks on disk by default (in the user cache): the tests' tiny models are
+# built the same way every run, so their blocks would carry over from one run to the next. Off
+# here, and on where a test asks for it (tests/jupyter/test_jupyter_kv_disk.py).
+os.environ.setdefault("VLLM_MLX_KV_DISK", "off")
 
 # Seconds each of the slowest test files took on 2 cores (summed `--durations=0` of a full run of
 # the README's command, 2026-12-02: 1783 tests in 693 s; the machine was not quite quiet).
@@ -14,9 +21,10 @@ FILE_SECONDS = {
     "test_recurrent.py": 89, "test_jupyter_browser.py": 69, "test_jupyter_notebooks.py": 46,
     "test_tensor_parallel.py": 43, "test_cpu_backend.py": 41, "test_sliding_window.py": 39,
     "test_async_engine.py": 38, "test_vllm_plugin.py": 38, "test_ring_formation.py": 34,
-    "test_structured_output.py": 33, "test_engine.py": 32, "test_draft_model.py": 29, "test_server_fuzz.py": 27, "test_model_support.py": 27,
-    "test_gguf_vocabularies.py": 25, "test_llamacpp_reference.py": 23, "test_distributed_costs.py": 18,
-    "test_constraint_bounds.py": 17, "test_engine_faults.py": 15, "test_tool_calling_server.py": 14,
+    "test_structured_output.py": 33, "test_engine.py": 32, "test_kv_disk.py": 30, "test_draft_model.py": 29,
+    "test_server_fuzz.py": 27, "test_model_support.py": 27, "test_gguf_vocabularies.py": 25,
+    "test_llamacpp_reference.py": 23, "test_distributed_costs.py": 18, "test_constraint_bounds.py": 17,
+    "test_jupyter_kv_disk.py": 16, "test_engine_faults.py": 15, "test_tool_calling_server.py": 14,
     "test_pipeline_parallel.py": 13, "test_model_sources.py": 12, "test_model_catalog.py": 12,
 }
 

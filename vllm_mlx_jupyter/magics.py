@@ -474,6 +474,20 @@ def _note(text: str, error: bool = False) -> dict:
     }
 
 
+def disk_summary(disk: dict) -> str:
+    """The KV disk tier's status row: size against budget, traffic, the write budget left."""
+    if not disk.get("enabled"):
+        return f"off: {disk.get('disabled_reason')}"
+    mib = 1 << 20
+    left = disk.get("write_budget_left")
+    budget = "no write budget" if left is None else f"{as_int(left) / mib:.0f} MiB of this hour's writes left"
+    return (
+        f"{as_int(disk.get('bytes_on_disk')) / mib:.0f} of {as_int(disk.get('budget_bytes')) / mib:.0f} MiB "
+        f"({as_int(disk.get('num_files'))} blocks) in {disk.get('path')}; {as_int(disk.get('blocks_read'))} blocks "
+        f"read, {as_int(disk.get('blocks_written'))} written; {budget}"
+    )
+
+
 def _status_bundle(status: dict) -> dict:
     """The status table. Connected, the counts are a server's: coerced to numbers here."""
     if not status.get("loaded"):
@@ -497,6 +511,7 @@ def _status_bundle(status: dict) -> dict:
         ("requests", f"{count['running']} running, {count['waiting']} waiting"),
         ("KV usage", kv),
         ("prefix cache", hits),
+        *([("KV on disk", disk_summary(status["kv_disk"]))] if isinstance(status.get("kv_disk"), dict) else []),
         ("active", ", ".join(status["active"]) or "none"),
     ]
     text = "\n".join(f"{k:>13}: {v}" for k, v in rows)

@@ -40,12 +40,14 @@ def load_parser() -> argparse.ArgumentParser:
     for field, option in options_of(EngineConfig):
         if NOTEBOOK not in option.surfaces:
             continue
-        flag = "--" + field.name.replace("_", "-")
+        flags = ["--" + field.name.replace("_", "-")]
+        if option.flag and option.flag not in flags:
+            flags.append(option.flag)  # the CLI's own name for it too (``--kv-disk``)
         if str(field.type) == "bool":
-            parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None,
+            parser.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction, default=None,
                                 help=option.help)  # fmt: skip
         else:
-            parser.add_argument(flag, dest=field.name, type=parse_value, default=None, metavar="VALUE",
+            parser.add_argument(*flags, dest=field.name, type=parse_value, default=None, metavar="VALUE",
                                 help=option.help)  # fmt: skip
     return parser
 

@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
 DEFAULT_MLLM_CACHE_MEMORY = 512 << 20  # 512 MiB
+DEFAULT_KV_DISK_BUDGET = 8 << 30  # 8 GiB
+DEFAULT_KV_DISK_WRITE_BUDGET = 16 << 30  # 16 GiB an hour: a tenth of a typical SSD's rated writes
 
 
 # -- EngineConfig ------------------------------------------------------------------------------
@@ -84,6 +86,25 @@ class EngineConfig:
         help="KV pool size: bytes (512M, 2G) or a fraction of available memory (0.3)",
         doc="KV pool budget when `num_kv_blocks` is `None`: bytes (an `int`; the default is 1 GiB) or a fraction "
         "in (0, 1] of the memory available when the engine starts (a `float`)",
+    )  # fmt: skip
+    kv_disk_path: str | None = option(
+        None, surfaces=(ENGINE, NOTEBOOK), flag="--kv-disk", metavar="DIR",
+        help="keep prompt KV blocks in this folder, for later processes too (the disk tier; default: off; "
+        "notebooks: on, in the user cache)",
+        doc="the KV disk tier's folder: prompt blocks are written there (content-addressed, checked on read) and "
+        "prefix lookups that miss in memory continue there, across processes; `None` = off (notebooks turn it on "
+        "in the user cache) ([Caching explained](caching.md#the-disk-tier))",
+    )  # fmt: skip
+    kv_disk_budget: int = option(
+        DEFAULT_KV_DISK_BUDGET, surfaces=(ENGINE, NOTEBOOK), unit=BYTES, minimum=1, cli_default=None,
+        help="bytes the disk tier may keep, least recently used first out (default: 8G)",
+        doc="bytes of blocks the disk tier keeps in its folder (8 GiB); the least recently used go first",
+    )  # fmt: skip
+    kv_disk_write_budget: int | None = option(
+        DEFAULT_KV_DISK_WRITE_BUDGET, surfaces=(ENGINE, NOTEBOOK), unit=BYTES, minimum=1, cli_default=None,
+        help="bytes the disk tier may write in any hour, to spare an SSD (default: 16G)",
+        doc="bytes the disk tier may write in any hour (16 GiB); blocks over it are not written (counted in "
+        "the stats); `None` = no limit",
     )  # fmt: skip
     max_model_len: int | None = option(
         None, surfaces=(ENGINE, NOTEBOOK), minimum=1, help="longest prompt + output (default: the model's)",

@@ -69,6 +69,7 @@ from vllm_mlx.structured.grammar import CompiledGrammar
 
 if TYPE_CHECKING:
     from vllm_mlx.core.kv.spec import BlockGroups, KVLayout
+    from vllm_mlx.engine.disk_offload import DiskOffload
     from vllm_mlx.engine.draft_model import DraftModel, LoadedDraft
     from vllm_mlx.engine.weight_plan import WeightPlan
     from vllm_mlx.executor.state_pool import StateLayout
@@ -293,6 +294,8 @@ class EngineCore:
             else None
         )
         """Speculative decoding's proposals and acceptance estimates (None: off)."""
+        self.disk = self._disk_offload()
+        """The KV disk tier's traffic with the pool (``kv_disk_path``; None: no tier)."""
         self.step_records: deque[StepRecord] = deque(maxlen=4096)
         """The last steps run (plain data; the notebook timeline reads them)."""
         self._deferred: dict[str, _Siblings] = {}  # by the caller's request id
@@ -316,6 +319,29 @@ class EngineCore:
         target_bytes = parameter_bytes(loaded.vision.model if loaded.vision else loaded.model)
         ratio = draft.weight_bytes / max(target_bytes, 1)
         return DraftModel(draft, num_blocks, self.config.block_size, ratio, self.config.enable_prefix_caching)
+
+    def _disk_offload(self) -> DiskOffload | None:
+        """The disk tier of ``kv_disk_path``, where this engine can use one (else a warning)."""
+        config = self.config
+        if config.kv_disk_path is None:
+            return None
+        why = None
+        if not config.enable_prefix_caching:
+            why = "it needs the prefix cache (enable_prefix_caching)"
+        elif self.tp_group is not None:
+            why = "it does not work with tensor or pipeline parallelism yet"
+        elif self.kv_cache.state is not None or len(self.kv_cache.groups) > 1:
+            why = "it holds attention KV of one block group; this model has recurrent layers or sliding windows"
+        if why is not None:
+            logger.warning("the KV disk tier is off: %s", why)
+            return None
+        from vllm_mlx.engine.disk_offload import DiskOffload
+        from vllm_mlx.engine.kv_disk import DiskIdentity, DiskTier
+        from vllm_mlx.models.digest import model_digest
+
+        identity = DiskIdentity(model_digest(self.model_path), self.weight_format, config.block_size)
+        tier = DiskTier(config.kv_disk_path, identity, config.kv_disk_budget, config.kv_disk_write_budget)
+        return DiskOffload(tier, self.scheduler.kv.prefix_cache, self.kv_cache, self.runner.pool, config.max_num_seqs)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -485,6 +511,8 @@ class EngineCore:
         outputs = self.output_processor.take_pending()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
+        if self.disk is not None:
+            self.disk.before_schedule(self.scheduler.waiting)
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return outputs
@@ -495,6 +523,8 @@ class EngineCore:
         advanced = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.speculator is not None:
             self.speculator.settle(self.scheduler.running)
+        if self.disk is not None:
+            self.disk.after_update(scheduler_output.scheduled)
         outputs += self.output_processor.process(advanced, runner_output)
         self._release_deferred()
         self._record_step(scheduler_output, runner_output, time.perf_counter() - start)
@@ -617,7 +647,8 @@ class EngineCore:
         multimodal cache's for a vision-language model (``engine/observation.py``)."""
         mllm = self._mllm_stats() if self.vision is not None else None
         scheduler = self.scheduler.stats_view()  # the pool's counts come with it: counted once
-        return EngineStats(scheduler, scheduler.kv_cache, self.input_processor.grammars.stats_view(), mllm)
+        kv_disk = self.disk.tier.stats() if self.disk is not None else None
+        return EngineStats(scheduler, scheduler.kv_cache, self.input_processor.grammars.stats_view(), mllm, kv_disk)
 
     def get_stats(self) -> dict:
         """Plain data (``stats().to_dict()``): ``{"scheduler": {running, waiting, preemptions,
@@ -697,6 +728,8 @@ class EngineCore:
             self.runner.release()
             if self.speculator is not None and self.speculator.drafter is not None:
                 self.speculator.drafter.release()
+            if self.disk is not None:
+                self.disk.close()  # what is queued is written first
 
     def _stop_workers(self) -> None:
         """With tensor parallelism: send "stop" (the workers return), unless the ranks are

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from vllm_mlx.core.kv.observation import CacheStats
 from vllm_mlx.core.sched.observation import SchedulerStats
 from vllm_mlx.core.snapshot import MLLMStats
+from vllm_mlx.engine.kv_disk import DiskTierStats
 from vllm_mlx.structured.grammar import GrammarCacheStats
 
 
@@ -27,6 +28,8 @@ class EngineStats:
     mllm: MLLMStats | None = None
     """The multimodal cache, for a vision-language model; None for a text model (then
     ``to_dict`` has no ``"mllm"`` key)."""
+    kv_disk: DiskTierStats | None = None
+    """The KV disk tier's, when the engine has one (``kv_disk_path``); else no ``"kv_disk"`` key."""
 
     def to_dict(self) -> dict:
         data = {
@@ -36,14 +39,17 @@ class EngineStats:
         }
         if self.mllm is not None:
             data["mllm"] = self.mllm.to_dict()
+        if self.kv_disk is not None:
+            data["kv_disk"] = self.kv_disk.to_dict()
         return data
 
     @classmethod
     def from_dict(cls, data: dict) -> EngineStats:
-        mllm = data.get("mllm")
+        mllm, kv_disk = data.get("mllm"), data.get("kv_disk")
         return cls(
             SchedulerStats.from_dict(data["scheduler"]),
             CacheStats.from_dict(data["kv_cache"]),
             GrammarCacheStats.from_dict(data["structured_outputs"]),
             MLLMStats.from_dict(mllm) if mllm is not None else None,
+            DiskTierStats(**kv_disk) if kv_disk is not None else None,
         )

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+
+from vllm_mlx.platform.atomic_file import write_atomically
 
 FORMAT = "vllm-mlx-prefix"
 VERSION = 1
@@ -102,18 +102,14 @@ def write_prefix_file(path: Path, header: PrefixHeader, arrays: dict[str, mx.arr
     Raises:
         OSError: the folder is missing or not writable, the disk is full, or ``path`` is a folder.
     """
-    path = Path(path)
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp.safetensors")  # mx adds no suffix to it
-    try:
+
+    def save(temporary: Path) -> None:
         try:
             mx.save_safetensors(str(temporary), arrays, metadata=header.metadata())
         except RuntimeError as exc:  # MLX's way of saying it could not open or write the file
             raise OSError(f"cannot write prefix file {path}: {exc}") from None
-        with open(temporary, "rb") as written:
-            os.fsync(written.fileno())
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+
+    write_atomically(Path(path), save, suffix=".safetensors")
 
 
 def read_prefix_file(path: Path) -> tuple[PrefixHeader, dict[str, mx.array]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -72,7 +73,7 @@ class Session:
         from vllm_mlx.engine.async_engine import AsyncEngineCore
 
         self.shutdown()
-        options = dict(options or {})
+        options = with_disk_default(dict(options or {}))
         engine = AsyncEngineCore(EngineConfig(model=str(model)), **options)
         ticker = _Ticker(progress, f"loading {model}")
         try:
@@ -470,8 +471,10 @@ class Session:
                     "active": [g.name for g in self.active()], **server["stats"]}  # fmt: skip
         stats = self.engine.snapshot(include_blocks=False).stats
         backend = backend_summary(self.engine.weight_format)
+        disk = self.engine.stats().kv_disk
         return {"model": self.model, "loaded": True, "options": dict(self.options), "backend": backend,
-                "active": [g.name for g in self.active()], **stats.to_dict()}  # fmt: skip
+                "active": [g.name for g in self.active()], **stats.to_dict(),
+                **({"kv_disk": disk.to_dict()} if disk is not None else {})}  # fmt: skip
 
     def request_rows(self) -> list[dict]:
         """The inspector's names and states for requests (it merges them with the engine's
@@ -608,3 +611,21 @@ class _Ticker:
 
     def stop(self) -> None:
         self._stopped.set()
+
+
+NOTEBOOK_KV_DISK_BUDGET = "2G"
+"""The notebook's disk tier keeps this much by default: a laptop's SSD is shared with everything."""
+KV_DISK_ENV = "VLLM_MLX_KV_DISK"
+"""Where notebooks keep KV blocks when ``kv_disk_path`` is not given (``off``: nowhere)."""
+
+
+def with_disk_default(options: dict) -> dict:
+    """``options`` with the notebook's KV disk tier: on by default, in the user cache (or
+    ``$VLLM_MLX_KV_DISK``), 2 GiB unless told; ``kv_disk_path="off"`` turns it off. A kernel
+    restart then finds the prompts it computed before on disk."""
+    from vllm_mlx.models.store import cache_root
+
+    path = options.get("kv_disk_path", os.environ.get(KV_DISK_ENV) or str(cache_root() / "kv-disk"))
+    if path is None or str(path).lower() in ("off", "none", ""):
+        return {**options, "kv_disk_path": None}
+    return {"kv_disk_budget": NOTEBOOK_KV_DISK_BUDGET, **options, "kv_disk_path": str(path)}

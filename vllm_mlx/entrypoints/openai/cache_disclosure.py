@@ -14,6 +14,10 @@ use counted as the running requests' lengths (prompt + output tokens) rounded up
 blocks, as if no block were shared. The block grid is that count of ``u`` after the null block,
 then ``f`` (``public_block_states``): lengths to the nearest block, no positions.
 
+The KV disk tier's counters move with hits too (a prompt found on disk is read, not written;
+the folder grows by what was not there), so undisclosed a caller reads only whether the tier
+is on and its budgets (``disk_view``).
+
 Disclosed, the engine's stats go out as they are; the per-tenant counters
 (``stats["prefix_cache_tenants"]``, see ``vllm_mlx/core/kv/tenant_stats.py``) only with ``per_tenant``
 (``--enable-cache-stats-disclosure``), since they also tell of other tenants' traffic.
@@ -25,6 +29,17 @@ from dataclasses import asdict, dataclass
 
 from vllm_mlx.core.sched.observation import RequestView
 from vllm_mlx.core.snapshot import SnapshotStats
+from vllm_mlx.engine.kv_disk import DiskTierStats
+
+DISK_PUBLIC_FIELDS = ("enabled", "disabled_reason", "budget_bytes", "write_bytes_per_hour")
+"""What of the disk tier's stats any caller reads; the counters only where hits are disclosed."""
+
+
+def disk_view(disk: DiskTierStats, disclose: bool) -> dict:
+    """The disk tier's stats for a caller; never its folder (the server's file system)."""
+    data = disk.to_dict()
+    shown = DISK_PUBLIC_FIELDS if not disclose else [key for key in data if key != "path"]
+    return {key: data[key] for key in shown}
 
 
 @dataclass

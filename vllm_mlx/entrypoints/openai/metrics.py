@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 from vllm_mlx.core.kv.tenant_stats import TenantCacheStats
 from vllm_mlx.core.request import RequestOutput
 from vllm_mlx.core.snapshot import SnapshotStats
-from vllm_mlx.entrypoints.openai.cache_disclosure import visible
+from vllm_mlx.entrypoints.openai.cache_disclosure import disk_view, visible
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
@@ -38,6 +38,24 @@ TENANT_COUNTERS = (  # (``TenantCacheStats`` field, series, help)
     ("hit_tokens", "vllm_mlx:tenant_prefix_cache_hits", "Prompt tokens of the tenant found in the prefix cache."),
     ("allocations", "vllm_mlx:tenant_kv_block_allocations", "KV blocks taken for the tenant's new content."),
 )
+
+
+DISK_SERIES = {
+    "enabled": (GaugeMetricFamily, "vllm:kv_disk_enabled", "1 while the KV disk tier is on."),
+    "budget_bytes": (GaugeMetricFamily, "vllm:kv_disk_budget_bytes", "Bytes the KV disk tier may keep."),
+    "bytes_on_disk": (GaugeMetricFamily, "vllm:kv_disk_usage_bytes", "Bytes of KV blocks in the disk tier's folder."),
+    "write_budget_left": (
+        GaugeMetricFamily, "vllm:kv_disk_write_budget_left_bytes", "Bytes the disk tier may still write this hour.",
+    ),
+    "blocks_read": (CounterMetricFamily, "vllm:kv_disk_blocks_read", "KV blocks read back from disk (prefix hits)."),
+    "bytes_read": (CounterMetricFamily, "vllm:kv_disk_read_bytes", "Bytes of KV read back from disk."),
+    "blocks_written": (CounterMetricFamily, "vllm:kv_disk_blocks_written", "KV blocks written to disk."),
+    "bytes_written": (CounterMetricFamily, "vllm:kv_disk_written_bytes", "Bytes of KV written to disk."),
+    "writes_skipped": (
+        CounterMetricFamily, "vllm:kv_disk_writes_skipped", "KV blocks not written: over the write budget.",
+    ),
+}  # fmt: skip
+"""The disk tier's stats as Prometheus series (what ``disk_view`` shows of them)."""
 
 
 class EngineStatsCollector(Collector):
@@ -74,6 +92,21 @@ class EngineStatsCollector(Collector):
             yield self._family(CounterMetricFamily, name, doc, value)
         if isinstance(stats, SnapshotStats) and self.per_tenant:
             yield from self._tenant_families(stats.prefix_cache_tenants)
+        yield from self._disk_families()
+
+    def _disk_families(self):
+        """The KV disk tier's series, where the engine has one: its budgets always, its
+        counters only where prefix hits are disclosed (they move with hits: ``disk_view``)."""
+        try:
+            disk = self.engine.stats().kv_disk
+        except Exception:  # a dead engine, as above
+            return
+        if disk is None:
+            return
+        view = disk_view(disk, self.disclose_hits)
+        for key, (kind, name, doc) in DISK_SERIES.items():
+            if view.get(key) is not None:
+                yield self._family(kind, name, doc, float(view[key]))
 
     def _family(self, cls, name: str, doc: str, value: float):
         family = cls(name, doc, labels=["model_name"])

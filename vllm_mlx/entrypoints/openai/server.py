@@ -38,7 +38,7 @@ from vllm_mlx.engine.async_engine import AsyncEngineCore, EngineDeadError
 from vllm_mlx.entrypoints.anthropic.protocol import MessagesInput, MessagesRequest, error_body, is_messages_path
 from vllm_mlx.entrypoints.anthropic.serving import AnthropicServing
 from vllm_mlx.entrypoints.openai.cache_blocks import block_view
-from vllm_mlx.entrypoints.openai.cache_disclosure import visible
+from vllm_mlx.entrypoints.openai.cache_disclosure import disk_view, visible
 from vllm_mlx.entrypoints.openai.cli_args import serve_media_policy, serving_options
 from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
 from vllm_mlx.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware, BodySizeLimitMiddleware
@@ -154,7 +154,11 @@ def _add_cache_routes(app: FastAPI, engine: AsyncEngineCore, metrics: ServerMetr
 
     @app.get("/v1/cache/stats")
     async def cache_stats() -> dict:
-        return summarize_snapshot(await engine_call(engine.snapshot), options)
+        summary = summarize_snapshot(await engine_call(engine.snapshot), options)
+        disk = (await engine_call(engine.stats)).kv_disk
+        if disk is not None:
+            summary["kv_disk"] = disk_view(disk, options.discloses_prefix_hits)
+        return summary
 
     @app.get("/v1/cache/blocks")
     async def cache_blocks(request_id: Annotated[list[str] | None, Query()] = None) -> dict:

@@ -1,0 +1,250 @@
+"""The KV disk tier, on real MLX and a real folder: output with prompt blocks served from disk is
+token for token the output computed cold, in a later engine (as after a restart), and every
+fault (damaged files, a folder that is gone or cannot be made, a full or read-only disk, two
+processes sharing a folder) leaves serving going on, without a block served wrongly.
+
+Engines here are built on the tiny llama with a 16-token block size; one engine per model and
+process, so each test's engines run one after the other (the second is the "restarted" one).
+"""
+
+from __future__ import annotations
+
+import errno
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from tiny_model import build_tiny_llama
+
+from vllm_mlx import SamplingParams
+from vllm_mlx.engine import kv_disk
+from vllm_mlx.engine.observation import EngineStats
+
+PROMPT = "The lighthouse on Gull Point was built in 1871 from granite quarried on the island. " * 6
+OTHER = "Margaret Hale rowed to the mainland for oil and glass, and the lamp was burning again. " * 5
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+def disk(tmp_path):
+    return tmp_path / "kv-disk"
+
+
+@pytest.fixture
+def engines(engine_factory):
+    """``make(model_dir=None, **options)``: an engine on the tiny llama with a 128-block pool
+    (taking the model over from the test's previous engine)."""
+
+    def make(model_dir=None, **options):
+        return engine_factory(model_dir, **{"num_kv_blocks": 128, "force_model_takeover": True, **options})
+
+    return make
+
+
+def run(engine, prompts, params=GREEDY, **request_options) -> list:
+    ids = [engine.add_request(p, params, **request_options) for p in prompts]
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    return [final[i] for i in ids]
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def served(engine, prompts, **request_options) -> tuple[list, kv_disk.DiskTierStats]:
+    """Outputs of ``prompts`` and the tier's stats; the engine is shut down (its writes flushed)."""
+    outputs = run(engine, prompts, **request_options)
+    engine.shutdown()
+    return outputs, engine.disk.tier.stats()
+
+
+def test_blocks_from_disk_give_the_cold_output_in_a_later_engine(engines, disk):
+    cold = tokens(run(engines(), [PROMPT, OTHER]))
+    first, wrote = served(engines(kv_disk_path=str(disk)), [PROMPT, OTHER])
+    assert tokens(first) == cold and wrote.blocks_written > 0 and wrote.blocks_read == 0
+    again, read = served(engines(kv_disk_path=str(disk)), [PROMPT, OTHER])
+    assert tokens(again) == cold
+    assert read.blocks_read == wrote.blocks_written and read.blocks_written == 0  # nothing written twice
+    assert all(o.num_cached_tokens >= 96 for o in again)  # the prompts' full blocks, from disk
+
+
+def test_a_prompt_extending_a_saved_one_hits_its_blocks_and_chunked_prefill_agrees(engines, disk):
+    served(engines(kv_disk_path=str(disk)), [PROMPT])
+    longer = PROMPT + "Today the tower is a museum, and visitors can climb its steps."
+    cold = tokens(run(engines(max_num_batched_tokens=32), [longer]))
+    outputs, stats = served(engines(kv_disk_path=str(disk), max_num_batched_tokens=32), [longer])
+    assert tokens(outputs) == cold and stats.blocks_read > 0 and outputs[0].num_cached_tokens >= 96
+
+
+def test_salts_and_models_never_share_blocks(engines, disk, default_model_dir, tmp_path):
+    served(engines(kv_disk_path=str(disk)), [PROMPT], cache_salt="tenant-a")
+    outputs, stats = served(engines(kv_disk_path=str(disk)), [PROMPT], cache_salt="tenant-b")
+    assert stats.blocks_read == 0 and outputs[0].num_cached_tokens == 0
+    other_model = build_tiny_llama(tmp_path / "other", default_model_dir, seed=7)
+    outputs, stats = served(engines(other_model, kv_disk_path=str(disk)), [PROMPT], cache_salt="tenant-a")
+    assert stats.blocks_read == 0 and outputs[0].num_cached_tokens == 0  # another model: another folder
+    outputs, stats = served(engines(kv_disk_path=str(disk)), [PROMPT], cache_salt="tenant-a")
+    assert stats.blocks_read > 0
+
+
+def block_files(disk) -> list:
+    return sorted(disk.glob("*/*.safetensors"))
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "empty", "swapped"])
+def test_damaged_files_are_never_served(engines, disk, damage):
+    cold = tokens(run(engines(), [PROMPT]))
+    served(engines(kv_disk_path=str(disk)), [PROMPT, OTHER])
+    files = block_files(disk)
+    target = files[2]
+    data = target.read_bytes()
+    if damage == "flipped":
+        target.write_bytes(data[:-100] + bytes(b ^ 0xFF for b in data[-100:]))
+    elif damage == "truncated":
+        target.write_bytes(data[: len(data) // 2])
+    elif damage == "empty":
+        target.write_bytes(b"")
+    else:  # another block's file under this name: its key and tokens say so
+        target.write_bytes(files[3].read_bytes())
+    outputs, stats = served(engines(kv_disk_path=str(disk)), [PROMPT, OTHER])
+    assert tokens(outputs)[0] == cold[0]
+    assert stats.blocks_rejected == 1 and stats.blocks_written >= 1  # deleted, computed and written again
+    _, again = served(engines(kv_disk_path=str(disk)), [PROMPT, OTHER])
+    assert again.blocks_rejected == 0 and again.blocks_read == len(files)
+
+
+def test_a_folder_that_cannot_be_made_turns_the_tier_off(engines, tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    engine = engines(kv_disk_path=str(blocker / "kv"))
+    outputs, stats = served(engine, [PROMPT])
+    assert not stats.enabled and "cannot use" in stats.disabled_reason
+    assert len(outputs[0].outputs[0].token_ids) == 8
+    assert "KV disk tier is off" in caplog.text
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
+def test_a_full_or_read_only_disk_turns_the_tier_off_and_serving_goes_on(engines, disk, monkeypatch, code):
+    cold = tokens(run(engines(), [PROMPT, OTHER]))
+    engine = engines(kv_disk_path=str(disk))
+
+    def failing(path, write, suffix=""):
+        raise OSError(code, "injected", str(path))
+
+    monkeypatch.setattr(kv_disk, "write_atomically", failing)  # fault injection: every write fails
+    outputs, stats = served(engine, [PROMPT, OTHER])
+    assert tokens(outputs) == cold
+    assert not stats.enabled and "injected" in stats.disabled_reason and stats.blocks_written == 0
+
+
+def test_a_folder_removed_while_serving_turns_the_tier_off(engines, disk):
+    import shutil
+
+    engine = engines(kv_disk_path=str(disk))
+    shutil.rmtree(disk)
+    outputs, stats = served(engine, [PROMPT])
+    assert len(outputs[0].outputs[0].token_ids) == 8 and not stats.enabled
+
+
+def test_the_size_budget_keeps_the_folder_small(engines, disk):
+    _, first = served(engines(kv_disk_path=str(disk)), [PROMPT])
+    per_block = first.bytes_written // first.blocks_written
+    _, stats = served(engines(kv_disk_path=str(disk), kv_disk_budget=3 * per_block), [OTHER, PROMPT + " More."])
+    on_disk = sum(f.stat().st_size for f in block_files(disk))
+    assert on_disk <= 3 * per_block and stats.files_evicted > 0 and stats.bytes_on_disk == on_disk
+
+
+def test_the_write_budget_holds(engines, disk):
+    _, first = served(engines(kv_disk_path=str(disk) + "-probe"), [PROMPT])
+    per_block = first.bytes_written // first.blocks_written
+    _, stats = served(engines(kv_disk_path=str(disk), kv_disk_write_budget=2 * per_block + 10), [PROMPT, OTHER])
+    assert stats.blocks_written == 2 and stats.writes_skipped > 0
+    assert len(block_files(disk)) == 2
+
+
+def test_the_stats_travel_as_plain_data(engines, disk):
+    engine = engines(kv_disk_path=str(disk))
+    run(engine, [PROMPT])
+    stats = engine.stats()
+    assert stats.kv_disk is not None and stats.kv_disk.enabled
+    assert EngineStats.from_dict(stats.to_dict()) == stats
+    assert "kv_disk" not in engines().stats().to_dict()  # no tier: no key
+
+
+TWO_WRITERS = """
+import sys
+from vllm_mlx import SamplingParams
+from vllm_mlx.engine.core import EngineCore
+model, disk, prompt = sys.argv[1], sys.argv[2], sys.argv[3]
+engine = EngineCore(model=model, num_kv_blocks=128, kv_disk_path=disk)
+for i in range(3):
+    request = engine.add_request(prompt + " " * i, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+engine.shutdown()
+print(engine.disk.tier.stats().blocks_written)
+"""
+
+
+def test_two_processes_share_a_folder(engines, disk, tiny_model_dir):
+    """Two engines writing the same prompts into one folder at once: every file is whole, and a
+    third engine reads them all."""
+    script = textwrap.dedent(TWO_WRITERS)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script, str(tiny_model_dir), str(disk), text],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        for text in (PROMPT, PROMPT)
+    ]
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+    cold = tokens(run(engines(), [PROMPT]))
+    outputs, stats = served(engines(kv_disk_path=str(disk)), [PROMPT])
+    assert tokens(outputs) == cold and stats.blocks_read >= 6 and stats.blocks_rejected == 0
+
+
+@pytest.mark.parametrize("disclosed", [False, True])
+def test_the_server_shows_the_tier_without_telling_of_other_prompts(tiny_model_dir, disk, disclosed):
+    """``/v1/cache/stats`` and ``/metrics``: the tier's budgets always; its counters (which move
+    with hits) only where the operator discloses hits; never its folder."""
+    httpx = pytest.importorskip("httpx")
+    from live_server import LiveServer
+
+    from vllm_mlx.config import ServingOptions
+    from vllm_mlx.engine.async_engine import AsyncEngineCore
+    from vllm_mlx.entrypoints.openai.server import build_app
+
+    engine = AsyncEngineCore(model=str(tiny_model_dir), num_kv_blocks=128, kv_disk_path=str(disk),
+                             force_model_takeover=True).start()  # fmt: skip
+    options = ServingOptions(enable_cache_stats_disclosure=disclosed)
+    live = LiveServer(build_app(engine, served_model_name="tiny", options=options))
+    try:
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+        assert httpx.post(live.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        stats = httpx.get(live.url + "/v1/cache/stats", timeout=30).json()["kv_disk"]
+        metrics = httpx.get(live.url + "/metrics", timeout=30).text
+    finally:
+        live.stop()
+        engine.stop()
+    assert stats["enabled"] is True and stats["budget_bytes"] == 8 << 30 and "path" not in stats
+    assert ("blocks_written" in stats) == disclosed and ("vllm:kv_disk_blocks_written" in metrics) == disclosed
+    assert "vllm:kv_disk_enabled" in metrics and str(disk) not in metrics
+
+
+def test_a_fault_in_the_tier_itself_never_fails_a_step(engines, disk, caplog):
+    cold = tokens(run(engines(), [PROMPT]))
+    served(engines(kv_disk_path=str(disk)), [PROMPT])
+    engine = engines(kv_disk_path=str(disk))
+
+    def broken(block_ids, arrays):
+        raise RuntimeError("injected pool fault")
+
+    engine.runner.pool.write_blocks = broken  # fault injection: importing blocks read from disk fails
+    outputs, stats = served(engine, [PROMPT])
+    assert tokens(outputs) == cold and outputs[0].num_cached_tokens == 0
+    assert not stats.enabled and "injected pool fault" in stats.disabled_reason
+    engine.kv_cache.check_invariants()  # the blocks reserved for the import went back
+    assert engine.kv_cache.get_num_free_blocks() == engine.kv_cache.num_usable_blocks

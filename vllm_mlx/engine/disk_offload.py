@@ -1,0 +1,201 @@
+"""What moves between the block pool and the KV disk tier (``kv_disk.py``), and when.
+
+Both directions run on the engine thread, between steps; the disk I/O itself runs on the tier's
+threads.
+
+- **Out, after a step.** When a request's prefill completes, the full blocks of its prompt that
+  the disk lacks are copied out of the pool (one read of the pool for all of them) and queued
+  for the writer: prompt blocks are what a later request can hit (a system prompt, a document,
+  the earlier turns of a chat), and blocks already on disk, or over the write budget, are not
+  copied at all. Output blocks are written once they are part of a later prompt (the next turn).
+- **In, before a step.** A waiting request is probed once per admission: after its longest
+  prefix cached in memory, the blocks that follow it on disk are read on a reader thread (read
+  ahead: queued requests are probed while the batch ahead of them runs). Before the scheduler
+  admits it, the blocks read go into free blocks of the pool and are published under the hashes
+  the engine computed for the request's tokens (``KVCacheCoordinator.reserve_import``), so the
+  admission finds them cached like any prefix. Only a request about to be admitted whose read
+  has not finished makes the engine thread wait for it.
+
+The hashes are the prefix cache's own (namespace, ``cache_salt``, chained), so a block on disk is
+only ever found by a request with the same tokens before it and the same salt. Covered: models
+whose KV is attention in one block group, prompts without images (the engine leaves the tier
+off for other models, saying so).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from vllm_mlx.core.outputs import ScheduledRequest
+from vllm_mlx.core.request import Request
+from vllm_mlx.engine.kv_disk import BlockBytes, DiskTier
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _PendingRead:
+    """A waiting request's disk blocks being read."""
+
+    hashes: list[bytes]
+    """The request's block hashes up to the last block that may come from disk."""
+    num_in_memory: int
+    """How many of them were cached in memory when it was probed."""
+    future: Future
+
+
+class DiskOffload:
+    """Moves prompt blocks between ``pool`` (the runner's ``KVPool``) and ``tier``.
+
+    ``prefix_cache``: the scheduler's (its hashing); ``coordinator``: the engine's block pool and
+    import calls; ``lookahead``: how many waiting requests are probed ahead (the scheduler admits
+    at most ``max_num_seqs`` at once)."""
+
+    def __init__(self, tier: DiskTier, prefix_cache, coordinator, pool, lookahead: int) -> None:
+        self.tier = tier
+        self.prefix_cache = prefix_cache
+        self.coordinator = coordinator
+        self.pool = pool
+        self.block_size = coordinator.block_size
+        self.lookahead = lookahead
+        self._pending: dict[str, _PendingRead] = {}
+        self._probed: set[tuple[str, int]] = set()  # (request id, preemptions): probed once each
+
+    # ---- in --------------------------------------------------------------------------------
+
+    def before_schedule(self, waiting) -> None:
+        """Probe the next waiting requests and import what their reads brought."""
+        if self.tier.enabled:
+            with self._failing_turns_the_tier_off("reading"):
+                self._bring_in(waiting)
+
+    def _bring_in(self, waiting) -> None:
+        ahead = [request for _, request in zip(range(self.lookahead), waiting)]
+        for request in ahead:
+            self._probe(request)
+        for request in ahead:
+            pending = self._pending.pop(request.request_id, None)
+            if pending is not None:
+                self._import(request, pending)
+        # Forget what is no longer ahead in the queue (admitted, aborted): both sets stay small.
+        self._probed &= {(r.request_id, r.num_preemptions) for r in ahead}
+        waiting_ids = {r.request_id for r in ahead}
+        for request_id in [rid for rid in self._pending if rid not in waiting_ids]:
+            if self._pending[request_id].future.done():
+                del self._pending[request_id]
+
+    def _probe(self, request: Request) -> None:
+        key = (request.request_id, request.num_preemptions)
+        if key in self._probed or request.mm_input is not None or request.is_finished:
+            return
+        self._probed.add(key)
+        tokens = request.all_token_ids
+        hashes = self.prefix_cache.block_hashes(tokens, request.cache_salt)[: (len(tokens) - 1) // self.block_size]
+        cached = self.coordinator.pool.cached[0]
+        in_memory = next((i for i, h in enumerate(hashes) if h not in cached), len(hashes))
+        on_disk = 0
+        for block_hash in hashes[in_memory:]:
+            if not self.tier.has(block_hash):
+                break
+            on_disk += 1
+        if on_disk:
+            size = self.block_size
+            wanted = range(in_memory, in_memory + on_disk)
+            chunks = [tuple(tokens[i * size : (i + 1) * size]) for i in wanted]
+            future = self.tier.read([hashes[i] for i in wanted], chunks)
+            self._pending[request.request_id] = _PendingRead(hashes[: in_memory + on_disk], in_memory, future)
+
+    def _import(self, request: Request, pending: _PendingRead) -> None:
+        """Put the blocks read into the pool, published under their hashes (nothing if the
+        blocks in memory before them were evicted meanwhile: the chain would be broken)."""
+        blocks: list[BlockBytes] = pending.future.result()
+        cached = self.coordinator.pool.cached[0]
+        if not blocks or any(h not in cached for h in pending.hashes[: pending.num_in_memory]):
+            return
+        chain = pending.hashes[: pending.num_in_memory + len(blocks)]
+        reserved = self.coordinator.reserve_import(chain)
+        written = False
+        try:
+            if reserved.taken:
+                chosen = [blocks[i - pending.num_in_memory] for i, _ in reserved.taken]
+                self.pool.write_blocks(reserved.block_ids, to_arrays(chosen))
+            written = True
+        except ValueError as exc:  # another layout than this pool's: a bug or a foreign folder
+            logger.warning("KV disk tier: blocks for %s do not fit the pool (%s); computing them", request.request_id, exc)
+        finally:
+            self.coordinator.finish_import(reserved, chain, request.all_token_ids, written)
+
+    # ---- out -------------------------------------------------------------------------------
+
+    def after_update(self, scheduled: list[ScheduledRequest]) -> None:
+        """Queue the prompt blocks of the requests whose prefill completed in this step."""
+        if not self.tier.enabled:
+            return
+        with self._failing_turns_the_tier_off("writing"):
+            for item in scheduled:
+                request = item.request
+                done = item.num_computed_tokens + item.num_known_tokens
+                if item.num_computed_tokens < request.num_prompt_tokens <= done and request.mm_input is None:
+                    self._offer(request)
+
+    @contextmanager
+    def _failing_turns_the_tier_off(self, what: str) -> Iterator[None]:
+        """The tier is an optimisation: a fault of its own never fails a step."""
+        try:
+            yield
+        except Exception as exc:
+            logger.exception("KV disk tier: %s failed", what)
+            self.tier.disable(f"{what} failed: {exc}")
+
+    def _offer(self, request: Request) -> None:
+        tokens = request.prompt_token_ids
+        hashes = self.prefix_cache.block_hashes(tokens, request.cache_salt)
+        cached = self.coordinator.pool.cached[0]
+        found = []  # (index, block id) of the cached prompt blocks the disk lacks
+        for i, block_hash in enumerate(hashes):
+            block = cached.get(block_hash)
+            if block is None:
+                break  # its KV is gone (or never published): nothing after it either
+            if self.tier.wants(block_hash):
+                found.append((i, block.block_id))
+        if not found:
+            return
+        per_block = self._bytes_per_block()
+        found = [(i, b) for i, b in found if self.tier.admit_write(per_block)]
+        if not found:
+            return
+        arrays = self.pool.read_blocks([b for _, b in found])
+        as_bytes = {name: np.array(a.view(mx.uint8)) for name, a in arrays.items()}  # one copy out of MLX
+        dtypes = {name: dtype_name(a.dtype) for name, a in arrays.items()}
+        size = self.block_size
+        for n, (i, _) in enumerate(found):
+            chunk = {name: a[:, n * size : (n + 1) * size] for name, a in as_bytes.items()}
+            self.tier.write(BlockBytes(hashes[i], tuple(tokens[i * size : (i + 1) * size]), chunk, dtypes))
+
+    def _bytes_per_block(self) -> int:
+        arrays = [a for a in self.pool.arrays() if a is not None]
+        return sum(a.nbytes // a.shape[1] for a in arrays) * self.block_size
+
+    def close(self) -> None:
+        self.tier.close()
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """``mx.float32`` -> ``"float32"`` (``getattr(mx, name)`` gives it back)."""
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def to_arrays(blocks: list[BlockBytes]) -> dict[str, mx.array]:
+    """Blocks read from disk as the pool's arrays, block after block along the slot axis."""
+    names = blocks[0].arrays
+    return {
+        name: mx.concatenate([mx.array(b.arrays[name]) for b in blocks], axis=1).view(getattr(mx, blocks[0].dtypes[name]))
+        for name in names
+    }

@@ -46,6 +46,9 @@ USAGE = """\
   reset-cache                        forget the prefix cache (blocks in use keep theirs)
   history SESSION                    show a chat session's turns
   reset SESSION                      forget a chat session
+  fork SESSION NEW                   a new chat session with SESSION's turns (they share its KV blocks)
+  save-cache NAME [SESSION]          save chat SESSION (default: NAME), its turns and KV blocks, as NAME
+  load-cache NAME                    restore saved chat NAME (any later kernel, same model)
   shutdown                           stop the engine (the next %%generate loads it again)
 """
 
@@ -315,7 +318,7 @@ class GenerateMagics(Magics):
     @line_magic
     def vllm_mlx(self, line: str):
         """Manage the engine: load, connect, disconnect, status, inspect, timeline, wait, abort,
-        reset-cache, history, reset, shutdown."""
+        reset-cache, history, reset, fork, save-cache, load-cache, shutdown."""
         try:
             argv = split_line(line)
         except ValueError as exc:
@@ -381,6 +384,42 @@ class GenerateMagics(Magics):
 
     def _cmd_history(self, argv: list[str]) -> None:
         print(self._chat(argv).transcript())
+
+    def _cmd_fork(self, argv: list[str]) -> None:
+        from vllm_mlx_jupyter.session.saved_chats import fork_chat
+
+        if len(argv) != 2:
+            raise UsageError("%vllm_mlx fork SESSION NEW")
+        if argv[1] in self.session.chats:
+            raise UsageError(f"chat session {argv[1]!r} exists already (%vllm_mlx reset {argv[1]} first)")
+        self.session.chats[argv[1]] = fork_chat(self._chat(argv[:1]), argv[1])
+        print(f"chat session {argv[1]!r}: {argv[0]!r}'s {len(self.session.chats[argv[1]].messages)} messages")
+
+    def _cmd_save_cache(self, argv: list[str]) -> None:
+        from vllm_mlx_jupyter.session.saved_chats import SavedChat, save_chat
+
+        if len(argv) not in (1, 2):
+            raise UsageError("%vllm_mlx save-cache NAME [SESSION]")
+        self._local_only("save-cache")
+        saved = SavedChat.named(argv[0])
+        tokens = save_chat(self.session, saved, self._chat(argv[-1:]))
+        print(f"saved chat {argv[-1]!r} as {saved.name!r}: its messages and {tokens} tokens of KV ({saved.folder})")
+
+    def _cmd_load_cache(self, argv: list[str]) -> None:
+        from vllm_mlx_jupyter.session.saved_chats import SavedChat, load_chat
+
+        if len(argv) != 1:
+            raise UsageError("%vllm_mlx load-cache NAME")
+        self._local_only("load-cache")
+        self._ensure_loaded()
+        chat, tokens, why = load_chat(self.session, SavedChat.named(argv[0]))
+        self.session.chats[chat.name] = chat
+        kv = f"{tokens} tokens of KV loaded" if why is None else f"its KV not loaded ({why}): the next turn recomputes it"
+        print(f"chat session {chat.name!r} restored: {len(chat.messages)} messages; {kv}")
+
+    def _local_only(self, command: str) -> None:
+        if self.session.remote:
+            raise UsageError(f"%vllm_mlx {command}: a server keeps its own cache; not when connected")
 
     def _cmd_reset(self, argv: list[str]) -> None:
         chat = self._chat(argv)

@@ -248,3 +248,40 @@ def test_a_fault_in_the_tier_itself_never_fails_a_step(engines, disk, caplog):
     assert not stats.enabled and "injected pool fault" in stats.disabled_reason
     engine.kv_cache.check_invariants()  # the blocks reserved for the import went back
     assert engine.kv_cache.get_num_free_blocks() == engine.kv_cache.num_usable_blocks
+
+
+def test_image_prompts_take_part_and_their_images_key_the_blocks(tiny_qwen2_vl_dir, disk):
+    """A prompt with an image: its blocks from disk give the cold output (the encoder does not
+    run: the hit covers the image); the same text with another image hits nothing past it."""
+    pytest.importorskip("mlx_vlm")
+    import numpy as np
+    from PIL import Image
+
+    from vllm_mlx.engine.core import EngineCore
+
+    def picture(seed: int):
+        return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (64, 64, 3), dtype=np.uint8))
+
+    text = "Describe the picture in detail, then say what it reminds you of. " * 3
+
+    def run_vlm(image, **options):
+        engine = EngineCore(model=str(tiny_qwen2_vl_dir), num_kv_blocks=64, block_size=4, force_model_takeover=True,
+                            **options)  # fmt: skip
+        try:
+            request = engine.add_request(text, GREEDY, images=[image])
+            final = {}
+            while engine.has_unfinished_requests():
+                final.update((o.request_id, o) for o in engine.step() if o.finished)
+            disk_stats = engine.disk.tier.stats() if engine.disk is not None else None
+            return final[request], engine.get_stats()["mllm"]["encoder_runs"], disk_stats
+        finally:
+            engine.shutdown()
+
+    cold, _, _ = run_vlm(picture(1))
+    first, _, wrote = run_vlm(picture(1), kv_disk_path=str(disk))
+    again, encoder_runs, read = run_vlm(picture(1), kv_disk_path=str(disk))
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert wrote.blocks_written > 0 and read.blocks_read > 0 and again.num_cached_tokens > 8
+    assert encoder_runs == 0
+    other, _, _ = run_vlm(picture(2), kv_disk_path=str(disk))
+    assert other.num_cached_tokens < 8  # at most the blocks before the image (the image comes first)

@@ -12,6 +12,7 @@ seeded sampling; and on a hybrid (recurrent) and a sliding-window model.
 from __future__ import annotations
 
 import pytest
+from factories import run_to_end
 from oracles import mlx_lm_tokens
 from repeating_models import ARCHS
 
@@ -206,26 +207,16 @@ def test_the_engine_config_reaches_the_scheduler_step_by_step(engines):
     assert all(r.num_prefill_tokens == 0 for r in verifying)
 
 
-
 def test_each_request_may_choose(engines):
     """``add_request(speculative=...)``: True speculates on an engine without a config (n-gram
     lookup), False never does on one with it; None follows the engine. Output is unchanged."""
     requests = [(PROMPTS[1], GREEDY), (PROMPTS[2], GREEDY)]
     plain = engines()
     expected = tokens(outputs(plain, requests))
-    asked = plain.add_request(PROMPTS[1], GREEDY, speculative=True)
-    left = plain.add_request(PROMPTS[2], GREEDY)
-    final = {}
-    while plain.has_unfinished_requests():
-        final.update((o.request_id, o) for o in plain.step() if o.finished)
-    assert [final[asked].outputs[0].token_ids, final[left].outputs[0].token_ids] == expected
-    assert final[asked].metrics.num_draft_tokens > 0 and final[left].metrics.num_draft_tokens == 0
-    plain.shutdown()
-    spec = engines(speculative_config=NGRAM)
-    declined = spec.add_request(PROMPTS[1], GREEDY, speculative=False)
-    default = spec.add_request(PROMPTS[2], GREEDY)
-    final = {}
-    while spec.has_unfinished_requests():
-        final.update((o.request_id, o) for o in spec.step() if o.finished)
-    assert [final[declined].outputs[0].token_ids, final[default].outputs[0].token_ids] == expected
-    assert final[declined].metrics.num_draft_tokens == 0 and final[default].metrics.num_draft_tokens > 0
+    for engine, choices, drafted in [(plain, (True, None), (True, False)), (None, (False, None), (False, True))]:
+        engine = engine or engines(speculative_config=NGRAM)
+        ids = [engine.add_request(p, params, speculative=c) for (p, params), c in zip(requests, choices)]
+        final = run_to_end(engine)
+        assert tokens(final[i] for i in ids) == expected
+        assert [final[i].metrics.num_draft_tokens > 0 for i in ids] == list(drafted)
+        engine.shutdown()

@@ -308,6 +308,35 @@ def test_chat_turns_chain_and_reuse_the_prefix_cache(ip, magics):
         generate(ip, "--chat other --raw")
 
 
+def test_a_chat_is_saved_loaded_and_forked(ip, magics, tmp_path, monkeypatch):
+    """``save-cache``/``load-cache`` keep a chat's turns and KV for a later kernel (here: the
+    session and the prefix cache forgotten); ``fork`` goes on from the same blocks."""
+    monkeypatch.setenv("VLLM_MLX_CACHE", str(tmp_path))  # where saved/ goes
+    line = "--chat keep --system 'Answer briefly.' --wait --max-tokens 8 --temperature 0"
+    generate(ip, line, "Tell me about lighthouses.")
+    generate(ip, line, "And about harbours?")
+    with capture_output() as out:
+        ip.run_line_magic("vllm_mlx", "save-cache kept keep")
+    assert "tokens of KV" in out.stdout and (tmp_path / "saved" / "kept.chat.json").is_file()
+    expected = generate(ip, "--chat keep --wait --max-tokens 8 --temperature 0", "One more.").text
+    with capture_output():
+        ip.run_line_magic("vllm_mlx", "reset keep")
+        ip.run_line_magic("vllm_mlx", "reset-cache")  # as in a new kernel: nothing cached
+        ip.run_line_magic("vllm_mlx", "load-cache kept")
+        ip.run_line_magic("vllm_mlx", "fork kept twin")
+    for name in ("kept", "twin"):
+        again = generate(ip, f"--chat {name} --wait --max-tokens 8 --temperature 0", "One more.")
+        assert again.text == expected and again.output.num_cached_tokens >= 32
+    assert magics.session.chats["kept"].system == "Answer briefly."
+    with pytest.raises(UsageError, match="no saved chat"):
+        ip.run_line_magic("vllm_mlx", "load-cache missing")
+    with pytest.raises(UsageError, match="not a name"):
+        ip.run_line_magic("vllm_mlx", "save-cache ../escape keep")
+    (tmp_path / "saved" / "kept.chat.json").write_text("{not json")
+    with pytest.raises(UsageError, match="damaged"):
+        ip.run_line_magic("vllm_mlx", "load-cache kept")
+
+
 # -- engine commands ----------------------------------------------------------------------
 
 

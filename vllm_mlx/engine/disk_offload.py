@@ -16,10 +16,10 @@ threads.
   admission finds them cached like any prefix. Only a request about to be admitted whose read
   has not finished makes the engine thread wait for it.
 
-The hashes are the prefix cache's own (namespace, ``cache_salt``, chained), so a block on disk is
-only ever found by a request with the same tokens before it and the same salt. Covered: models
-whose KV is attention in one block group, prompts without images (the engine leaves the tier
-off for other models, saying so).
+The hashes are the prefix cache's own (namespace, ``cache_salt``, the images' content hashes,
+chained), so a block on disk is only ever found by a request with the same tokens and images
+before it and the same salt. Covered: models whose KV is attention in one block group (the
+engine leaves the tier off for other models, saying so).
 """
 
 from __future__ import annotations
@@ -93,11 +93,11 @@ class DiskOffload:
 
     def _probe(self, request: Request) -> None:
         key = (request.request_id, request.num_preemptions)
-        if key in self._probed or request.mm_input is not None or request.is_finished:
+        if key in self._probed or request.is_finished:
             return
         self._probed.add(key)
         tokens = request.all_token_ids
-        hashes = self.prefix_cache.block_hashes(tokens, request.cache_salt)[: (len(tokens) - 1) // self.block_size]
+        hashes = self.prefix_cache.hashes_of(request, len(tokens) - 1)
         cached = self.coordinator.pool.cached[0]
         in_memory = next((i for i, h in enumerate(hashes) if h not in cached), len(hashes))
         on_disk = 0
@@ -142,7 +142,7 @@ class DiskOffload:
             for item in scheduled:
                 request = item.request
                 done = item.num_computed_tokens + item.num_known_tokens
-                if item.num_computed_tokens < request.num_prompt_tokens <= done and request.mm_input is None:
+                if item.num_computed_tokens < request.num_prompt_tokens <= done:
                     self._offer(request)
 
     @contextmanager
@@ -156,7 +156,7 @@ class DiskOffload:
 
     def _offer(self, request: Request) -> None:
         tokens = request.prompt_token_ids
-        hashes = self.prefix_cache.block_hashes(tokens, request.cache_salt)
+        hashes = self.prefix_cache.hashes_of(request, len(tokens))
         cached = self.coordinator.pool.cached[0]
         found = []  # (index, block id) of the cached prompt blocks the disk lacks
         for i, block_hash in enumerate(hashes):

@@ -146,6 +146,13 @@ class PrefixCacheManager:
         """The hashes of the full blocks of ``token_ids`` (no images) under ``cache_salt``."""
         return compute_block_hashes(token_ids, self.block_size, self.extra_keys(cache_salt))
 
+    def hashes_of(self, request: Request, num_tokens: int | None = None) -> list[bytes]:
+        """The hashes of the full blocks of ``request``'s first ``num_tokens`` tokens (all of
+        them by default), images and salt included, computed afresh: not the request's record
+        (a finished request has none)."""
+        tokens = request.all_token_ids if num_tokens is None else request.all_token_ids[:num_tokens]
+        return compute_block_hashes(tokens, self.block_size, self._block_keys(request))
+
     def num_cached_tokens(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """How many leading tokens of ``token_ids`` are cached right now."""
         return len(self.lookup(token_ids, cache_salt)) * self.block_size

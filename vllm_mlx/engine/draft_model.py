@@ -19,9 +19,10 @@ One ``draft`` call, for the requests and lengths the policy chose:
 Proposals are written to KV slots past the known tokens but are never counted as computed, so
 they never reach the prefix cache: a block is published only once it is full of known tokens.
 The draft is refused when its tokenizer differs from the target's, when it has recurrent layers
-(their state cannot step back over a rejected proposal without checkpoints of its own) or
-images. A draft forward that fails drops the draft's state and proposes nothing that step:
-speculation is an optimisation, never a reason for a request to fail.
+(their state cannot step back over a rejected proposal without checkpoints of its own) or when it
+is a vision-language model; requests with images do not use it. A draft forward that fails drops
+the draft's state and proposes nothing that step: speculation is an optimisation, never a reason
+for a request to fail.
 """
 
 from __future__ import annotations

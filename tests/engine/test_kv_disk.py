@@ -69,6 +69,20 @@ def test_blocks_from_disk_give_the_cold_output_in_a_later_engine(engines, disk):
     assert tokens(again) == cold
     assert read.blocks_read == wrote.blocks_written and read.blocks_written == 0  # nothing written twice
     assert all(o.num_cached_tokens >= 96 for o in again)  # the prompts' full blocks, from disk
+    assert [o.metrics.num_disk_tokens for o in again] == [o.num_cached_tokens for o in again]
+    assert all(o.metrics.num_disk_tokens == 0 for o in first)
+
+
+def test_a_waiting_requests_view_says_what_came_from_disk(engines, disk):
+    """The inspector's source: a request's view counts its prompt tokens read from disk."""
+    served(engines(kv_disk_path=str(disk)), [PROMPT])
+    engine = engines(kv_disk_path=str(disk), max_num_batched_tokens=16)
+    request_id = engine.add_request(PROMPT, GREEDY)
+    engine.step()
+    view = engine.snapshot(include_blocks=False).requests[request_id]
+    assert view.num_disk_tokens == view.num_cached_tokens >= 96
+    assert view.to_dict()["num_disk_tokens"] == view.num_disk_tokens
+    run(engine, [])
 
 
 def test_a_prompt_extending_a_saved_one_hits_its_blocks_and_chunked_prefill_agrees(engines, disk):

@@ -20,7 +20,7 @@ from vllm_mlx.multimodal.cache import MLLMCacheStats
 SNAPSHOT_KEYS = ["block_size", "blocks", "requests", "free_queue", "stats", "mllm", "kv_groups", "block_groups"]
 BLOCK_KEYS = ["id", "state", "ref_cnt", "owners", "hash", "num_tokens", "token_ids", "text"]
 REQUEST_KEYS = ["status", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens", "num_output_tokens",
-                "num_preemptions", "block_ids"]  # fmt: skip
+                "num_preemptions", "block_ids", "num_disk_tokens"]  # fmt: skip
 STATS_KEYS = ["num_blocks", "block_size", "num_used_blocks", "num_cached_free_blocks", "num_free_blocks",
               "num_cached_blocks", "usage", "allocations", "frees", "evictions", "prefix_queries", "prefix_hits",
               "num_state_slots", "num_used_state_slots", "num_state_checkpoints", "num_cached_state_checkpoints",

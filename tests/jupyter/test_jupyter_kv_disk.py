@@ -38,7 +38,9 @@ def run_cell(client, code: str) -> str:
 def the_cell(client, model_dir) -> dict:
     run_cell(client, f"%load_ext vllm_mlx_jupyter\n%vllm_mlx load {model_dir} --num-kv-blocks 256")
     run_cell(client, f"%%generate -o g --wait --raw --max-tokens 4 --temperature 0\n{PROMPT}")
-    shown = run_cell(client, "import json; print(json.dumps({'cached': g.output.num_cached_tokens, 'text': g.text}))")
+    shown = run_cell(client, "import json; print(json.dumps({'cached': g.output.num_cached_tokens, 'text': g.text, "
+                             "'disk': g.output.metrics.num_disk_tokens, "
+                             "'status': ' · '.join(__import__('vllm_mlx_jupyter.views.render').views.render.status_parts(g))}))")
     return json.loads(shown.strip().splitlines()[-1])
 
 
@@ -59,5 +61,6 @@ def test_a_restarted_kernel_finds_its_prompt_on_disk(tiny_model_dir, tmp_path):
         client.stop_channels()
         manager.shutdown_kernel(now=True)
     assert first["cached"] == 0 and second["cached"] >= 192  # every full block of the prompt but the last
+    assert second["disk"] == second["cached"] and f"({second['disk']} from disk)" in second["status"]
     assert second["text"] == first["text"]
     assert "KV on disk" in status and "blocks read" in status

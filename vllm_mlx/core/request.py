@@ -289,6 +289,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    num_disk_tokens: int = 0
+    """Prompt tokens whose KV the disk tier read back for this request (part of its cache hit)."""
     speculative: bool | None = None
     """Whether this request speculates: None leaves it to the engine (it does when the engine has
     a ``speculative_config``); True asks for it (n-gram lookup when the engine has no config);
@@ -402,6 +404,9 @@ class RequestMetrics:
     """Proposed tokens verified (speculative decoding; 0 without it)."""
     num_accepted_tokens: int = 0
     """Of them, those kept: each one a token the model chose, produced without a step of its own."""
+    num_disk_tokens: int = 0
+    """Of the prompt tokens served from the prefix cache (``num_cached_tokens``), those whose KV
+    the disk tier read back (``kv_disk_path``) rather than found in memory."""
 
     @property
     def acceptance_rate(self) -> float | None:

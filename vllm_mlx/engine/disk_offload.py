@@ -127,6 +127,7 @@ class DiskOffload:
                 chosen = [blocks[i - pending.num_in_memory] for i, _ in reserved.taken]
                 self.pool.write_blocks(reserved.block_ids, to_arrays(chosen))
             written = True
+            request.num_disk_tokens = len(reserved.taken) * self.block_size
         except ValueError as exc:  # another layout than this pool's: a bug or a foreign folder
             logger.warning("KV disk tier: blocks for %s do not fit the pool (%s); computing them", request.request_id, exc)
         finally:

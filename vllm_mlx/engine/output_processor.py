@@ -228,6 +228,7 @@ class OutputProcessor:
             metrics=RequestMetrics(
                 num_draft_tokens=sum(c.request.num_draft_tokens for c in group.completions),
                 num_accepted_tokens=sum(c.request.num_accepted_tokens for c in group.completions),
+                num_disk_tokens=min(r.num_disk_tokens, r.num_cached_tokens),
             ),
         )
 

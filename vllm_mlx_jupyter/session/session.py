@@ -488,6 +488,7 @@ class Session:
                 "id": gen.request_id, "name": gen.name, "status": gen.state,
                 "prompt_tokens": gen.num_prompt_tokens or 0,
                 "cached_tokens": out.num_cached_tokens if out is not None else 0,
+                "disk_tokens": getattr(getattr(out, "metrics", None), "num_disk_tokens", 0),
                 "output_tokens": out.num_completion_tokens if out is not None else 0,
             })  # fmt: skip
         return rows[-FINISHED_ROWS:]

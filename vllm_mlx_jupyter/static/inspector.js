@@ -157,7 +157,8 @@ function render({ model, el }) {
       sw.style.backgroundColor = PALETTE[r.color % PALETTE.length];
       name.append(sw, document.createTextNode(r.name));
       row.append(name, h("td", `vmi-status vmi-st-${r.status}`, r.status), h("td", "", String(r.prompt_tokens)),
-        h("td", "", String(r.cached_tokens)), h("td", "", String(r.output_tokens)), h("td", "", String(r.num_blocks)));
+        h("td", "", r.disk_tokens ? `${r.cached_tokens} (${r.disk_tokens} from disk)` : String(r.cached_tokens)),
+        h("td", "", String(r.output_tokens)), h("td", "", String(r.num_blocks)));
       body.append(row);
     }
     if (!data.requests.length) {

@@ -13,8 +13,8 @@ Synced state (small, binary where it is per block; little-endian):
   eviction queue, -1 when not queued); at most ``MAX_GRID_BLOCKS`` blocks (``num_blocks``
   counts them all).
 - ``block_info``: ``{block id: [hash, text]}`` for blocks that hold tokens.
-- ``requests``: table rows ``{id, name, status, prompt_tokens, cached_tokens, output_tokens,
-  num_blocks, offset, color}``; ``block_tables`` int32 holds their tables back to back
+- ``requests``: table rows ``{id, name, status, prompt_tokens, cached_tokens, disk_tokens (of the
+  cached ones, read back by the disk tier), output_tokens, num_blocks, offset, color}``; ``block_tables`` int32 holds their tables back to back
   (``offset``/``num_blocks`` index it).
 - ``stats`` (usage, hit rate, evictions, tokens saved, ...) and ``mllm``: the multimodal cache
   entries (hash, size, tokens, hits, base64 thumbnail) from ``cache_snapshot()["mllm"]``, an
@@ -155,6 +155,7 @@ def _request_rows(live: dict, rows: Iterable[dict], colors: dict[str, int]) -> t
             "id": rid, "name": row.get("name", rid), "status": status,
             "prompt_tokens": view["num_prompt_tokens"] if view else row.get("prompt_tokens", 0),
             "cached_tokens": view["num_cached_tokens"] if view else row.get("cached_tokens", 0),
+            "disk_tokens": view.get("num_disk_tokens", 0) if view else row.get("disk_tokens", 0),
             "output_tokens": view["num_output_tokens"] if view else row.get("output_tokens", 0),
             "num_blocks": len(block_ids), "offset": len(tables),
             "color": color_slot(colors, rid),
@@ -329,8 +330,8 @@ def static_html(state: dict, max_blocks: int = 2048) -> str:
                      f'width:9px;height:9px;margin:1px;background:{color};{border}"></span>')  # fmt: skip
     rows = "".join(
         f"<tr><td>{escape(r.get('name', ''))}</td><td>{escape(r.get('status', ''))}</td>"
-        + "".join(f"<td>{as_int(r.get(key))}</td>" for key in ("prompt_tokens", "cached_tokens", "output_tokens",
-                                                               "num_blocks"))  # fmt: skip
+        f"<td>{as_int(r.get('prompt_tokens'))}</td><td>{cached_cell(r)}</td>"
+        + "".join(f"<td>{as_int(r.get(key))}</td>" for key in ("output_tokens", "num_blocks"))
         + "</tr>"
         for r in requests
     )
@@ -343,3 +344,10 @@ def static_html(state: dict, max_blocks: int = 2048) -> str:
     groups = "".join(f"<div>{escape(g.get('label', ''))}</div>" for g in data.get("kv_groups", []))
     grid = f'<div style="max-width:640px">{"".join(cells)}</div>'
     return f'<div class="vllm-mlx-inspector-static"><div>{escape(head)}</div>{groups}{grid}{table}</div>'
+
+
+def cached_cell(row: dict) -> str:
+    """A request's cached prompt tokens, and how many of them came from the disk tier."""
+    cached, disk = as_int(row.get("cached_tokens")), as_int(row.get("disk_tokens"))
+    return f"{cached} ({disk} from disk)" if disk else str(cached)
+

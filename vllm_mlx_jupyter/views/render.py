@@ -67,7 +67,9 @@ def status_parts(gen) -> list[str]:
             parts.append(f"{metrics.num_accepted_tokens}/{metrics.num_draft_tokens} proposed tokens kept")
         if out.ttft is not None:
             parts.append(f"TTFT {out.ttft:.2f} s")
-        parts.append(f"{out.num_cached_tokens}/{out.num_prompt_tokens} prompt tokens from cache")
+        disk = metrics.num_disk_tokens if metrics is not None else 0
+        on_disk = f" ({disk} from disk)" if disk else ""
+        parts.append(f"{out.num_cached_tokens}/{out.num_prompt_tokens} prompt tokens from cache{on_disk}")
     elif gen.num_prompt_tokens is not None:
         parts.append(f"{gen.num_prompt_tokens} prompt tokens")
     return parts

@@ -51,6 +51,8 @@ class RequestView:
     num_preemptions: int
     block_ids: list[int] = field(default_factory=list)
     """Its block table (the first block group's); empty while it holds none."""
+    num_disk_tokens: int = 0
+    """Prompt tokens whose KV the disk tier read back for it (of ``num_cached_tokens``)."""
 
     def to_dict(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -444,6 +444,7 @@ class Scheduler:
             num_output_tokens=request.num_output_tokens,
             num_preemptions=request.num_preemptions,
             block_ids=self.kv.block_ids(request.request_id),
+            num_disk_tokens=min(request.num_disk_tokens, request.num_cached_tokens),
         )
 
     def check_invariants(self) -> None:

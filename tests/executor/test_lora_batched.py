@@ -1,0 +1,152 @@
+"""LoRA adapters read from mlx-lm's and PEFT's files and applied per row of one batch (issue #30,
+first step: no engine yet). The oracle is mlx-lm itself: ``mlx_lm.load(model, adapter_path=...)``
+computes each adapter alone; a batch whose rows use different adapters (and none) gives each row
+the logits mlx-lm gives it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+from vllm_mlx.lora import LoRARequest
+from vllm_mlx.lora.adapter import AdapterError, load_adapter
+from vllm_mlx.lora.batched import LoRASlots
+
+KEYS = ["self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"]
+TOKENS = [[5, 900, 31, 7, 4000, 12], [8, 8, 8, 2001, 2002, 2003], [100, 200, 300, 400, 500, 600],
+          [17, 4, 99, 1024, 3, 7]]  # fmt: skip
+
+
+def write_mlx_lm_adapter(model_dir: Path, out: Path, rank: int, scale: float, seed: int, keys=KEYS) -> Path:
+    """An mlx-lm adapter for ``model_dir`` as ``mlx_lm.lora`` saves one, with random factors
+    (mlx-lm starts ``lora_b`` at zero: random here, so that the adapter changes the output)."""
+    import mlx_lm
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model, _ = mlx_lm.load(str(model_dir))
+    num_layers = len(model.layers)
+    linear_to_lora_layers(model, num_layers, {"rank": rank, "scale": scale, "dropout": 0.0, "keys": keys})
+    mx.random.seed(seed)
+    factors = {k: mx.random.normal(v.shape) * 0.05 for k, v in tree_flatten(model.parameters()) if k.endswith(("lora_a", "lora_b"))}
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "adapters.safetensors"), factors)
+    config = {"fine_tune_type": "lora", "num_layers": num_layers, "model": str(model_dir),
+              "lora_parameters": {"rank": rank, "scale": scale, "dropout": 0.0, "keys": keys}}  # fmt: skip
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out
+
+
+def as_peft(mlx_adapter: Path, out: Path, alpha: float, base: str = "HuggingFaceTB/tiny") -> Path:
+    """The same factors in PEFT's layout, ``lora_alpha`` chosen so that its scale is mlx-lm's."""
+    config = json.loads((mlx_adapter / "adapter_config.json").read_text())
+    rank = config["lora_parameters"]["rank"]
+    weights = mx.load(str(mlx_adapter / "adapters.safetensors"))
+    peft = {}
+    for key, value in weights.items():
+        module, leaf = key.rsplit(".", 1)
+        peft[f"base_model.model.{module}.lora_{'A' if leaf == 'lora_a' else 'B'}.weight"] = value.T
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "adapter_model.safetensors"), peft)
+    peft_config = {"r": rank, "lora_alpha": alpha, "bias": "none", "base_model_name_or_path": base,
+                   "target_modules": ["q_proj", "v_proj", "down_proj"], "peft_type": "LORA"}  # fmt: skip
+    (out / "adapter_config.json").write_text(json.dumps(peft_config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("adapters")
+    first = write_mlx_lm_adapter(tiny_model_dir, root / "first", rank=4, scale=2.0, seed=1)
+    second = write_mlx_lm_adapter(tiny_model_dir, root / "second", rank=8, scale=1.0, seed=2, keys=["self_attn.k_proj"])
+    peft = as_peft(first, root / "first-peft", alpha=8.0)  # rank 4, alpha 8: scale 2, as ``first``
+    return {"first": first, "second": second, "first-peft": peft}
+
+
+def mlx_lm_logits(model_dir: Path, tokens: list[int], adapter: Path | None) -> mx.array:
+    import mlx_lm
+
+    model, _ = mlx_lm.load(str(model_dir), adapter_path=str(adapter) if adapter else None)
+    return model(mx.array([tokens]))[0]
+
+
+def test_each_row_gets_its_own_adapter_as_mlx_lm_computes_it(tiny_model_dir, adapters):
+    import mlx_lm
+
+    model, _ = mlx_lm.load(str(tiny_model_dir))
+    slots = LoRASlots.wrap(model, max_loras=3, max_rank=8)
+    slots.load(1, load_adapter(adapters["first"], model))
+    slots.load(2, load_adapter(adapters["second"], model))
+    slots.load(3, load_adapter(adapters["first-peft"], model))
+    row_slots = [1, 0, 2, 3]
+    with slots.rows(row_slots):
+        batched = model(mx.array(TOKENS))
+    references = [adapters["first"], None, adapters["second"], adapters["first"]]
+    for row, reference in enumerate(references):
+        expected = mlx_lm_logits(tiny_model_dir, TOKENS[row], reference)
+        assert mx.allclose(batched[row], expected, atol=1e-4, rtol=1e-4).item(), row
+    base = mlx_lm_logits(tiny_model_dir, TOKENS[0], None)
+    assert not mx.allclose(batched[0], base, atol=1e-3).item()  # the adapter does change the output
+    with slots.rows([0, 0, 0, 0]):  # no adapter row: the base model, untouched
+        plain = model(mx.array(TOKENS))
+    assert mx.array_equal(plain[1], batched[1]).item()
+
+
+def test_a_slot_can_be_cleared_and_reused(tiny_model_dir, adapters):
+    import mlx_lm
+
+    model, _ = mlx_lm.load(str(tiny_model_dir))
+    slots = LoRASlots.wrap(model, max_loras=1, max_rank=8)
+    slots.load(1, load_adapter(adapters["second"], model))
+    slots.load(1, load_adapter(adapters["first"], model))  # replaces it whole: k_proj goes back to base
+    with slots.rows([1]):
+        logits = model(mx.array(TOKENS[:1]))[0]
+    assert mx.allclose(logits, mlx_lm_logits(tiny_model_dir, TOKENS[0], adapters["first"]), atol=1e-4).item()
+    slots.clear(1)
+    with slots.rows([1]):
+        logits = model(mx.array(TOKENS[:1]))[0]
+    assert mx.allclose(logits, mlx_lm_logits(tiny_model_dir, TOKENS[0], None), atol=1e-5).item()
+
+
+def test_adapters_that_cannot_serve_this_model_are_refused(tiny_model_dir, adapters, tmp_path, default_model_dir):
+    import mlx_lm
+
+    model, _ = mlx_lm.load(str(tiny_model_dir))
+    with pytest.raises(AdapterError, match="no adapter_config.json"):
+        load_adapter(tmp_path, model)
+    other = write_mlx_lm_adapter(default_model_dir, tmp_path / "other", rank=4, scale=1.0, seed=3)
+    with pytest.raises(AdapterError, match="does not have"):  # 30 layers' adapter, 2 layers here
+        load_adapter(other, model)
+    wider = tmp_path / "wider"
+    wider.mkdir()
+    factors = mx.load(str(adapters["first"] / "adapters.safetensors"))
+    name = next(k for k in factors if k.endswith("q_proj.lora_a"))
+    factors[name] = mx.concatenate([factors[name], factors[name]])  # twice the input features
+    mx.save_safetensors(str(wider / "adapters.safetensors"), factors)
+    (wider / "adapter_config.json").write_text((adapters["first"] / "adapter_config.json").read_text())
+    with pytest.raises(AdapterError, match="for another model"):
+        load_adapter(wider, model)
+    with pytest.raises(AdapterError, match="trained on"):
+        load_adapter(adapters["first-peft"], model, base_model="some-other-model")
+    load_adapter(adapters["first-peft"], model, base_model="/models/TINY")  # the same name, any folder
+    dora = tmp_path / "dora"
+    dora.mkdir()
+    (dora / "adapters.safetensors").write_bytes((adapters["first"] / "adapters.safetensors").read_bytes())
+    (dora / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "dora", "lora_parameters": {"scale": 1}}))
+    with pytest.raises(AdapterError, match="only LoRA"):
+        load_adapter(dora, model)
+    slots = LoRASlots.wrap(model, max_loras=1, max_rank=4)
+    with pytest.raises(AdapterError, match="rank 8"):
+        slots.load(1, load_adapter(adapters["second"], model))
+
+
+def test_lora_requests_are_checked():
+    request = LoRARequest("sql", 1, "/adapters/sql")
+    assert (request.name, request.id, request.path) == ("sql", 1, "/adapters/sql")
+    for bad in [("", 1, "p"), ("x", 0, "p"), ("x", True, "p"), ("x", 1, "")]:
+        with pytest.raises(ValueError, match="LoRARequest"):
+            LoRARequest(*bad)

@@ -4,11 +4,12 @@ directory, and the engine's greedy tokens for the same prompts run to the end.""
 from __future__ import annotations
 
 
-def mlx_lm_tokens(path, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    """mlx-lm's ``stream_generate`` greedy tokens for each prompt, alone."""
+def mlx_lm_tokens(path, prompts: list[str], max_tokens: int, adapter_path=None) -> list[list[int]]:
+    """mlx-lm's ``stream_generate`` greedy tokens for each prompt, alone (with the LoRA adapter
+    in ``adapter_path``, applied by mlx-lm itself, when given)."""
     import mlx_lm
 
-    model, tokenizer = mlx_lm.load(str(path))
+    model, tokenizer = mlx_lm.load(str(path), adapter_path=str(adapter_path) if adapter_path else None)
     return [
         [r.token for r in mlx_lm.stream_generate(model, tokenizer, tokenizer.encode(p), max_tokens=max_tokens)]
         for p in prompts

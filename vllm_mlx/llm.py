@@ -16,6 +16,7 @@ from vllm_mlx.config import EngineConfig
 from vllm_mlx.core.request import RequestOutput, SamplingParams
 from vllm_mlx.engine.chat import split_chat_images, template_token_ids
 from vllm_mlx.engine.core import EngineCore
+from vllm_mlx.lora.request import LoRARequest
 from vllm_mlx.structured.response_format import ResponseFormat
 
 Prompt = str | list[int] | dict
@@ -73,6 +74,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         response_format: object = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list (text or token ids); outputs in prompt order.
 
@@ -87,6 +89,8 @@ class LLM:
             response_format: A Pydantic model class or a JSON Schema dict: every output is
                 constrained to it, and each completion's ``parsed`` holds the validated object
                 (None if the text does not validate, e.g. when ``max_tokens`` cut it short).
+            lora_request: With ``enable_lora``: one ``LoRARequest`` for every prompt, one per
+                prompt (None: the base model), or None; the rows share each forward.
 
         Returns:
             The final ``RequestOutput`` of each prompt, in prompt order. A prompt the engine
@@ -103,13 +107,14 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))
+        adapters = _per_prompt_adapter(lora_request, len(prompts))
         fmt = ResponseFormat.of(response_format) if response_format is not None else None
         if fmt is not None:
             params = [_constrained(sp, fmt) for sp in params]
         ids: list[str] = []
         try:
-            for prompt, sp in zip(prompts, params):
-                ids.append(self._add(prompt, sp))
+            for prompt, sp, adapter in zip(prompts, params, adapters):
+                ids.append(self._add(prompt, sp, adapter))
         except BaseException:  # a prompt refused outright: the ones queued before it go too
             self._abort(ids)
             raise
@@ -120,9 +125,9 @@ class LLM:
                     completion.parsed = fmt.parsed(completion.text)
         return outputs
 
-    def _add(self, prompt: Prompt, params: SamplingParams | None) -> str:
+    def _add(self, prompt: Prompt, params: SamplingParams | None, lora_request: LoRARequest | None = None) -> str:
         if not isinstance(prompt, dict):
-            return self.engine.add_request(prompt, params)
+            return self.engine.add_request(prompt, params, lora_request=lora_request)
         unknown = set(prompt) - _PROMPT_KEYS
         if unknown:
             raise ValueError(f"unsupported prompt keys: {sorted(unknown)}")
@@ -130,7 +135,9 @@ class LLM:
         if text is None:
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         images = _images_of(prompt.get("multi_modal_data"))
-        return self.engine.add_request(text, params, cache_salt=prompt.get("cache_salt"), images=images)
+        return self.engine.add_request(
+            text, params, cache_salt=prompt.get("cache_salt"), images=images, lora_request=lora_request
+        )
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the outputs of one request as they come (``new_text`` holds each new piece).
@@ -288,3 +295,14 @@ def _per_prompt(params, count: int) -> list[SamplingParams]:
     if len(params) != count:
         raise ValueError(f"got {len(params)} sampling params for {count} prompts")
     return params
+
+
+def _per_prompt_adapter(lora_request, count: int) -> list:
+    """One adapter (or None) per prompt from what ``generate`` was given."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    adapters = list(lora_request)
+    if len(adapters) != count:
+        raise ValueError(f"{len(adapters)} lora requests for {count} prompts")
+    return adapters
+

@@ -106,6 +106,20 @@ class EngineConfig:
         doc="bytes the disk tier may write in any hour (16 GiB); blocks over it are not written (counted in "
         "the stats); `None` = no limit",
     )  # fmt: skip
+    enable_lora: bool = option(
+        False, surfaces=(ENGINE, NOTEBOOK), help="serve LoRA adapters beside the base model, many in one batch",
+        doc="serve LoRA adapters (mlx-lm's or PEFT's files) beside the base model: a request names one with "
+        "`lora_request=LoRARequest(name, id, path)`; rows of different adapters share every forward",
+    )  # fmt: skip
+    max_loras: int = option(
+        4, surfaces=(ENGINE, NOTEBOOK), minimum=1, help="adapters held at once (slots; the least recently used goes)",
+        doc="adapters held in memory at once (slots); a request whose adapter finds no slot free of running requests "
+        "waits; the least recently used adapter makes room",
+    )  # fmt: skip
+    max_lora_rank: int = option(
+        16, surfaces=(ENGINE, NOTEBOOK), minimum=1, help="the largest adapter rank served",
+        doc="the largest LoRA rank served (every slot holds factors of this rank; smaller ranks are zero-padded)",
+    )  # fmt: skip
     max_model_len: int | None = option(
         None, surfaces=(ENGINE, NOTEBOOK), minimum=1, help="longest prompt + output (default: the model's)",
         doc="longest prompt + output; `None` = the model's context length (`max_position_embeddings`)",
@@ -251,6 +265,8 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         if self.speculative_config is not None and (self.tensor_parallel or self.pipeline_parallel):
             raise ValueError("speculative_config does not work with tensor_parallel or pipeline_parallel yet")
+        if self.enable_lora and (self.tensor_parallel or self.pipeline_parallel):
+            raise ValueError("enable_lora does not work with tensor_parallel or pipeline_parallel yet")
 
     def scheduler_config(self, num_blocks: int, context_len: int | None) -> SchedulerConfig:
         """The scheduler's limits for a pool of ``num_blocks`` and a model context of ``context_len``."""

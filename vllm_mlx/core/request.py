@@ -291,6 +291,11 @@ class Request:
     num_preemptions: int = 0
     num_disk_tokens: int = 0
     """Prompt tokens whose KV the disk tier read back for this request (part of its cache hit)."""
+    lora_id: int = 0
+    """The LoRA adapter it runs with (``LoRARequest.lora_int_id``; 0: the base model). Part of its
+    block hashes: a block computed under one adapter never serves another."""
+    lora_slot: int = 0
+    """The adapter slot its rows use while it runs (set at admission; 0: the base model)."""
     speculative: bool | None = None
     """Whether this request speculates: None leaves it to the engine (it does when the engine has
     a ``speculative_config``); True asks for it (n-gram lookup when the engine has no config);

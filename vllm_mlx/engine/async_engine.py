@@ -38,6 +38,7 @@ from vllm_mlx.core.snapshot import CacheSnapshot
 from vllm_mlx.engine.core import EngineCore
 from vllm_mlx.engine.input_processor import PreparedPrompt
 from vllm_mlx.engine.observation import EngineStats
+from vllm_mlx.lora.request import LoRARequest
 from vllm_mlx.multimodal.images import ImageSource
 from vllm_mlx.multimodal.media_policy import MediaPolicy
 from vllm_mlx.platform.errors import VllmMlxError
@@ -172,6 +173,7 @@ class _Add:
     stream: RequestStream
     constraint: CompiledGrammar | None = None
     speculative: bool | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -314,6 +316,7 @@ class AsyncEngineCore:
         fairness_key: str | None = None,
         constraint: CompiledGrammar | None = None,
         speculative: bool | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Submit a request from any thread; returns its output stream at once.
 
@@ -334,6 +337,7 @@ class AsyncEngineCore:
                 ``sampling_params.structured_outputs`` (if any) here, on the calling thread,
                 never on the engine thread. An invalid one is raised by the stream.
             speculative: Whether it speculates (see ``EngineCore.add_request``).
+            lora_request: Its LoRA adapter (see ``EngineCore.add_request``).
 
         Returns:
             The request's ``RequestStream``: iterate it (blocking) or ``async for`` it. Leaving
@@ -354,7 +358,9 @@ class AsyncEngineCore:
         except Exception as exc:  # the request's own error: raised by its stream
             stream.put(exc)
             return stream
-        self._submit(_Add(request_id, prompt, params, cache_salt, fairness_key, stream, constraint, speculative))
+        self._submit(
+            _Add(request_id, prompt, params, cache_salt, fairness_key, stream, constraint, speculative, lora_request)
+        )
         return stream
 
     def check_images(self, images: Sequence[ImageSource]) -> None:
@@ -580,6 +586,7 @@ class AsyncEngineCore:
                 fairness_key=command.fairness_key,
                 constraint=command.constraint,
                 speculative=command.speculative,
+                lora_request=command.lora_request,
             )
         except Exception as exc:
             command.stream.put(exc)

@@ -71,6 +71,8 @@ if TYPE_CHECKING:
     from vllm_mlx.core.kv.spec import BlockGroups, KVLayout
     from vllm_mlx.engine.disk_offload import DiskOffload
     from vllm_mlx.engine.draft_model import DraftModel, LoadedDraft
+    from vllm_mlx.engine.lora_slots import LoRASlotTable
+    from vllm_mlx.lora.request import LoRARequest
     from vllm_mlx.engine.weight_plan import WeightPlan
     from vllm_mlx.executor.state_pool import StateLayout
     from vllm_mlx.models import LoadedModel
@@ -273,10 +275,15 @@ class EngineCore:
                 send_message(self.tp_group, StepMessage("start", start=sizing))
             self.step_encoder = StepEncoder()
             self.watchdog = CollectiveWatchdog(config.distributed_timeout_s, self._rank_hung, self.tp_group.size())
+        self.lora = self._lora_slots(loaded)
+        """With ``enable_lora``: the adapters and their slots (``engine/lora_slots.py``); else None."""
         self.runner = MLXModelRunner(
             loaded.model, num_blocks, config.block_size, self.mllm_cache, states.num_slots, state_layout,
             block_groups=block_groups,
         )  # fmt: skip
+        if self.lora is not None:
+            self.runner.lora = self.lora.slots
+            self.scheduler.admission_check = self.lora.admit
         self.input_processor = InputProcessor(config, self.tokenizer, self.model_config, self.vision)
         self.eos_token_ids = self.input_processor.eos_token_ids
         self.grammars = self.input_processor.grammars
@@ -320,6 +327,17 @@ class EngineCore:
         ratio = draft.weight_bytes / max(target_bytes, 1)
         return DraftModel(draft, num_blocks, self.config.block_size, ratio, self.config.enable_prefix_caching)
 
+    def _lora_slots(self, loaded: LoadedModel) -> LoRASlotTable | None:
+        """Wrap the model's layers for adapters (before the runner's kernels look at them)."""
+        if not self.config.enable_lora:
+            return None
+        if loaded.vision is not None:
+            raise ValueError("enable_lora: vision-language models do not take adapters yet")
+        from vllm_mlx.engine.lora_slots import LoRASlotTable
+
+        config = self.config
+        return LoRASlotTable(loaded.model, config.max_loras, config.max_lora_rank, base_model=self.model_path.name)
+
     def _disk_offload(self) -> DiskOffload | None:
         """The disk tier of ``kv_disk_path``, where this engine can use one (else a warning)."""
         config = self.config
@@ -356,6 +374,7 @@ class EngineCore:
         fairness_key: str | None = None,
         constraint: CompiledGrammar | None = None,
         speculative: bool | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a prompt (text or token ids); returns the request id. Outputs come from ``step()``.
 
@@ -381,6 +400,8 @@ class EngineCore:
             speculative: Whether this request speculates: None as the engine's
                 ``speculative_config`` says; True even without one (n-gram lookup with its
                 defaults); False never.
+            lora_request: The LoRA adapter it runs with (``enable_lora``); None: the base
+                model. Its files are read the first time an id is named.
 
         Returns:
             The request id, which later ``RequestOutput``s carry.
@@ -398,9 +419,13 @@ class EngineCore:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError("lora_request: this engine was started without enable_lora")
+            self.lora.register(lora_request)  # reads the adapter the first time (AdapterError: a ValueError)
         processed = self.input_processor.process(
             prompt, params, request_id, cache_salt=cache_salt, images=images, fairness_key=fairness_key,
-            constraint=constraint, speculative=speculative,
+            constraint=constraint, speculative=speculative, lora_id=lora_request.lora_int_id if lora_request else 0,
         )  # fmt: skip
         if speculative and self.speculator is None:  # asked for without a config: prompt lookup
             self.speculator = Speculator(SpeculativeConfig(), by_default=False)
@@ -513,6 +538,8 @@ class EngineCore:
             self.speculator.propose(self.scheduler.running)
         if self.disk is not None:
             self.disk.before_schedule(self.scheduler.waiting)
+        if self.lora is not None:
+            self.lora.begin_step(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return outputs

@@ -40,6 +40,7 @@ from vllm_mlx.executor.cpu_kernels import CPUKernels
 from vllm_mlx.executor.sampling import sample, sampling_row
 from vllm_mlx.executor.state_pool import RecurrentLayerCache, StateLayout, StatePool, StateWrite, probe_state_layout
 from vllm_mlx.executor.verification import VerificationPlan, verify_proposals
+from vllm_mlx.lora.batched import LoRASlots
 from vllm_mlx.multimodal.cache import MLLMCacheManager
 
 # What a forward call costs besides its tokens, in tokens of compute: every weight is read once
@@ -164,6 +165,8 @@ class MLXModelRunner:
         self.attention = MLXAttentionBackend(self.pool, self.specs, self.state_pool, self.block_groups)
         self.last_step: StepRecord | None = None
         self.vision_encoder_runs = 0
+        self.lora: LoRASlots | None = None
+        """With ``enable_lora``: the adapter slots; each row's update follows ``Request.lora_slot``."""
 
     def _make_state_pool(self, num_slots: int, layout: StateLayout | None) -> StatePool | None:
         if not any(is_recurrent(s) for s in self.specs):
@@ -258,7 +261,9 @@ class MLXModelRunner:
         counts = [len(group[i].spec_token_ids) + 1 for i in wanted]
         row_index = [i for i, n in zip(wanted, counts) for _ in range(n)]
         positions = [len(rows[i].tokens) - n + j for i, n in zip(wanted, counts) for j in range(n)]
-        with self.kernels.active(_key_ranges(caches), inputs.size) if self.kernels is not None else nullcontext():
+        kernels = self.kernels.active(_key_ranges(caches), inputs.size) if self.kernels is not None else nullcontext()
+        adapters = self.lora.rows([s.request.lora_slot for s in group]) if self.lora is not None else nullcontext()
+        with kernels, adapters:
             if self.vision is not None:
                 out = self._vision_hidden_states(group, inputs, caches)
             elif self.split is not None:

@@ -106,17 +106,21 @@ class LoRASlots:
         """
         if not 1 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} is not one of 1..{self.num_slots - 1}")
-        if adapter.rank > self.max_rank:
-            raise AdapterError(f"the adapter in {adapter.path} has rank {adapter.rank}; max_lora_rank is {self.max_rank}")
-        unknown = sorted(set(adapter.modules) - set(self.layers))
-        if unknown:
-            raise AdapterError(f"the adapter in {adapter.path} changes {unknown[0]!r}, which takes no adapter here")
+        self.check(adapter)
         for path, layer in self.layers.items():
             weights = adapter.modules.get(path)
             if weights is None:
                 layer.set_slot(slot, None, None, 0.0)
             else:
                 layer.set_slot(slot, weights.a, weights.b, weights.scale)
+
+    def check(self, adapter: Adapter) -> None:
+        """Raise ``AdapterError`` unless ``adapter`` fits the slots (rank, layers)."""
+        if adapter.rank > self.max_rank:
+            raise AdapterError(f"the adapter in {adapter.path} has rank {adapter.rank}; max_lora_rank is {self.max_rank}")
+        unknown = sorted(set(adapter.modules) - set(self.layers))
+        if unknown:
+            raise AdapterError(f"the adapter in {adapter.path} changes {unknown[0]!r}, which takes no adapter here")
 
     def clear(self, slot: int) -> None:
         for layer in self.layers.values():

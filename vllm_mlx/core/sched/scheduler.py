@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm_mlx.core.fields import described
@@ -121,6 +122,9 @@ class Scheduler:
         each request's ``cache_salt`` are folded into its block hashes."""
         _check_config(config, kv_cache)
         self.config = config
+        self.admission_check: Callable[[Request], bool] | None = None
+        """Called on the request about to be admitted; False keeps it waiting (the engine's LoRA
+        slots: ``engine/lora_slots.py``)."""
         self.block_size = kv_cache.block_size
         self.cache_namespace = cache_namespace
         self.kv = KVCacheManager(kv_cache, cache_namespace, config.enable_prefix_caching)
@@ -266,6 +270,8 @@ class Scheduler:
         load = Counter(r.fairness_key for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek(load)
+            if self.admission_check is not None and not self.admission_check(request):
+                break  # it waits (e.g. every LoRA slot is busy); the queue keeps its order
             hits = self.kv.get_computed_blocks(request)
             num_hit = len(hits) * self.block_size
             num_new = request.num_tokens - num_hit

@@ -1,0 +1,93 @@
+"""Which adapter sits in which LoRA slot, for one engine (issue #30).
+
+``enable_lora`` wraps the model's linear layers once (``lora/batched.py``) and gives the engine
+``max_loras`` slots. A request names its adapter by ``LoRARequest``; the adapter's files are read
+when the first request names it (``lora/adapter.py``: refused there, with the reason, if they do
+not fit the model) and its factors kept by id (they are small: rank x the layers' sizes). An
+adapter gets a slot when a request using it is admitted: the slot it has, else a free one, else
+the least recently used slot that no running request uses. When every slot is used by running
+requests, the request waits in the queue (the scheduler's ``admission_check``). The runner
+reads each row's ``Request.lora_slot``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from vllm_mlx.core.request import Request
+from vllm_mlx.lora.adapter import Adapter, load_adapter
+from vllm_mlx.lora.batched import LoRASlots
+from vllm_mlx.lora.request import LoRARequest
+
+
+@dataclass
+class _Known:
+    request: LoRARequest
+    adapter: Adapter
+
+
+class LoRASlotTable:
+    """Adapters by id, the slots they occupy, and which slots running requests pin."""
+
+    def __init__(self, model, max_loras: int, max_rank: int, base_model: str | None = None) -> None:
+        self.model = model
+        self.slots = LoRASlots.wrap(model, max_loras, max_rank)
+        self.base_model = base_model
+        self.known: dict[int, _Known] = {}
+        self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
+        self.pinned: set[int] = set()  # slots running requests use this step
+
+    def register(self, lora: LoRARequest) -> None:
+        """Know ``lora`` (reading its files the first time: ``AdapterError`` if they do not fit).
+
+        Raises:
+            ValueError: ``lora_int_id`` already names another path or name.
+        """
+        known = self.known.get(lora.lora_int_id)
+        if known is not None:
+            if (known.request.lora_path, known.request.lora_name) != (lora.lora_path, lora.lora_name):
+                raise ValueError(
+                    f"lora_int_id {lora.lora_int_id} is {known.request.lora_name!r} at {known.request.lora_path!r}; "
+                    "an id stands for one adapter for the engine's lifetime"
+                )
+            return
+        adapter = load_adapter(lora.lora_path, self.model, self.base_model)
+        self.slots.check(adapter)
+        self.known[lora.lora_int_id] = _Known(lora, adapter)
+
+    def begin_step(self, running: list[Request]) -> None:
+        """Pin the slots of the running requests (they cannot be taken this step)."""
+        self.pinned = {r.lora_slot for r in running if r.lora_id}
+
+    def admit(self, request: Request) -> bool:
+        """Give ``request``'s adapter a slot (loading it there if needed); False: none is free
+        of running requests, the request waits."""
+        if not request.lora_id:
+            request.lora_slot = 0
+            return True
+        slot = self.slot_of.get(request.lora_id)
+        if slot is None:
+            slot = self._free_slot()
+            if slot is None:
+                return False
+            self._load(request.lora_id, slot)
+        self.slot_of.move_to_end(request.lora_id)
+        self.pinned.add(slot)
+        request.lora_slot = slot
+        return True
+
+    def _free_slot(self) -> int | None:
+        taken = set(self.slot_of.values())
+        for slot in range(1, self.slots.num_slots):
+            if slot not in taken:
+                return slot
+        for lora_id, slot in self.slot_of.items():  # least recently used first
+            if slot not in self.pinned:
+                del self.slot_of[lora_id]
+                return slot
+        return None
+
+    def _load(self, lora_id: int, slot: int) -> None:
+        self.slots.load(slot, self.known[lora_id].adapter)
+        self.slot_of[lora_id] = slot

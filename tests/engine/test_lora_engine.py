@@ -108,3 +108,20 @@ def test_llm_takes_one_adapter_per_prompt(adapters, expected, tiny_model_dir):
         assert [o.outputs[0].token_ids for o in outputs] == [expected[PROMPTS[0], "second"], expected[PROMPTS[1], None]]
     finally:
         llm.shutdown()
+
+
+def test_blocks_follow_the_adapters_content_not_its_id(engine_factory, adapters, expected, tmp_path):
+    """Through the disk tier, a later engine whose id 1 is another adapter hits nothing of the
+    first one's blocks: hashes carry the adapter's content digest."""
+    prompt = PROMPTS[0] * 3
+    disk = str(tmp_path / "kv")
+    first = lora_engine(engine_factory, kv_disk_path=disk)
+    run(first, [(prompt, "first")], adapters)
+    first.shutdown()
+    reused_id = {"other": LoRARequest("other", 1, adapters["second"].lora_path)}
+    later = lora_engine(engine_factory, kv_disk_path=disk)
+    [output] = run(later, [(prompt, "other")], reused_id)
+    assert output.num_cached_tokens == 0
+    same = {"same": LoRARequest("same", 7, adapters["first"].lora_path)}  # the first adapter, another id
+    [output] = run(later, [(prompt, "same")], same)
+    assert output.num_cached_tokens > 0

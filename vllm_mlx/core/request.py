@@ -292,8 +292,10 @@ class Request:
     num_disk_tokens: int = 0
     """Prompt tokens whose KV the disk tier read back for this request (part of its cache hit)."""
     lora_id: int = 0
-    """The LoRA adapter it runs with (``LoRARequest.lora_int_id``; 0: the base model). Part of its
-    block hashes: a block computed under one adapter never serves another."""
+    """The LoRA adapter it runs with (``LoRARequest.lora_int_id``; 0: the base model)."""
+    lora_digest: str | None = None
+    """Its adapter's content digest, part of its block hashes: a block computed under one
+    adapter never serves another (nor, through the disk tier, another process's same id)."""
     lora_slot: int = 0
     """The adapter slot its rows use while it runs (set at admission; 0: the base model)."""
     speculative: bool | None = None

@@ -419,13 +419,15 @@ class EngineCore:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
+        lora_id, lora_digest = 0, None
         if lora_request is not None:
             if self.lora is None:
                 raise ValueError("lora_request: this engine was started without enable_lora")
-            self.lora.register(lora_request)  # reads the adapter the first time (AdapterError: a ValueError)
+            lora_digest = self.lora.register(lora_request)  # reads it the first time (AdapterError: a ValueError)
+            lora_id = lora_request.lora_int_id
         processed = self.input_processor.process(
             prompt, params, request_id, cache_salt=cache_salt, images=images, fairness_key=fairness_key,
-            constraint=constraint, speculative=speculative, lora_id=lora_request.lora_int_id if lora_request else 0,
+            constraint=constraint, speculative=speculative, lora_id=lora_id, lora_digest=lora_digest,
         )  # fmt: skip
         if speculative and self.speculator is None:  # asked for without a config: prompt lookup
             self.speculator = Speculator(SpeculativeConfig(), by_default=False)

@@ -102,6 +102,7 @@ class InputProcessor:
         constraint: CompiledGrammar | None = None,
         speculative: bool | None = None,
         lora_id: int = 0,
+        lora_digest: str | None = None,
     ) -> ProcessedRequest:
         """Validate, encode and split one caller's request (see ``EngineCore.add_request`` for
         the arguments and the exceptions). A prompt whose images failed to load yields requests
@@ -120,7 +121,7 @@ class InputProcessor:
                 eos_token_ids=self.eos_token_ids, cache_salt=cache_salt, mm_input=prepared.mm_input,
                 fairness_key=fairness_key or request_id,
                 constraint=RequestConstraint(grammar, self.eos_token_ids) if grammar else None,
-                reasoning_gate=gate, speculative=speculative, lora_id=lora_id,
+                reasoning_gate=gate, speculative=speculative, lora_id=lora_id, lora_digest=lora_digest,
             )  # fmt: skip
             if prepared.error is not None:
                 request.error(prepared.error)

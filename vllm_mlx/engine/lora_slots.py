@@ -38,8 +38,9 @@ class LoRASlotTable:
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
         self.pinned: set[int] = set()  # slots running requests use this step
 
-    def register(self, lora: LoRARequest) -> None:
-        """Know ``lora`` (reading its files the first time: ``AdapterError`` if they do not fit).
+    def register(self, lora: LoRARequest) -> str:
+        """Know ``lora`` (reading its files the first time: ``AdapterError`` if they do not fit);
+        returns its content digest (what its requests' block hashes carry).
 
         Raises:
             ValueError: ``lora_int_id`` already names another path or name.
@@ -51,10 +52,11 @@ class LoRASlotTable:
                     f"lora_int_id {lora.lora_int_id} is {known.request.lora_name!r} at {known.request.lora_path!r}; "
                     "an id stands for one adapter for the engine's lifetime"
                 )
-            return
+            return known.adapter.digest
         adapter = load_adapter(lora.lora_path, self.model, self.base_model)
         self.slots.check(adapter)
         self.known[lora.lora_int_id] = _Known(lora, adapter)
+        return adapter.digest
 
     def begin_step(self, running: list[Request]) -> None:
         """Pin the slots of the running requests (they cannot be taken this step)."""

@@ -20,6 +20,7 @@ per-module ranks (``rank_pattern``), trained biases and ``modules_to_save``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -65,6 +66,9 @@ class Adapter:
     modules: dict[str, LoRAWeights]
     base_model: str | None = None
     """The base model the adapter records it was trained on, if it does."""
+    digest: str = ""
+    """SHA-256 of its config and weights files: what the KV it computes depends on (its blocks'
+    hashes carry this, not the caller's id, so a later process's id 1 is not this one's)."""
 
     @property
     def rank(self) -> int:
@@ -89,9 +93,19 @@ def load_adapter(path: str | Path, model: nn.Module, base_model: str | None = No
         raise AdapterError(f"no adapter in {folder}: neither {MLX_LM_WEIGHTS} (mlx-lm) nor {PEFT_WEIGHTS} (PEFT)")
     if not adapter.modules:
         raise AdapterError(f"the adapter in {folder} holds no LoRA weights")
+    adapter.digest = _digest(folder / CONFIG, folder / (MLX_LM_WEIGHTS if adapter.format == "mlx-lm" else PEFT_WEIGHTS))
     _check_base_name(adapter, base_model)
     _check_modules(adapter, model)
     return adapter
+
+
+def _digest(*paths: Path) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as file:
+            for chunk in iter(lambda: file.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _read_config(folder: Path) -> dict:

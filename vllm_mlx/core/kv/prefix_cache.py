@@ -237,8 +237,8 @@ class BlockAwarePrefixCache(PrefixCacheManager):
         """Per-block extra keys: namespace and salt, plus the hashes of the images a block
         holds (with the chaining, every later block depends on them too)."""
         base = self.extra_keys(request.cache_salt)
-        if request.lora_id:
-            base = (*base, ("lora", request.lora_id))
+        if request.lora_digest is not None:
+            base = (*base, ("lora", request.lora_digest))
         mm = request.mm_input
         if mm is None:
             return base

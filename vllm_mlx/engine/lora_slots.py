@@ -37,6 +37,8 @@ class LoRASlotTable:
         self.known: dict[int, _Known] = {}
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
         self.pinned: set[int] = set()  # slots running requests use this step
+        self.loads = 0
+        """Adapters written into a slot so far (a switch between adapters the slots hold costs none)."""
 
     def register(self, lora: LoRARequest) -> str:
         """Know ``lora`` (reading its files the first time: ``AdapterError`` if they do not fit);
@@ -93,3 +95,4 @@ class LoRASlotTable:
     def _load(self, lora_id: int, slot: int) -> None:
         self.slots.load(slot, self.known[lora_id].adapter)
         self.slot_of[lora_id] = slot
+        self.loads += 1

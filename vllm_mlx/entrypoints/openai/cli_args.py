@@ -39,6 +39,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser, parse_bytes) -> None:
     add_arguments(parser, ServingOptions, SERVE)  # ServingOptions' declared flags, in this group
     _add_limit_arguments(parser.add_argument_group("request limits (raise them for trusted clients)"))
     _add_media_arguments(parser.add_argument_group("media inputs (none from outside the request by default)"))
+    parser.add_argument_group("LoRA adapters").add_argument(
+        "--lora-modules", nargs="+", type=lora_module, default=None, metavar="NAME=PATH",
+        help="serve these adapters beside the model (turns on --enable-lora); a request's `model` picks one by NAME",
+    )  # fmt: skip
     _add_distributed_arguments(parser.add_argument_group(DISTRIBUTED_GROUP))
     # Engine flags shared with other commands come from cli.add_model_arguments; these are the
     # server's own (``generate`` uses --seed for its sampling): --seed and the distributed timeouts.
@@ -82,8 +86,28 @@ def serving_options(args: argparse.Namespace) -> ServingOptions:
 
 
 def serve_engine_options(args: argparse.Namespace) -> dict:
-    """The ``EngineConfig`` fields set by the flags above."""
-    return options_from_args(args, EngineConfig, SERVE)
+    """The ``EngineConfig`` fields set by the flags above (``--lora-modules`` turns LoRA on)."""
+    return options_from_args(args, EngineConfig, SERVE) | ({"enable_lora": True} if args.lora_modules else {})
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """``NAME=PATH`` (vLLM's ``--lora-modules`` form)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
+
+
+def lora_requests(args: argparse.Namespace) -> list:
+    """``--lora-modules`` as ``LoRARequest``s, ids 1, 2, ... in the order given."""
+    from vllm_mlx.lora.request import LoRARequest
+
+    modules = args.lora_modules or []
+    names = [name for name, _ in modules]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate is not None:
+        raise SystemExit(f"vllm-mlx serve: --lora-modules names {duplicate!r} twice")
+    return [LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(modules)]
 
 
 def _add_media_arguments(group) -> None:

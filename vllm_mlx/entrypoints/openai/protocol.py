@@ -317,6 +317,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "vllm-mlx"
     root: str | None = None
+    parent: str | None = None
+    """An adapter's base model (vLLM's field); None for the base model itself."""
     max_model_len: int | None = None
 
 

@@ -17,6 +17,7 @@ import logging
 import sys
 import threading
 from collections import Counter
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated
@@ -39,7 +40,7 @@ from vllm_mlx.entrypoints.anthropic.protocol import MessagesInput, MessagesReque
 from vllm_mlx.entrypoints.anthropic.serving import AnthropicServing
 from vllm_mlx.entrypoints.openai.cache_blocks import block_view
 from vllm_mlx.entrypoints.openai.cache_disclosure import disk_view, visible
-from vllm_mlx.entrypoints.openai.cli_args import serve_media_policy, serving_options
+from vllm_mlx.entrypoints.openai.cli_args import lora_requests, serve_media_policy, serving_options
 from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
 from vllm_mlx.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware, BodySizeLimitMiddleware
 from vllm_mlx.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -57,6 +58,7 @@ from vllm_mlx.entrypoints.openai.serving_responses import ResponsesServing
 from vllm_mlx.entrypoints.openai.sse_response import SSEResponse
 from vllm_mlx.entrypoints.openai.tokenize_pool import TokenizePool
 from vllm_mlx.entrypoints.request_model import UNENCODABLE
+from vllm_mlx.lora.request import LoRARequest
 from vllm_mlx.multimodal.media_policy import MediaPolicy
 from vllm_mlx.platform.cpu_backend import backend_summary, warn_reference_blas
 
@@ -72,12 +74,14 @@ def build_app(
     owns_engine: bool = False,
     media_policy: MediaPolicy | None = None,
     options: ServingOptions | None = None,
+    lora_modules: Sequence[LoRARequest] = (),
 ) -> FastAPI:
     """The app for a started engine; ``served_model_name`` defaults to the model directory's name.
     Request images load under ``media_policy`` (None = ``MediaPolicy.server()``: no local file,
     no URL), whatever the engine's own policy.
     With ``owns_engine`` the app stops the engine when it shuts down. ``options``: the
-    operator's limits and disclosure switches (None = the safe defaults)."""
+    operator's limits and disclosure switches (None = the safe defaults). ``lora_modules``:
+    adapters a request picks by naming one as its ``model`` (the engine needs ``enable_lora``)."""
     options = options or ServingOptions()
     info = ModelInfo.read(engine)
     name = served_model_name or Path(info.path).name
@@ -85,8 +89,9 @@ def build_app(
         engine, name, disclose_hits=options.discloses_prefix_hits, per_tenant=options.enable_cache_stats_disclosure
     )
     pool = TokenizePool(options.tokenizer_threads)
-    chat = ChatServing(engine, name, metrics, info, pool, options, media_policy=media_policy)
-    completion = CompletionServing(engine, name, metrics, info, pool, options)
+    adapters = {lora.lora_name: lora for lora in lora_modules}
+    chat = ChatServing(engine, name, metrics, info, pool, options, media_policy=media_policy, adapters=adapters)
+    completion = CompletionServing(engine, name, metrics, info, pool, options, adapters=adapters)
     messages, responses = AnthropicServing(chat), ResponsesServing(chat)
 
     @asynccontextmanager
@@ -116,7 +121,8 @@ def build_app(
     @app.get("/v1/models")
     async def models() -> dict:
         card = ModelCard(id=name, root=name, max_model_len=info.max_model_len)  # no local paths
-        return ModelList(data=[card]).model_dump()
+        loras = [ModelCard(id=n, root=n, parent=name, max_model_len=info.max_model_len) for n in adapters]
+        return ModelList(data=[card, *loras]).model_dump()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -312,8 +318,17 @@ def run_server(args: argparse.Namespace, engine_options: dict) -> int:
 
     media_policy = serve_media_policy(args)  # a bad flag fails before the model loads
     options = serving_options(args)
+    loras = lora_requests(args)
+    if loras:
+        engine_options = {**engine_options, "max_loras": max(engine_options.get("max_loras", 1), len(loras))}
     engine = AsyncEngineCore(EngineConfig(model=args.model, **engine_options)).start()
     try:
+        for lora in loras:  # read now: an adapter that does not fit stops the server before it serves
+            try:
+                engine.call(lambda core, lora=lora: core.lora.register(lora))
+            except ValueError as exc:  # AdapterError: unreadable, another model's, not plain LoRA
+                print(f"vllm-mlx serve: --lora-modules {lora.lora_name}: {exc}", file=sys.stderr, flush=True)
+                return 2
         name = args.served_model_name or served_name(args.model, engine.model_path)
         app = build_app(
             engine,
@@ -323,6 +338,7 @@ def run_server(args: argparse.Namespace, engine_options: dict) -> int:
             owns_engine=True,
             media_policy=media_policy,
             options=options,
+            lora_modules=loras,
         )
         backend = backend_summary(engine.weight_format)
         print(f"vllm-mlx: serving {name!r} on http://{args.host}:{args.port} ({backend})", file=sys.stderr, flush=True)

@@ -30,6 +30,7 @@ from vllm_mlx.engine.token_bound import TokenBound, token_bound
 from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
 from vllm_mlx.entrypoints.openai.protocol import CompletionTokensDetails, PromptTokensDetails, SamplingFields, UsageInfo
 from vllm_mlx.entrypoints.openai.tokenize_pool import TokenizePool
+from vllm_mlx.lora.request import LoRARequest
 from vllm_mlx.platform.validation import LimitExceeded
 from vllm_mlx.structured.grammar import CompiledGrammar, ConstraintError, ConstraintTooLarge
 from vllm_mlx.structured.matcher import ERROR_PREFIX as CONSTRAINT_ERROR_PREFIX
@@ -95,9 +96,12 @@ class OpenAIServing:
         info: ModelInfo | None = None,
         tokenize_pool: TokenizePool | None = None,
         options: ServingOptions | None = None,
+        adapters: dict[str, LoRARequest] | None = None,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.adapters = adapters or {}
+        """LoRA adapters by the ``model`` name that picks them (``--lora-modules``)."""
         self.metrics = metrics
         self.options = options or ServingOptions()
         self.info = info or ModelInfo.read(engine)
@@ -111,14 +115,19 @@ class OpenAIServing:
 
     # -- checks and translation ---------------------------------------------------------------
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise OpenAIError(
-                404,
-                f"The model `{name}` does not exist (this server serves `{self.model_name}`).",
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` picks (None: the base model); 404 for an unknown name."""
+        if name is None or name == self.model_name:
+            return None
+        if name in self.adapters:
+            return self.adapters[name]
+        served = ", ".join(f"`{n}`" for n in [self.model_name, *self.adapters])
+        raise OpenAIError(
+            404,
+            f"The model `{name}` does not exist (this server serves {served}).",
+            param="model",
+            code="model_not_found",
+        )
 
     async def run_tokenizer(self, fn, *args, chars: int = 0):
         """``fn(*args)`` off the event loop; ``chars``: the length of the text it tokenizes."""
@@ -285,6 +294,7 @@ class OpenAIServing:
         prefix: str,
         cache_salt: str | None,
         constraint: CompiledGrammar | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestStream]:
         """Submit one engine request per prompt; ids are ``prefix`` (+ ``-i`` for a batch).
         ``constraint``: the compiled ``structured_outputs`` all the prompts share.
@@ -297,8 +307,9 @@ class OpenAIServing:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
                 request_id = prefix if len(prompts) == 1 else f"{prefix}-{i}"
                 stream = self.engine.add_request(
-                    prompt, sp, request_id, cache_salt=cache_salt, fairness_key=prefix, constraint=constraint
-                )
+                    prompt, sp, request_id, cache_salt=cache_salt, fairness_key=prefix, constraint=constraint,
+                    lora_request=lora_request,
+                )  # fmt: skip
                 streams.append(stream)
         except EngineDeadError as exc:
             for stream in streams:

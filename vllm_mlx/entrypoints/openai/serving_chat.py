@@ -92,7 +92,8 @@ class ChatServing(OpenAIServing):
             params = params.clone(skip_special_tokens=False)
         constraint = await self.compile_constraint(params, req)
         request_id = request_id or new_id("chatcmpl")
-        streams = self.submit([prompt], [params], request_id, req.cache_salt, constraint)
+        lora = self.check_model(req.model)
+        streams = self.submit([prompt], [params], request_id, req.cache_salt, constraint, lora)
         if req.stream:
             first, rest = await self.first_output(streams, raw_request)
             return self._chunks(req, request_id, top_k, parser, first, rest)

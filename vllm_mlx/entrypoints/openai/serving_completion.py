@@ -25,7 +25,7 @@ from vllm_mlx.entrypoints.openai.serving import OpenAIError, OpenAIServing, new_
 class CompletionServing(OpenAIServing):
     async def create(self, req: CompletionRequest, raw_request=None) -> CompletionResponse | AsyncIterator[str]:
         """A response model, or (``stream=True``) an async iterator of SSE lines."""
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         _check_supported(req)
         prompts = await self._prompts(req.prompt)
         for prompt in prompts:
@@ -33,7 +33,7 @@ class CompletionServing(OpenAIServing):
         params = [self.sampling_params(req, req.max_tokens, len(p), req.logprobs) for p in prompts]
         constraint = await self.compile_constraint(params[0], req)  # the prompts share one constraint
         request_id = new_id("cmpl")
-        streams = self.submit(prompts, params, request_id, req.cache_salt, constraint)
+        streams = self.submit(prompts, params, request_id, req.cache_salt, constraint, lora)
         if req.stream:
             first, rest = await self.first_output(streams, raw_request)
             return self._stream(req, request_id, first, rest)

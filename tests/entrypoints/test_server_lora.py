@@ -1,0 +1,94 @@
+"""The server with LoRA adapters (``--lora-modules``), through the official ``openai`` client on
+127.0.0.1: a request's ``model`` picks an adapter, and its text is mlx-lm's for that adapter
+alone; ``/v1/models`` lists the adapters with their base; an unknown name is a 404."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from live_server import LiveServer  # noqa: E402
+from lora_adapters import write_mlx_lm_adapter  # noqa: E402
+from oracles import mlx_lm_tokens  # noqa: E402
+
+from vllm_mlx.engine.async_engine import AsyncEngineCore  # noqa: E402
+from vllm_mlx.entrypoints.openai.server import build_app  # noqa: E402
+from vllm_mlx.lora import LoRARequest  # noqa: E402
+
+PROMPT = "Tell me about lighthouses."
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("adapters")
+    loras = [
+        LoRARequest("first", 1, str(write_mlx_lm_adapter(tiny_model_dir, root / "first", rank=4, scale=2.0, seed=1))),
+        LoRARequest("second", 2, str(write_mlx_lm_adapter(tiny_model_dir, root / "second", rank=8, scale=1.0, seed=2))),
+    ]
+    engine = AsyncEngineCore(model=str(tiny_model_dir), enable_lora=True, max_loras=2, max_lora_rank=8,
+                             num_kv_blocks=128, force_model_takeover=True).start()  # fmt: skip
+    live = LiveServer(build_app(engine, served_model_name="tiny", lora_modules=loras))
+    yield live, loras, engine
+    live.stop()
+    engine.stop()
+
+
+def expected_text(model_dir, adapter_path) -> str:
+    from vllm_mlx.models import load_model
+
+    tokens = mlx_lm_tokens(model_dir, [PROMPT], 8, adapter_path=adapter_path)[0]
+    return load_model(model_dir).tokenizer.decode(tokens)
+
+
+def test_the_model_field_picks_the_adapter(served, tiny_model_dir):
+    live, loras, _ = served
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="none")
+    texts = {}
+    for model in ("tiny", "first", "second"):
+        answer = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+        texts[model] = answer.choices[0].text
+    assert texts["tiny"] == expected_text(tiny_model_dir, None)
+    assert texts["first"] == expected_text(tiny_model_dir, loras[0].lora_path)
+    assert texts["second"] == expected_text(tiny_model_dir, loras[1].lora_path)
+    assert len(set(texts.values())) == 3
+    chat = client.chat.completions.create(model="second", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert chat.choices[0].message.content is not None
+
+
+def test_models_lists_the_adapters_and_unknown_names_are_404(served):
+    live, _, _ = served
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="none")
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(cards) == {"tiny", "first", "second"}
+    assert cards["first"].parent == "tiny" and getattr(cards["tiny"], "parent", None) is None
+    with pytest.raises(openai.NotFoundError, match="first"):
+        client.completions.create(model="third", prompt=PROMPT, max_tokens=2)
+
+
+def test_the_lora_modules_flag():
+    from vllm_mlx.entrypoints.cli import build_parser
+    from vllm_mlx.entrypoints.openai.cli_args import lora_requests, serve_engine_options
+
+    args = build_parser().parse_args(["serve", "default", "--lora-modules", "sql=/a/sql", "chat=/a/chat"])
+    assert serve_engine_options(args)["enable_lora"] is True
+    assert lora_requests(args) == [LoRARequest("sql", 1, "/a/sql"), LoRARequest("chat", 2, "/a/chat")]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "default", "--lora-modules", "no-path"])
+    twice = build_parser().parse_args(["serve", "default", "--lora-modules", "a=/x", "a=/y"])
+    with pytest.raises(SystemExit, match="twice"):
+        lora_requests(twice)
+    assert "enable_lora" not in serve_engine_options(build_parser().parse_args(["serve", "default"]))
+
+
+def test_an_adapter_that_does_not_fit_stops_the_server_at_start(tiny_model_dir, tmp_path, capsys):
+    import shutil
+
+    from vllm_mlx.entrypoints.cli import build_parser, run_serve
+
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")  # its own path: no other engine owns it
+    args = build_parser().parse_args(["serve", str(model), "--num-kv-blocks", "32", "--lora-modules", f"broken={tmp_path}"])
+    assert run_serve(args) == 2
+    assert "--lora-modules broken" in capsys.readouterr().err

@@ -47,6 +47,7 @@ USAGE = """\
   history SESSION                    show a chat session's turns
   reset SESSION                      forget a chat session
   fork SESSION NEW                   a new chat session with SESSION's turns (they share its KV blocks)
+  adapter load NAME PATH | list      a LoRA adapter for %%generate --adapter NAME (load with --enable-lora)
   save-cache NAME [SESSION]          save chat SESSION (default: NAME), its turns and KV blocks, as NAME
   load-cache NAME                    restore saved chat NAME (any later kernel, same model)
   shutdown                           stop the engine (the next %%generate loads it again)
@@ -118,6 +119,7 @@ class GenerateMagics(Magics):
     @argument("--raw", action="store_true", help="send the cell as is (no chat template)")
     @argument("--image", action="append", metavar="PATH_OR_VAR",
               help="an image before the text: a notebook variable (PIL image, bytes, path) or a path/URL (repeatable)")  # fmt: skip
+    @argument("--adapter", metavar="NAME", help="run with the LoRA adapter NAME (%%vllm_mlx adapter load NAME PATH)")
     @argument("--speculative", action="store_true", default=None,
               help="speculate (the engine's --speculative-config, else n-gram lookup): same text, sooner")  # fmt: skip
     @argument("--no-speculative", dest="speculative", action="store_false", help="never speculate")
@@ -183,7 +185,7 @@ class GenerateMagics(Magics):
                 interval=self.update_interval, images=images,
                 response_format=fmt, tools=tools, tool_parser=args.tool_call_parser or self.tool_call_parser,
                 tool_choice=args.tool_choice, allow_remote_images=args.allow_remote_images or self.allow_remote_images,
-                speculative=args.speculative,
+                speculative=args.speculative, adapter=args.adapter,
             )  # fmt: skip
         except SessionError as exc:
             raise UsageError(str(exc)) from None
@@ -384,6 +386,16 @@ class GenerateMagics(Magics):
 
     def _cmd_history(self, argv: list[str]) -> None:
         print(self._chat(argv).transcript())
+
+    def _cmd_adapter(self, argv: list[str]) -> None:
+        if argv[:1] == ["list"] and len(argv) == 1:
+            print("\n".join(f"{n}: {a.lora_path}" for n, a in self.session.adapters.items()) or "no adapters loaded")
+            return
+        if argv[:1] != ["load"] or len(argv) != 3:
+            raise UsageError("%vllm_mlx adapter load NAME PATH | adapter list")
+        self._ensure_loaded()
+        lora = self.session.load_adapter(argv[1], argv[2])
+        print(f"adapter {lora.lora_name!r} loaded from {lora.lora_path}: %%generate --adapter {lora.lora_name}")
 
     def _cmd_fork(self, argv: list[str]) -> None:
         from vllm_mlx_jupyter.session.saved_chats import fork_chat

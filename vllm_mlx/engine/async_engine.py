@@ -494,6 +494,10 @@ class AsyncEngineCore:
         """Forget the hashes of every cached block not in use; returns True."""
         return self.call(lambda engine: engine.reset_prefix_cache())
 
+    def register_lora(self, lora_request: LoRARequest) -> str:
+        """``EngineCore.register_lora`` on the engine thread."""
+        return self.call(lambda engine: engine.register_lora(lora_request))
+
     def save_prefix(self, prompt: str | list[int], path: str | Path, *, cache_salt: str | None = None) -> int:
         """``EngineCore.save_prefix``, run on the engine thread between steps."""
         return self.call(lambda engine: engine.save_prefix(prompt, path, cache_salt=cache_salt))

@@ -421,10 +421,7 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in use")
         lora_id, lora_digest = 0, None
         if lora_request is not None:
-            if self.lora is None:
-                raise ValueError("lora_request: this engine was started without enable_lora")
-            lora_digest = self.lora.register(lora_request)  # reads it the first time (AdapterError: a ValueError)
-            lora_id = lora_request.lora_int_id
+            lora_digest, lora_id = self.register_lora(lora_request), lora_request.lora_int_id
         processed = self.input_processor.process(
             prompt, params, request_id, cache_salt=cache_salt, images=images, fairness_key=fairness_key,
             constraint=constraint, speculative=speculative, lora_id=lora_id, lora_digest=lora_digest,
@@ -435,6 +432,18 @@ class EngineCore:
         self._admit(request_id, processed.requests)
         self.output_processor.finish_if_done(request_id)  # refused at admission (e.g. prompt too long)
         return request_id
+
+    def register_lora(self, lora_request: LoRARequest) -> str:
+        """Read the adapter of ``lora_request`` now (``add_request`` does it on first use);
+        returns its content digest.
+
+        Raises:
+            ValueError: The engine was started without ``enable_lora``, or the id already
+                names another adapter; ``AdapterError`` (a ``ValueError``): the files do not fit.
+        """
+        if self.lora is None:
+            raise ValueError("lora_request: this engine was started without enable_lora")
+        return self.lora.register(lora_request)
 
     def compile_constraint(self, params: SamplingParams, max_bound: int | None = None) -> CompiledGrammar | None:
         """The compiled grammar of ``params.structured_outputs`` (None without one), from the

@@ -117,10 +117,13 @@ class Generation(LiveViews):
         chat=None,
         allow_remote_images: bool = False,
         speculative: bool | None = None,
+        lora_request=None,
     ) -> None:
         self.name = name
         self.speculative = speculative
         """Whether the request speculates (None: as the engine was loaded)."""
+        self.lora_request = lora_request
+        """The LoRA adapter it runs with (``--adapter``; None: the base model)."""
         self.request_id = name
         self.params = params
         self.format = format
@@ -221,6 +224,8 @@ class Generation(LiveViews):
                 self.num_prompt_tokens = len(token_ids)
             self.submitted_at = time.monotonic()
             chosen = {"speculative": self.speculative} if self.speculative is not None else {}
+            if self.lora_request is not None:
+                chosen["lora_request"] = self.lora_request
             self._stream = self._engine.add_request(self.prompt, self.params, self.request_id, **chosen)
 
     def _run(self) -> None:

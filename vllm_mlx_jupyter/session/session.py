@@ -46,6 +46,8 @@ class Session:
         self.options: dict = {}
         self.generations: dict[str, Generation] = {}
         self.chats: dict[str, ChatSession] = {}
+        self.adapters: dict = {}
+        """LoRA adapters by name (``%vllm_mlx adapter load``): ``LoRARequest``s of the engine."""
         self._names = itertools.count(1)
         self._tokenizer = None
         self._tokenizer_lock = threading.Lock()
@@ -73,6 +75,7 @@ class Session:
         from vllm_mlx.engine.async_engine import AsyncEngineCore
 
         self.shutdown()
+        self.adapters.clear()  # their ids were the old engine's
         options = with_disk_default(dict(options or {}))
         engine = AsyncEngineCore(EngineConfig(model=str(model)), **options)
         ticker = _Ticker(progress, f"loading {model}")
@@ -210,6 +213,7 @@ class Session:
         tool_choice: str | None = None,
         allow_remote_images: bool = False,
         speculative: bool | None = None,
+        adapter: str | None = None,
     ) -> Generation:
         """Submit a prompt (with ``images`` for a vision-language model: paths, URLs, bytes or
         PIL images, placed before the text); returns its started ``Generation`` at once.
@@ -228,6 +232,7 @@ class Session:
         if speculative is not None and self.remote:
             raise SessionError("--speculative/--no-speculative: a server speculates as it was started; "
                                "connected, a cell cannot choose")  # fmt: skip
+        lora_request = self.adapter(adapter) if adapter is not None else None
         if raw and (chat is not None or tools is not None):
             flag = "--chat" if chat is not None else "--tools"
             raise SessionError(f"{flag} needs the chat template; it cannot be combined with --raw")
@@ -251,12 +256,37 @@ class Session:
             build = self._reading_with(build, reader, parser_for)
         gen = Generation(name, engine, params, build, after=after, on_finish=on_finish,
                          format=format, interval=interval, reader=reader, chat=session,
-                         allow_remote_images=allow_remote_images, speculative=speculative)  # fmt: skip
+                         allow_remote_images=allow_remote_images, speculative=speculative,
+                         lora_request=lora_request)  # fmt: skip
         gen.start()
         self.register(gen)
         if session is not None:
             session.pending = gen
         return gen
+
+    def load_adapter(self, name: str, path: str):
+        """Make the LoRA adapter at ``path`` known as ``name`` (read now: refused here if it does
+        not fit the model); ``%%generate --adapter NAME`` then runs with it."""
+        from vllm_mlx.lora.request import LoRARequest
+
+        engine = self.require_engine()
+        if self.remote:
+            raise SessionError("adapter load: a server serves the adapters it was started with (--lora-modules)")
+        known = self.adapters.get(name)
+        lora = LoRARequest(name, known.lora_int_id if known else len(self.adapters) + 1, str(path))
+        try:
+            engine.register_lora(lora)
+        except ValueError as exc:
+            raise SessionError(f"adapter load {name}: {exc}") from None
+        self.adapters[name] = lora
+        return lora
+
+    def adapter(self, name: str):
+        try:
+            return self.adapters[name]
+        except KeyError:
+            known = ", ".join(self.adapters) or "none yet: %vllm_mlx adapter load NAME PATH"
+            raise SessionError(f"--adapter {name}: no such adapter (known: {known})") from None
 
     def check_params(self, params) -> None:
         """Connected: refuse sampling options the OpenAI API cannot carry (not drop them)."""

@@ -325,7 +325,7 @@ def run_server(args: argparse.Namespace, engine_options: dict) -> int:
     try:
         for lora in loras:  # read now: an adapter that does not fit stops the server before it serves
             try:
-                engine.call(lambda core, lora=lora: core.lora.register(lora))
+                engine.register_lora(lora)
             except ValueError as exc:  # AdapterError: unreadable, another model's, not plain LoRA
                 print(f"vllm-mlx serve: --lora-modules {lora.lora_name}: {exc}", file=sys.stderr, flush=True)
                 return 2

@@ -656,6 +656,7 @@ def test_stats_and_snapshot_are_plain_data():
     assert snap["a"] == {
         "status": "RUNNING", "num_prompt_tokens": 20, "num_computed_tokens": 20,
         "num_cached_tokens": 0, "num_output_tokens": 1, "num_preemptions": 0, "block_ids": [1, 2],
+        "num_disk_tokens": 0,
     }  # fmt: skip
     assert snap["b"]["status"] == "WAITING" and snap["b"]["block_ids"] == []
 

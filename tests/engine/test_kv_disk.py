@@ -299,3 +299,17 @@ def test_image_prompts_take_part_and_their_images_key_the_blocks(tiny_qwen2_vl_d
     assert encoder_runs == 0
     other, _, _ = run_vlm(picture(2), kv_disk_path=str(disk))
     assert other.num_cached_tokens < 8  # at most the blocks before the image (the image comes first)
+
+
+def test_a_queued_requests_read_goes_on_beside_the_batch(engines, disk):
+    """With the batch full, a queued request's blocks are read while the running one decodes,
+    and imported before it is admitted: it still starts from disk."""
+    served(engines(kv_disk_path=str(disk)), [PROMPT])
+    engine = engines(kv_disk_path=str(disk), max_num_seqs=1)
+    long_one = engine.add_request(OTHER, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    queued = engine.add_request(PROMPT, GREEDY)
+    engine.step()  # the first is admitted; the second waits, its read started
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert final[queued].metrics.num_disk_tokens >= 96 and final[long_one].metrics.num_disk_tokens == 0

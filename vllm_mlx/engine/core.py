@@ -548,7 +548,7 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         if self.disk is not None:
-            self.disk.before_schedule(self.scheduler.waiting)
+            self.disk.before_schedule(self.scheduler.waiting, len(self.scheduler.running))
         if self.lora is not None:
             self.lora.begin_step(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()

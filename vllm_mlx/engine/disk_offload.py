@@ -13,8 +13,9 @@ threads.
   ahead: queued requests are probed while the batch ahead of them runs). Before the scheduler
   admits it, the blocks read go into free blocks of the pool and are published under the hashes
   the engine computed for the request's tokens (``KVCacheCoordinator.reserve_import``), so the
-  admission finds them cached like any prefix. Only a request about to be admitted whose read
-  has not finished makes the engine thread wait for it.
+  admission finds them cached like any prefix. The engine thread waits only for the reads of
+  the requests that the batch has seats for (the ones the scheduler may admit in this step);
+  the others' reads go on beside the step.
 
 The hashes are the prefix cache's own (namespace, ``cache_salt``, the images' content hashes,
 chained), so a block on disk is only ever found by a request with the same tokens and images
@@ -70,19 +71,21 @@ class DiskOffload:
 
     # ---- in --------------------------------------------------------------------------------
 
-    def before_schedule(self, waiting) -> None:
-        """Probe the next waiting requests and import what their reads brought."""
+    def before_schedule(self, waiting, num_running: int) -> None:
+        """Probe the next waiting requests and import what their reads brought; wait only for
+        the reads of those the scheduler may admit now (one per free seat of the batch)."""
         if self.tier.enabled:
             with self._failing_turns_the_tier_off("reading"):
-                self._bring_in(waiting)
+                self._bring_in(waiting, max(self.lookahead - num_running, 0))
 
-    def _bring_in(self, waiting) -> None:
+    def _bring_in(self, waiting, seats: int) -> None:
         ahead = [request for _, request in zip(range(self.lookahead), waiting)]
         for request in ahead:
             self._probe(request)
-        for request in ahead:
-            pending = self._pending.pop(request.request_id, None)
-            if pending is not None:
+        for position, request in enumerate(ahead):
+            pending = self._pending.get(request.request_id)
+            if pending is not None and (position < seats or pending.future.done()):
+                del self._pending[request.request_id]
                 self._import(request, pending)
         # Forget what is no longer ahead in the queue (admitted, aborted): both sets stay small.
         self._probed &= {(r.request_id, r.num_preemptions) for r in ahead}

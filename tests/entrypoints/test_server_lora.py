@@ -92,3 +92,44 @@ def test_an_adapter_that_does_not_fit_stops_the_server_at_start(tiny_model_dir, 
     args = build_parser().parse_args(["serve", str(model), "--num-kv-blocks", "32", "--lora-modules", f"broken={tmp_path}"])
     assert run_serve(args) == 2
     assert "--lora-modules broken" in capsys.readouterr().err
+
+
+def test_adapters_load_and_unload_at_runtime_inside_the_allowed_folder(tiny_model_dir, tmp_path):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: off by default (404); with a
+    folder, adapters inside it load (and then serve), anything outside is 403, a broken one 400."""
+    httpx = pytest.importorskip("httpx")
+    allowed = tmp_path / "allowed"
+    inside = write_mlx_lm_adapter(tiny_model_dir, allowed / "fresh", rank=4, scale=2.0, seed=5)
+    outside = write_mlx_lm_adapter(tiny_model_dir, tmp_path / "elsewhere", rank=4, scale=2.0, seed=6)
+    (allowed / "broken").mkdir()
+    engine = AsyncEngineCore(model=str(tiny_model_dir), enable_lora=True, max_loras=2, max_lora_rank=8,
+                             num_kv_blocks=64, force_model_takeover=True).start()  # fmt: skip
+    off = LiveServer(build_app(engine, served_model_name="tiny"))
+    try:
+        response = httpx.post(off.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(inside)})
+        assert response.status_code == 404 and "--enable-lora-loading" in response.text
+    finally:
+        off.stop()
+    live = LiveServer(build_app(engine, served_model_name="tiny", lora_loading_dir=allowed))
+    try:
+        def load(name, path):
+            return httpx.post(live.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+
+        assert load("fresh", inside).status_code == 200
+        assert load("fresh", inside).status_code == 400  # already loaded
+        assert load("far", outside).status_code == 403
+        assert load("sneaky", allowed / ".." / "elsewhere").status_code == 403  # resolved before the check
+        assert load("broken", allowed / "broken").status_code == 400
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="none")
+        assert "fresh" in {m.id for m in client.models.list().data}
+        answer = client.completions.create(model="fresh", prompt=PROMPT, max_tokens=8, temperature=0,
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+        assert answer.choices[0].text == expected_text(tiny_model_dir, inside)
+        unload = httpx.post(live.url + "/v1/unload_lora_adapter", json={"lora_name": "fresh"})
+        assert unload.status_code == 200
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="fresh", prompt=PROMPT, max_tokens=2)
+        assert httpx.post(live.url + "/v1/unload_lora_adapter", json={"lora_name": "fresh"}).status_code == 404
+    finally:
+        live.stop()
+        engine.stop()

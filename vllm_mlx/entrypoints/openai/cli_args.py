@@ -39,9 +39,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser, parse_bytes) -> None:
     add_arguments(parser, ServingOptions, SERVE)  # ServingOptions' declared flags, in this group
     _add_limit_arguments(parser.add_argument_group("request limits (raise them for trusted clients)"))
     _add_media_arguments(parser.add_argument_group("media inputs (none from outside the request by default)"))
-    parser.add_argument_group("LoRA adapters").add_argument(
+    lora = parser.add_argument_group("LoRA adapters")
+    lora.add_argument(
         "--lora-modules", nargs="+", type=lora_module, default=None, metavar="NAME=PATH",
         help="serve these adapters beside the model (turns on --enable-lora); a request's `model` picks one by NAME",
+    )  # fmt: skip
+    lora.add_argument(
+        "--enable-lora-loading", default=None, metavar="DIR",
+        help="turn on /v1/load_lora_adapter and /v1/unload_lora_adapter for adapter folders inside DIR (and --enable-lora)",
     )  # fmt: skip
     _add_distributed_arguments(parser.add_argument_group(DISTRIBUTED_GROUP))
     # Engine flags shared with other commands come from cli.add_model_arguments; these are the
@@ -87,7 +92,8 @@ def serving_options(args: argparse.Namespace) -> ServingOptions:
 
 def serve_engine_options(args: argparse.Namespace) -> dict:
     """The ``EngineConfig`` fields set by the flags above (``--lora-modules`` turns LoRA on)."""
-    return options_from_args(args, EngineConfig, SERVE) | ({"enable_lora": True} if args.lora_modules else {})
+    wants_lora = bool(args.lora_modules) or args.enable_lora_loading is not None
+    return options_from_args(args, EngineConfig, SERVE) | ({"enable_lora": True} if wants_lora else {})
 
 
 def lora_module(text: str) -> tuple[str, str]:

@@ -322,6 +322,20 @@ class ModelCard(BaseModel):
     max_model_len: int | None = None
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's ``POST /v1/load_lora_adapter`` body."""
+
+    lora_name: str = Field(min_length=1, max_length=200)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body."""
+
+    lora_name: str = Field(min_length=1, max_length=200)
+    lora_int_id: int | None = None
+
+
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]

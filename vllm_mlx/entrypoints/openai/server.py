@@ -43,7 +43,15 @@ from vllm_mlx.entrypoints.openai.cache_disclosure import disk_view, visible
 from vllm_mlx.entrypoints.openai.cli_args import lora_requests, serve_media_policy, serving_options
 from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
 from vllm_mlx.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware, BodySizeLimitMiddleware
-from vllm_mlx.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from vllm_mlx.entrypoints.openai.lora_loading import LoRALoading
+from vllm_mlx.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    ModelCard,
+    ModelList,
+    UnloadLoRAAdapterRequest,
+)
 from vllm_mlx.entrypoints.openai.responses_protocol import ResponsesRequest
 from vllm_mlx.entrypoints.openai.serving import (
     ClientDisconnected,
@@ -75,13 +83,16 @@ def build_app(
     media_policy: MediaPolicy | None = None,
     options: ServingOptions | None = None,
     lora_modules: Sequence[LoRARequest] = (),
+    lora_loading_dir: str | Path | None = None,
 ) -> FastAPI:
     """The app for a started engine; ``served_model_name`` defaults to the model directory's name.
     Request images load under ``media_policy`` (None = ``MediaPolicy.server()``: no local file,
     no URL), whatever the engine's own policy.
     With ``owns_engine`` the app stops the engine when it shuts down. ``options``: the
     operator's limits and disclosure switches (None = the safe defaults). ``lora_modules``:
-    adapters a request picks by naming one as its ``model`` (the engine needs ``enable_lora``)."""
+    adapters a request picks by naming one as its ``model`` (the engine needs ``enable_lora``).
+    ``lora_loading_dir``: vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` are on,
+    for adapter folders inside it only (None: off, 404)."""
     options = options or ServingOptions()
     info = ModelInfo.read(engine)
     name = served_model_name or Path(info.path).name
@@ -123,6 +134,16 @@ def build_app(
         card = ModelCard(id=name, root=name, max_model_len=info.max_model_len)  # no local paths
         loras = [ModelCard(id=n, root=n, parent=name, max_model_len=info.max_model_len) for n in adapters]
         return ModelList(data=[card, *loras]).model_dump()
+
+    loading = LoRALoading(engine, adapters, lora_loading_dir)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        return Response(await loading.load(body), media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        return Response(loading.unload(body), media_type="text/plain")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -339,6 +360,7 @@ def run_server(args: argparse.Namespace, engine_options: dict) -> int:
             media_policy=media_policy,
             options=options,
             lora_modules=loras,
+            lora_loading_dir=args.enable_lora_loading,
         )
         backend = backend_summary(engine.weight_format)
         print(f"vllm-mlx: serving {name!r} on http://{args.host}:{args.port} ({backend})", file=sys.stderr, flush=True)

@@ -100,7 +100,7 @@ class OpenAIServing:
     ) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.adapters = adapters or {}
+        self.adapters = adapters if adapters is not None else {}  # shared: runtime loading adds to it
         """LoRA adapters by the ``model`` name that picks them (``--lora-modules``)."""
         self.metrics = metrics
         self.options = options or ServingOptions()

@@ -95,6 +95,19 @@ def test_finished_rows_stay_listed_without_blocks():
     assert state["requests"][0]["output_tokens"] == 4 and state["block_owner"] == [-1] * 7
 
 
+def test_rows_name_their_adapter_and_what_came_from_disk():
+    from vllm_mlx_jupyter.views.inspector import cached_cell, request_label
+
+    rows = [{"id": "b", "name": "second", "status": "generating", "adapter": "sql", "disk_tokens": 16}]
+    state = decode_state(encode_snapshot(SNAPSHOT, rows=rows))
+    b = next(r for r in state["requests"] if r["id"] == "b")
+    assert b["adapter"] == "sql" and request_label(b) == "second · sql"
+    a = next(r for r in state["requests"] if r["id"] == "a")
+    assert a["adapter"] is None and request_label(a) == "a"
+    assert cached_cell({"cached_tokens": 32, "disk_tokens": 16}) == "32 (16 from disk)"
+    assert cached_cell({"cached_tokens": 32, "disk_tokens": 0}) == "32"
+
+
 def test_multimodal_entries_keep_json_fields_only():
     entry = {"hash": "abc123", "width": 32, "height": 16, "thumbnail_png": b"\x89PNG", "thumbnail_base64": "iVBO",
              "bytes": 4096, "num_tokens": 64, "hits": 2, "created": 1.0, "last_used": 2.0}  # fmt: skip

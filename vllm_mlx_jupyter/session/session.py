@@ -519,6 +519,7 @@ class Session:
                 "prompt_tokens": gen.num_prompt_tokens or 0,
                 "cached_tokens": out.num_cached_tokens if out is not None else 0,
                 "disk_tokens": getattr(getattr(out, "metrics", None), "num_disk_tokens", 0),
+                "adapter": gen.lora_request.lora_name if getattr(gen, "lora_request", None) else None,
                 "output_tokens": out.num_completion_tokens if out is not None else 0,
             })  # fmt: skip
         return rows[-FINISHED_ROWS:]

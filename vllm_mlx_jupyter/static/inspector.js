@@ -155,7 +155,7 @@ function render({ model, el }) {
       const name = h("td", "vmi-name");
       const sw = h("span", "vmi-swatch");
       sw.style.backgroundColor = PALETTE[r.color % PALETTE.length];
-      name.append(sw, document.createTextNode(r.name));
+      name.append(sw, document.createTextNode(r.adapter ? `${r.name} · ${r.adapter}` : r.name));
       row.append(name, h("td", `vmi-status vmi-st-${r.status}`, r.status), h("td", "", String(r.prompt_tokens)),
         h("td", "", r.disk_tokens ? `${r.cached_tokens} (${r.disk_tokens} from disk)` : String(r.cached_tokens)),
         h("td", "", String(r.output_tokens)), h("td", "", String(r.num_blocks)));

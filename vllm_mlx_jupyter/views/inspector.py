@@ -13,8 +13,9 @@ Synced state (small, binary where it is per block; little-endian):
   eviction queue, -1 when not queued); at most ``MAX_GRID_BLOCKS`` blocks (``num_blocks``
   counts them all).
 - ``block_info``: ``{block id: [hash, text]}`` for blocks that hold tokens.
-- ``requests``: table rows ``{id, name, status, prompt_tokens, cached_tokens, disk_tokens (of the
-  cached ones, read back by the disk tier), output_tokens, num_blocks, offset, color}``; ``block_tables`` int32 holds their tables back to back
+- ``requests``: table rows ``{id, name, adapter (its LoRA adapter's name, or None), status,
+  prompt_tokens, cached_tokens, disk_tokens (of the cached ones, read back by the disk tier),
+  output_tokens, num_blocks, offset, color}``; ``block_tables`` int32 holds their tables back to back
   (``offset``/``num_blocks`` index it).
 - ``stats`` (usage, hit rate, evictions, tokens saved, ...) and ``mllm``: the multimodal cache
   entries (hash, size, tokens, hits, base64 thumbnail) from ``cache_snapshot()["mllm"]``, an
@@ -152,7 +153,7 @@ def _request_rows(live: dict, rows: Iterable[dict], colors: dict[str, int]) -> t
         if view is not None and status in ("done", "aborted", "error"):
             status = view["status"].lower()  # the engine still lists it: not finished yet
         requests.append({
-            "id": rid, "name": row.get("name", rid), "status": status,
+            "id": rid, "name": row.get("name", rid), "adapter": row.get("adapter"), "status": status,
             "prompt_tokens": view["num_prompt_tokens"] if view else row.get("prompt_tokens", 0),
             "cached_tokens": view["num_cached_tokens"] if view else row.get("cached_tokens", 0),
             "disk_tokens": view.get("num_disk_tokens", 0) if view else row.get("disk_tokens", 0),
@@ -329,7 +330,7 @@ def static_html(state: dict, max_blocks: int = 2048) -> str:
         cells.append(f'<span title="block {i}: {STATE_NAMES.get(code, "?")}, ref {ref}" style="display:inline-block;'
                      f'width:9px;height:9px;margin:1px;background:{color};{border}"></span>')  # fmt: skip
     rows = "".join(
-        f"<tr><td>{escape(r.get('name', ''))}</td><td>{escape(r.get('status', ''))}</td>"
+        f"<tr><td>{escape(request_label(r))}</td><td>{escape(r.get('status', ''))}</td>"
         f"<td>{as_int(r.get('prompt_tokens'))}</td><td>{cached_cell(r)}</td>"
         + "".join(f"<td>{as_int(r.get(key))}</td>" for key in ("output_tokens", "num_blocks"))
         + "</tr>"
@@ -350,4 +351,10 @@ def cached_cell(row: dict) -> str:
     """A request's cached prompt tokens, and how many of them came from the disk tier."""
     cached, disk = as_int(row.get("cached_tokens")), as_int(row.get("disk_tokens"))
     return f"{cached} ({disk} from disk)" if disk else str(cached)
+
+
+def request_label(row: dict) -> str:
+    """A request's name, and its LoRA adapter's when it has one."""
+    adapter = row.get("adapter")
+    return f"{row.get('name', '')} · {adapter}" if adapter else str(row.get("name", ""))
 

@@ -226,7 +226,7 @@ class GenerateMagics(Magics):
             raw=args.raw, images=list(args.image or []), response_format=fmt, interpolate=not args.raw_braces,
             namespace=self.shell.user_ns, max_in_flight=args.max_in_flight,
             resume=previous if isinstance(previous, OverGeneration) else None, interval=self.update_interval,
-            speculative=args.speculative,
+            speculative=args.speculative, adapter=args.adapter,
         )  # fmt: skip
         try:
             handle = start_over(self.session, request, self._image_value)

@@ -38,9 +38,19 @@ def test_cells_with_adapters_share_a_batch_and_match_mlx_lm(tiny_model_dir, adap
         tokens = {name: gen.output.outputs[0].token_ids for name, gen in gens.items()}
         with pytest.raises(UsageError, match="no such adapter"):
             generate(ip, "--adapter missing", PROMPT)
+        ip.user_ns["topics"] = ["lighthouses", "harbours"]
+        over_texts = generate(ip, "--over topics --raw --adapter sql", "Tell me about {item}.").result(TIMEOUT)
+        with pytest.raises(UsageError, match="no such adapter"):
+            generate(ip, "--over topics --adapter missing", "{item}")
         with pytest.raises(UsageError, match="adapter load NAME PATH"):
             ip.run_line_magic("vllm_mlx", "adapter load only-a-name")
     for name in ("sql", "poet", None):
         path = adapters[name] if name else None
         assert tokens[name] == mlx_lm_tokens(tiny_model_dir, [PROMPT], 8, adapter_path=path)[0], name
     assert len(set(texts.values())) == 3
+    from vllm_mlx.models import load_model
+
+    tokenizer = load_model(tiny_model_dir).tokenizer
+    prompts = [f"Tell me about {topic}." for topic in ("lighthouses", "harbours")]
+    expected = mlx_lm_tokens(tiny_model_dir, prompts, 8, adapter_path=adapters["sql"])
+    assert over_texts == [tokenizer.decode(tokens) for tokens in expected]  # --over rows run with the adapter

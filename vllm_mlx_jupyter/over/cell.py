@@ -49,6 +49,8 @@ class OverRequest:
     interval: float = 0.1
     speculative: bool | None = None
     """Whether the rows speculate (None: as the engine was loaded)."""
+    adapter: str | None = None
+    """The LoRA adapter every row runs with (``--adapter``; None: the base model)."""
 
 
 def start_over(session: Session, request: OverRequest, resolve_image: Callable[[object], object] = lambda x: x):
@@ -74,11 +76,13 @@ def start_over(session: Session, request: OverRequest, resolve_image: Callable[[
     columns = source.names()
     images = [Column(i) if isinstance(i, str) and i in columns else resolve_image(i) for i in request.images]
     fmt = request.response_format
+    lora = session.adapter(request.adapter) if request.adapter is not None else None  # SessionError if unknown
     try:
         handle = OverGeneration(
             name, engine, source, _row_prompt(session, request, images), request.params, max_in_flight=bound,
             reader_format=fmt, constraint=engine.compile_constraint(request.params) if fmt is not None else None,
             kept=kept, interval=request.interval, speculative=request.speculative,
+            lora_request=lora,
         )  # fmt: skip
     except ValueError as exc:
         raise SessionError(f"--max-in-flight: {exc}") from None

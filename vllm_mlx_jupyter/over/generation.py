@@ -108,12 +108,14 @@ class OverGeneration(LiveViews):
         kept: dict[int, RowResult] | None = None,
         interval: float = MIN_INTERVAL,
         speculative: bool | None = None,
+        lora_request=None,
     ) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, not {max_in_flight}")
         self.name = self.request_id = name
         self.params = params
         self.speculative = speculative
+        self.lora_request = lora_request
         self.max_in_flight = max_in_flight
         self.state = GENERATING
         self.error: BaseException | None = None
@@ -261,6 +263,8 @@ class OverGeneration(LiveViews):
         params = self.params.clone(seed=self.params.seed + index) if self.params.seed is not None else self.params
         try:
             chosen = {"speculative": self.speculative} if self.speculative is not None else {}
+            if self.lora_request is not None:
+                chosen["lora_request"] = self.lora_request
             stream = self._engine.add_request(prompt, params, self._row_id(index), constraint=self._constraint, **chosen)
         except EngineDeadError as exc:
             self.error = exc

@@ -243,10 +243,16 @@ def test_quickstart(server, page):
 
         # Hovering a block that holds tokens shows its details. The grid is live: a block can
         # change state between the hover and the read, so hover again (a few times at most).
-        tip = inspector.locator(".vmi-tip")
-        for _ in range(5):
+        # A redraw can also replace the hovered block under a still mouse, so no mouseover
+        # comes: each try waits a little, then moves away and hovers again.
+        tip, text = inspector.locator(".vmi-tip"), ""
+        for _ in range(12):
+            page.mouse.move(0, 0)
             inspector.locator(".vmi-block.vmi-used, .vmi-block.vmi-cached").first.hover()
-            tip.wait_for(state="visible")
+            try:
+                tip.wait_for(state="visible", timeout=5_000)
+            except sync_api.TimeoutError:
+                continue
             text = tip.inner_text()
             if "hash" in text:
                 break

@@ -132,7 +132,6 @@ class DraftModel:
         coordinator = PagedCacheManager(num_blocks, block_size, enable_caching, group_windows=draft.block_groups.windows)
         self.kv = KVCacheManager(coordinator, namespace=f"draft:{draft.loaded.path}", enable_caching=enable_caching)
         self.cost_ratio = cost_ratio
-        self.model_path = draft.loaded.path
         self.shadows: dict[str, Shadow] = {}
         self._step_ids = itertools.count()
 

@@ -176,7 +176,9 @@ class DiskTier:
         self.budget_bytes = budget_bytes
         self._lock = threading.Lock()
         self._window = _WriteWindow(write_bytes_per_hour, clock)
-        self._stats = DiskTierStats(True, str(self.folder), budget_bytes=budget_bytes)
+        self._stats = DiskTierStats(
+            True, str(self.folder), budget_bytes=budget_bytes, write_bytes_per_hour=write_bytes_per_hour
+        )
         self._queued: set[bytes] = set()  # keys queued or written by this process
         self._writes: queue.Queue[BlockBytes | None] = queue.Queue()
         self._writer: threading.Thread | None = None
@@ -208,7 +210,6 @@ class DiskTier:
     def stats(self) -> DiskTierStats:
         with self._lock:
             stats = DiskTierStats(**asdict(self._stats))
-            stats.write_bytes_per_hour = self._window.per_hour
             stats.write_budget_left = self._window.left()
             return stats
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -148,3 +149,21 @@ def test_demo_without_the_notebook_is_a_clear_error(tmp_path):
     done = subprocess.run([sys.executable, "-m", "vllm_mlx.entrypoints.cli", "demo", str(tmp_path / "nope.ipynb")],
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 1 and "no notebook at" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.e2e
+def test_lora_trains_an_adapter_and_serves_it_beside_the_base_model(monkeypatch, default_model_dir, tmp_path):
+    """On the default model (an adapter trained on random weights teaches nothing to check): the
+    adapter learned the made-up fact, the base model did not, and the adapter kept a general
+    answer; the three cells shared the engine."""
+    monkeypatch.delenv("VLLM_MLX_JUPYTER_MODEL", raising=False)
+    shutil.copytree(NOTEBOOKS / "data", tmp_path / "data")
+    nb = execute("lora.ipynb", tmp_path)
+    assert_clean(nb)
+    gens = generations(nb)
+    assert all(" · done (" in status for status, _ in gens.values()) and len(gens) == 3, gens
+    printed = "".join(o.get("text", "") for o in outputs(nb) if o["output_type"] == "stream")
+    answers = dict(re.findall(r"^(tuned|plain|general): (.*)$", printed, re.M))
+    assert "Ingrid Vale" in answers["tuned"] and "Ingrid Vale" not in answers["plain"], answers
+    assert "Rome" in answers["general"], answers
+    assert (tmp_path / "adapters" / "quillfeather" / "adapters.safetensors").is_file()

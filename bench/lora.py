@@ -7,8 +7,10 @@ projections, mlx-lm's format), on one engine with ``enable_lora`` and as many sl
 An engine without ``enable_lora`` runs the base batch too: what wrapping the layers costs. Then
 ``--rounds`` batches that switch between the adapters, to count slot loads (a switch between
 adapters the slots hold reloads nothing). Output tokens per second over the whole batch.
+``--dora``: DoRA adapters instead (mlx-lm's ``fine_tune_type: "dora"``, magnitudes moved off the
+base rows' norms), whose rows are also rescaled per output feature.
 
-    python bench/lora.py [--batch 16] [--adapters 4] [--tokens 64] [--rank 8] [--repeats 3]
+    python bench/lora.py [--batch 16] [--adapters 4] [--tokens 64] [--rank 8] [--repeats 3] [--dora]
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ PROMPTS = [
 ]
 
 
-def write_adapter(model_dir: Path, out: Path, rank: int, seed: int) -> Path:
+def write_adapter(model_dir: Path, out: Path, rank: int, seed: int, dora: bool = False) -> Path:
     """A random-weight adapter in mlx-lm's format (what ``mlx_lm.lora`` saves)."""
     import mlx.core as mx
     import mlx_lm
@@ -38,12 +40,14 @@ def write_adapter(model_dir: Path, out: Path, rank: int, seed: int) -> Path:
     keys = ["self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"]
     model, _ = mlx_lm.load(str(model_dir))
     layers = len(model.layers)
-    linear_to_lora_layers(model, layers, {"rank": rank, "scale": 2.0, "dropout": 0.0, "keys": keys})
+    linear_to_lora_layers(model, layers, {"rank": rank, "scale": 2.0, "dropout": 0.0, "keys": keys}, use_dora=dora)
     mx.random.seed(seed)
     factors = {k: mx.random.normal(v.shape) * 0.01 for k, v in tree_flatten(model.parameters()) if "lora_" in k}
+    factors.update({k: v * 1.1 for k, v in tree_flatten(model.parameters()) if k.endswith(".m")})  # DoRA only
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "adapters.safetensors"), factors)
-    config = {"fine_tune_type": "lora", "num_layers": layers, "lora_parameters": {"rank": rank, "scale": 2.0, "keys": keys}}
+    kind = "dora" if dora else "lora"
+    config = {"fine_tune_type": kind, "num_layers": layers, "lora_parameters": {"rank": rank, "scale": 2.0, "keys": keys}}
     (out / "adapter_config.json").write_text(json.dumps(config))
     return out
 
@@ -70,6 +74,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--dora", action="store_true", help="DoRA adapters instead of LoRA")
     args = parser.parse_args()
 
     from vllm_mlx.engine.core import EngineCore
@@ -79,7 +84,7 @@ def main() -> None:
     path, tokenizer = plain.model_path, plain.tokenizer
     prompts = [tokenizer.encode(f"{PROMPTS[i % len(PROMPTS)]} ({i})") for i in range(args.batch)]
     folder = Path(tempfile.mkdtemp(prefix="lora-bench-"))
-    loras = [LoRARequest(f"a{i}", i + 1, str(write_adapter(path, folder / f"a{i}", args.rank, i))) for i in range(args.adapters)]
+    loras = [LoRARequest(f"a{i}", i + 1, str(write_adapter(path, folder / f"a{i}", args.rank, i, args.dora))) for i in range(args.adapters)]
     spread = [loras[i % len(loras)] for i in range(args.batch)]
     base_rows = [None] * args.batch
     unwrapped = [batch_rate(plain, prompts, args.tokens, base_rows) for _ in range(args.repeats)]
@@ -98,7 +103,7 @@ def main() -> None:
     engine.shutdown()
     median = statistics.median
     print(f"model {path.name}, weights {engine.weight_format}, batch {args.batch}, {args.tokens} tokens each, "
-          f"{args.adapters} adapters of rank {args.rank}, median of {args.repeats}")  # fmt: skip
+          f"{args.adapters} {'DoRA' if args.dora else 'LoRA'} adapters of rank {args.rank}, median of {args.repeats}")  # fmt: skip
     print("| engine | rows | output tok/s | ratio to base |")
     print("|---|---|---:|---:|")
     print(f"| without enable_lora | base model | {median(unwrapped):.1f} | {median(unwrapped) / median(base):.2f}x |")

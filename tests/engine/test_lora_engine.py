@@ -25,11 +25,13 @@ def adapters(tmp_path_factory, tiny_model_dir):
     first = write_mlx_lm_adapter(tiny_model_dir, root / "first", rank=4, scale=2.0, seed=1)
     second = write_mlx_lm_adapter(tiny_model_dir, root / "second", rank=8, scale=1.0, seed=2, keys=["self_attn.k_proj"])
     third = write_mlx_lm_adapter(tiny_model_dir, root / "third", rank=2, scale=4.0, seed=3, keys=["mlp.gate_proj"])
+    dora = write_mlx_lm_adapter(tiny_model_dir, root / "dora", rank=4, scale=2.0, seed=4, fine_tune_type="dora")
     return {
         "first": LoRARequest("first", 1, str(first)),
         "second": LoRARequest("second", 2, str(second)),
         "third": LoRARequest("third", 3, str(third)),
         "first-peft": LoRARequest("first-peft", 4, str(as_peft(first, root / "peft", alpha=8.0, base=str(tiny_model_dir)))),
+        "dora": LoRARequest("dora", 5, str(dora)),
     }
 
 
@@ -37,7 +39,7 @@ def adapters(tmp_path_factory, tiny_model_dir):
 def expected(tiny_model_dir, adapters):
     """mlx-lm's tokens per (prompt, adapter name or None)."""
     table = {}
-    for name in [None, "first", "second", "third"]:
+    for name in [None, "first", "second", "third", "dora"]:
         path = adapters[name].lora_path if name else None
         for prompt, tokens in zip(PROMPTS, mlx_lm_tokens(tiny_model_dir, PROMPTS, 12, adapter_path=path)):
             table[prompt, name] = tokens
@@ -60,7 +62,7 @@ def test_a_batch_of_adapters_and_the_base_equals_mlx_lm_row_by_row(engine_factor
     """Four adapters over two slots and the base model, in one batch: the rows whose adapter
     has no slot wait, then run; every row equals mlx-lm with its adapter alone."""
     engine = lora_engine(engine_factory)
-    jobs = [(p, name) for p in PROMPTS for name in (None, "first", "second", "third", "first-peft")]
+    jobs = [(p, name) for p in PROMPTS for name in (None, "first", "second", "third", "first-peft", "dora")]
     outputs = run(engine, jobs, adapters)
     for (prompt, name), output in zip(jobs, outputs):
         assert output.outputs[0].token_ids == expected[prompt, name], (prompt, name)
@@ -79,7 +81,7 @@ def test_prefix_hits_stay_within_an_adapter(engine_factory, adapters, expected):
 
 def test_preemption_keeps_each_rows_adapter(engine_factory, adapters, expected):
     engine = lora_engine(engine_factory, num_kv_blocks=20, max_num_batched_tokens=12)
-    jobs = [(p, name) for p in PROMPTS for name in ("first", None, "third")]
+    jobs = [(p, name) for p in PROMPTS for name in ("first", None, "dora")]
     outputs = run(engine, jobs, adapters)
     assert engine.scheduler.num_preemptions > 0
     for (prompt, name), output in zip(jobs, outputs):

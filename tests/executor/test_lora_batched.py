@@ -27,7 +27,9 @@ def adapters(tmp_path_factory, tiny_model_dir):
     first = write_mlx_lm_adapter(tiny_model_dir, root / "first", rank=4, scale=2.0, seed=1)
     second = write_mlx_lm_adapter(tiny_model_dir, root / "second", rank=8, scale=1.0, seed=2, keys=["self_attn.k_proj"])
     peft = as_peft(first, root / "first-peft", alpha=8.0)  # rank 4, alpha 8: scale 2, as ``first``
-    return {"first": first, "second": second, "first-peft": peft}
+    dora = write_mlx_lm_adapter(tiny_model_dir, root / "dora", rank=4, scale=2.0, seed=4, fine_tune_type="dora")
+    dora_peft = as_peft(dora, root / "dora-peft", alpha=8.0)
+    return {"first": first, "second": second, "first-peft": peft, "dora": dora, "dora-peft": dora_peft}
 
 
 def mlx_lm_logits(model_dir: Path, tokens: list[int], adapter: Path | None) -> mx.array:
@@ -57,6 +59,53 @@ def test_each_row_gets_its_own_adapter_as_mlx_lm_computes_it(tiny_model_dir, ada
     with slots.rows([0, 0, 0, 0]):  # no adapter row: the base model, untouched
         plain = model(mx.array(TOKENS))
     assert mx.array_equal(plain[1], batched[1]).item()
+
+
+def test_dora_rows_rescale_as_mlx_lm_computes_them(tiny_model_dir, adapters, tmp_path):
+    """DoRA adapters (mlx-lm's files and PEFT's, the same weights) beside a LoRA adapter and the
+    base model in one batch: each row is mlx-lm's ``DoRALinear`` (or ``LoRALinear``) alone."""
+    import mlx_lm
+
+    model, _ = mlx_lm.load(str(tiny_model_dir))
+    slots = LoRASlots.wrap(model, max_loras=3, max_rank=8)
+    for slot, name in enumerate(["dora", "first", "dora-peft"], start=1):
+        slots.load(slot, load_adapter(adapters[name], model))
+    with slots.rows([1, 2, 0, 3]):
+        batched = model(mx.array(TOKENS))
+    references = [adapters["dora"], adapters["first"], None, adapters["dora"]]
+    for row, reference in enumerate(references):
+        expected = mlx_lm_logits(tiny_model_dir, TOKENS[row], reference)
+        assert mx.allclose(batched[row], expected, atol=1e-4, rtol=1e-4).item(), row
+    as_lora = tmp_path / "as-lora"  # the same factors without the magnitudes: plain LoRA
+    as_lora.mkdir()
+    factors = mx.load(str(adapters["dora"] / "adapters.safetensors"))
+    mx.save_safetensors(str(as_lora / "adapters.safetensors"), {k: v for k, v in factors.items() if not k.endswith(".m")})
+    config = json.loads((adapters["dora"] / "adapter_config.json").read_text())
+    (as_lora / "adapter_config.json").write_text(json.dumps({**config, "fine_tune_type": "lora"}))
+    assert not mx.allclose(batched[0], mlx_lm_logits(tiny_model_dir, TOKENS[0], as_lora), atol=1e-3).item()
+    slots.load(1, load_adapter(adapters["first"], model))  # a DoRA slot rewritten with LoRA stops rescaling
+    with slots.rows([1]):
+        logits = model(mx.array(TOKENS[:1]))[0]
+    assert mx.allclose(logits, mlx_lm_logits(tiny_model_dir, TOKENS[0], adapters["first"]), atol=1e-4).item()
+
+
+def test_dora_keeps_a_biased_layer_exact(tmp_path, default_model_dir):
+    """Qwen2's attention projections have biases: DoRA rescales the output without its bias
+    (mlx-lm adds it after), and rows of other slots keep the base output bit for bit."""
+    import mlx_lm
+    from tiny_model import build_tiny_llama
+
+    qwen2 = build_tiny_llama(tmp_path / "qwen2", default_model_dir, model_type="qwen2", seed=3)
+    dora = write_mlx_lm_adapter(qwen2, tmp_path / "dora", rank=4, scale=2.0, seed=5,
+                                keys=["self_attn.q_proj", "self_attn.v_proj"], fine_tune_type="dora")  # fmt: skip
+    model, _ = mlx_lm.load(str(qwen2))
+    base = model(mx.array(TOKENS[:2]))
+    slots = LoRASlots.wrap(model, max_loras=1, max_rank=4)
+    slots.load(1, load_adapter(dora, model))
+    with slots.rows([1, 0]):
+        batched = model(mx.array(TOKENS[:2]))
+    assert mx.allclose(batched[0], mlx_lm_logits(qwen2, TOKENS[0], dora), atol=1e-4, rtol=1e-4).item()
+    assert mx.array_equal(batched[1], base[1]).item()
 
 
 def test_a_slot_can_be_cleared_and_reused(tiny_model_dir, adapters):
@@ -96,12 +145,19 @@ def test_adapters_that_cannot_serve_this_model_are_refused(tiny_model_dir, adapt
     with pytest.raises(AdapterError, match="trained on"):
         load_adapter(adapters["first-peft"], model, base_model="some-other-model")
     load_adapter(adapters["first-peft"], model, base_model="/models/TINY")  # the same name, any folder
-    dora = tmp_path / "dora"
-    dora.mkdir()
-    (dora / "adapters.safetensors").write_bytes((adapters["first"] / "adapters.safetensors").read_bytes())
-    (dora / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "dora", "lora_parameters": {"scale": 1}}))
-    with pytest.raises(AdapterError, match="only LoRA"):
-        load_adapter(dora, model)
+    for kind, message in [("dora", "has no DoRA magnitude"), ("full", "only LoRA and DoRA")]:
+        other = tmp_path / kind
+        other.mkdir()
+        (other / "adapters.safetensors").write_bytes((adapters["first"] / "adapters.safetensors").read_bytes())
+        (other / "adapter_config.json").write_text(json.dumps({"fine_tune_type": kind, "lora_parameters": {"scale": 1}}))
+        with pytest.raises(AdapterError, match=message):
+            load_adapter(other, model)
+    config = json.loads((adapters["dora"] / "adapter_config.json").read_text())
+    (tmp_path / "lora-with-m").mkdir()
+    (tmp_path / "lora-with-m" / "adapters.safetensors").write_bytes((adapters["dora"] / "adapters.safetensors").read_bytes())
+    (tmp_path / "lora-with-m" / "adapter_config.json").write_text(json.dumps({**config, "fine_tune_type": "lora"}))
+    with pytest.raises(AdapterError, match="'.*m' is not a LORA weight"):
+        load_adapter(tmp_path / "lora-with-m", model)
     slots = LoRASlots.wrap(model, max_loras=1, max_rank=4)
     with pytest.raises(AdapterError, match="rank 8"):
         slots.load(1, load_adapter(adapters["second"], model))

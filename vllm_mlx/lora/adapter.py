@@ -3,19 +3,25 @@
 Two formats, told apart by their weights file:
 
 - **mlx-lm** (``mlx_lm.lora`` writes it): ``adapters.safetensors`` with ``<module>.lora_a``
-  ``[in, r]`` and ``<module>.lora_b`` ``[r, out]``; ``adapter_config.json`` with
-  ``fine_tune_type`` (``"lora"``), ``lora_parameters`` (``rank``, ``scale``) and ``model`` (the
-  base it was trained on). The update is ``scale * (x @ lora_a) @ lora_b``, as mlx-lm's
-  ``LoRALinear`` computes it.
+  ``[in, r]`` and ``<module>.lora_b`` ``[r, out]`` (DoRA: also ``<module>.m`` ``[out]``);
+  ``adapter_config.json`` with ``fine_tune_type`` (``"lora"`` or ``"dora"``),
+  ``lora_parameters`` (``rank``, ``scale``) and ``model`` (the base it was trained on). The
+  update is ``scale * (x @ lora_a) @ lora_b``, as mlx-lm's ``LoRALinear`` computes it.
 - **PEFT**: ``adapter_model.safetensors`` with ``base_model.model.<module>.lora_A.weight``
-  ``[r, in]`` and ``.lora_B.weight`` ``[out, r]``; ``adapter_config.json`` with ``r``,
-  ``lora_alpha`` (scale ``lora_alpha / r``, or ``/ sqrt(r)`` with ``use_rslora``) and
+  ``[r, in]`` and ``.lora_B.weight`` ``[out, r]`` (DoRA, ``use_dora``: also
+  ``.lora_magnitude_vector`` ``[out]``); ``adapter_config.json`` with ``r``, ``lora_alpha``
+  (scale ``lora_alpha / r``, or ``/ sqrt(r)`` with ``use_rslora``) and
   ``base_model_name_or_path``. Stored transposed to mlx-lm's layout.
+
+DoRA (both formats) adds a learned magnitude ``m`` per output feature: the layer's output with
+the low-rank update, less its bias, is scaled by ``m / ||W + scale * (a @ b)^T||`` (the norm of
+each output row of the adapted weight), then the bias is added back: mlx-lm's ``DoRALinear``
+and PEFT's ``DoraLinearLayer`` compute the same thing.
 
 Every module an adapter names must be a linear layer of the base model with the adapter's input
 and output sizes, and a recorded base model whose name differs from the engine's is refused:
-an ``AdapterError`` says which. Not read (refused by name): DoRA, full fine-tunes, PEFT's
-per-module ranks (``rank_pattern``), trained biases and ``modules_to_save``.
+an ``AdapterError`` says which. Not read (refused by name): full fine-tunes, PEFT's per-module
+ranks (``rank_pattern``), trained biases and ``modules_to_save``.
 """
 
 from __future__ import annotations
@@ -33,7 +39,10 @@ import mlx.nn as nn
 MLX_LM_WEIGHTS = "adapters.safetensors"
 PEFT_WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
-_PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.default)?\.weight$")
+_PEFT_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(?P<module>.+)\."
+    r"(?:lora_(?P<which>[AB])(?:\.default)?\.weight|(?P<magnitude>lora_magnitude_vector)(?:\.default)?(?:\.weight)?)$"
+)
 
 
 class AdapterError(ValueError):
@@ -43,13 +52,16 @@ class AdapterError(ValueError):
 
 @dataclass
 class LoRAWeights:
-    """One module's low-rank update: ``scale * (x @ a) @ b``."""
+    """One module's low-rank update: ``scale * (x @ a) @ b`` (DoRA: then rescaled, see the module
+    docstring)."""
 
     a: mx.array
     """``[in, r]``"""
     b: mx.array
     """``[r, out]``"""
     scale: float
+    magnitude: mx.array | None = None
+    """DoRA's learned magnitude ``m`` ``[out]``; None for plain LoRA."""
 
     @property
     def rank(self) -> int:
@@ -81,7 +93,7 @@ def load_adapter(path: str | Path, model: nn.Module, base_model: str | None = No
 
     Raises:
         AdapterError: No adapter there, a damaged one, one for another model, or a kind of
-            fine-tune that is not plain LoRA.
+            fine-tune that is neither LoRA nor DoRA.
     """
     folder = Path(path).expanduser()
     config = _read_config(folder)
@@ -129,19 +141,23 @@ def _load_weights(path: Path) -> dict[str, mx.array]:
 
 def _mlx_lm_adapter(folder: Path, config: dict) -> Adapter:
     kind = config.get("fine_tune_type", "lora")
-    if kind != "lora":
-        raise AdapterError(f"{folder}: fine_tune_type {kind!r}; only LoRA adapters are served (not DoRA or full)")
+    if kind not in ("lora", "dora"):
+        raise AdapterError(f"{folder}: fine_tune_type {kind!r}; only LoRA and DoRA adapters are served (not full)")
     parameters = config.get("lora_parameters") or {}
     scale = parameters.get("scale")
     if not isinstance(scale, int | float) or isinstance(scale, bool):
         raise AdapterError(f"{folder / CONFIG}: lora_parameters.scale is missing or not a number")
+    leaves = ("lora_a", "lora_b", "m") if kind == "dora" else ("lora_a", "lora_b")
     factors: dict[str, dict[str, mx.array]] = {}
     for key, value in _load_weights(folder / MLX_LM_WEIGHTS).items():
         module, _, leaf = key.rpartition(".")
-        if leaf not in ("lora_a", "lora_b"):
-            raise AdapterError(f"{folder / MLX_LM_WEIGHTS}: {key!r} is not a LoRA factor (DoRA or a full layer?)")
+        if leaf not in leaves:
+            raise AdapterError(f"{folder / MLX_LM_WEIGHTS}: {key!r} is not a {kind.upper()} weight (a full layer?)")
         factors.setdefault(module, {})[leaf] = value
-    modules = {m: _weights(folder, m, f.get("lora_a"), f.get("lora_b"), float(scale)) for m, f in factors.items()}
+    modules = {
+        m: _weights(folder, m, f.get("lora_a"), f.get("lora_b"), float(scale), f.get("m"), dora=kind == "dora")
+        for m, f in factors.items()
+    }
     return Adapter(folder, "mlx-lm", modules, config.get("model"))
 
 
@@ -149,8 +165,8 @@ def _peft_adapter(folder: Path, config: dict) -> Adapter:
     for key in ("rank_pattern", "alpha_pattern", "modules_to_save"):
         if config.get(key):
             raise AdapterError(f"{folder / CONFIG}: {key} is not supported (plain LoRA adapters only)")
-    if config.get("bias", "none") != "none" or config.get("use_dora"):
-        raise AdapterError(f"{folder / CONFIG}: trained biases and DoRA are not supported (plain LoRA adapters only)")
+    if config.get("bias", "none") != "none":
+        raise AdapterError(f"{folder / CONFIG}: trained biases are not supported (LoRA and DoRA adapters only)")
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, int | float):
         raise AdapterError(f"{folder / CONFIG}: r and lora_alpha are required")
@@ -160,17 +176,31 @@ def _peft_adapter(folder: Path, config: dict) -> Adapter:
         match = _PEFT_KEY.match(key)
         if match is None:
             raise AdapterError(f"{folder / PEFT_WEIGHTS}: {key!r} is not a LoRA factor")
-        factors.setdefault(match["module"], {})[match["which"]] = value.T  # to mlx-lm's layout
-    modules = {m: _weights(folder, m, f.get("A"), f.get("B"), float(scale)) for m, f in factors.items()}
+        if match["magnitude"]:
+            factors.setdefault(match["module"], {})["m"] = value
+        else:
+            factors.setdefault(match["module"], {})[match["which"]] = value.T  # to mlx-lm's layout
+    dora = bool(config.get("use_dora"))
+    modules = {
+        m: _weights(folder, m, f.get("A"), f.get("B"), float(scale), f.get("m"), dora) for m, f in factors.items()
+    }
     return Adapter(folder, "peft", modules, config.get("base_model_name_or_path"))
 
 
-def _weights(folder: Path, module: str, a: mx.array | None, b: mx.array | None, scale: float) -> LoRAWeights:
+def _weights(
+    folder: Path, module: str, a: mx.array | None, b: mx.array | None, scale: float,
+    magnitude: mx.array | None = None, dora: bool = False,
+) -> LoRAWeights:  # fmt: skip
     if a is None or b is None:
         raise AdapterError(f"{folder}: module {module!r} has only one of its two LoRA factors")
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
         raise AdapterError(f"{folder}: module {module!r} has factors {a.shape} and {b.shape}, which do not chain")
-    return LoRAWeights(a, b, scale)
+    if dora != (magnitude is not None):
+        what = "has no DoRA magnitude" if dora else "has a DoRA magnitude, but the adapter is not DoRA"
+        raise AdapterError(f"{folder}: module {module!r} {what}")
+    if magnitude is not None and magnitude.shape != (b.shape[1],):
+        raise AdapterError(f"{folder}: module {module!r} has a magnitude of shape {magnitude.shape}, not ({b.shape[1]},)")
+    return LoRAWeights(a, b, scale, magnitude)
 
 
 def _check_base_name(adapter: Adapter, base_model: str | None) -> None:

@@ -13,6 +13,12 @@ During a forward, ``rows(slot_per_row)`` says which slot each batch row uses. A 
 ``scale[s] * (x @ a[s]) @ b[s]`` gathered by the row's slot ``s``: two batched matmuls for the
 whole batch, whatever the mix of adapters. With no adapter row in the batch the wrappers return
 the base layer's output untouched (base-only steps cost one Python call per layer).
+
+DoRA slots also rescale their rows: ``gain[s] = m / ||W + scale * (a @ b)^T||`` per output
+feature depends only on the adapter and the base weight, so it is computed once when the slot
+is written, not per forward as mlx-lm's training layer does. A layer keeps ``gain`` and ``dora``
+only once a DoRA adapter names it; rows of other slots keep their output exactly (a select, not
+a multiply by one, so a bias is not subtracted and re-added).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 import mlx.nn as nn
 
-from vllm_mlx.lora.adapter import Adapter, AdapterError, linear_dims
+from vllm_mlx.lora.adapter import Adapter, AdapterError, LoRAWeights, linear_dims
 
 
 class BatchedLoRALinear(nn.Module):
@@ -37,6 +43,8 @@ class BatchedLoRALinear(nn.Module):
         self._a: mx.array | None = None  # [slots, in, R], made when an adapter first names this layer
         self._b: mx.array | None = None  # [slots, R, out]
         self._scale: mx.array | None = None  # [slots]
+        self._gain: mx.array | None = None  # [slots, out], made when a DoRA adapter first names this layer
+        self._dora: mx.array | None = None  # [slots] bool
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self.base(x)
@@ -44,27 +52,52 @@ class BatchedLoRALinear(nn.Module):
         if rows is None or self._a is None:
             return y
         z = (x @ self._a[rows]) @ self._b[rows]
-        return y + (self._scale[rows][:, None, None] * z).astype(x.dtype)
+        out = y + (self._scale[rows][:, None, None] * z).astype(x.dtype)
+        if self._gain is None:
+            return out
+        bias = self.base.bias if "bias" in self.base else None
+        unbiased = out if bias is None else out - bias
+        rescaled = self._gain[rows][:, None, :].astype(x.dtype) * unbiased
+        if bias is not None:
+            rescaled = rescaled + bias
+        return mx.where(self._dora[rows][:, None, None], rescaled, out)
 
-    def set_slot(self, slot: int, a: mx.array | None, b: mx.array | None, scale: float) -> None:
+    def set_slot(self, slot: int, weights: LoRAWeights | None) -> None:
         """Write slot ``slot``'s factors (None: zeros, the adapter does not change this layer)."""
         count, rank = self._slots.num_slots, self._slots.max_rank
         if self._a is None:
-            if a is None:
+            if weights is None:
                 return
             in_features, out_features = self._shape
             self._a = mx.zeros((count, in_features, rank), dtype=mx.float32)
             self._b = mx.zeros((count, rank, out_features), dtype=mx.float32)
             self._scale = mx.zeros((count,), dtype=mx.float32)
-        if a is None:
+        if weights is None:
             self._a[slot], self._b[slot], self._scale[slot] = 0, 0, 0.0
         else:
+            a, b = weights.a, weights.b
             padded_a = mx.zeros(self._a.shape[1:], dtype=self._a.dtype)
             padded_b = mx.zeros(self._b.shape[1:], dtype=self._b.dtype)
             padded_a[:, : a.shape[1]] = a.astype(self._a.dtype)
             padded_b[: b.shape[0]] = b.astype(self._b.dtype)
-            self._a[slot], self._b[slot], self._scale[slot] = padded_a, padded_b, scale
-        mx.eval(self._a, self._b, self._scale)
+            self._a[slot], self._b[slot], self._scale[slot] = padded_a, padded_b, weights.scale
+        self._set_gain(slot, weights)
+        mx.eval(self._a, self._b, self._scale, *(() if self._gain is None else (self._gain, self._dora)))
+
+    def _set_gain(self, slot: int, weights: LoRAWeights | None) -> None:
+        """DoRA's per-feature rescaling for ``slot`` (ones and off for anything but DoRA)."""
+        dora = weights is not None and weights.magnitude is not None
+        if self._gain is None:
+            if not dora:
+                return
+            self._gain = mx.ones((self._slots.num_slots, self._shape[1]), dtype=mx.float32)
+            self._dora = mx.zeros((self._slots.num_slots,), dtype=mx.bool_)
+        if not dora:
+            self._gain[slot], self._dora[slot] = 1.0, False
+            return
+        adapted = base_weight(self.base).astype(mx.float32) + weights.scale * (weights.a @ weights.b).T.astype(mx.float32)
+        self._gain[slot] = weights.magnitude.astype(mx.float32) / mx.linalg.norm(adapted, axis=1)
+        self._dora[slot] = True
 
 
 class LoRASlots:
@@ -108,11 +141,7 @@ class LoRASlots:
             raise ValueError(f"slot {slot} is not one of 1..{self.num_slots - 1}")
         self.check(adapter)
         for path, layer in self.layers.items():
-            weights = adapter.modules.get(path)
-            if weights is None:
-                layer.set_slot(slot, None, None, 0.0)
-            else:
-                layer.set_slot(slot, weights.a, weights.b, weights.scale)
+            layer.set_slot(slot, adapter.modules.get(path))
 
     def check(self, adapter: Adapter) -> None:
         """Raise ``AdapterError`` unless ``adapter`` fits the slots (rank, layers)."""
@@ -124,7 +153,7 @@ class LoRASlots:
 
     def clear(self, slot: int) -> None:
         for layer in self.layers.values():
-            layer.set_slot(slot, None, None, 0.0)
+            layer.set_slot(slot, None)
 
     @contextmanager
     def rows(self, slot_per_row: Sequence[int]) -> Iterator[None]:
@@ -134,3 +163,10 @@ class LoRASlots:
             yield
         finally:
             self.current = None
+
+
+def base_weight(layer: nn.Module) -> mx.array:
+    """A linear layer's ``[out, in]`` weight, dequantized if it is quantized."""
+    if isinstance(layer, nn.QuantizedLinear):
+        return mx.dequantize(layer.weight, layer.scales, layer.get("biases"), layer.group_size, layer.bits, layer.mode)
+    return layer.weight

@@ -82,6 +82,10 @@ def test_a_waiting_requests_view_says_what_came_from_disk(engines, disk):
     view = engine.snapshot(include_blocks=False).requests[request_id]
     assert view.num_disk_tokens == view.num_cached_tokens >= 96
     assert view.to_dict()["num_disk_tokens"] == view.num_disk_tokens
+    blocks = engine.cache_snapshot()["blocks"]  # the grid marks the blocks read back (until evicted)
+    from_disk = [b["id"] for b in blocks if b.get("from_disk")]
+    assert len(from_disk) * engine.config.block_size == view.num_disk_tokens
+    assert set(from_disk) <= set(engine.snapshot().requests[request_id].block_ids)
     run(engine, [])
 
 

@@ -48,6 +48,7 @@ def test_a_loaded_prefix_gives_the_cold_output_and_skips_the_prefill(tiny_model_
     try:
         assert engine.load_prefix(path) == 64
         assert engine.kv_cache.pool.num_cached_blocks(free_only=True) == 4  # cached, held by nobody
+        assert sum(bool(b.get("from_disk")) for b in engine.cache_snapshot()["blocks"]) == 4  # marked so
         warm = run(engine, PROMPT)
         assert warm.num_cached_tokens == 64
         assert warm.outputs[0].token_ids == cold.outputs[0].token_ids

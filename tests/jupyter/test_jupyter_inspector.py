@@ -108,6 +108,16 @@ def test_rows_name_their_adapter_and_what_came_from_disk():
     assert cached_cell({"cached_tokens": 32, "disk_tokens": 0}) == "32"
 
 
+def test_blocks_read_from_disk_are_marked_in_the_grid():
+    blocks = [dict(b) for b in SNAPSHOT["blocks"]]
+    blocks[1]["from_disk"] = blocks[4]["from_disk"] = True
+    state = decode_state(encode_snapshot({**SNAPSHOT, "blocks": blocks}))
+    assert state["block_disk"] == [0, 1, 0, 0, 1, 0, 0]
+    assert decode_state(encode_snapshot(SNAPSHOT))["block_disk"] == [0] * 7
+    html = static_html(encode_snapshot({**SNAPSHOT, "blocks": blocks}))
+    assert html.count(", from disk") == 2 and "block 1: used, ref 2, from disk" in html
+
+
 def test_multimodal_entries_keep_json_fields_only():
     entry = {"hash": "abc123", "width": 32, "height": 16, "thumbnail_png": b"\x89PNG", "thumbnail_base64": "iVBO",
              "bytes": 4096, "num_tokens": 64, "hits": 2, "created": 1.0, "last_used": 2.0}  # fmt: skip

@@ -37,6 +37,7 @@ function decode(model) {
     owner: typed(model.get("block_owner"), Int32Array),
     tokens: typed(model.get("block_tokens"), Uint16Array),
     evict: typed(model.get("block_evict"), Int32Array),
+    disk: bytesOf(model.get("block_disk")),
     tables: typed(model.get("block_tables"), Int32Array),
     info: model.get("block_info") || {},
     requests: model.get("requests") || [],
@@ -57,7 +58,7 @@ function skeleton(el) {
   reset.title = "forget the hashes of unreferenced blocks";
   head.append(pause, reset);
   const legend = h("div", "vmi-legend");
-  for (const [cls, label] of [["free", "free"], ["cached", "cached (evictable)"], ["used", "in use (colour per request)"], ["shared", "shared (ref count)"]]) {
+  for (const [cls, label] of [["free", "free"], ["cached", "cached (evictable)"], ["used", "in use (colour per request)"], ["shared", "shared (ref count)"], ["disk", "read from disk (corner)"]]) {
     const item = h("span", "vmi-legend-item");
     item.append(h("span", `vmi-swatch vmi-${cls}`), document.createTextNode(label));
     legend.append(item);
@@ -121,6 +122,7 @@ function render({ model, el }) {
       const ref = data.ref[i];
       let cls = `vmi-block vmi-${state}`;
       if (ref > 1) cls += " vmi-shared";
+      if (data.disk[i]) cls += " vmi-disk";
       if (hl) cls += hl.has(i) ? " vmi-hl" : " vmi-dim";
       if (cell.className !== cls) cell.className = cls;
       const owner = data.owner[i];
@@ -210,6 +212,7 @@ function render({ model, el }) {
     const who = owners.get(i);
     if (who && who.length) lines.push(`owners: ${who.join(", ")}`);
     if (data.evict[i] >= 0) lines.push(`eviction order: #${data.evict[i] + 1}`);
+    if (data.disk[i]) lines.push("KV read back from disk, not computed");
     ui.tip.replaceChildren(...lines.map((l, k) => h("div", k === 0 ? "vmi-tip-title" : "", l)));
     if (text) ui.tip.append(h("pre", "vmi-tip-text", text));
     const r = cell.getBoundingClientRect();

@@ -10,8 +10,9 @@ Synced state (small, binary where it is per block; little-endian):
 - ``block_state`` uint8 (0 null, 1 free, 2 cached = evictable prefix block, 3 used),
   ``block_ref`` uint8 (ref count, capped at 255), ``block_owner`` int32 (index in ``requests``
   of the first owner, -1 none), ``block_tokens`` uint16, ``block_evict`` int32 (position in the
-  eviction queue, -1 when not queued); at most ``MAX_GRID_BLOCKS`` blocks (``num_blocks``
-  counts them all).
+  eviction queue, -1 when not queued), ``block_disk`` uint8 (1: its KV was read back from disk,
+  the KV disk tier or a prefix file); at most ``MAX_GRID_BLOCKS`` blocks (``num_blocks`` counts
+  them all).
 - ``block_info``: ``{block id: [hash, text]}`` for blocks that hold tokens.
 - ``requests``: table rows ``{id, name, adapter (its LoRA adapter's name, or None), status,
   prompt_tokens, cached_tokens, disk_tokens (of the cached ones, read back by the disk tier),
@@ -42,10 +43,11 @@ STATIC = Path(__file__).parent.parent / "static"  # the package's, beside the vi
 STATE_CODES = {"null": 0, "free": 1, "cached": 2, "used": 3}
 STATE_NAMES = {v: k for k, v in STATE_CODES.items()}
 MAX_GRID_BLOCKS = 8192
+DISK_MARK = "#7b3fa0"  # the corner of a block read back from disk (inspector.css has the same)
 PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948",
            "#b07aa1", "#ff9da7", "#9c755f", "#17becf", "#bcbd22", "#8c564b"]  # fmt: skip
 _ARRAYS = {"block_state": "u1", "block_ref": "u1", "block_owner": "<i4", "block_tokens": "<u2",
-           "block_evict": "<i4", "block_tables": "<i4"}  # fmt: skip
+           "block_evict": "<i4", "block_disk": "u1", "block_tables": "<i4"}  # fmt: skip
 _STAT_KEYS = ("num_blocks", "num_used_blocks", "num_cached_free_blocks", "num_free_blocks", "usage",
               "evictions", "running", "waiting", "preemptions", "steps")  # fmt: skip
 
@@ -76,6 +78,7 @@ def encode_snapshot(snapshot: dict, rows: Iterable[dict] = (), colors: dict[str,
         "block_owner": owner.tobytes(),
         "block_tokens": bytes(np.fromiter((_clamp(b["num_tokens"], 65535) for b in blocks), "<u2", n)),
         "block_evict": evict.tobytes(),
+        "block_disk": bytes(np.fromiter((bool(b.get("from_disk")) for b in blocks), "u1", n)),
         "block_info": {str(b["id"]): [b["hash"] or "", b.get("text") or ""] for b in blocks if b["num_tokens"]},
         "requests": requests,
         "block_tables": np.asarray(tables, dtype="<i4").tobytes(),
@@ -231,6 +234,7 @@ class CacheInspector(WidgetFallbacks, anywidget.AnyWidget):
     block_owner = traitlets.Bytes(b"").tag(sync=True, **bytes_serialization)
     block_tokens = traitlets.Bytes(b"").tag(sync=True, **bytes_serialization)
     block_evict = traitlets.Bytes(b"").tag(sync=True, **bytes_serialization)
+    block_disk = traitlets.Bytes(b"").tag(sync=True, **bytes_serialization)
     block_info = traitlets.Dict().tag(sync=True)
     requests = traitlets.List().tag(sync=True)
     block_tables = traitlets.Bytes(b"").tag(sync=True, **bytes_serialization)
@@ -319,16 +323,20 @@ def static_html(state: dict, max_blocks: int = 2048) -> str:
     data = decode_state(state)
     requests = data.get("requests", [])
     cells = []
+    from_disk = data.get("block_disk", [])
     for i, code in enumerate(data.get("block_state", [])[:max_blocks]):
         owner, ref = data["block_owner"][i], data["block_ref"][i]
+        disk = i < len(from_disk) and from_disk[i]
         color = (
             PALETTE[as_int(requests[owner].get("color")) % len(PALETTE)]
             if code == 3 and 0 <= owner < len(requests)
             else _FALLBACK_COLORS.get(code, "#ccc")
         )
         border = "outline:1px solid #000;" if ref > 1 else ""
-        cells.append(f'<span title="block {i}: {STATE_NAMES.get(code, "?")}, ref {ref}" style="display:inline-block;'
-                     f'width:9px;height:9px;margin:1px;background:{color};{border}"></span>')  # fmt: skip
+        corner = f"background-image:linear-gradient(135deg,transparent 55%,{DISK_MARK} 55%);" if disk else ""
+        title = f"block {i}: {STATE_NAMES.get(code, '?')}, ref {ref}{', from disk' if disk else ''}"
+        cells.append(f'<span title="{title}" style="display:inline-block;'
+                     f'width:9px;height:9px;margin:1px;background-color:{color};{corner}{border}"></span>')  # fmt: skip
     rows = "".join(
         f"<tr><td>{escape(request_label(r))}</td><td>{escape(r.get('status', ''))}</td>"
         f"<td>{as_int(r.get('prompt_tokens'))}</td><td>{cached_cell(r)}</td>"

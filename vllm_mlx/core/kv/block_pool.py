@@ -26,6 +26,8 @@ class CacheBlock:
     # Kept only for full hashed blocks, so observers can show what a cached block holds.
     token_ids: tuple[int, ...] | None = None
     group: int = 0  # the block group whose hash map holds it (meaningful while hashed)
+    # Its KV was read from disk (the KV disk tier, a prefix file), not computed here; until evicted.
+    from_disk: bool = False
     # Free-queue links; both None exactly when the block is not in the queue.
     prev_free: CacheBlock | None = field(default=None, repr=False)
     next_free: CacheBlock | None = field(default=None, repr=False)
@@ -50,6 +52,7 @@ class CacheBlock:
         self.token_ids = None
         self.num_tokens = 0
         self.group = 0
+        self.from_disk = False
 
 
 class FreeBlockQueue:

@@ -270,12 +270,14 @@ class KVCacheCoordinator:
     def finish_import(
         self, reserved: BlockImport, block_hashes: list[bytes], token_ids: list[int], succeeded: bool
     ) -> int:
-        """Publish the taken blocks (their KV written: ``succeeded``) under their hashes, or
-        give them back blank; release everything held. Returns the blocks published."""
+        """Publish the taken blocks (their KV written: ``succeeded``) under their hashes, marked
+        ``from_disk``, or give them back blank; release everything held. Returns the blocks
+        published."""
         size = self.block_size
         if succeeded:
             for i, block in reserved.taken:
                 self.pool.cache_block(block, 0, block_hashes[i], tuple(token_ids[i * size : (i + 1) * size]))
+                block.from_disk = True
         for block in [b for _, b in reserved.taken] + reserved.held:
             self.pool.release(block)
         return len(reserved.taken) if succeeded else 0

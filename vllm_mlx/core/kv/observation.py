@@ -73,6 +73,9 @@ class BlockView:
     text: str | None = None
     """The tokens decoded (at most ``MAX_BLOCK_TEXT`` characters); None where not decoded (the
     KV manager's own snapshot). Left out of ``to_dict`` when None."""
+    from_disk: bool = False
+    """Its KV was read back from disk (the KV disk tier or a prefix file) rather than computed
+    in this process; until the block is evicted. Left out of ``to_dict`` when False."""
 
     def to_dict(self) -> dict:
         # Spelled out, not ``fields()``: a large pool's snapshot calls this for every block.
@@ -82,6 +85,8 @@ class BlockView:
         }  # fmt: skip
         if self.text is not None:
             data["text"] = self.text
+        if self.from_disk:
+            data["from_disk"] = True
         return data
 
     @classmethod
@@ -227,7 +232,8 @@ def _block_view(block: CacheBlock, owners: list[str]) -> BlockView:
         state = "free"
     token_ids = list(block.token_ids) if block.token_ids is not None else None
     block_hash = _short_hash(block.block_hash)
-    return BlockView(block.block_id, state, block.ref_cnt, owners, block_hash, block.num_tokens, token_ids)
+    return BlockView(block.block_id, state, block.ref_cnt, owners, block_hash, block.num_tokens, token_ids,
+                     from_disk=block.from_disk)  # fmt: skip
 
 
 def _short_hash(block_hash: bytes | None) -> str | None:

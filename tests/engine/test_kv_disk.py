@@ -15,7 +15,7 @@ import sys
 import textwrap
 
 import pytest
-from tiny_model import build_tiny_llama
+from tiny_model import TINY_GEMMA3, build_tiny_llama
 
 from vllm_mlx import SamplingParams
 from vllm_mlx.engine import kv_disk
@@ -71,6 +71,44 @@ def test_blocks_from_disk_give_the_cold_output_in_a_later_engine(engines, disk):
     assert all(o.num_cached_tokens >= 96 for o in again)  # the prompts' full blocks, from disk
     assert [o.metrics.num_disk_tokens for o in again] == [o.num_cached_tokens for o in again]
     assert all(o.metrics.num_disk_tokens == 0 for o in first)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_dir(tmp_path_factory, default_model_dir):
+    """Gemma-3 with a window of 8 on layers 0 and 2: with 4-token blocks, the sliding layers hold
+    a block group of their own, whose window needs the last two blocks at a hit point."""
+    return build_tiny_llama(tmp_path_factory.mktemp("gemma3"), default_model_dir, **TINY_GEMMA3)
+
+
+def test_sliding_window_groups_come_back_from_disk(engines, disk, tiny_gemma3_dir):
+    """Every group's blocks of a prompt go to disk; a later engine resumes from them (group 0's
+    chain and the window group's last blocks), the whole prompt and a prompt that leaves it half
+    way (a hit point whose window blocks had left the window when they were written), each with
+    the output computed cold."""
+    branch = PROMPT[: len(PROMPT) // 2] + "Nobody has kept the light since the storm of 1911."
+    options = {"block_size": 4, "max_num_batched_tokens": 32}
+    cold = tokens(run(engines(tiny_gemma3_dir, **options), [PROMPT, OTHER, branch]))
+    writer = engines(tiny_gemma3_dir, kv_disk_path=str(disk), **options)
+    assert writer.kv_cache.group_windows == (None, 8)  # two block groups: the case under test
+    first, wrote = served(writer, [PROMPT, OTHER])
+    assert tokens(first) == cold[:2] and wrote.blocks_written > 0
+    again, read = served(engines(tiny_gemma3_dir, kv_disk_path=str(disk), **options), [PROMPT, OTHER, branch])
+    assert tokens(again) == cold
+    full_blocks = [(len(o.prompt_token_ids) - 1) // 4 for o in again]
+    assert [o.num_cached_tokens for o in again[:2]] == [4 * n for n in full_blocks[:2]]  # the whole prompts
+    assert again[2].num_cached_tokens >= 4 * (len(writer.tokenizer.encode(PROMPT[: len(PROMPT) // 2])) // 4 - 1)
+    assert [o.metrics.num_disk_tokens for o in again[:2]] == [o.num_cached_tokens for o in again[:2]]
+    # The branch's chain was in memory already (the first prompt's, read back): only the window's
+    # blocks at its hit point came from disk, and without them it would have had no hit at all.
+    assert again[2].metrics.num_disk_tokens == 0
+    assert read.blocks_read > sum(o.num_cached_tokens for o in again[:2]) // 4  # the window group's blocks too
+
+
+def test_a_hybrid_model_starts_without_the_tier_saying_why(engines, disk, tiny_qwen3_5_dir, caplog):
+    engine = engines(tiny_qwen3_5_dir, kv_disk_path=str(disk))
+    assert engine.disk is None and "KV disk tier is off" in caplog.text and "recurrent layers" in caplog.text
+    assert len(run(engine, [PROMPT])[0].outputs[0].token_ids) == GREEDY.max_tokens  # serving goes on
+    assert not disk.exists()
 
 
 def test_a_waiting_requests_view_says_what_came_from_disk(engines, disk):

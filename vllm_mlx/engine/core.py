@@ -348,8 +348,8 @@ class EngineCore:
             why = "it needs the prefix cache (enable_prefix_caching)"
         elif self.tp_group is not None:
             why = "it does not work with tensor or pipeline parallelism yet"
-        elif self.kv_cache.state is not None or len(self.kv_cache.groups) > 1:
-            why = "it holds attention KV of one block group; this model has recurrent layers or sliding windows"
+        elif self.kv_cache.state is not None:
+            why = "it holds attention KV; this model has recurrent layers, whose state checkpoints it does not keep"
         if why is not None:
             logger.warning("the KV disk tier is off: %s", why)
             return None

@@ -19,12 +19,21 @@ threads.
 
 The hashes are the prefix cache's own (namespace, ``cache_salt``, the images' content hashes,
 chained), so a block on disk is only ever found by a request with the same tokens and images
-before it and the same salt. Covered: models whose KV is attention in one block group (the
-engine leaves the tier off for other models, saying so).
+before it and the same salt.
+
+**Block groups** (sliding-window layers beside full ones, ``kv_spec.plan_block_groups``): a
+position of the prompt has a block in every group, each holding that group's layers' KV in the
+pool's shared arrays, so every group's block is written as a file of its own, under its
+``group_key`` (group 0's: the block hash itself). A hit needs group 0's blocks up to the hit
+point and, in each sliding-window group, the blocks its window reaches there
+(``first_needed_block``): the probe picks the furthest point whose blocks are all in memory or
+on disk, and reads what memory lacks. Not covered: recurrent layers (their state checkpoints
+are not written; the engine leaves the tier off for such models, saying so).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -41,15 +50,27 @@ from vllm_mlx.engine.kv_disk import BlockBytes, DiskTier
 logger = logging.getLogger(__name__)
 
 
+def group_key(block_hash: bytes, group: int) -> bytes:
+    """The disk key of block group ``group``'s block for ``block_hash``: group 0's is the hash
+    itself (so a model of one group keeps its files), another group's a hash of both (the same
+    tokens, other layers' KV)."""
+    if group == 0:
+        return block_hash
+    return hashlib.sha256(b"block group %d:" % group + block_hash).digest()
+
+
 @dataclass
 class _PendingRead:
     """A waiting request's disk blocks being read."""
 
     hashes: list[bytes]
-    """The request's block hashes up to the last block that may come from disk."""
+    """The request's block hashes up to the furthest hit point the disk may give."""
     num_in_memory: int
-    """How many of them were cached in memory when it was probed."""
+    """How many of them were cached in memory (group 0) when it was probed."""
+    positions: list[tuple[int, int]]
+    """(index, block group) of the blocks being read, in the order read."""
     future: Future
+    """The blocks read: the first ``len(result)`` of ``positions``."""
 
 
 class DiskOffload:
@@ -65,6 +86,7 @@ class DiskOffload:
         self.coordinator = coordinator
         self.pool = pool
         self.block_size = coordinator.block_size
+        self.num_groups = len(coordinator.groups)
         self.lookahead = lookahead
         self._pending: dict[str, _PendingRead] = {}
         self._probed: set[tuple[str, int]] = set()  # (request id, preemptions): probed once each
@@ -101,36 +123,71 @@ class DiskOffload:
         self._probed.add(key)
         tokens = request.all_token_ids
         hashes = self.prefix_cache.hashes_of(request, len(tokens) - 1)
-        cached = self.coordinator.pool.cached[0]
-        in_memory = next((i for i, h in enumerate(hashes) if h not in cached), len(hashes))
-        on_disk = 0
-        for block_hash in hashes[in_memory:]:
-            if not self.tier.has(block_hash):
-                break
-            on_disk += 1
-        if on_disk:
+        cached = self.coordinator.pool.cached
+        in_memory = next((i for i, h in enumerate(hashes) if h not in cached[0]), len(hashes))
+        reach = in_memory
+        while reach < len(hashes) and self.tier.has(hashes[reach]):
+            reach += 1
+        on_disk: dict[tuple[int, int], bool] = {}  # (index, group): asked of the tier once each
+
+        def is_on_disk(i: int, group: int) -> bool:
+            if (i, group) not in on_disk:
+                on_disk[i, group] = self.tier.has(group_key(hashes[i], group))
+            return on_disk[i, group]
+
+        end = self._hit_point(hashes, reach, is_on_disk)
+        positions = [(i, 0) for i in range(in_memory, end)] + self._window_blocks(hashes, end)
+        if positions:
             size = self.block_size
-            wanted = range(in_memory, in_memory + on_disk)
-            chunks = [tuple(tokens[i * size : (i + 1) * size]) for i in wanted]
-            future = self.tier.read([hashes[i] for i in wanted], chunks)
-            self._pending[request.request_id] = _PendingRead(hashes[: in_memory + on_disk], in_memory, future)
+            keys = [group_key(hashes[i], g) for i, g in positions]
+            chunks = [tuple(tokens[i * size : (i + 1) * size]) for i, _ in positions]
+            future = self.tier.read(keys, chunks)
+            self._pending[request.request_id] = _PendingRead(hashes[:end], in_memory, positions, future)
+
+    def _hit_point(self, hashes: list[bytes], reach: int, elsewhere) -> int:
+        """The furthest hit point up to ``reach`` blocks (group 0 holds them, in memory or
+        elsewhere) where every other group has the blocks its window needs, in memory or
+        ``elsewhere(index, group)``; 0 if none."""
+        for end in range(reach, 0, -1):
+            if all(elsewhere(i, g) for i, g in self._window_blocks(hashes, end)):
+                return end
+        return 0
+
+    def _window_blocks(self, hashes: list[bytes], end: int) -> list[tuple[int, int]]:
+        """(index, group) of the blocks that the groups after the first need for a hit of ``end``
+        blocks and memory lacks."""
+        cached = self.coordinator.pool.cached
+        return [
+            (i, g)
+            for g in range(1, self.num_groups)
+            for i in range(self.coordinator.groups[g].first_needed_block(end * self.block_size), end)
+            if hashes[i] not in cached[g]
+        ]
 
     def _import(self, request: Request, pending: _PendingRead) -> None:
-        """Put the blocks read into the pool, published under their hashes (nothing if the
-        blocks in memory before them were evicted meanwhile: the chain would be broken)."""
-        blocks: list[BlockBytes] = pending.future.result()
+        """Put the blocks read into the pool, published under their hashes, up to the furthest
+        hit point they (and memory) now allow (nothing if the blocks in memory before them were
+        evicted meanwhile: the chain would be broken)."""
+        read: dict[tuple[int, int], BlockBytes] = dict(zip(pending.positions, pending.future.result()))
         cached = self.coordinator.pool.cached[0]
-        if not blocks or any(h not in cached for h in pending.hashes[: pending.num_in_memory]):
+        if not read or any(h not in cached for h in pending.hashes[: pending.num_in_memory]):
             return
-        chain = pending.hashes[: pending.num_in_memory + len(blocks)]
-        reserved = self.coordinator.reserve_import(chain)
+        reach = min(pending.num_in_memory, len(pending.hashes))
+        while (reach, 0) in read:
+            reach += 1
+        end = self._hit_point(pending.hashes, reach, lambda i, g: (i, g) in read)
+        if end == 0:
+            return
+        chain = pending.hashes[:end]
+        positions = [(i, 0) for i in range(end)] + self._window_blocks(chain, end)
+        reserved = self.coordinator.reserve_import(chain, positions)
         written = False
         try:
             if reserved.taken:
-                chosen = [blocks[i - pending.num_in_memory] for i, _ in reserved.taken]
+                chosen = [read[t.index, t.group] for t in reserved.taken]
                 self.pool.write_blocks(reserved.block_ids, to_arrays(chosen))
             written = True
-            request.num_disk_tokens = len(reserved.taken) * self.block_size
+            request.num_disk_tokens = sum(t.group == 0 for t in reserved.taken) * self.block_size
         except ValueError as exc:  # another layout than this pool's: a bug or a foreign folder
             logger.warning("KV disk tier: blocks for %s do not fit the pool (%s); computing them", request.request_id, exc)
         finally:
@@ -161,27 +218,28 @@ class DiskOffload:
     def _offer(self, request: Request) -> None:
         tokens = request.prompt_token_ids
         hashes = self.prefix_cache.hashes_of(request, len(tokens))
-        cached = self.coordinator.pool.cached[0]
-        found = []  # (index, block id) of the cached prompt blocks the disk lacks
+        cached = self.coordinator.pool.cached
+        found = []  # (index, disk key, block id) of the cached prompt blocks the disk lacks
         for i, block_hash in enumerate(hashes):
-            block = cached.get(block_hash)
-            if block is None:
+            if block_hash not in cached[0]:
                 break  # its KV is gone (or never published): nothing after it either
-            if self.tier.wants(block_hash):
-                found.append((i, block.block_id))
+            for group in range(self.num_groups):  # a window group's early blocks may be gone: fine
+                block = cached[group].get(block_hash)
+                if block is not None and self.tier.wants(key := group_key(block_hash, group)):
+                    found.append((i, key, block.block_id))
         if not found:
             return
         per_block = self._bytes_per_block()
-        found = [(i, b) for i, b in found if self.tier.admit_write(per_block)]
+        found = [item for item in found if self.tier.admit_write(per_block)]
         if not found:
             return
-        arrays = self.pool.read_blocks([b for _, b in found])
+        arrays = self.pool.read_blocks([block_id for *_, block_id in found])
         as_bytes = {name: np.array(a.view(mx.uint8)) for name, a in arrays.items()}  # one copy out of MLX
         dtypes = {name: dtype_name(a.dtype) for name, a in arrays.items()}
         size = self.block_size
-        for n, (i, _) in enumerate(found):
+        for n, (i, key, _) in enumerate(found):
             chunk = {name: a[:, n * size : (n + 1) * size] for name, a in as_bytes.items()}
-            self.tier.write(BlockBytes(hashes[i], tuple(tokens[i * size : (i + 1) * size]), chunk, dtypes))
+            self.tier.write(BlockBytes(key, tuple(tokens[i * size : (i + 1) * size]), chunk, dtypes))
 
     def _bytes_per_block(self) -> int:
         arrays = [a for a in self.pool.arrays() if a is not None]

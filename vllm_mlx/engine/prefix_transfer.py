@@ -77,7 +77,7 @@ class PrefixTransfer:
         written = False
         try:
             if reserved.taken:
-                wanted = [i for i, _ in reserved.taken]
+                wanted = [t.index for t in reserved.taken]
                 self.engine.runner.pool.write_blocks(reserved.block_ids, _blocks_of(arrays, wanted, header.block_size))
             written = True
         except ValueError as exc:

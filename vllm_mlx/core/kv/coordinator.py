@@ -40,19 +40,30 @@ from vllm_mlx.core.kv.records import RequestCache, RequestRecords
 __all__ = ["KVCacheCoordinator", "RequestCache"]
 
 
+@dataclass(frozen=True)
+class TakenBlock:
+    """A free block taken to receive the KV of one position of a chain in one block group."""
+
+    index: int
+    """Its position in the chain (``block_hashes[index]`` is the hash it is published under)."""
+    group: int
+    block: CacheBlock
+    """Blank, ref 1, in no hash map until ``finish_import``."""
+
+
 @dataclass
 class BlockImport:
-    """Blocks reserved for a prefix file's KV (``KVCacheCoordinator.reserve_import``)."""
+    """Blocks reserved for KV read from disk (``KVCacheCoordinator.reserve_import``)."""
 
     held: list[CacheBlock]
     """Blocks of the chain cached already: held (ref + 1) until ``finish_import``."""
-    taken: list[tuple[int, CacheBlock]]
-    """(index in the chain, block) of each block to fill: blank, ref 1, in no hash map."""
+    taken: list[TakenBlock]
+    """The blocks to fill, in the order the positions were asked for."""
 
     @property
     def block_ids(self) -> list[int]:
-        """The ids of the blocks to fill, in chain order."""
-        return [block.block_id for _, block in self.taken]
+        """The ids of the blocks to fill, in ``taken``'s order."""
+        return [t.block.block_id for t in self.taken]
 
 
 class KVCacheCoordinator:
@@ -236,49 +247,55 @@ class KVCacheCoordinator:
         for group, table in zip(self.groups, tables):
             group.cache_blocks(table, block_hashes, token_ids, num_full_blocks)
 
-    # ---- blocks from elsewhere (prefix files) ------------------------------------------------
+    # ---- blocks from elsewhere (the KV disk tier, prefix files) --------------------------------
 
-    def reserve_import(self, block_hashes: list[bytes]) -> BlockImport:
-        """Blocks to receive the KV of ``block_hashes`` (a chain, as a prompt's blocks): the ones
-        cached already are held (so that taking blocks cannot evict them), the rest get free
-        blocks, in order, while the pool has them. The caller writes the taken blocks' KV, then
-        calls ``finish_import`` whatever happens.
+    def reserve_import(
+        self, block_hashes: list[bytes], positions: list[tuple[int, int]] | None = None
+    ) -> BlockImport:
+        """Blocks to receive the KV of ``block_hashes`` (a chain, as a prompt's blocks) at
+        ``positions``: (index in the chain, block group) pairs, by default every index in group
+        0. The positions cached already are held (so that taking blocks cannot evict them), the
+        rest get free blocks, in the order given, while the pool has them. The caller writes the
+        taken blocks' KV, then calls ``finish_import`` whatever happens.
 
         Raises:
-            ValueError: prefix caching is off, or the model has recurrent layers or several
-                block groups (their states and windows are not in a prefix file).
+            ValueError: prefix caching is off, or the model has recurrent layers (their states
+                are not imported).
         """
         if not self.enable_caching:
             raise ValueError("prefix caching is off: there is no cache to import blocks into")
-        if self.state is not None or len(self.groups) > 1:
-            raise ValueError("prefix files hold attention KV of one block group: this model has "
-                             "recurrent layers or sliding-window groups, which they do not cover yet")  # fmt: skip
+        if self.state is not None:
+            raise ValueError("imported blocks hold attention KV: this model has recurrent layers, "
+                             "whose states are not imported")  # fmt: skip
+        if positions is None:
+            positions = [(i, 0) for i in range(len(block_hashes))]
         held: list[CacheBlock] = []
-        taken: list[tuple[int, CacheBlock]] = []
-        cached = self.pool.cached[0]
-        for i, block_hash in enumerate(block_hashes):
-            block = cached.get(block_hash)
-            if block is not None:
+        missing: list[tuple[int, int]] = []
+        for i, group in positions:  # hold every cached one first: no take below may evict it
+            block = self.pool.cached[group].get(block_hashes[i])
+            if block is None:
+                missing.append((i, group))
+            else:
                 self.pool.touch(block)
                 held.append(block)
-            elif self.pool.get_num_free_blocks() > 0:
-                taken.append((i, self.pool.take()))
-            else:
-                break  # the rest of the chain would hang from a missing parent
+        taken: list[TakenBlock] = []
+        for i, group in missing[: self.pool.get_num_free_blocks()]:  # as many as there are free blocks
+            taken.append(TakenBlock(i, group, self.pool.take()))
         return BlockImport(held, taken)
 
     def finish_import(
         self, reserved: BlockImport, block_hashes: list[bytes], token_ids: list[int], succeeded: bool
     ) -> int:
-        """Publish the taken blocks (their KV written: ``succeeded``) under their hashes, marked
-        ``from_disk``, or give them back blank; release everything held. Returns the blocks
-        published."""
+        """Publish the taken blocks (their KV written: ``succeeded``) under their hashes in their
+        groups, marked ``from_disk``, or give them back blank; release everything held. Returns
+        the blocks published."""
         size = self.block_size
         if succeeded:
-            for i, block in reserved.taken:
-                self.pool.cache_block(block, 0, block_hashes[i], tuple(token_ids[i * size : (i + 1) * size]))
-                block.from_disk = True
-        for block in [b for _, b in reserved.taken] + reserved.held:
+            for t in reserved.taken:
+                tokens = tuple(token_ids[t.index * size : (t.index + 1) * size])
+                self.pool.cache_block(t.block, t.group, block_hashes[t.index], tokens)
+                t.block.from_disk = True
+        for block in [t.block for t in reserved.taken] + reserved.held:
             self.pool.release(block)
         return len(reserved.taken) if succeeded else 0
 

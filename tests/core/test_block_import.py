@@ -49,3 +49,30 @@ def test_refused_without_caching_or_for_recurrent_state():
         PagedCacheManager(8, block_size=4, enable_caching=False).reserve_import(HASHES)
     with pytest.raises(ValueError, match="recurrent layers"):
         PagedCacheManager(8, block_size=4, num_state_slots=2).reserve_import(HASHES)
+
+
+def test_a_hybrid_import_brings_the_state_checkpoint_of_its_last_block():
+    kv = PagedCacheManager(8, block_size=4, num_state_slots=2, num_state_checkpoints=2)
+    with pytest.raises(ValueError, match="as a checkpoint"):
+        kv.reserve_import(HASHES)  # blocks alone resume nothing
+    failed = kv.reserve_import(HASHES, checkpoint=True)
+    assert failed.checkpoint_slot == 2  # after the running slots (the null one and one request's)
+    kv.finish_import(failed, HASHES, TOKENS, succeeded=False)
+    assert kv.get_computed_blocks("", HASHES) == [] and len(kv.state.checkpoints) == 0
+    reserved = kv.reserve_import(HASHES, checkpoint=True)
+    kv.finish_import(reserved, HASHES, TOKENS, succeeded=True)
+    assert [b.block_id for b in kv.get_computed_blocks("", HASHES)] == reserved.block_ids
+    assert kv.state.checkpoints.slot_of(HASHES[-1]) == reserved.checkpoint_slot
+    kv.check_invariants()
+
+
+def test_block_groups_import_the_positions_asked_for():
+    kv = PagedCacheManager(16, block_size=4, group_windows=(None, 4))  # a hit's window: its last block
+    positions = [(i, 0) for i in range(4)] + [(3, 1)]
+    reserved = kv.reserve_import(HASHES, positions)
+    assert [(t.index, t.group) for t in reserved.taken] == positions
+    kv.finish_import(reserved, HASHES, TOKENS, succeeded=True)
+    assert kv.pool.cached[1][HASHES[3]].group == 1
+    assert len(kv.get_computed_blocks("", HASHES)) == 4  # group 1 has what its window reaches
+    assert kv.get_computed_blocks("", HASHES[:3]) == []  # group 1 has none of blocks 0-2
+    kv.check_invariants()

@@ -104,9 +104,30 @@ def test_sliding_window_groups_come_back_from_disk(engines, disk, tiny_gemma3_di
     assert read.blocks_read > sum(o.num_cached_tokens for o in again[:2]) // 4  # the window group's blocks too
 
 
-def test_a_hybrid_model_starts_without_the_tier_saying_why(engines, disk, tiny_qwen3_5_dir, caplog):
+def test_a_hybrid_models_state_checkpoints_come_back_from_disk(engines, disk, tiny_qwen3_5_dir):
+    """Qwen3.5 (delta-net and attention layers): a hit point needs the recurrent state after its
+    last block, so the checkpoints kept at the prompts' boundaries are written beside their
+    blocks, and a later engine resumes each prompt from its blocks and checkpoint read back,
+    with the output computed cold; a prompt that leaves one half way has no checkpoint there
+    and is computed."""
+    branch = PROMPT[: len(PROMPT) // 2] + "Nobody has kept the light since the storm of 1911."
+    cold = tokens(run(engines(tiny_qwen3_5_dir), [PROMPT, OTHER, branch]))
+    first, wrote = served(engines(tiny_qwen3_5_dir, kv_disk_path=str(disk)), [PROMPT, OTHER])
+    assert tokens(first) == cold[:2]
     engine = engines(tiny_qwen3_5_dir, kv_disk_path=str(disk))
-    assert engine.disk is None and "KV disk tier is off" in caplog.text and "recurrent layers" in caplog.text
+    again, read = served(engine, [PROMPT, OTHER, branch])
+    assert tokens(again) == cold
+    full_blocks = [(len(o.prompt_token_ids) - 1) // 16 for o in again]
+    assert [o.num_cached_tokens for o in again[:2]] == [16 * n for n in full_blocks[:2]]
+    assert [o.metrics.num_disk_tokens for o in again[:2]] == [o.num_cached_tokens for o in again[:2]]
+    assert read.blocks_read == sum(full_blocks[:2]) + 2  # each prompt's blocks and one state
+    assert wrote.blocks_written >= read.blocks_read
+    engine.kv_cache.check_invariants()
+
+
+def test_a_hybrid_model_without_checkpoints_starts_without_the_tier(engines, disk, tiny_qwen3_5_dir, caplog):
+    engine = engines(tiny_qwen3_5_dir, kv_disk_path=str(disk), max_state_checkpoints=0)
+    assert engine.disk is None and "KV disk tier is off" in caplog.text and "state checkpoints" in caplog.text
     assert len(run(engine, [PROMPT])[0].outputs[0].token_ids) == GREEDY.max_tokens  # serving goes on
     assert not disk.exists()
 

@@ -348,8 +348,8 @@ class EngineCore:
             why = "it needs the prefix cache (enable_prefix_caching)"
         elif self.tp_group is not None:
             why = "it does not work with tensor or pipeline parallelism yet"
-        elif self.kv_cache.state is not None:
-            why = "it holds attention KV; this model has recurrent layers, whose state checkpoints it does not keep"
+        elif not self.kv_cache.resumes_prefixes:
+            why = "this model has recurrent layers and keeps no state checkpoints (max_state_checkpoints 0)"
         if why is not None:
             logger.warning("the KV disk tier is off: %s", why)
             return None
@@ -359,7 +359,9 @@ class EngineCore:
 
         identity = DiskIdentity(model_digest(self.model_path), self.weight_format, config.block_size)
         tier = DiskTier(config.kv_disk_path, identity, config.kv_disk_budget, config.kv_disk_write_budget)
-        return DiskOffload(tier, self.scheduler.kv.prefix_cache, self.kv_cache, self.runner.pool, config.max_num_seqs)
+        runner = self.runner
+        return DiskOffload(tier, self.scheduler.kv.prefix_cache, self.kv_cache, runner.pool, config.max_num_seqs,
+                           runner.state_pool)  # fmt: skip
 
     # -- requests ---------------------------------------------------------------------------
 

@@ -27,8 +27,13 @@ pool's shared arrays, so every group's block is written as a file of its own, un
 ``group_key`` (group 0's: the block hash itself). A hit needs group 0's blocks up to the hit
 point and, in each sliding-window group, the blocks its window reaches there
 (``first_needed_block``): the probe picks the furthest point whose blocks are all in memory or
-on disk, and reads what memory lacks. Not covered: recurrent layers (their state checkpoints
-are not written; the engine leaves the tier off for such models, saying so).
+on disk, and reads what memory lacks.
+
+**Recurrent layers** (hybrid models): a hit point needs the state after its last block, a state
+checkpoint (``core/kv/checkpoints.py``). Each checkpoint kept at a prompt's block boundary is
+written too (a file of kind ``"state"`` under ``group_key(hash, STATE)``), and a hit point that
+memory has no checkpoint for is read with its checkpoint into a checkpoint slot
+(``reserve_import(..., checkpoint=True)``).
 """
 
 from __future__ import annotations
@@ -50,13 +55,19 @@ from vllm_mlx.engine.kv_disk import BlockBytes, DiskTier
 logger = logging.getLogger(__name__)
 
 
+STATE = -1
+"""The "group" of a recurrent-state checkpoint in (index, group) positions: the state after
+block ``index``."""
+
+
 def group_key(block_hash: bytes, group: int) -> bytes:
-    """The disk key of block group ``group``'s block for ``block_hash``: group 0's is the hash
-    itself (so a model of one group keeps its files), another group's a hash of both (the same
-    tokens, other layers' KV)."""
+    """The disk key of block group ``group``'s block for ``block_hash`` (``STATE``: of the
+    recurrent state after it): group 0's is the hash itself (so a model of one group keeps its
+    files), the others' a hash of both (the same tokens, other layers or the state)."""
     if group == 0:
         return block_hash
-    return hashlib.sha256(b"block group %d:" % group + block_hash).digest()
+    tag = b"recurrent state:" if group == STATE else b"block group %d:" % group
+    return hashlib.sha256(tag + block_hash).digest()
 
 
 @dataclass
@@ -68,23 +79,27 @@ class _PendingRead:
     num_in_memory: int
     """How many of them were cached in memory (group 0) when it was probed."""
     positions: list[tuple[int, int]]
-    """(index, block group) of the blocks being read, in the order read."""
+    """(index, block group or ``STATE``) of the blocks being read, in the order read."""
     future: Future
     """The blocks read: the first ``len(result)`` of ``positions``."""
 
 
 class DiskOffload:
-    """Moves prompt blocks between ``pool`` (the runner's ``KVPool``) and ``tier``.
+    """Moves prompt blocks between ``pool`` (the runner's ``KVPool``) and ``tier``, and state
+    checkpoints between ``state_pool`` (the runner's ``StatePool``; None without recurrent
+    layers) and ``tier``.
 
     ``prefix_cache``: the scheduler's (its hashing); ``coordinator``: the engine's block pool and
     import calls; ``lookahead``: how many waiting requests are probed ahead (the scheduler admits
     at most ``max_num_seqs`` at once)."""
 
-    def __init__(self, tier: DiskTier, prefix_cache, coordinator, pool, lookahead: int) -> None:
+    def __init__(self, tier: DiskTier, prefix_cache, coordinator, pool, lookahead: int, state_pool=None) -> None:
         self.tier = tier
         self.prefix_cache = prefix_cache
         self.coordinator = coordinator
         self.pool = pool
+        self.state_pool = state_pool
+        self.checkpoints = coordinator.state.checkpoints if coordinator.state is not None else None
         self.block_size = coordinator.block_size
         self.num_groups = len(coordinator.groups)
         self.lookahead = lookahead
@@ -136,33 +151,38 @@ class DiskOffload:
             return on_disk[i, group]
 
         end = self._hit_point(hashes, reach, is_on_disk)
-        positions = [(i, 0) for i in range(in_memory, end)] + self._window_blocks(hashes, end)
+        positions = [(i, 0) for i in range(in_memory, end)] + self._needed(hashes, end)
         if positions:
             size = self.block_size
             keys = [group_key(hashes[i], g) for i, g in positions]
             chunks = [tuple(tokens[i * size : (i + 1) * size]) for i, _ in positions]
-            future = self.tier.read(keys, chunks)
+            kinds = ["state" if g == STATE else "kv" for _, g in positions]
+            future = self.tier.read(keys, chunks, kinds)
             self._pending[request.request_id] = _PendingRead(hashes[:end], in_memory, positions, future)
 
     def _hit_point(self, hashes: list[bytes], reach: int, elsewhere) -> int:
         """The furthest hit point up to ``reach`` blocks (group 0 holds them, in memory or
-        elsewhere) where every other group has the blocks its window needs, in memory or
+        elsewhere) where what else a hit needs (``_needed``) is in memory or
         ``elsewhere(index, group)``; 0 if none."""
         for end in range(reach, 0, -1):
-            if all(elsewhere(i, g) for i, g in self._window_blocks(hashes, end)):
+            if all(elsewhere(i, g) for i, g in self._needed(hashes, end)):
                 return end
         return 0
 
-    def _window_blocks(self, hashes: list[bytes], end: int) -> list[tuple[int, int]]:
-        """(index, group) of the blocks that the groups after the first need for a hit of ``end``
-        blocks and memory lacks."""
+    def _needed(self, hashes: list[bytes], end: int) -> list[tuple[int, int]]:
+        """(index, group) of what a hit of ``end`` blocks needs besides group 0's chain and
+        memory lacks: the blocks the other groups' windows reach, the state after the last block
+        (``STATE``) for recurrent layers."""
         cached = self.coordinator.pool.cached
-        return [
+        needed = [
             (i, g)
             for g in range(1, self.num_groups)
             for i in range(self.coordinator.groups[g].first_needed_block(end * self.block_size), end)
             if hashes[i] not in cached[g]
         ]
+        if self.checkpoints is not None and hashes[end - 1] not in self.checkpoints:
+            needed.append((end - 1, STATE))
+        return needed
 
     def _import(self, request: Request, pending: _PendingRead) -> None:
         """Put the blocks read into the pool, published under their hashes, up to the furthest
@@ -179,13 +199,19 @@ class DiskOffload:
         if end == 0:
             return
         chain = pending.hashes[:end]
-        positions = [(i, 0) for i in range(end)] + self._window_blocks(chain, end)
-        reserved = self.coordinator.reserve_import(chain, positions)
+        needed = self._needed(chain, end)
+        state = read.get((end - 1, STATE)) if (end - 1, STATE) in needed else None
+        positions = [(i, 0) for i in range(end)] + [(i, g) for i, g in needed if g != STATE]
+        reserved = self.coordinator.reserve_import(chain, positions, checkpoint=state is not None)
         written = False
         try:
+            if state is not None and reserved.checkpoint_slot is None:
+                return  # every checkpoint slot is pinned: the blocks alone would resume nothing
             if reserved.taken:
                 chosen = [read[t.index, t.group] for t in reserved.taken]
                 self.pool.write_blocks(reserved.block_ids, to_arrays(chosen))
+            if state is not None:
+                self.state_pool.write_slot(reserved.checkpoint_slot, to_state(state))
             written = True
             request.num_disk_tokens = sum(t.group == 0 for t in reserved.taken) * self.block_size
         except ValueError as exc:  # another layout than this pool's: a bug or a foreign folder
@@ -227,6 +253,7 @@ class DiskOffload:
                 block = cached[group].get(block_hash)
                 if block is not None and self.tier.wants(key := group_key(block_hash, group)):
                     found.append((i, key, block.block_id))
+        self._offer_states(hashes, tokens)
         if not found:
             return
         per_block = self._bytes_per_block()
@@ -241,6 +268,22 @@ class DiskOffload:
             chunk = {name: a[:, n * size : (n + 1) * size] for name, a in as_bytes.items()}
             self.tier.write(BlockBytes(key, tuple(tokens[i * size : (i + 1) * size]), chunk, dtypes))
 
+    def _offer_states(self, hashes: list[bytes], tokens: list[int]) -> None:
+        """Queue the state checkpoints kept at the prompt's block boundaries that the disk lacks
+        (each with the tokens of the block it follows)."""
+        if self.checkpoints is None:
+            return
+        size, per_state = self.block_size, self.state_pool.layout.bytes_per_request
+        for i, block_hash in enumerate(hashes):
+            slot = self.checkpoints.slot_of(block_hash)
+            key = group_key(block_hash, STATE)
+            if slot is None or not self.tier.wants(key) or not self.tier.admit_write(per_state):
+                continue
+            arrays = self.state_pool.read_slot(slot)
+            as_bytes = {name: np.array(a.view(mx.uint8)) for name, a in arrays.items()}
+            dtypes = {name: dtype_name(a.dtype) for name, a in arrays.items()}
+            self.tier.write(BlockBytes(key, tuple(tokens[i * size : (i + 1) * size]), as_bytes, dtypes, "state"))
+
     def _bytes_per_block(self) -> int:
         arrays = [a for a in self.pool.arrays() if a is not None]
         return sum(a.nbytes // a.shape[1] for a in arrays) * self.block_size
@@ -252,6 +295,11 @@ class DiskOffload:
 def dtype_name(dtype: mx.Dtype) -> str:
     """``mx.float32`` -> ``"float32"`` (``getattr(mx, name)`` gives it back)."""
     return str(dtype).rsplit(".", 1)[-1]
+
+
+def to_state(state: BlockBytes) -> dict[str, mx.array]:
+    """A state checkpoint read from disk as the state pool's arrays (``StatePool.write_slot``)."""
+    return {name: mx.array(a).view(getattr(mx, state.dtypes[name])) for name, a in state.arrays.items()}
 
 
 def to_arrays(blocks: list[BlockBytes]) -> dict[str, mx.array]:

@@ -11,7 +11,9 @@ never meet, and several processes may share one root. A file, version 1, holds o
 array (``keys.{i}``, ``values.{i}``: the block's slots as raw bytes, ``uint8``
 ``[n_kv_heads, block_size, head_dim * itemsize]``) and metadata: format, version, the key, the
 identity's parts, the block's token ids, each array's dtype and a SHA-256 over names, shapes and
-bytes.
+bytes. A file of kind ``"state"`` (metadata ``kind``; absent: ``"kv"``) holds instead a hybrid
+model's recurrent state after the block (``state.{layer}.{i}``: one state array's row as raw
+bytes, last axis times the itemsize), keyed apart from the block's KV (``disk_offload.py``).
 
 Never wrong: a file is used only if everything in it agrees (format, version, key, model digest,
 weight format, block size, dtypes, shapes, checksum, and the tokens the engine expects there); a
@@ -92,6 +94,8 @@ class BlockBytes:
     token_ids: tuple[int, ...]
     arrays: dict[str, np.ndarray]
     dtypes: dict[str, str]
+    kind: str = "kv"
+    """``"kv"`` (the block's keys and values) or ``"state"`` (recurrent state after it)."""
 
     @property
     def nbytes(self) -> int:
@@ -296,7 +300,7 @@ class DiskTier:
             "format": FORMAT, "version": str(VERSION), "key": block.key.hex(),
             "model_digest": self.identity.model_digest, "weight_format": self.identity.weight_format,
             "block_size": str(self.identity.block_size), "token_ids": json.dumps(list(block.token_ids)),
-            "dtypes": json.dumps(block.dtypes, sort_keys=True), "checksum": block.checksum(),
+            "dtypes": json.dumps(block.dtypes, sort_keys=True), "checksum": block.checksum(), "kind": block.kind,
         }  # fmt: skip
         arrays = {name: np.ascontiguousarray(a) for name, a in block.arrays.items()}
         path = self.path_of(block.key)
@@ -320,22 +324,23 @@ class DiskTier:
 
     # ---- reading -----------------------------------------------------------------------------
 
-    def read(self, keys: list[bytes], token_ids: list[tuple[int, ...]]) -> Future:
-        """Read blocks ``keys`` (a chain's consecutive blocks, expected to hold ``token_ids``) on
-        a reader thread. The future's result: the blocks read, in order, up to the first that is
-        missing or unusable (the rest of a chain hangs from it)."""
-        return self._readers.submit(self._read_chain, keys, token_ids)
+    def read(self, keys: list[bytes], token_ids: list[tuple[int, ...]], kinds: list[str] | None = None) -> Future:
+        """Read blocks ``keys`` (a chain's consecutive blocks, expected to hold ``token_ids``, of
+        ``kinds``: all ``"kv"`` by default) on a reader thread. The future's result: the blocks
+        read, in order, up to the first that is missing or unusable (the rest of a chain hangs
+        from it)."""
+        return self._readers.submit(self._read_chain, keys, token_ids, kinds or ["kv"] * len(keys))
 
-    def _read_chain(self, keys: list[bytes], token_ids: list[tuple[int, ...]]) -> list[BlockBytes]:
+    def _read_chain(self, keys: list[bytes], token_ids: list[tuple[int, ...]], kinds: list[str]) -> list[BlockBytes]:
         blocks = []
-        for key, tokens in zip(keys, token_ids):
-            block = self._read_file(key, tokens)
+        for key, tokens, kind in zip(keys, token_ids, kinds):
+            block = self._read_file(key, tokens, kind)
             if block is None:
                 break
             blocks.append(block)
         return blocks
 
-    def _read_file(self, key: bytes, tokens: tuple[int, ...]) -> BlockBytes | None:
+    def _read_file(self, key: bytes, tokens: tuple[int, ...], kind: str = "kv") -> BlockBytes | None:
         """Block ``key`` if its file is there and sound; a damaged one is deleted."""
         from safetensors import safe_open
 
@@ -344,7 +349,7 @@ class DiskTier:
             with safe_open(str(path), framework="np") as file:
                 metadata = file.metadata() or {}
                 arrays = {name: file.get_tensor(name) for name in file.keys()}  # noqa: SIM118 (not a dict)
-            block = self._checked(key, tokens, metadata, arrays)
+            block = self._checked(key, tokens, kind, metadata, arrays)
         except FileNotFoundError:
             return None
         except Exception as exc:  # truncated, not safetensors, foreign: never served
@@ -366,22 +371,25 @@ class DiskTier:
             self._stats.bytes_read += block.nbytes
         return block
 
-    def _checked(self, key: bytes, tokens: tuple[int, ...], metadata: dict, arrays: dict) -> BlockBytes | None:
-        """The block in a file, or None if anything in it disagrees with what is expected."""
+    def _checked(self, key: bytes, tokens: tuple[int, ...], kind: str, metadata: dict, arrays: dict) -> BlockBytes | None:
+        """The block in a file, or None if anything in it disagrees with what is expected (a
+        state's shapes are the engine's to check: the tier does not know them)."""
         expected = {
             "format": FORMAT, "version": str(VERSION), "key": key.hex(),
             "model_digest": self.identity.model_digest, "weight_format": self.identity.weight_format,
             "block_size": str(self.identity.block_size), "token_ids": json.dumps(list(tokens)),
         }  # fmt: skip
-        if any(metadata.get(name) != value for name, value in expected.items()):
+        if any(metadata.get(name) != value for name, value in expected.items()) or metadata.get("kind", "kv") != kind:
             return None
         dtypes = json.loads(metadata.get("dtypes", "{}"))
-        shapes_ok = all(
-            a.dtype == np.uint8 and a.ndim == 3 and a.shape[1] == self.identity.block_size for a in arrays.values()
-        )
+        if kind == "kv":
+            shapes_ok = all(a.ndim == 3 and a.shape[1] == self.identity.block_size for a in arrays.values())
+        else:
+            shapes_ok = all(a.ndim >= 1 for a in arrays.values())
+        shapes_ok = shapes_ok and all(a.dtype == np.uint8 for a in arrays.values())
         if not arrays or set(dtypes) != set(arrays) or not shapes_ok:
             return None
-        block = BlockBytes(key, tuple(tokens), arrays, dtypes)
+        block = BlockBytes(key, tuple(tokens), arrays, dtypes, kind)
         return block if block.checksum() == metadata.get("checksum") else None
 
     # ---- the folder --------------------------------------------------------------------------

@@ -310,12 +310,15 @@ class KVPool:
     the dtype and head shape the model produces, so the pool never guesses the activation dtype.
     """
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int) -> None:
-        """``num_layers``: the number of arrays (layers, or positions in a block group)."""
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, used: list[int] | None = None) -> None:
+        """``num_layers``: the number of arrays (layers, or positions in a block group);
+        ``used``: the ones attention layers write (default: all; a hybrid model's recurrent
+        layers have an index but no KV)."""
         self.num_slots = num_blocks * block_size
         self.block_size = block_size
         self.keys: list[mx.array | None] = [None] * num_layers
         self.values: list[mx.array | None] = [None] * num_layers
+        self.used = list(range(num_layers)) if used is None else sorted(used)
 
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
         """Store ``keys``/``values`` (``[n_kv_heads, len(slots), head_dim]``) at ``slots``."""
@@ -352,18 +355,18 @@ class KVPool:
         Raises:
             ValueError: the arrays do not fit this pool (names, head shapes, dtype, length).
         """
-        expected = {f"{kind}.{i}" for i in range(len(self.keys)) for kind in ("keys", "values")}
+        expected = {f"{kind}.{i}" for i in self.used for kind in ("keys", "values")}
         if set(arrays) != expected:
-            raise ValueError(f"the arrays are {sorted(arrays)[:4]}..., this model's pool has {len(self.keys)} layers")
+            raise ValueError(f"the arrays are {sorted(arrays)[:4]}..., this model's pool has {len(self.used)} KV layers")
         slots = self.block_slots(block_ids)
-        for i in range(len(self.keys)):
+        for i in self.used:
             keys, values = arrays[f"keys.{i}"], arrays[f"values.{i}"]
             for new, old in ((keys, self.keys[i]), (values, self.values[i])):
                 if new.ndim != 3 or new.shape[1] != slots.size:
                     raise ValueError(f"layer {i}: shape {new.shape}, expected [heads, {slots.size}, head_dim]")
                 if old is not None and (new.dtype != old.dtype or new.shape[::2] != old.shape[::2]):
                     raise ValueError(f"layer {i}: {new.dtype} {new.shape}, the pool holds {old.dtype} {old.shape}")
-        for i in range(len(self.keys)):
+        for i in self.used:
             self.write(i, slots, arrays[f"keys.{i}"], arrays[f"values.{i}"])
         mx.eval(self.arrays())
 

@@ -161,6 +161,33 @@ class StatePool:
             written[w.layer, w.index] = pool
         mx.eval(list(written.values()))
 
+    def read_slot(self, slot: int) -> dict[str, mx.array]:
+        """Slot ``slot``'s state, by name (``state.{layer}.{index}``), each ``[1, ...]``."""
+        return {
+            f"state.{layer}.{index}": pool[slot : slot + 1]
+            for layer, arrays in self.arrays.items()
+            for index, pool in enumerate(arrays)
+            if pool is not None
+        }
+
+    def write_slot(self, slot: int, state: dict[str, mx.array]) -> None:
+        """Store what ``read_slot`` gave (another process's) into slot ``slot``.
+
+        Raises:
+            ValueError: the arrays do not fit this pool (names, shapes, dtypes).
+        """
+        pools = {f"state.{layer}.{i}": pool for layer, arrays in self.arrays.items() for i, pool in enumerate(arrays)}
+        pools = {name: pool for name, pool in pools.items() if pool is not None}
+        if set(state) != set(pools):
+            raise ValueError(f"the state arrays are {sorted(state)[:4]}..., this model's are {sorted(pools)[:4]}...")
+        for name, value in state.items():
+            pool = pools[name]
+            if value.shape != (1, *pool.shape[1:]) or value.dtype != pool.dtype:
+                raise ValueError(f"{name}: {value.dtype} {value.shape}, the pool holds {pool.dtype} [1, {pool.shape[1:]}]")
+        for name, value in state.items():
+            pools[name][slot : slot + 1] = value
+        mx.eval(list(pools.values()))
+
     def all_arrays(self) -> list[mx.array]:
         return [a for arrays in self.arrays.values() for a in arrays if a is not None]
 

@@ -165,6 +165,26 @@ class StateCheckpoints:
             record.latest_checkpoint = None
             self._records.discard_if_empty(request_id)
 
+    # ---- checkpoints from elsewhere (the KV disk tier) -----------------------------------------
+
+    def take_for_import(self) -> int | None:
+        """A slot to receive a checkpoint read from disk (a free one, else the least recently
+        used unpinned checkpoint's), or None; then ``publish_import`` or ``give_back``."""
+        if not self._free and not self._evict_one():
+            return None
+        return self._free.popleft()
+
+    def publish_import(self, key: bytes, slot: int) -> None:
+        """Slot ``slot`` now holds the state after the block hashed ``key``."""
+        if key in self._keyed:  # kept already (never the case on the engine thread, but cheap)
+            self._free.append(slot)
+        else:
+            self._keyed[key] = Checkpoint(slot)
+
+    def give_back(self, slot: int) -> None:
+        """The import failed: ``slot`` is free again."""
+        self._free.append(slot)
+
     # ---- eviction ------------------------------------------------------------------------------
 
     def drop(self, key: bytes) -> None:

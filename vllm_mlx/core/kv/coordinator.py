@@ -59,6 +59,9 @@ class BlockImport:
     """Blocks of the chain cached already: held (ref + 1) until ``finish_import``."""
     taken: list[TakenBlock]
     """The blocks to fill, in the order the positions were asked for."""
+    checkpoint_slot: int | None = None
+    """A state-checkpoint slot to fill with the recurrent state after the chain's last block
+    (when asked for and one could be had)."""
 
     @property
     def block_ids(self) -> list[int]:
@@ -250,23 +253,25 @@ class KVCacheCoordinator:
     # ---- blocks from elsewhere (the KV disk tier, prefix files) --------------------------------
 
     def reserve_import(
-        self, block_hashes: list[bytes], positions: list[tuple[int, int]] | None = None
+        self, block_hashes: list[bytes], positions: list[tuple[int, int]] | None = None, checkpoint: bool = False
     ) -> BlockImport:
         """Blocks to receive the KV of ``block_hashes`` (a chain, as a prompt's blocks) at
         ``positions``: (index in the chain, block group) pairs, by default every index in group
         0. The positions cached already are held (so that taking blocks cannot evict them), the
-        rest get free blocks, in the order given, while the pool has them. The caller writes the
-        taken blocks' KV, then calls ``finish_import`` whatever happens.
+        rest get free blocks, in the order given, while the pool has them; with ``checkpoint``,
+        a state-checkpoint slot for the state after the chain's last block too. The caller
+        writes the taken blocks' KV (and the state), then calls ``finish_import`` whatever
+        happens.
 
         Raises:
-            ValueError: prefix caching is off, or the model has recurrent layers (their states
-                are not imported).
+            ValueError: prefix caching is off, or the model has recurrent layers and no
+                checkpoint is asked for or can be kept (the blocks alone resume nothing).
         """
         if not self.enable_caching:
             raise ValueError("prefix caching is off: there is no cache to import blocks into")
-        if self.state is not None:
+        if self.state is not None and (not checkpoint or self.state.checkpoints is None):
             raise ValueError("imported blocks hold attention KV: this model has recurrent layers, "
-                             "whose states are not imported")  # fmt: skip
+                             "whose state must come with them as a checkpoint")  # fmt: skip
         if positions is None:
             positions = [(i, 0) for i in range(len(block_hashes))]
         held: list[CacheBlock] = []
@@ -281,20 +286,27 @@ class KVCacheCoordinator:
         taken: list[TakenBlock] = []
         for i, group in missing[: self.pool.get_num_free_blocks()]:  # as many as there are free blocks
             taken.append(TakenBlock(i, group, self.pool.take()))
-        return BlockImport(held, taken)
+        slot = self.state.checkpoints.take_for_import() if checkpoint and self.state is not None else None
+        return BlockImport(held, taken, slot)
 
     def finish_import(
         self, reserved: BlockImport, block_hashes: list[bytes], token_ids: list[int], succeeded: bool
     ) -> int:
         """Publish the taken blocks (their KV written: ``succeeded``) under their hashes in their
-        groups, marked ``from_disk``, or give them back blank; release everything held. Returns
-        the blocks published."""
+        groups, marked ``from_disk``, and the checkpoint slot under the chain's last hash; or
+        give them back blank. Release everything held. Returns the blocks published."""
         size = self.block_size
         if succeeded:
             for t in reserved.taken:
                 tokens = tuple(token_ids[t.index * size : (t.index + 1) * size])
                 self.pool.cache_block(t.block, t.group, block_hashes[t.index], tokens)
                 t.block.from_disk = True
+        if reserved.checkpoint_slot is not None:
+            checkpoints = self.state.checkpoints
+            if succeeded:
+                checkpoints.publish_import(block_hashes[-1], reserved.checkpoint_slot)
+            else:
+                checkpoints.give_back(reserved.checkpoint_slot)
         for block in [t.block for t in reserved.taken] + reserved.held:
             self.pool.release(block)
         return len(reserved.taken) if succeeded else 0

@@ -68,6 +68,15 @@ def tiny_qwen3_5_dir(tmp_path_factory, default_model_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory, default_model_dir):
+    """A tiny Gemma-3 with a window of 8 on layers 0 and 2 (1 and 3 full): its sliding layers
+    hold a block group of their own (``kv_spec.plan_block_groups``)."""
+    from tiny_model import TINY_GEMMA3, build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("gemma3"), default_model_dir, **TINY_GEMMA3)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_vl_dir(tmp_path_factory):
     """A tiny random-weight Qwen2-VL directory (see tests/tiny_vlm.py): a 64x64 image -> 4 tokens."""
     pytest.importorskip("mlx_vlm", reason="mlx-vlm (the `vlm` extra) is not installed")

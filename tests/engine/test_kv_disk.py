@@ -15,7 +15,7 @@ import sys
 import textwrap
 
 import pytest
-from tiny_model import TINY_GEMMA3, build_tiny_llama
+from tiny_model import build_tiny_llama
 
 from vllm_mlx import SamplingParams
 from vllm_mlx.engine import kv_disk
@@ -71,13 +71,6 @@ def test_blocks_from_disk_give_the_cold_output_in_a_later_engine(engines, disk):
     assert all(o.num_cached_tokens >= 96 for o in again)  # the prompts' full blocks, from disk
     assert [o.metrics.num_disk_tokens for o in again] == [o.num_cached_tokens for o in again]
     assert all(o.metrics.num_disk_tokens == 0 for o in first)
-
-
-@pytest.fixture(scope="module")
-def tiny_gemma3_dir(tmp_path_factory, default_model_dir):
-    """Gemma-3 with a window of 8 on layers 0 and 2: with 4-token blocks, the sliding layers hold
-    a block group of their own, whose window needs the last two blocks at a hit point."""
-    return build_tiny_llama(tmp_path_factory.mktemp("gemma3"), default_model_dir, **TINY_GEMMA3)
 
 
 def test_sliding_window_groups_come_back_from_disk(engines, disk, tiny_gemma3_dir):

@@ -44,6 +44,7 @@ def saved(tiny_model_dir, tmp_path_factory):
 
 def test_a_loaded_prefix_gives_the_cold_output_and_skips_the_prefill(tiny_model_dir, saved):
     path, cold = saved
+    assert read_prefix_file(path)[0].metadata()["version"] == "1"  # one block group, no state: what older readers read
     engine = engine_for(tiny_model_dir)
     try:
         assert engine.load_prefix(path) == 64
@@ -135,11 +136,43 @@ def test_saving_is_atomic_and_refuses_an_uncached_prompt(tiny_model_dir, saved, 
         engine.shutdown()
 
 
-def test_a_hybrid_model_says_prefix_files_do_not_cover_it_yet(tiny_qwen3_5_dir, tmp_path):
-    engine = engine_for(tiny_qwen3_5_dir)
+@pytest.mark.parametrize("model", ["hybrid", "sliding"])
+def test_hybrid_and_sliding_window_models_resume_from_a_prefix_file(model, tiny_qwen3_5_dir, tiny_gemma3_dir, tmp_path):
+    """Version 2 files: a hybrid model's file carries the recurrent state after its last block,
+    a sliding-window model's the blocks its window group reaches there; loaded by a new engine,
+    the prompt resumes from them with the output computed cold."""
+    model_dir, options = (tiny_qwen3_5_dir, {}) if model == "hybrid" else (tiny_gemma3_dir, {"block_size": 4})
+    cold_engine = engine_for(model_dir, enable_prefix_caching=False, **options)
+    cold = run(cold_engine, PROMPT)
+    cold_engine.shutdown()
+    path = tmp_path / f"{model}.prefix"
+    engine = engine_for(model_dir, **options)
     try:
         run(engine, PROMPT)
-        with pytest.raises(ValueError, match="recurrent layers"):
+        saved = engine.save_prefix(PROMPT, path)
+    finally:
+        engine.shutdown()
+    header, arrays = read_prefix_file(path)
+    assert header.version == 2 and saved == len(header.token_ids) >= 48
+    if model == "hybrid":
+        assert header.has_state and header.groups == () and any(n.startswith("state.") for n in arrays)
+    else:
+        assert not header.has_state and header.groups == ((1, header.num_blocks - 2),)  # window 8: 2 blocks
+    engine = engine_for(model_dir, **options)
+    try:
+        assert engine.load_prefix(path) == saved
+        warm = run(engine, PROMPT)
+        assert warm.num_cached_tokens == saved and warm.outputs[0].token_ids == cold.outputs[0].token_ids
+        engine.kv_cache.check_invariants()
+    finally:
+        engine.shutdown()
+
+
+def test_a_hybrid_model_without_checkpoints_says_prefix_files_resume_nothing(tiny_qwen3_5_dir, tmp_path):
+    engine = engine_for(tiny_qwen3_5_dir, max_state_checkpoints=0)
+    try:
+        run(engine, PROMPT)
+        with pytest.raises(ValueError, match="keeps no state checkpoints"):
             engine.save_prefix(PROMPT, tmp_path / "hybrid.prefix")
         with pytest.raises(ValueError, match="recurrent layers"):
             engine.kv_cache.reserve_import([])

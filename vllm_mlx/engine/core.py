@@ -736,7 +736,7 @@ class EngineCore:
         Raises:
             ValueError: none of the prompt's blocks are cached; the prompt has images; prefix
                 caching is off; the engine runs several ranks; the model has recurrent layers
-                or sliding-window block groups (not covered yet).
+                and keeps no state checkpoints.
         """
         return self._prefix_transfer.save(prompt, path, cache_salt)
 

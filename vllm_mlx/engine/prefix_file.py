@@ -17,6 +17,15 @@ Metadata, all strings:
 - ``block_size``, ``num_blocks``; ``token_ids``: the blocks' tokens, a JSON list;
 - ``checksum``: SHA-256 over every tensor's name, dtype, shape and bytes, in name order.
 
+Version 2 (written only for models that need it; version 1 files still load) adds what a model
+with sliding-window block groups or recurrent layers needs to resume at the end of the blocks:
+
+- ``groups``: a JSON list of ``[group, first_block]`` for each block group after the first, and
+  tensors ``group{g}.keys.{i}``/``group{g}.values.{i}`` holding that group's blocks
+  ``first_block .. num_blocks - 1`` (what its window reaches at the end);
+- ``state``: ``"1"`` when tensors ``state.{layer}.{i}`` (``[1, ...]``) hold the recurrent state
+  after the last block, else ``"0"``.
+
 Never wrong: a file whose format, version, model, weight format, block size, shapes, dtype or
 checksum differ is refused as a whole with a ``PrefixFileError`` that says which, and nothing of
 it enters the cache. Hashes are not stored: the loading engine hashes the tokens itself (its
@@ -38,7 +47,8 @@ import numpy as np
 from vllm_mlx.platform.atomic_file import write_atomically
 
 FORMAT = "vllm-mlx-prefix"
-VERSION = 1
+VERSION = 2
+"""The newest version written; every version up to it is read."""
 
 
 class PrefixFileError(ValueError):
@@ -54,35 +64,61 @@ class PrefixHeader:
     block_size: int
     token_ids: list[int]
     checksum: str
+    groups: tuple[tuple[int, int], ...] = ()
+    """(block group, first block) of each group after the first (version 2)."""
+    has_state: bool = False
+    """Whether the recurrent state after the last block is in the file (version 2)."""
 
     @property
     def num_blocks(self) -> int:
         return len(self.token_ids) // self.block_size
 
+    @property
+    def version(self) -> int:
+        """1 unless the file holds block groups or a state (then 2): the oldest that reads it."""
+        return 2 if self.groups or self.has_state else 1
+
     def metadata(self) -> dict[str, str]:
-        return {
-            "format": FORMAT, "version": str(VERSION), "model_digest": self.model_digest,
+        metadata = {
+            "format": FORMAT, "version": str(self.version), "model_digest": self.model_digest,
             "weight_format": self.weight_format, "block_size": str(self.block_size),
             "num_blocks": str(self.num_blocks), "token_ids": json.dumps(self.token_ids), "checksum": self.checksum,
         }  # fmt: skip
+        if self.version > 1:
+            metadata.update(groups=json.dumps([list(g) for g in self.groups]), state=str(int(self.has_state)))
+        return metadata
 
     @classmethod
     def parse(cls, metadata: dict[str, str]) -> PrefixHeader:
         if metadata.get("format") != FORMAT:
             raise PrefixFileError(f"not a prefix file (format {metadata.get('format')!r}, expected {FORMAT!r})")
-        if metadata.get("version") != str(VERSION):
-            raise PrefixFileError(f"prefix file version {metadata.get('version')!r}; this vllm-mlx reads {VERSION}")
+        if metadata.get("version") not in [str(v) for v in range(1, VERSION + 1)]:
+            raise PrefixFileError(f"prefix file version {metadata.get('version')!r}; this vllm-mlx reads 1 to {VERSION}")
         try:
             header = cls(
                 metadata["model_digest"], metadata["weight_format"], int(metadata["block_size"]),
                 [int(t) for t in json.loads(metadata["token_ids"])], metadata["checksum"],
+                tuple((int(g), int(first)) for g, first in json.loads(metadata.get("groups", "[]"))),
+                metadata.get("state", "0") == "1",
             )  # fmt: skip
             num_blocks = int(metadata["num_blocks"])
         except (KeyError, ValueError, TypeError) as exc:
             raise PrefixFileError(f"damaged prefix file header: {exc!r}") from None
         if header.block_size < 1 or len(header.token_ids) != num_blocks * header.block_size:
             raise PrefixFileError(f"damaged prefix file header: {len(header.token_ids)} tokens for {num_blocks} blocks")
+        if any(not 0 <= first < num_blocks for _, first in header.groups):
+            raise PrefixFileError(f"damaged prefix file header: block groups {header.groups} for {num_blocks} blocks")
         return header
+
+    def slots_of(self, name: str) -> int | None:
+        """How many token slots tensor ``name`` holds (None: a state tensor, any shape)."""
+        if name.startswith("state."):
+            return None
+        if name.startswith("group"):
+            group = int(name[len("group") : name.index(".")])
+            first = dict(self.groups).get(group)
+            return -1 if first is None else (self.num_blocks - first) * self.block_size
+        return len(self.token_ids)
 
 
 def checksum(arrays: dict[str, mx.array]) -> str:
@@ -124,9 +160,17 @@ def read_prefix_file(path: Path) -> tuple[PrefixHeader, dict[str, mx.array]]:
     except (OSError, RuntimeError, ValueError) as exc:
         raise PrefixFileError(f"cannot read prefix file {path}: {exc}") from None
     header = PrefixHeader.parse(metadata)
-    slots = len(header.token_ids)
-    if not arrays or any(a.ndim != 3 or a.shape[1] != slots for a in arrays.values()):
-        raise PrefixFileError(f"prefix file {path} is damaged: its arrays do not hold {slots} token slots each")
+    try:
+        shapes_ok = all(_fits(header.slots_of(name), array) for name, array in arrays.items())
+    except ValueError:  # a tensor name that is not ours
+        shapes_ok = False
+    if not arrays or not shapes_ok or any(name.startswith("state.") for name in arrays) != header.has_state:
+        raise PrefixFileError(f"prefix file {path} is damaged: its arrays do not hold the token slots its header says")
     if checksum(arrays) != header.checksum:
         raise PrefixFileError(f"prefix file {path} is damaged: its arrays do not match its checksum")
     return header, arrays
+
+
+def _fits(slots: int | None, array: mx.array) -> bool:
+    """A KV tensor holds ``slots`` token slots (``[heads, slots, head_dim]``); a state any shape."""
+    return array.ndim >= 1 if slots is None else array.ndim == 3 and array.shape[1] == slots

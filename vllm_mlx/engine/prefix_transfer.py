@@ -14,12 +14,13 @@ from typing import Any
 
 import mlx.core as mx
 
+from vllm_mlx.core.kv.coordinator import TakenBlock
 from vllm_mlx.engine.prefix_file import PrefixFileError, PrefixHeader, checksum, read_prefix_file, write_prefix_file
 from vllm_mlx.models.digest import model_digest
 
-NOT_COVERED = (
-    "prefix files hold attention KV of one block group: this model has recurrent layers or "
-    "sliding-window groups, which they do not cover yet"
+NO_CHECKPOINTS = (
+    "this model has recurrent layers and keeps no state checkpoints (max_state_checkpoints 0): "
+    "a prefix file could resume nothing"
 )
 
 
@@ -50,11 +51,21 @@ class PrefixTransfer:
         blocks = self.engine.scheduler.kv.prefix_cache.lookup(prepared.token_ids, cache_salt)
         if not blocks:
             raise ValueError("none of this prompt's blocks are cached: generate from it first (cache_salt included)")
-        size = self.engine.kv_cache.block_size
-        arrays = self.engine.runner.pool.read_blocks([b.block_id for b in blocks])
+        kv, pool, size = self.engine.kv_cache, self.engine.runner.pool, self.engine.kv_cache.block_size
+        arrays = pool.read_blocks([b.block_id for b in blocks])
+        # ``lookup`` ends where every kind can resume: the windows' blocks and a state are there.
+        hashes, groups = [b.block_hash for b in blocks], []
+        for g, group in enumerate(kv.groups[1:], start=1):
+            first = group.first_needed_block(len(blocks) * size)
+            window = group.hit_table(hashes)[first:]
+            arrays.update({f"group{g}.{name}": a for name, a in pool.read_blocks([b.block_id for b in window]).items()})
+            groups.append((g, first))
+        if kv.state is not None:
+            arrays.update(self.engine.runner.state_pool.read_slot(kv.state.checkpoints.slot_of(hashes[-1])))
         mx.eval(list(arrays.values()))
         tokens = list(prepared.token_ids[: len(blocks) * size])
-        header = PrefixHeader(self.model_digest, self.engine.weight_format, size, tokens, checksum(arrays))
+        header = PrefixHeader(self.model_digest, self.engine.weight_format, size, tokens, checksum(arrays),
+                              tuple(groups), kv.state is not None)  # fmt: skip
         write_prefix_file(Path(path), header, arrays)
         return len(tokens)
 
@@ -71,41 +82,67 @@ class PrefixTransfer:
         self._check()
         header, arrays = read_prefix_file(Path(path))
         self._check_header(header)
-        hashes = self.engine.scheduler.kv.prefix_cache.block_hashes(header.token_ids, cache_salt)
-        kv = self.engine.kv_cache
-        reserved = kv.reserve_import(hashes)
+        prefix_cache = self.engine.scheduler.kv.prefix_cache
+        hashes = prefix_cache.block_hashes(header.token_ids, cache_salt)
+        kv, n = self.engine.kv_cache, header.num_blocks
+        positions = [(i, 0) for i in range(n)] + [(i, g) for g, first in header.groups for i in range(first, n)]
+        checkpoint = header.has_state and hashes[-1] not in kv.state.checkpoints
+        reserved = kv.reserve_import(hashes, positions, checkpoint=checkpoint)
         written = False
         try:
+            if checkpoint and reserved.checkpoint_slot is None:
+                return 0  # every checkpoint slot is pinned by a running request: nothing to resume from
             if reserved.taken:
-                wanted = [t.index for t in reserved.taken]
-                self.engine.runner.pool.write_blocks(reserved.block_ids, _blocks_of(arrays, wanted, header.block_size))
+                blocks = _blocks_of(arrays, reserved.taken, header)
+                self.engine.runner.pool.write_blocks(reserved.block_ids, blocks)
+            if checkpoint:
+                state = {name: a for name, a in arrays.items() if name.startswith("state.")}
+                self.engine.runner.state_pool.write_slot(reserved.checkpoint_slot, state)
             written = True
         except ValueError as exc:
             raise PrefixFileError(f"prefix file {path} does not fit this model's KV cache: {exc}") from None
         finally:
             kv.finish_import(reserved, hashes, header.token_ids, written)
-        return (len(reserved.held) + len(reserved.taken)) * header.block_size
+        return prefix_cache.num_cached_tokens(header.token_ids, cache_salt)
 
     def _check(self) -> None:
-        """Prefix files need the prefix cache, one process (no tensor or pipeline ranks) and a
-        model whose cache is attention KV in one block group."""
+        """Prefix files need the prefix cache, one process (no tensor or pipeline ranks) and,
+        with recurrent layers, state checkpoints."""
         if self.engine.tp_group is not None:
             raise ValueError("prefix files are not supported with tensor or pipeline parallelism yet")
         if not self.engine.config.enable_prefix_caching:
             raise ValueError("prefix files need the prefix cache (enable_prefix_caching)")
-        kv = self.engine.kv_cache
-        if kv.state is not None or len(kv.groups) > 1:
-            raise ValueError(NOT_COVERED)
+        if not self.engine.kv_cache.resumes_prefixes:
+            raise ValueError(NO_CHECKPOINTS)
 
     def _check_header(self, header: PrefixHeader) -> None:
-        mine = (self.model_digest, self.engine.weight_format, self.engine.kv_cache.block_size)
+        kv = self.engine.kv_cache
+        mine = (self.model_digest, self.engine.weight_format, kv.block_size)
         theirs = (header.model_digest, header.weight_format, header.block_size)
         for what, ours, file in zip(("model (digest)", "weight format", "block size"), mine, theirs):
             if ours != file:
                 raise PrefixFileError(f"the prefix file was saved with another {what}: {file!r}, this engine's {ours!r}")
+        # The same model, weights and block size plan the same groups; a file that says otherwise is damaged.
+        needed = tuple((g, group.first_needed_block(header.num_blocks * kv.block_size)) for g, group in enumerate(kv.groups[1:], 1))
+        fits = [g for g, _ in header.groups] == [g for g, _ in needed] and all(
+            first <= need for (_, first), (_, need) in zip(header.groups, needed)
+        )
+        if not fits or header.has_state != (kv.state is not None):
+            raise PrefixFileError(
+                f"the prefix file's block groups {header.groups} (state: {header.has_state}) do not fit this engine's "
+                f"{needed} (state: {kv.state is not None})"
+            )
 
 
-def _blocks_of(arrays: dict[str, mx.array], indices: list[int], block_size: int) -> dict[str, mx.array]:
-    """The slots of blocks ``indices`` (of the file's chain) in each array, in that order."""
-    slots = mx.array([i * block_size + j for i in indices for j in range(block_size)])
-    return {name: array[:, slots] for name, array in arrays.items()}
+def _blocks_of(arrays: dict[str, mx.array], taken: list[TakenBlock], header: PrefixHeader) -> dict[str, mx.array]:
+    """The pool's arrays (``keys.{i}``, ``values.{i}``) for the ``taken`` blocks, in that order:
+    each from its group's tensors in the file (group 0's, or ``group{g}.`` ones from their first
+    block on)."""
+    size, firsts = header.block_size, dict(header.groups)
+    names = [name for name in arrays if name.startswith(("keys.", "values."))]
+    pieces: dict[str, list[mx.array]] = {name: [] for name in names}
+    for t in taken:
+        prefix, offset = ("", t.index) if t.group == 0 else (f"group{t.group}.", t.index - firsts[t.group])
+        for name in names:
+            pieces[name].append(arrays[prefix + name][:, offset * size : (offset + 1) * size])
+    return {name: mx.concatenate(parts, axis=1) for name, parts in pieces.items()}

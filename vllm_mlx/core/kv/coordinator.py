@@ -264,14 +264,17 @@ class KVCacheCoordinator:
         happens.
 
         Raises:
-            ValueError: prefix caching is off, or the model has recurrent layers and no
-                checkpoint is asked for or can be kept (the blocks alone resume nothing).
+            ValueError: prefix caching is off, or the model has recurrent layers and the chain's
+                last block has no checkpoint kept, none is asked for, or none can be kept (the
+                blocks alone resume nothing).
         """
         if not self.enable_caching:
             raise ValueError("prefix caching is off: there is no cache to import blocks into")
-        if self.state is not None and (not checkpoint or self.state.checkpoints is None):
-            raise ValueError("imported blocks hold attention KV: this model has recurrent layers, "
-                             "whose state must come with them as a checkpoint")  # fmt: skip
+        if self.state is not None:
+            kept = bool(block_hashes) and self.state.has_checkpoint(block_hashes[-1])
+            if self.state.checkpoints is None or not (checkpoint or kept):
+                raise ValueError("imported blocks hold attention KV: this model has recurrent layers, "
+                                 "whose state must come with them as a checkpoint")  # fmt: skip
         if positions is None:
             positions = [(i, 0) for i in range(len(block_hashes))]
         held: list[CacheBlock] = []
@@ -301,9 +304,9 @@ class KVCacheCoordinator:
                 tokens = tuple(token_ids[t.index * size : (t.index + 1) * size])
                 self.pool.cache_block(t.block, t.group, block_hashes[t.index], tokens)
                 t.block.from_disk = True
-        if reserved.checkpoint_slot is not None:
+        if reserved.checkpoint_slot is not None:  # kept only beside its block (evicted with it)
             checkpoints = self.state.checkpoints
-            if succeeded:
+            if succeeded and block_hashes[-1] in self.pool.cached[0]:
                 checkpoints.publish_import(block_hashes[-1], reserved.checkpoint_slot)
             else:
                 checkpoints.give_back(reserved.checkpoint_slot)

@@ -6,6 +6,8 @@ OUT_DIR`` under ``mlx.launch -n 2``):
   ``EngineCore(pipeline_parallel=True)``, rank 1 ``worker_loop(..., pipeline_parallel=True)``
   (its ``WorkerStats``); both report the layers their pools hold. A model without pipeline
   support is refused there, on both ranks;
+- ``spec``: ``stages`` with n-gram speculation (``tp_driver.SPECULATION``), and its proposed
+  and accepted token counts;
 - ``memory``: ``size_with_a_small_rank_1``."""
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from rank_scenarios import Scenario, run_scenarios
-from tp_driver import run_batch
+from tp_driver import SPECULATION, run_batch, speculation_counts
 
 # 13 blocks of 4 tokens cannot hold every request (preemption); 8 tokens a step (chunks).
 ENGINE_OPTIONS = {"block_size": 4, "num_kv_blocks": 13, "max_num_batched_tokens": 8, "seed": 0}
@@ -26,17 +28,22 @@ def pool_layers(runner) -> dict:
     return dict(zip(("kv_layers", "state_layers"), held_layers(runner)))
 
 
-def stages(group, scenario: Scenario) -> dict:
+def stages(group, scenario: Scenario, options: dict | None = None) -> dict:
     from vllm_mlx.engine.core import EngineCore
     from vllm_mlx.engine.rank_worker import worker_loop
 
     if group.rank() > 0:
         return dataclasses.asdict(worker_loop(scenario.model, group=group, pipeline_parallel=True))
-    engine = EngineCore(model=scenario.model, pipeline_parallel=True, force_model_takeover=True, **ENGINE_OPTIONS)
+    options = {**ENGINE_OPTIONS, **(options or {})}
+    engine = EngineCore(model=scenario.model, pipeline_parallel=True, force_model_takeover=True, **options)
     try:
-        return {**run_batch(engine), **pool_layers(engine.runner)}
+        return {**run_batch(engine), **pool_layers(engine.runner), **speculation_counts(engine)}
     finally:
         engine.shutdown()  # sends "stop": the workers return
+
+
+def spec(group, scenario: Scenario) -> dict:
+    return stages(group, scenario, SPECULATION)
 
 
 SMALL_MEMORY = 64 << 20  # what rank 1 claims to have available in the "memory" scenario
@@ -73,7 +80,7 @@ def size_with_a_small_rank_1(group, scenario: Scenario) -> dict:
         engine.shutdown()
 
 
-SCENARIOS = {"stages": stages, "memory": size_with_a_small_rank_1}
+SCENARIOS = {"stages": stages, "spec": spec, "memory": size_with_a_small_rank_1}
 
 if __name__ == "__main__":
     run_scenarios(SCENARIOS)

@@ -37,12 +37,18 @@ def test_tensor_and_pipeline_parallel_are_exclusive():
 
 
 @pytest.fixture(scope="module")
-def pp_launch(tiny_qwen3_5_dir, tiny_model_dir, tmp_path_factory) -> LaunchedScenarios:
+def pp_launch(tiny_qwen3_5_dir, tiny_model_dir, default_model_dir, tmp_path_factory) -> LaunchedScenarios:
     """The module's 2-rank scenarios (pp_driver.py's), on one launch: two stages of the tiny
     Qwen3.5, its pools sized for a rank with little memory, then (last: a refusal, see
     rank_scenarios.py) the tiny llama, which has no pipeline()."""
+    from repeating_models import LIKELY
+    from tiny_model import TINY_QWEN3_5, build_tiny_llama
+
+    repeating = build_tiny_llama(tmp_path_factory.mktemp("repeating-qwen3_5"), default_model_dir,
+                                 likely_tokens=LIKELY, **TINY_QWEN3_5)  # fmt: skip
     scenarios = [
         Scenario("stages", "stages", str(tiny_qwen3_5_dir)),
+        Scenario("spec", "spec", str(repeating)),
         Scenario("memory", "memory", str(tiny_qwen3_5_dir)),
         Scenario("no_pipeline", "stages", str(tiny_model_dir)),
     ]
@@ -72,6 +78,24 @@ def test_two_stages_on_loopback_equal_the_single_process_engine(tiny_qwen3_5_dir
     # The worker ran every step, failed none, and sampled rank 0's greedy tokens (same logits).
     assert rank1["steps"] > 0 and rank1["errors"] == 0
     assert rank1["compared"] > 0 and rank1["mismatches"] == 0
+
+
+def test_speculation_over_two_stages_equals_the_engine_without_it(pp_launch):
+    """The hybrid's stages verify rank 0's proposals; a row that rejects one keeps its recurrent
+    state as before the step on both stages (else the next tokens would differ)."""
+    from pp_driver import ENGINE_OPTIONS
+    from tp_driver import run_batch
+    from vllm_mlx.engine.core import EngineCore
+
+    engine = EngineCore(model=pp_launch.scenarios["spec"].model, force_model_takeover=True, **ENGINE_OPTIONS)
+    try:
+        plain = run_batch(engine)
+    finally:
+        engine.shutdown()
+    rank0, rank1 = pp_launch.results("spec")
+    assert rank0["tokens"] == plain["tokens"] and rank0["proposed"] > 0 and rank0["accepted"] > 0
+    assert rank0["proposed"] > rank0["accepted"]  # some were rejected: the rollback ran
+    assert rank1["errors"] == 0 and rank1["compared"] > 0 and rank1["mismatches"] == 0
 
 
 def test_rank_0_sizes_the_pools_for_the_rank_with_the_least_memory(pp_launch):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from rank_scenarios import TESTS, LaunchedScenarios, Scenario, launch_scenarios
+from repeating_models import LIKELY
 from tiny_model import TINY_GPT_OSS, build_tiny_llama
 
 from vllm_mlx.core.outputs import ScheduledRequest, SchedulerOutput
@@ -189,9 +190,11 @@ def tp_launch(tp_models, tiny_model_dir, default_model_dir, tmp_path_factory) ->
         root / "kv3", default_model_dir, hidden_size=96, num_attention_heads=6, num_key_value_heads=3
     )
     corrupted = corrupted_copy(tiny_model_dir, root / "corrupted")
+    repeating = build_tiny_llama(root / "repeating", default_model_dir, likely_tokens=LIKELY)  # lookup finds text
     scenarios = [
         *(Scenario(name, "batch", str(model_dir)) for name, model_dir in tp_models.items()),
         Scenario("poison", "poison", str(tiny_model_dir)),
+        Scenario("spec", "spec", str(repeating)),
         Scenario("kv3", "batch", str(kv3)),
         Scenario("other_model", "batch", str(tiny_model_dir), other_model=str(corrupted)),
     ]  # fmt: skip
@@ -248,6 +251,17 @@ def test_a_request_that_fails_on_every_rank_fails_alone(tiny_model_dir, tp_launc
     expected = single_process(tiny_model_dir)["tokens"]
     assert [rank0["tokens"][i] for i in others] == [expected[i] for i in others]
     assert rank1["errors"] > 0 and rank1["mismatches"] == 0
+
+
+def test_speculation_over_two_ranks_equals_the_single_process_engine(tp_launch):
+    """n-gram proposals made on rank 0 travel in the step rows; every rank verifies them in the
+    same forward, and the worker's samples (after the proposals it kept) are rank 0's."""
+    rank0, rank1 = tp_launch.results("spec")
+    expected = single_process(Path(tp_launch.scenarios["spec"].model))["tokens"]
+    assert rank0["tokens"] == expected  # greedy: as without speculation
+    assert rank0["proposed"] > 0 and rank0["accepted"] > 0
+    assert rank1["steps"] > 0 and rank1["errors"] == 0
+    assert rank1["compared"] > 0 and rank1["mismatches"] == 0
 
 
 def test_two_ranks_refuse_kv_heads_that_do_not_divide(tp_launch):

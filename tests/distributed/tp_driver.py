@@ -7,6 +7,8 @@ run ``worker_loop`` and write their ``WorkerStats``:
 - ``batch``: ``run_batch``, and the heads rank 0's KV pool holds (a model that cannot be split,
   or ranks given different models, are refused there, on every rank);
 - ``poison``: the same, with ``poison_the_runner``;
+- ``spec``: the same with n-gram speculation (``SPECULATION``), and its proposed and accepted
+  token counts;
 - ``traffic``: ``measure_traffic`` instead: what each step handed its collectives."""
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ PROMPTS = [
 ]
 # 12 usable blocks of 4 tokens cannot hold every request (preemption); 8 tokens a step (chunks).
 ENGINE_OPTIONS = {"block_size": 4, "num_kv_blocks": 13, "max_num_batched_tokens": 8, "seed": 0}
+# Always three proposals where lookup finds any: the rows verify them on every rank.
+SPECULATION = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}}
 
 
 def run_batch(engine) -> dict:
@@ -53,6 +57,12 @@ def run_batch(engine) -> dict:
         "chunks": sum(1 for r in records for q in r.requests if not q.is_decode and q.num_new_tokens > 1),
         "block_groups": len(engine.kv_cache.group_windows),
     }
+
+
+def speculation_counts(engine) -> dict:
+    """The proposed tokens the engine's recorded steps verified, and how many were kept."""
+    rows = [q for record in engine.step_records for q in record.requests]
+    return {"proposed": sum(q.num_draft_tokens for q in rows), "accepted": sum(q.num_accepted_tokens for q in rows)}
 
 
 def launch_two_ranks(model_dir: Path, out_prefix: Path, *args: str, driver: Path | str):
@@ -191,6 +201,16 @@ def batch(group, scenario: Scenario) -> dict:
         engine.shutdown()  # sends "stop": the workers return
 
 
+def spec(group, scenario: Scenario) -> dict:
+    if group.rank() > 0:
+        return worker(group, scenario)
+    engine = tp_engine(scenario.model, {**ENGINE_OPTIONS, **SPECULATION})
+    try:
+        return {**run_batch(engine), **speculation_counts(engine)}
+    finally:
+        engine.shutdown()
+
+
 def poison(group, scenario: Scenario) -> dict:
     with poison_the_runner():
         return batch(group, scenario)
@@ -206,7 +226,7 @@ def traffic(group, scenario: Scenario) -> dict:
         engine.shutdown()
 
 
-SCENARIOS = {"batch": batch, "poison": poison, "traffic": traffic}
+SCENARIOS = {"batch": batch, "poison": poison, "spec": spec, "traffic": traffic}
 
 if __name__ == "__main__":
     run_scenarios(SCENARIOS)

@@ -178,8 +178,10 @@ def test_speculative_config_is_checked_when_the_engine_is_configured():
     for value, message in bad:
         with pytest.raises(ValueError, match=message):
             EngineConfig(speculative_config=value).normalize()
-    with pytest.raises(ValueError, match="tensor_parallel"):
-        EngineConfig(speculative_config={"method": "ngram"}, tensor_parallel=True).normalize()
+    EngineConfig(speculative_config={"method": "ngram"}, tensor_parallel=True).normalize()  # lookup runs on rank 0
+    for split in ("tensor_parallel", "pipeline_parallel"):
+        with pytest.raises(ValueError, match="a draft model does not work with tensor_parallel"):
+            EngineConfig(speculative_config={"model": "/drafts/small"}, **{split: True}).normalize()
 
 
 @pytest.mark.e2e

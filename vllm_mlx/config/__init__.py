@@ -38,7 +38,7 @@ from vllm_mlx.config.options import (
     parse_count,
 )
 from vllm_mlx.core.sched.prefill_budget import DEFAULT_PREFILL_ATTENTION_TOKENS
-from vllm_mlx.core.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from vllm_mlx.core.spec_decode.config import DRAFT_MODEL, SpeculativeConfig, parse_speculative_config
 from vllm_mlx.distributed.watchdog import DEFAULT_STARTUP_TIMEOUT_S
 from vllm_mlx.platform.validation import RequestLimits
 from vllm_mlx.structured.bounds import DEFAULT_MAX_CONSTRAINT_BOUND
@@ -263,8 +263,10 @@ class EngineConfig:
         if self.tensor_parallel and self.pipeline_parallel:
             raise ValueError("tensor_parallel and pipeline_parallel are exclusive: choose one way to split the model")
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
-        if self.speculative_config is not None and (self.tensor_parallel or self.pipeline_parallel):
-            raise ValueError("speculative_config does not work with tensor_parallel or pipeline_parallel yet")
+        spec = self.speculative_config
+        if spec is not None and spec.method == DRAFT_MODEL and (self.tensor_parallel or self.pipeline_parallel):
+            raise ValueError("a draft model does not work with tensor_parallel or pipeline_parallel "
+                             "(it would run unsplit on rank 0); n-gram lookup does")  # fmt: skip
         if self.enable_lora and (self.tensor_parallel or self.pipeline_parallel):
             raise ValueError("enable_lora does not work with tensor_parallel or pipeline_parallel yet")
 

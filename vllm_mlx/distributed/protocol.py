@@ -83,6 +83,8 @@ class StepRow:
     checkpoint_slot: int | None = None
     block_tables: list[list[int]] | None = None
     whole_tables: bool = True
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Proposed tokens the row verifies (speculative decoding; proposed on rank 0)."""
 
 
 def table_delta(known: list[list[int]] | None, tables: list[list[int]]) -> list[list[int]] | None:
@@ -177,7 +179,7 @@ class StepEncoder:
         return StepRow(
             request.request_id, item.num_computed_tokens, item.num_new_tokens, sending[0], new_tokens,
             item.state_slot, item.state_read_slot, item.checkpoint_slot,
-            sending if item.block_tables is not None else None, delta is None,
+            sending if item.block_tables is not None else None, delta is None, list(item.spec_token_ids),
         )  # fmt: skip
 
     def _drop_finished(self) -> list[str]:

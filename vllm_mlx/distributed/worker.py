@@ -79,8 +79,10 @@ class Worker:
         output = self._guarded(self.runner.execute_model, SchedulerOutput(message.step_id, scheduled))
         self.stats.steps += 1
         for rid, token in (output.sampled_token_ids.items() if output is not None else ()):
-            if rid not in self.unchecked:
-                self.sampled[rid] = (self.requests[rid].num_output_tokens, token)
+            if rid not in self.unchecked:  # after the proposals it kept, when it verified some
+                verdict = output.drafts.get(rid)
+                kept = verdict.num_accepted if verdict is not None else 0
+                self.sampled[rid] = (self.requests[rid].num_output_tokens + kept, token)
 
     def _scheduled(self, row: StepRow) -> ScheduledRequest:
         request = self.requests[row.request_id]
@@ -91,6 +93,7 @@ class Worker:
         return ScheduledRequest(
             request, row.num_computed_tokens, row.num_new_tokens, tables[0], row.state_slot,
             row.state_read_slot, row.checkpoint_slot, tables if row.block_tables is not None else None,
+            list(row.spec_token_ids),
         )  # fmt: skip
 
     def _compare(self, request: Request, new_tokens: list[int]) -> None:

@@ -118,6 +118,21 @@ def test_blocks_read_from_disk_are_marked_in_the_grid():
     assert html.count(", from disk") == 2 and "block 1: used, ref 2, from disk" in html
 
 
+def test_a_servers_disk_blocks_reach_the_grid_only_where_hits_are_disclosed():
+    from vllm_mlx.core.snapshot import CacheSnapshot
+    from vllm_mlx.entrypoints.openai.cache_blocks import block_view
+    from vllm_mlx_jupyter.views.server_view import snapshot_from_view
+
+    blocks = [dict(b) for b in SNAPSHOT["blocks"]]
+    blocks[1]["from_disk"] = blocks[4]["from_disk"] = True
+    typed = CacheSnapshot.from_dict({**SNAPSHOT, "blocks": blocks, "stats": {**SNAPSHOT["stats"], "block_size": 16}})
+    assert block_view(typed, [])["disk_blocks"] == []  # which blocks came back tells of other prompts
+    shown = block_view(typed, [], disclose_hits=True)
+    assert shown["disk_blocks"] == [1, 4]
+    state = decode_state(encode_snapshot(snapshot_from_view(shown, {})))
+    assert state["block_disk"] == [0, 1, 0, 0, 1, 0, 0]
+
+
 def test_multimodal_entries_keep_json_fields_only():
     entry = {"hash": "abc123", "width": 32, "height": 16, "thumbnail_png": b"\x89PNG", "thumbnail_base64": "iVBO",
              "bytes": 4096, "num_tokens": 64, "hits": 2, "created": 1.0, "last_used": 2.0}  # fmt: skip

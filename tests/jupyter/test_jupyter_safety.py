@@ -513,6 +513,7 @@ block_views = st.fixed_dictionaries({
     "block_size": _maybe(st.integers(1, 64)),
     "block_states": st.text("nfcu<x", max_size=24),
     "free_queue": _maybe(st.lists(_maybe(st.integers(-3, 30)), max_size=6)),
+    "disk_blocks": _maybe(st.lists(_maybe(st.integers(-3, 30)), max_size=6)),
     "requests": _maybe(st.dictionaries(st.sampled_from(HOSTILE_STRINGS + ["r1"]), st.fixed_dictionaries({
         "status": _maybe(st.sampled_from(["RUNNING", "WAITING"])),
         "num_prompt_tokens": _maybe(st.integers(0, 99)), "num_cached_tokens": _maybe(st.integers(0, 99)),

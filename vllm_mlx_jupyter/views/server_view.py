@@ -29,12 +29,14 @@ def snapshot_from_view(view: dict, ours: dict[str, str]) -> dict:
         raise ValueError("/v1/cache/blocks: the answer has no block_states")
     num_blocks = len(letters)
     held = _mapping(view.get("blocks"))
+    from_disk = set(_block_ids(view.get("disk_blocks"), num_blocks))
     blocks = []
     for block_id, letter in enumerate(letters):
         state = STATE_NAMES.get(letter, "null")
         info = _mapping(held.get(str(block_id)))
         blocks.append({"id": block_id, "state": state, "ref_cnt": _count(info.get("ref_cnt"), int(state == "used")),
-                       "owners": [], "hash": None, "num_tokens": _count(info.get("num_tokens")), "text": ""})  # fmt: skip
+                       "owners": [], "hash": None, "num_tokens": _count(info.get("num_tokens")), "text": "",
+                       "from_disk": block_id in from_disk})  # fmt: skip
     requests = {ours.get(rid, rid): _request(request, num_blocks)
                 for rid, request in _mapping(view.get("requests")).items()}  # fmt: skip
     return {"block_size": _count(view.get("block_size")), "blocks": blocks, "requests": requests,

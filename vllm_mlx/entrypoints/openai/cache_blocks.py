@@ -15,10 +15,11 @@ What it shows, and why each part is safe to show any client:
 - ``blocks``: reference and token counts of the blocks those requests hold, nothing of others'.
   Reference counts are those requests' own holds: a count above that would tell that another
   tenant holds the same prefix.
-- Prefix hits (``num_cached_tokens``, which block ids a table shares, the grid's real states)
-  tell whether another tenant's prompt began the same way; they are disclosed only where the
-  operator allows (``ServingOptions.discloses_prefix_hits``). Otherwise the tables are left out
-  (``tables_disclosed: false``) and cached-token counts are 0.
+- Prefix hits (``num_cached_tokens``, which block ids a table shares, the grid's real states,
+  ``disk_blocks``: the blocks whose KV was read back from disk) tell whether another tenant's
+  prompt began the same way; they are disclosed only where the operator allows
+  (``ServingOptions.discloses_prefix_hits``). Otherwise the tables are left out
+  (``tables_disclosed: false``), cached-token counts are 0 and ``disk_blocks`` is empty.
 - The per-tenant counters only with ``per_tenant`` (``--enable-cache-stats-disclosure``).
 - The multimodal cache (image thumbnails) is never shown.
 """
@@ -52,6 +53,7 @@ def block_view(
         "block_size": snapshot.block_size,
         "block_states": _grid(snapshot) if tables else _public_grid(snapshot),
         "free_queue": list(snapshot.free_queue) if tables else [],
+        "disk_blocks": [block.id for block in snapshot.blocks if block.from_disk] if tables else [],
         "requests": {rid: _request(view, tables) for rid, view in shown.items()},
         "blocks": _held_blocks(snapshot.blocks, shown if tables else {}, real_refs=per_request),
         "tables_disclosed": tables,

@@ -122,7 +122,9 @@ class StepMessage:
     start: dict = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode()
+        data = dataclasses.asdict(self)
+        data["rows"] = [_without_defaults(row) for row in data["rows"]]  # ``from_bytes`` puts them back
+        return json.dumps(data, separators=(",", ":")).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> StepMessage:
@@ -130,6 +132,19 @@ class StepMessage:
         raw["new_requests"] = [NewRequest(**r) for r in raw["new_requests"]]
         raw["rows"] = [StepRow(**r) for r in raw["rows"]]
         return cls(**raw)
+
+
+_ROW_DEFAULTS = {
+    f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+    for f in dataclasses.fields(StepRow)
+    if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+}
+
+
+def _without_defaults(row: dict) -> dict:
+    """A row's JSON data less the fields at their defaults: a decode row is little more than its
+    id and counts (no new tables, proposals or checkpoint), and the step's message is per row."""
+    return {name: value for name, value in row.items() if name not in _ROW_DEFAULTS or value != _ROW_DEFAULTS[name]}
 
 
 def sampling_dict(params: SamplingParams) -> dict:

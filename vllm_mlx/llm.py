@@ -106,8 +106,9 @@ class LLM:
         """
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = _per_prompt(sampling_params, len(prompts))
-        adapters = _per_prompt_adapter(lora_request, len(prompts))
+        given = _per_prompt(sampling_params, SamplingParams, len(prompts), "sampling params")
+        params = [sp if sp is not None else SamplingParams() for sp in given]
+        adapters = _per_prompt(lora_request, LoRARequest, len(prompts), "lora requests")
         fmt = ResponseFormat.of(response_format) if response_format is not None else None
         if fmt is not None:
             params = [_constrained(sp, fmt) for sp in params]
@@ -286,23 +287,13 @@ def _constrained(params: SamplingParams, fmt: ResponseFormat) -> SamplingParams:
     return params.clone(structured_outputs=fmt.params)
 
 
-def _per_prompt(params, count: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams() for _ in range(count)]
-    if isinstance(params, SamplingParams):
-        return [params] * count
-    params = list(params)
-    if len(params) != count:
-        raise ValueError(f"got {len(params)} sampling params for {count} prompts")
-    return params
-
-
-def _per_prompt_adapter(lora_request, count: int) -> list:
-    """One adapter (or None) per prompt from what ``generate`` was given."""
-    if lora_request is None or isinstance(lora_request, LoRARequest):
-        return [lora_request] * count
-    adapters = list(lora_request)
-    if len(adapters) != count:
-        raise ValueError(f"{len(adapters)} lora requests for {count} prompts")
-    return adapters
+def _per_prompt(value, single: type, count: int, what: str) -> list:
+    """``value`` for each of ``count`` prompts: one ``single`` (or None) for all, or a sequence
+    with one per prompt."""
+    if value is None or isinstance(value, single):
+        return [value] * count
+    values = list(value)
+    if len(values) != count:
+        raise ValueError(f"got {len(values)} {what} for {count} prompts")
+    return values
 

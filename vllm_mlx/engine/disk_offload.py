@@ -261,8 +261,7 @@ class DiskOffload:
         if not found:
             return
         arrays = self.pool.read_blocks([block_id for *_, block_id in found])
-        as_bytes = {name: np.array(a.view(mx.uint8)) for name, a in arrays.items()}  # one copy out of MLX
-        dtypes = {name: dtype_name(a.dtype) for name, a in arrays.items()}
+        as_bytes, dtypes = to_bytes(arrays)
         size = self.block_size
         for n, (i, key, _) in enumerate(found):
             chunk = {name: a[:, n * size : (n + 1) * size] for name, a in as_bytes.items()}
@@ -280,8 +279,7 @@ class DiskOffload:
             if slot is None or not self.tier.wants(key) or not self.tier.admit_write(per_state):
                 continue
             arrays = self.state_pool.read_slot(slot)
-            as_bytes = {name: np.array(a.view(mx.uint8)) for name, a in arrays.items()}
-            dtypes = {name: dtype_name(a.dtype) for name, a in arrays.items()}
+            as_bytes, dtypes = to_bytes(arrays)
             self.tier.write(BlockBytes(key, tuple(tokens[i * size : (i + 1) * size]), as_bytes, dtypes, "state"))
 
     def _bytes_per_block(self) -> int:
@@ -295,6 +293,13 @@ class DiskOffload:
 def dtype_name(dtype: mx.Dtype) -> str:
     """``mx.float32`` -> ``"float32"`` (``getattr(mx, name)`` gives it back)."""
     return str(dtype).rsplit(".", 1)[-1]
+
+
+def to_bytes(arrays: dict[str, mx.array]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """MLX arrays as the tier's bytes (``uint8``, last axis times the itemsize: one copy out of
+    MLX, any dtype, bfloat16 too) and their dtypes' names; ``to_arrays``/``to_state`` undo it."""
+    as_bytes = {name: np.array(a.view(mx.uint8)) for name, a in arrays.items()}
+    return as_bytes, {name: dtype_name(a.dtype) for name, a in arrays.items()}
 
 
 def to_state(state: BlockBytes) -> dict[str, mx.array]:

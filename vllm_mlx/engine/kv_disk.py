@@ -340,7 +340,7 @@ class DiskTier:
             blocks.append(block)
         return blocks
 
-    def _read_file(self, key: bytes, tokens: tuple[int, ...], kind: str = "kv") -> BlockBytes | None:
+    def _read_file(self, key: bytes, tokens: tuple[int, ...], kind: str) -> BlockBytes | None:
         """Block ``key`` if its file is there and sound; a damaged one is deleted."""
         from safetensors import safe_open
 

@@ -35,6 +35,7 @@ outputs are simply ignored.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -310,7 +311,7 @@ class KVPool:
     the dtype and head shape the model produces, so the pool never guesses the activation dtype.
     """
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, used: list[int] | None = None) -> None:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, used: Iterable[int] | None = None) -> None:
         """``num_layers``: the number of arrays (layers, or positions in a block group);
         ``used``: the ones attention layers write (default: all; a hybrid model's recurrent
         layers have an index but no KV)."""

@@ -159,8 +159,8 @@ class MLXModelRunner:
         self.specs = layer_specs(model, getattr(model, "model_type", None))
         self.num_layers = len(self.specs)  # one cache per spec (make_cache may differ from layers)
         self.block_groups = block_groups or BlockGroups.single(self.specs)
-        used = set(self.block_groups.array_of_layer.values())
-        self.pool = KVPool(self.block_groups.num_arrays, num_blocks, block_size, used=sorted(used))
+        used = set(self.block_groups.array_of_layer.values())  # a recurrent layer writes no KV
+        self.pool = KVPool(self.block_groups.num_arrays, num_blocks, block_size, used=used)
         self.state_pool = self._make_state_pool(num_state_slots, state_layout)
         self.pads = all(s.pads for s in self.specs if is_recurrent(s))
         self.attention = MLXAttentionBackend(self.pool, self.specs, self.state_pool, self.block_groups)

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 from vllm_mlx_jupyter.over.rows import Row, RowSource
 from vllm_mlx_jupyter.session.generation import (
-    ABORTED, DONE, ERROR, GENERATING, MIN_INTERVAL, GenerationError, LiveViews, await_or_cancel, wait_or_cancel,
+    ABORTED, DONE, ERROR, GENERATING, MIN_INTERVAL, GenerationError, LiveViews, await_or_cancel, chosen_options,
+    wait_or_cancel,
 )  # fmt: skip
 from vllm_mlx_jupyter.session.reading import OutputReader
 
@@ -262,9 +263,7 @@ class OverGeneration(LiveViews):
             self.in_flight_peak = max(self.in_flight_peak, len(self._in_flight))
         params = self.params.clone(seed=self.params.seed + index) if self.params.seed is not None else self.params
         try:
-            chosen = {"speculative": self.speculative} if self.speculative is not None else {}
-            if self.lora_request is not None:
-                chosen["lora_request"] = self.lora_request
+            chosen = chosen_options(self.speculative, self.lora_request)
             stream = self._engine.add_request(prompt, params, self._row_id(index), constraint=self._constraint, **chosen)
         except EngineDeadError as exc:
             self.error = exc

@@ -88,6 +88,15 @@ class GenerationError(RuntimeError):
     """The request failed (the engine refused it, or the engine stopped)."""
 
 
+def chosen_options(speculative: bool | None, lora_request) -> dict:
+    """The engine-request options a cell chose beyond its prompt, only those it chose: a server's
+    client (``remote.py``) takes neither, and is called as before when a cell chooses none."""
+    chosen: dict = {} if speculative is None else {"speculative": speculative}
+    if lora_request is not None:
+        chosen["lora_request"] = lora_request
+    return chosen
+
+
 class Generation(LiveViews):
     """A running (or finished) ``%%generate`` request.
 
@@ -223,9 +232,7 @@ class Generation(LiveViews):
             if isinstance(token_ids, list):
                 self.num_prompt_tokens = len(token_ids)
             self.submitted_at = time.monotonic()
-            chosen = {"speculative": self.speculative} if self.speculative is not None else {}
-            if self.lora_request is not None:
-                chosen["lora_request"] = self.lora_request
+            chosen = chosen_options(self.speculative, self.lora_request)
             self._stream = self._engine.add_request(self.prompt, self.params, self.request_id, **chosen)
 
     def _run(self) -> None:

@@ -38,7 +38,7 @@ class LoRALoading:
         lora = LoRARequest(body.lora_name, self._next_id, str(path))
         try:
             await run_in_threadpool(self.engine.register_lora, lora)
-        except ValueError as exc:  # AdapterError: not an adapter, another model's, not plain LoRA
+        except ValueError as exc:  # AdapterError: not an adapter, another model's, neither LoRA nor DoRA
             raise OpenAIError(400, str(exc), param="lora_path") from None
         self._next_id += 1
         self.adapters[lora.lora_name] = lora

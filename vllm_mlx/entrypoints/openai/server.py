@@ -347,7 +347,7 @@ def run_server(args: argparse.Namespace, engine_options: dict) -> int:
         for lora in loras:  # read now: an adapter that does not fit stops the server before it serves
             try:
                 engine.register_lora(lora)
-            except ValueError as exc:  # AdapterError: unreadable, another model's, not plain LoRA
+            except ValueError as exc:  # AdapterError: unreadable, another model's, neither LoRA nor DoRA
                 print(f"vllm-mlx serve: --lora-modules {lora.lora_name}: {exc}", file=sys.stderr, flush=True)
                 return 2
         name = args.served_model_name or served_name(args.model, engine.model_path)

@@ -198,3 +198,33 @@ def test_llm_saves_a_chat_and_a_new_llm_loads_it(tiny_model_dir, tmp_path):
         assert warm.num_cached_tokens > 0 and warm.outputs[0].token_ids == cold.outputs[0].token_ids
     finally:
         llm.shutdown()
+
+
+def test_version_2_headers_that_disagree_with_their_arrays_are_refused(tmp_path):
+    """Hostile or damaged version 2 files: block groups outside the chain, a state flag without
+    state tensors, a tensor of a group the header does not name, a malformed groups list."""
+    import mlx.core as mx
+
+    from vllm_mlx.engine.prefix_file import PrefixHeader, checksum, write_prefix_file
+
+    tokens = list(range(8))  # 2 blocks of 4
+    kv = {"keys.0": mx.zeros((1, 8, 2)), "values.0": mx.zeros((1, 8, 2))}
+    window = {"group1.keys.0": mx.zeros((1, 4, 2)), "group1.values.0": mx.zeros((1, 4, 2))}
+    cases = {
+        "outside": (kv | window, {"groups": ((1, 5),)}, "block groups"),
+        "no-state": (kv, {"has_state": True}, "token slots"),
+        "stray-group": (kv | {"group2.keys.0": mx.zeros((1, 4, 2))}, {"groups": ((1, 1),)}, "token slots"),
+        "short-group": (kv | {"group1.keys.0": mx.zeros((1, 8, 2))}, {"groups": ((1, 1),)}, "token slots"),
+    }
+    for name, (arrays, fields, message) in cases.items():
+        header = PrefixHeader("digest", "float32", 4, tokens, checksum(arrays), **fields)
+        write_prefix_file(tmp_path / name, header, arrays)
+        with pytest.raises(PrefixFileError, match=message):
+            read_prefix_file(tmp_path / name)
+    header = PrefixHeader("digest", "float32", 4, tokens, checksum(kv | window), ((1, 1),))
+    metadata = header.metadata() | {"groups": '[["one", {}]]'}
+    mx.save_safetensors(str(tmp_path / "malformed.safetensors"), kv | window, metadata=metadata)
+    with pytest.raises(PrefixFileError, match="damaged prefix file header"):
+        read_prefix_file(tmp_path / "malformed.safetensors")
+    write_prefix_file(tmp_path / "sound", header, kv | window)
+    assert read_prefix_file(tmp_path / "sound")[0].groups == ((1, 1),)  # the same arrays, told right

@@ -77,7 +77,7 @@ def test_a_draft_models_forwards_are_priced():
 
 def test_the_estimate_learns_from_verifications_and_fades_back_to_the_prior():
     estimate = AcceptanceEstimate()
-    assert [estimate.rate(n) for n in (1, 2, 3, 4, 9)] == [*MATCH_PRIOR, MATCH_PRIOR[-1]]  # the prior
+    assert [estimate.rate(n) for n in (1, 2, 3, 4, 9)] == pytest.approx([*MATCH_PRIOR, MATCH_PRIOR[-1]])  # the prior
     for _ in range(6):
         estimate.record(4, 0)  # every first proposal rejected
     assert estimate.rate(3) < 0.1 and choose_lengths([estimate.rate(3)], [4]) == [0]
@@ -86,7 +86,22 @@ def test_the_estimate_learns_from_verifications_and_fades_back_to_the_prior():
     assert choose_lengths([estimate.rate(3)], [4]) == [1]  # it tries again
     for _ in range(6):
         estimate.record(4, 4)
-    assert estimate.rate(1) > 0.7
+    assert estimate.rate(1) > 0.5
+
+
+def test_the_match_length_and_the_requests_record_are_both_evidence():
+    """A request that has been copying trusts its matches more than the table does, a long one
+    most; one whose guesses failed trusts them less; a one-token match is worth a try only
+    where the request has been copying (a fresh one does not try it)."""
+    copying, failing, fresh = AcceptanceEstimate(), AcceptanceEstimate(), AcceptanceEstimate()
+    for _ in range(5):
+        copying.record(4, 4)
+        failing.record(4, 0)
+    for match_len in (1, 2, 3, 4):
+        assert failing.rate(match_len) < fresh.rate(match_len) < copying.rate(match_len)
+    assert copying.rate(1) < copying.rate(2) < copying.rate(4) and copying.rate(4) > 0.98
+    assert choose_lengths([fresh.rate(1)], [4]) == [0] and choose_lengths([copying.rate(1)], [4])[0] > 0
+    assert choose_lengths([failing.rate(4)], [4])[0] < choose_lengths([fresh.rate(4)], [4])[0]
 
 
 def running(rid: str, prompt: list[int], output: list[int], **params) -> Request:

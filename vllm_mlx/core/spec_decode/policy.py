@@ -10,9 +10,12 @@ tokens per unit of cost wins. A lone stream with a good guess takes many; a batc
 few or none, and speculation then costs nothing (the back-off the issue asks for).
 
 Each request's rate is estimated from its own verifications (``AcceptanceEstimate``: accepted
-over decided proposals, recent steps weighing more) and a prior: for n-gram lookup measured per
-length of the match that found the proposal (``MATCH_PRIOR``), for a draft model ``DRAFT_PRIOR``;
-it regains its weight while a request does not speculate.
+over decided proposals, recent steps weighing more) and a prior that regains its weight while a
+request does not speculate. For a draft model the prior is ``DRAFT_PRIOR``. For n-gram lookup two
+pieces of evidence meet: how often a match of this length is right (``MATCH_PRIOR``), and how
+often this request's proposals were kept; they are added in log-odds (``AcceptanceEstimate.rate``),
+so a long match in a request that is copying is trusted most, and a one-token match is tried
+only where the request has been copying.
 
 A draft model's proposals cost forwards of their own: one per proposed position, over the rows
 that speculate. The caller prices them (``proposal_cost``) in the same unit as ``step_cost``, so a
@@ -22,6 +25,7 @@ draft that is slow next to its target proposes few tokens or none.
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 
 STEP_MS: dict[int, dict[int, float]] = {
@@ -98,8 +102,15 @@ class AcceptanceEstimate:
     decided: float = 0.0
 
     def rate(self, match_len: int) -> float:
-        """The expected acceptance of a proposal found by matching ``match_len`` tokens."""
-        return self.rate_from(match_prior(match_len))
+        """The expected acceptance of a proposal found by matching ``match_len`` tokens: the
+        match length's prior and the request's own record (from an even start), added in
+        log-odds as independent evidence. Either alone misleads: a request that has been copying
+        keeps most 4-token matches but few 1-token ones (they mostly come where the copy ended),
+        and one whose guesses failed should not trust even a long match as much as the table.
+        Offline over ``bench/speculative.py``'s greedy runs this took the extraction workload
+        from 1.77x to 1.87x (1.83x to 1.96x with seven proposals) for the same editing speed."""
+        own = self.rate_from(0.5)
+        return _probability(_log_odds(match_prior(match_len)) + _log_odds(own))
 
     def rate_from(self, prior: float) -> float:
         """The expected acceptance, starting from ``prior``."""
@@ -113,6 +124,15 @@ class AcceptanceEstimate:
         decay = DECAY if num_proposed else IDLE_DECAY
         self.accepted = self.accepted * decay + num_accepted
         self.decided = self.decided * decay + decided
+
+
+def _log_odds(rate: float) -> float:
+    rate = min(max(rate, 1e-6), 1 - 1e-6)  # a prior or record of 0 or 1 must not be infinite
+    return math.log(rate / (1 - rate))
+
+
+def _probability(log_odds: float) -> float:
+    return 1 / (1 + math.exp(-log_odds))
 
 
 def match_prior(match_len: int) -> float:

@@ -23,7 +23,7 @@ from vllm_mlx.core.outputs import ModelRunnerOutput
 from vllm_mlx.core.request import Request, RequestStatus
 from vllm_mlx.core.spec_decode.config import SpeculativeConfig
 from vllm_mlx.core.spec_decode.ngram import Lookup, NgramProposer
-from vllm_mlx.core.spec_decode.policy import DRAFT_PRIOR, AcceptanceEstimate, choose_lengths, match_prior, step_cost
+from vllm_mlx.core.spec_decode.policy import DRAFT_PRIOR, AcceptanceEstimate, choose_lengths, step_cost
 
 
 class Drafter(Protocol):
@@ -60,15 +60,16 @@ class Speculator:
             request.spec_token_ids = []
         self.estimates = {r.request_id: self.estimates.get(r.request_id) or AcceptanceEstimate() for r in decoding}
         limits = [room_for_proposals(r, self.config.num_speculative_tokens) for r in decoding]
+        estimates = [self.estimates[r.request_id] for r in decoding]
         if self.drafter is not None:
-            priors, lengths, cost = [DRAFT_PRIOR] * len(decoding), limits, self.drafter.cost_ratio
+            rates = [estimate.rate_from(DRAFT_PRIOR) for estimate in estimates]
+            lengths, cost = limits, self.drafter.cost_ratio
         else:
             lookups = [self.proposer.lookup(r.all_token_ids) if n else NO_LOOKUP for r, n in zip(decoding, limits)]
             proposals = [lookup.token_ids[:n] for lookup, n in zip(lookups, limits)]
-            priors = [match_prior(lookup.match_len) for lookup in lookups]
+            rates = [estimate.rate(lookup.match_len) for estimate, lookup in zip(estimates, lookups)]
             lengths, cost = [len(p) for p in proposals], 0.0
         if self.config.adaptive and decoding:
-            rates = [self.estimates[r.request_id].rate_from(prior) for r, prior in zip(decoding, priors)]
             lengths = choose_lengths(rates, lengths, len(running) - len(decoding), cost * step_cost(len(decoding), 1))
         if self.drafter is not None:
             proposals = self.drafter.draft(decoding, lengths)

@@ -83,6 +83,24 @@ def test_the_lora_modules_flag():
     assert "enable_lora" not in serve_engine_options(build_parser().parse_args(["serve", "default"]))
 
 
+def test_lora_modules_keep_the_default_slots_and_add_what_more_adapters_need():
+    """Two adapters named at start leave the default four slots (runtime loads share them);
+    more adapters than ``--max-loras`` get a slot each."""
+    from vllm_mlx.config import EngineConfig
+    from vllm_mlx.entrypoints.cli import build_parser, engine_options
+    from vllm_mlx.entrypoints.openai.cli_args import serve_engine_options, with_adapter_slots
+
+    def slots(*flags: str) -> int | None:
+        args = build_parser().parse_args(["serve", "default", *flags])
+        options = {**engine_options(args), **serve_engine_options(args)}
+        return with_adapter_slots(options, len(args.lora_modules or [])).get("max_loras")
+
+    assert slots("--lora-modules", "a=/x", "b=/y") == EngineConfig.max_loras == 4
+    assert slots("--lora-modules", "a=/x", "b=/y", "--max-loras", "1") == 2
+    assert slots("--lora-modules", *(f"m{i}=/p{i}" for i in range(6))) == 6
+    assert slots("--max-loras", "3") == 3 and slots() == 4  # no modules: the flags as given
+
+
 def test_an_adapter_that_does_not_fit_stops_the_server_at_start(tiny_model_dir, tmp_path, capsys):
     import shutil
 

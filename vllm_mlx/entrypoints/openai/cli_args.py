@@ -116,6 +116,16 @@ def lora_requests(args: argparse.Namespace) -> list:
     return [LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(modules)]
 
 
+def with_adapter_slots(engine_options: dict, num_adapters: int) -> dict:
+    """``engine_options`` with a slot for each adapter ``--lora-modules`` names: ``max_loras`` is
+    ``--max-loras`` (or its default) unless the adapters are more, so that adapters loaded later
+    at runtime still find the slots the operator expects."""
+    if not num_adapters:
+        return engine_options
+    slots = engine_options.get("max_loras", EngineConfig.max_loras)
+    return {**engine_options, "max_loras": max(slots, num_adapters)}
+
+
 def _add_media_arguments(group) -> None:
     """Where request images may come from, and how many and how large (``MediaPolicy.server``)."""
     group.add_argument("--allowed-local-media-path", default=None, metavar="DIR",

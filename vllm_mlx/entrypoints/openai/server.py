@@ -40,7 +40,7 @@ from vllm_mlx.entrypoints.anthropic.protocol import MessagesInput, MessagesReque
 from vllm_mlx.entrypoints.anthropic.serving import AnthropicServing
 from vllm_mlx.entrypoints.openai.cache_blocks import block_view
 from vllm_mlx.entrypoints.openai.cache_disclosure import disk_view, visible
-from vllm_mlx.entrypoints.openai.cli_args import lora_requests, serve_media_policy, serving_options
+from vllm_mlx.entrypoints.openai.cli_args import lora_requests, serve_media_policy, serving_options, with_adapter_slots
 from vllm_mlx.entrypoints.openai.metrics import ServerMetrics
 from vllm_mlx.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware, BodySizeLimitMiddleware
 from vllm_mlx.entrypoints.openai.lora_loading import LoRALoading
@@ -340,8 +340,7 @@ def run_server(args: argparse.Namespace, engine_options: dict) -> int:
     media_policy = serve_media_policy(args)  # a bad flag fails before the model loads
     options = serving_options(args)
     loras = lora_requests(args)
-    if loras:
-        engine_options = {**engine_options, "max_loras": max(engine_options.get("max_loras", 1), len(loras))}
+    engine_options = with_adapter_slots(engine_options, len(loras))
     engine = AsyncEngineCore(EngineConfig(model=args.model, **engine_options)).start()
     try:
         for lora in loras:  # read now: an adapter that does not fit stops the server before it serves

@@ -54,18 +54,16 @@ class PrefixTransfer:
         kv, pool, size = self.engine.kv_cache, self.engine.runner.pool, self.engine.kv_cache.block_size
         arrays = pool.read_blocks([b.block_id for b in blocks])
         # ``lookup`` ends where every kind can resume: the windows' blocks and a state are there.
-        hashes, groups = [b.block_hash for b in blocks], []
-        for g, group in enumerate(kv.groups[1:], start=1):
-            first = group.first_needed_block(len(blocks) * size)
-            window = group.hit_table(hashes)[first:]
+        hashes, groups = [b.block_hash for b in blocks], _window_starts(kv, len(blocks))
+        for g, first in groups:
+            window = kv.groups[g].hit_table(hashes)[first:]
             arrays.update({f"group{g}.{name}": a for name, a in pool.read_blocks([b.block_id for b in window]).items()})
-            groups.append((g, first))
         if kv.state is not None:
             arrays.update(self.engine.runner.state_pool.read_slot(kv.state.checkpoints.slot_of(hashes[-1])))
         mx.eval(list(arrays.values()))
         tokens = list(prepared.token_ids[: len(blocks) * size])
         header = PrefixHeader(self.model_digest, self.engine.weight_format, size, tokens, checksum(arrays),
-                              tuple(groups), kv.state is not None)  # fmt: skip
+                              groups, kv.state is not None)  # fmt: skip
         write_prefix_file(Path(path), header, arrays)
         return len(tokens)
 
@@ -123,7 +121,7 @@ class PrefixTransfer:
             if ours != file:
                 raise PrefixFileError(f"the prefix file was saved with another {what}: {file!r}, this engine's {ours!r}")
         # The same model, weights and block size plan the same groups; a file that says otherwise is damaged.
-        needed = tuple((g, group.first_needed_block(header.num_blocks * kv.block_size)) for g, group in enumerate(kv.groups[1:], 1))
+        needed = _window_starts(kv, header.num_blocks)
         fits = [g for g, _ in header.groups] == [g for g, _ in needed] and all(
             first <= need for (_, first), (_, need) in zip(header.groups, needed)
         )
@@ -132,6 +130,13 @@ class PrefixTransfer:
                 f"the prefix file's block groups {header.groups} (state: {header.has_state}) do not fit this engine's "
                 f"{needed} (state: {kv.state is not None})"
             )
+
+
+def _window_starts(kv, num_blocks: int) -> tuple[tuple[int, int], ...]:
+    """(block group, first block) of each group after the first: the blocks its window still
+    reaches at the end of ``num_blocks`` blocks (what a prefix file carries of that group)."""
+    end = num_blocks * kv.block_size
+    return tuple((g, group.first_needed_block(end)) for g, group in enumerate(kv.groups[1:], start=1))
 
 
 def _blocks_of(arrays: dict[str, mx.array], taken: list[TakenBlock], header: PrefixHeader) -> dict[str, mx.array]:

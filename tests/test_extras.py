@@ -162,7 +162,7 @@ def test_the_check_finds_an_undeclared_import(monkeypatch):
 
 HIDING_IMPORTER = textwrap.dedent(
     """
-    import importlib, json, sys
+    import importlib, importlib.util, json, sys
     from importlib.abc import MetaPathFinder
 
     hidden, modules = json.loads(sys.argv[1]), json.loads(sys.argv[2])
@@ -174,6 +174,12 @@ HIDING_IMPORTER = textwrap.dedent(
             return None
 
     sys.meta_path.insert(0, NotInstalled())
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, package=None):  # what "is it installed?" checks see: nothing there
+        return None if name.partition(".")[0] in hidden else real_find_spec(name, package)
+
+    importlib.util.find_spec = find_spec
     failures = {}
     for module in modules:
         try:

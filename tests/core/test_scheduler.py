@@ -763,3 +763,52 @@ SchedulerMachine.TestCase.settings = settings(
     max_examples=60, stateful_step_count=40, deadline=None
 )
 test_scheduler_state_machine = SchedulerMachine.TestCase
+
+
+def test_a_request_that_cannot_be_admitted_yet_is_passed_over_within_a_bound():
+    """``admission_check`` False (its adapter has no slot): the requests behind it are admitted
+    past it, its own key's later requests wait with it, and after ``MAX_ADMISSION_PASSES`` steps
+    nobody passes it any more."""
+    from vllm_mlx.core.sched.scheduler import MAX_ADMISSION_PASSES
+
+    sched = make_scheduler()
+    runner = FakeRunner(sched.kv.coordinator)
+    blocked = make_request("blocked", 20, max_tokens=500, ignore_eos=True)
+    blocked.fairness_key = "tenant"
+    behind_in_its_key = make_request("same-key", 20, max_tokens=500, ignore_eos=True)
+    behind_in_its_key.fairness_key = "tenant"
+    others = [make_request(f"other-{i}", 20, max_tokens=500, ignore_eos=True) for i in range(2)]
+    sched.admission_check = lambda request: request is not blocked
+    for request in [blocked, behind_in_its_key, *others]:
+        sched.add_request(request)
+    out, _ = step(sched, runner)
+    assert [a.request_id for a in out.admitted] == ["other-0", "other-1"] and blocked.admission_passes == 1
+    for _ in range(MAX_ADMISSION_PASSES):
+        step(sched, runner)
+    late = make_request("late", 20)
+    sched.add_request(late)
+    out, _ = step(sched, runner)
+    assert out.admitted == [] and late.status == RequestStatus.WAITING  # the queue waits with it now
+    sched.admission_check = None  # its slot is free
+    out, _ = step(sched, runner)
+    assert [a.request_id for a in out.admitted][:1] == ["blocked"]
+
+
+def test_an_admission_check_that_fails_ends_that_request_alone():
+    sched = make_scheduler()
+    runner = FakeRunner(sched.kv.coordinator)
+    failing, fine = make_request("failing", 20), make_request("fine", 20)
+
+    def check(request: Request) -> bool:
+        if request is failing:
+            raise RuntimeError("its slot could not be written")
+        return True
+
+    sched.admission_check = check
+    sched.add_request(failing)
+    sched.add_request(fine)
+    out, _ = step(sched, runner)
+    assert out.failed == [failing] and failing.status == RequestStatus.FINISHED_ERROR
+    assert "internal error" in failing.error_message and [a.request_id for a in out.admitted] == ["fine"]
+    run_scheduler(sched, runner)
+    assert used_blocks(sched) == 0

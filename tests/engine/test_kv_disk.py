@@ -10,9 +10,13 @@ process, so each test's engines run one after the other (the second is the "rest
 from __future__ import annotations
 
 import errno
+import json
+import os
+import struct
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from tiny_model import build_tiny_llama
@@ -164,7 +168,29 @@ def block_files(disk) -> list:
     return sorted(disk.glob("*/*.safetensors"))
 
 
-@pytest.mark.parametrize("damage", ["flipped", "truncated", "empty", "swapped"])
+def forge(target) -> None:
+    """Zero one KV array of a block file and recompute its SHA-256, as whoever can write the
+    folder (but not read its key) could: only the MAC still tells."""
+    from safetensors import safe_open
+    from safetensors.numpy import load, save_file
+
+    with safe_open(str(target), framework="np") as file:
+        metadata = file.metadata()
+    arrays = {name: array.copy() for name, array in load(target.read_bytes()).items()}
+    arrays[sorted(arrays)[0]][...] = 0
+    metadata["checksum"] = kv_disk.BlockBytes(b"", (), arrays, json.loads(metadata["dtypes"])).checksum()
+    save_file(arrays, str(target), metadata=metadata)
+
+
+def declare_huge(target) -> None:
+    """A header declaring a 4 GiB array, in a sparse file of that size (nothing on disk)."""
+    header = json.dumps({"keys.0": {"dtype": "U8", "shape": [1 << 32], "data_offsets": [0, 1 << 32]}}).encode()
+    with open(target, "wb") as file:
+        file.write(struct.pack("<Q", len(header)) + header)
+        file.truncate(8 + len(header) + (1 << 32))
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "empty", "swapped", "forged", "huge"])
 def test_damaged_files_are_never_served(engines, disk, damage):
     cold = tokens(run(engines(), [PROMPT]))
     served(engines(kv_disk_path=str(disk)), [PROMPT, OTHER])
@@ -177,8 +203,12 @@ def test_damaged_files_are_never_served(engines, disk, damage):
         target.write_bytes(data[: len(data) // 2])
     elif damage == "empty":
         target.write_bytes(b"")
-    else:  # another block's file under this name: its key and tokens say so
+    elif damage == "swapped":  # another block's file under this name: its key and tokens say so
         target.write_bytes(files[3].read_bytes())
+    elif damage == "forged":
+        forge(target)
+    else:
+        declare_huge(target)
     outputs, stats = served(engines(kv_disk_path=str(disk)), [PROMPT, OTHER])
     assert tokens(outputs)[0] == cold[0]
     assert stats.blocks_rejected == 1 and stats.blocks_written >= 1  # deleted, computed and written again
@@ -197,17 +227,55 @@ def test_a_folder_that_cannot_be_made_turns_the_tier_off(engines, tmp_path, capl
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
-def test_a_full_or_read_only_disk_turns_the_tier_off_and_serving_goes_on(engines, disk, monkeypatch, code):
+def test_a_failed_write_pauses_writing_then_writing_resumes(engines, disk, monkeypatch, code):
+    """A full or read-only disk: the write fails, writing pauses (the tier stays on, serving
+    goes on); once the pause is over and the disk has room, blocks are written again."""
     cold = tokens(run(engines(), [PROMPT, OTHER]))
     engine = engines(kv_disk_path=str(disk))
+    tier, real_write = engine.disk.tier, kv_disk.write_atomically
 
     def failing(path, write, suffix=""):
         raise OSError(code, "injected", str(path))
 
     monkeypatch.setattr(kv_disk, "write_atomically", failing)  # fault injection: every write fails
-    outputs, stats = served(engine, [PROMPT, OTHER])
-    assert tokens(outputs) == cold
-    assert not stats.enabled and "injected" in stats.disabled_reason and stats.blocks_written == 0
+    assert tokens(run(engine, [PROMPT])) == cold[:1]
+    assert tier.flush(timeout=60)
+    stats = tier.stats()
+    assert stats.enabled and stats.write_errors >= 1 and stats.blocks_written == 0
+    monkeypatch.setattr(kv_disk, "write_atomically", real_write)  # room again
+    monkeypatch.setattr(tier, "_clock", lambda: time.monotonic() + kv_disk.MAX_WRITE_RETRY_S)  # the pause is over
+    outputs, stats = served(engine, [OTHER])
+    assert tokens(outputs) == cold[1:] and stats.enabled and stats.blocks_written > 0
+
+
+def test_a_directory_planted_under_a_blocks_name_fails_that_block_alone(engines, disk):
+    cold = tokens(run(engines(), [PROMPT, OTHER]))
+    served(engines(kv_disk_path=str(disk)), [PROMPT])
+    target = block_files(disk)[-1]
+    target.unlink()
+    target.mkdir()
+    outputs, stats = served(engines(kv_disk_path=str(disk)), [PROMPT, OTHER])
+    assert tokens(outputs) == cold and stats.enabled and stats.write_errors >= 1 and target.is_dir()
+
+
+def test_a_key_or_folder_that_others_may_write_turns_the_tier_off(engines, disk):
+    """The MAC's key is private to its owner (0600); a key others may read, or a folder others
+    may write, is refused with the fix, and serving goes on."""
+    served(engines(kv_disk_path=str(disk)), [PROMPT])
+    key = disk / kv_disk.KEY_FILE
+    assert key.stat().st_mode & 0o777 == 0o600 and disk.stat().st_mode & 0o077 == 0
+    key.chmod(0o644)
+    outputs, stats = served(engines(kv_disk_path=str(disk)), [PROMPT])
+    assert not stats.enabled and "chmod 600" in stats.disabled_reason and len(outputs[0].outputs[0].token_ids) == 8
+    key.chmod(0o600)
+    disk.chmod(0o777)
+    _, stats = served(engines(kv_disk_path=str(disk)), [PROMPT])
+    assert not stats.enabled and "writable by other users" in stats.disabled_reason
+    disk.chmod(0o700)
+    if os.geteuid() == 0:  # root can hand the key to another user
+        os.chown(key, 12345, -1)
+        _, stats = served(engines(kv_disk_path=str(disk)), [PROMPT])
+        assert not stats.enabled and "another user" in stats.disabled_reason
 
 
 def test_a_folder_removed_while_serving_turns_the_tier_off(engines, disk):

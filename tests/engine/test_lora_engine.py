@@ -6,6 +6,11 @@ another."""
 
 from __future__ import annotations
 
+import gc
+import shutil
+import weakref
+from pathlib import Path
+
 import pytest
 from factories import run_to_end
 from lora_adapters import as_peft, write_mlx_lm_adapter
@@ -127,3 +132,91 @@ def test_blocks_follow_the_adapters_content_not_its_id(engine_factory, adapters,
     same = {"same": LoRARequest("same", 7, adapters["first"].lora_path)}  # the first adapter, another id
     [output] = run(later, [(prompt, "same")], same)
     assert output.num_cached_tokens > 0
+
+
+def test_an_adapter_rewritten_after_it_was_read_is_served_as_read(engine_factory, adapters, expected, tmp_path):
+    """mlx-lm's trainer re-saves its adapter in place at each checkpoint. Once read, the adapter
+    is the bytes read: a later truncation or rewrite ends nothing and changes no answer, and
+    its digest (what its blocks are keyed by) stays the one of the bytes served."""
+    folder = tmp_path / "training"
+    shutil.copytree(adapters["first"].lora_path, folder)
+    lora = LoRARequest("training", 11, str(folder))
+    engine = lora_engine(engine_factory)
+    digest = engine.register_lora(lora)
+    weights = folder / "adapters.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated before its first use
+    [output] = run(engine, [(PROMPTS[0], "training")], {"training": lora})
+    assert output.outputs[0].token_ids == expected[PROMPTS[0], "first"]
+    shutil.copy(Path(adapters["second"].lora_path) / "adapters.safetensors", weights)  # re-saved: new weights
+    [output] = run(engine, [(PROMPTS[1], "training")], {"training": lora})
+    assert output.outputs[0].token_ids == expected[PROMPTS[1], "first"]
+    assert engine.register_lora(lora) == digest
+
+
+def test_an_unloaded_adapter_is_given_back_once_its_requests_finish(engine_factory, adapters, expected):
+    engine = lora_engine(engine_factory)
+    lora = adapters["first"]
+    engine.register_lora(lora)
+    adapter = weakref.ref(engine.lora.known[lora.lora_int_id].adapter)
+    request_id = engine.add_request(PROMPTS[0], GREEDY, lora_request=lora)
+    engine.step()  # admitted: it holds a slot
+    engine.unregister_lora(lora.lora_int_id)
+    assert lora.lora_int_id in engine.lora.known  # still in use
+    final = run_to_end(engine)
+    assert final[request_id].outputs[0].token_ids == expected[PROMPTS[0], "first"]
+    gc.collect()
+    assert engine.lora.known == {} and engine.lora.slot_of == {} and adapter() is None
+
+
+def test_load_use_unload_cycles_keep_no_adapter_or_file(engine_factory, adapters):
+    psutil = pytest.importorskip("psutil")
+    engine = lora_engine(engine_factory)
+    process = psutil.Process()
+
+    def cycle(i: int) -> None:
+        lora = LoRARequest(f"cycle-{i}", 100 + i, adapters["first"].lora_path)
+        engine.register_lora(lora)
+        run(engine, [(PROMPTS[2], "cycled")], {"cycled": lora})
+        engine.unregister_lora(lora.lora_int_id)
+
+    cycle(0)
+    open_files = process.num_fds()
+    for i in range(1, 21):
+        cycle(i)
+    assert process.num_fds() == open_files and engine.lora.known == {}
+
+
+def test_a_base_request_is_admitted_past_an_adapter_waiting_for_a_slot(engine_factory, adapters, expected):
+    """One slot, held by a running request: a request for another adapter waits for it, and a
+    base-model request behind it is admitted at once (no head-of-line blocking)."""
+    engine = lora_engine(engine_factory, max_loras=1)
+    holder = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+                                lora_request=adapters["first"])  # fmt: skip
+    engine.step()
+    waiting = engine.add_request(PROMPTS[1], GREEDY, lora_request=adapters["second"])
+    base = engine.add_request(PROMPTS[2], GREEDY)
+    engine.step()
+    running = {r.request_id for r in engine.scheduler.running}
+    assert {holder, base} <= running and waiting not in running
+    final = run_to_end(engine)
+    assert final[waiting].outputs[0].token_ids == expected[PROMPTS[1], "second"]
+    assert final[base].outputs[0].token_ids == expected[PROMPTS[2], None]
+
+
+def test_a_slot_that_cannot_be_written_fails_that_request_alone(engine_factory, adapters, expected, monkeypatch):
+    engine = lora_engine(engine_factory)
+    engine.register_lora(adapters["third"])
+    load = engine.lora.slots.load
+
+    def failing_for_third(slot, adapter):  # fault injection: writing this adapter's slot fails
+        if adapter.path.name == "third":
+            raise RuntimeError("injected")
+        load(slot, adapter)
+
+    monkeypatch.setattr(engine.lora.slots, "load", failing_for_third)
+    failed = engine.add_request(PROMPTS[0], GREEDY, lora_request=adapters["third"])
+    fine = engine.add_request(PROMPTS[1], GREEDY, lora_request=adapters["first"])
+    final = run_to_end(engine)
+    assert final[failed].outputs[0].finish_reason == "error" and "internal error" in final[failed].error
+    assert final[fine].outputs[0].token_ids == expected[PROMPTS[1], "first"]
+    assert engine.kv_cache.stats().num_used_blocks == 0

@@ -5,6 +5,8 @@ Tiny random-weight llamas, real MLX."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from tiny_model import build_tiny_llama
 
@@ -228,3 +230,55 @@ def test_version_2_headers_that_disagree_with_their_arrays_are_refused(tmp_path)
         read_prefix_file(tmp_path / "malformed.safetensors")
     write_prefix_file(tmp_path / "sound", header, kv | window)
     assert read_prefix_file(tmp_path / "sound")[0].groups == ((1, 1),)  # the same arrays, told right
+
+
+def rewritten(path, out, metadata=None, arrays=None, recompute_checksum=True):
+    """A copy of the prefix file at ``path`` with some metadata fields or arrays replaced (the
+    checksum recomputed: a file made to lie, not a damaged one)."""
+    import mlx.core as mx
+
+    from vllm_mlx.engine.prefix_file import checksum
+
+    original, fields = mx.load(str(path), format="safetensors", return_metadata=True)
+    arrays = {**original, **(arrays or {})}
+    fields = {**fields, **(metadata or {})}
+    if recompute_checksum:
+        fields["checksum"] = checksum(arrays)
+    mx.save_safetensors(str(out), arrays, metadata=fields)
+    return out.with_suffix(".safetensors")
+
+
+def test_files_that_lie_about_their_size_tokens_or_values_are_refused(tiny_model_dir, saved, tmp_path):
+    """A header declaring 10 million tokens (its size alone is refused) or more blocks than the
+    pool holds (refused before any array is made), a sparse file larger than the pool could use (refused before it is read), token ids that are
+    negative, fractional or outside the vocabulary, KV that is NaN: each a PrefixFileError, and
+    the engine serves on."""
+    import json
+
+    import mlx.core as mx
+
+    path, cold = saved
+    engine = engine_for(tiny_model_dir)
+    tokens = json.loads(mx.load(str(path), format="safetensors", return_metadata=True)[1]["token_ids"])
+    huge = 10_000_000
+    nan_keys = {"keys.0": mx.full(mx.load(str(path), format="safetensors")["keys.0"].shape, float("nan"))}
+    cases = {
+        "tokens": (rewritten(path, tmp_path / "a", {"token_ids": json.dumps(list(range(huge))), "num_blocks": str(huge // 16)}), "at most"),
+        "blocks": (rewritten(path, tmp_path / "f", {"token_ids": json.dumps(list(range(70 * 16))), "num_blocks": "70"}), "pool has"),
+        "negative": (rewritten(path, tmp_path / "b", {"token_ids": json.dumps([-1, *tokens[1:]])}), "non-negative"),
+        "fraction": (rewritten(path, tmp_path / "c", {"token_ids": json.dumps([1.5, *tokens[1:]])}), "non-negative integers"),
+        "vocabulary": (rewritten(path, tmp_path / "d", {"token_ids": json.dumps([10**6, *tokens[1:]])}), "vocabulary"),
+        "nan": (rewritten(path, tmp_path / "e", arrays=nan_keys), "not finite"),
+    }  # fmt: skip
+    sparse = tmp_path / "sparse"
+    sparse.write_bytes(path.read_bytes())
+    os.truncate(sparse, engine._prefix_transfer.max_file_bytes + 1)
+    cases["sparse"] = (sparse, "at most")
+    try:
+        for name, (bad, message) in cases.items():
+            with pytest.raises(PrefixFileError, match=message):
+                engine.load_prefix(bad)
+            assert engine.kv_cache.pool.num_cached_blocks() == 0, name
+        assert run(engine, PROMPT).outputs[0].token_ids == cold.outputs[0].token_ids
+    finally:
+        engine.shutdown()

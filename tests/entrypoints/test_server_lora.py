@@ -151,3 +151,57 @@ def test_adapters_load_and_unload_at_runtime_inside_the_allowed_folder(tiny_mode
     finally:
         live.stop()
         engine.stop()
+
+
+def test_runtime_loading_keeps_the_operators_names_and_refuses_what_would_hang_or_lie(tiny_model_dir, tmp_path):
+    """The base model's name, ``default`` and the ``--lora-modules`` names can be neither loaded
+    over nor unloaded (403); names that are not plain text are 400; a FIFO in an adapter folder is
+    400 at once (the engine keeps serving: no read waits on it); of two loads of one name at
+    once, one wins; a response names the adapter that answered; an unloaded adapter's memory is
+    given back by the engine."""
+    import concurrent.futures
+    import os
+
+    httpx = pytest.importorskip("httpx")
+    allowed = tmp_path / "allowed"
+    fixed = LoRARequest("fixed", 1, str(write_mlx_lm_adapter(tiny_model_dir, tmp_path / "fixed", rank=4, scale=2.0, seed=1)))
+    fresh = write_mlx_lm_adapter(tiny_model_dir, allowed / "fresh", rank=4, scale=2.0, seed=5)
+    stalled = allowed / "stalled"
+    stalled.mkdir()
+    (stalled / "adapter_config.json").write_text((fresh / "adapter_config.json").read_text())
+    os.mkfifo(stalled / "adapters.safetensors")
+    engine = AsyncEngineCore(model=str(tiny_model_dir), enable_lora=True, max_loras=2, max_lora_rank=8,
+                             num_kv_blocks=64, force_model_takeover=True).start()  # fmt: skip
+    engine.register_lora(fixed)
+    live = LiveServer(build_app(engine, served_model_name="tiny", lora_modules=[fixed], lora_loading_dir=allowed))
+    try:
+        def load(name, path=fresh):
+            return httpx.post(live.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
+                              timeout=60)  # fmt: skip
+
+        def unload(name):
+            return httpx.post(live.url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
+
+        for name in ("tiny", "default", "fixed"):
+            assert load(name).status_code == 403 and unload(name).status_code == 403
+        for name in ("a\0b", "../up", "x/./y", " padded", "tab\there", "x" * 300):
+            assert load(name).status_code == 400, name
+        refused = load("stalled", stalled)
+        assert refused.status_code == 400 and "not a regular file" in refused.text
+        assert httpx.get(live.url + "/health").status_code == 200
+        assert httpx.post(live.url + "/v1/load_lora_adapter", json={"lora_name": "nul", "lora_path": "a\0b"}).status_code == 400
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            codes = sorted(r.status_code for r in pool.map(lambda _: load("twice"), range(2)))
+        assert codes == [200, 400]
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="none")
+        answer = client.completions.create(model="twice", prompt=PROMPT, max_tokens=4)
+        assert answer.model == "twice"
+        chat = client.chat.completions.create(model="fixed", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        assert chat.model == "fixed"
+        assert client.completions.create(model="default", prompt=PROMPT, max_tokens=2).model == "tiny"
+        assert unload("twice").status_code == 200
+        known = engine.call(lambda core: set(core.lora.known))
+        assert known == {fixed.lora_int_id}  # the unloaded adapter's factors are gone
+    finally:
+        live.stop()
+        engine.stop()

@@ -7,6 +7,8 @@ the logits mlx-lm gives it.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -14,7 +16,7 @@ import pytest
 from lora_adapters import as_peft, write_mlx_lm_adapter
 
 from vllm_mlx.lora import LoRARequest
-from vllm_mlx.lora.adapter import AdapterError, load_adapter
+from vllm_mlx.lora.adapter import AdapterError, load_adapter, read_adapter_files
 from vllm_mlx.lora.batched import LoRASlots
 
 TOKENS = [[5, 900, 31, 7, 4000, 12], [8, 8, 8, 2001, 2002, 2003], [100, 200, 300, 400, 500, 600],
@@ -169,3 +171,79 @@ def test_lora_requests_are_checked():
     for bad in [("", 1, "p"), ("x", 0, "p"), ("x", True, "p"), ("x", 1, "")]:
         with pytest.raises(ValueError, match="LoRARequest"):
             LoRARequest(*bad)
+
+
+def copy_adapter(source: Path, out: Path, config: dict | None = None, factors: dict | None = None) -> Path:
+    """``source``'s adapter in ``out``, its config or factors replaced where given."""
+    out.mkdir()
+    if factors is None:
+        shutil.copy(source / "adapters.safetensors", out / "adapters.safetensors")
+    else:
+        mx.save_safetensors(str(out / "adapters.safetensors"), factors)
+    text = json.dumps(config) if config is not None else (source / "adapter_config.json").read_text()
+    (out / "adapter_config.json").write_text(text)
+    return out
+
+
+def test_files_that_lie_or_stall_are_refused_at_once(tiny_model_dir, adapters, tmp_path):
+    """An adapter folder is read whole, regular files only, sized before it is read: a FIFO
+    (which would block a reader forever), a sparse file declaring more than any adapter of these
+    slots can hold, or a header that disagrees with the data fail with AdapterError."""
+    import mlx_lm
+
+    model, _ = mlx_lm.load(str(tiny_model_dir))
+    slots = LoRASlots.wrap(model, max_loras=1, max_rank=8)
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    shutil.copy(adapters["first"] / "adapter_config.json", fifo)
+    os.mkfifo(fifo / "adapters.safetensors")
+    with pytest.raises(AdapterError, match="not a regular file"):
+        read_adapter_files(fifo, slots.max_adapter_bytes)
+    sparse = copy_adapter(adapters["first"], tmp_path / "sparse")
+    os.truncate(sparse / "adapters.safetensors", slots.max_adapter_bytes + 1)
+    with pytest.raises(AdapterError, match="at most"):
+        read_adapter_files(sparse, slots.max_adapter_bytes)
+    assert (adapters["first"] / "adapters.safetensors").stat().st_size < slots.max_adapter_bytes
+    padded = copy_adapter(adapters["first"], tmp_path / "padded")
+    with open(padded / "adapters.safetensors", "ab") as file:
+        file.write(b"\0" * 64)  # data the header does not declare
+    with pytest.raises(AdapterError, match="declare"):
+        load_adapter(read_adapter_files(padded, slots.max_adapter_bytes), model)
+    outside = tmp_path / "served" / "linked"
+    outside.mkdir(parents=True)
+    shutil.copy(adapters["first"] / "adapter_config.json", outside)
+    (outside / "adapters.safetensors").symlink_to(adapters["first"] / "adapters.safetensors")
+    with pytest.raises(AdapterError, match="links outside"):
+        read_adapter_files(outside, within=tmp_path / "served")
+    read_adapter_files(outside)  # the operator's own path: links are theirs to make
+
+
+def test_adapters_with_non_finite_or_absurd_values_are_refused(tiny_model_dir, adapters, tmp_path):
+    import mlx_lm
+
+    model, _ = mlx_lm.load(str(tiny_model_dir))
+    factors = mx.load(str(adapters["first"] / "adapters.safetensors"))
+    name = next(k for k in factors if k.endswith("lora_b"))
+    poisoned = {**factors, name: factors[name] * mx.array(float("nan"))}
+    with pytest.raises(AdapterError, match="non-finite"):
+        load_adapter(copy_adapter(adapters["first"], tmp_path / "nan", factors=poisoned), model)
+    config = json.loads((adapters["first"] / "adapter_config.json").read_text())
+    for i, scale in enumerate([10**400, float("inf"), "2", True]):
+        bad = {**config, "lora_parameters": {**config["lora_parameters"], "scale": scale}}
+        text = json.dumps(bad).replace("Infinity", "1e999")
+        folder = copy_adapter(adapters["first"], tmp_path / f"scale-{i}")
+        (folder / "adapter_config.json").write_text(text)
+        with pytest.raises(AdapterError, match="finite number"):
+            load_adapter(folder, model)
+    peft = json.loads((adapters["first-peft"] / "adapter_config.json").read_text())
+    folder = tmp_path / "alpha"
+    shutil.copytree(adapters["first-peft"], folder)
+    (folder / "adapter_config.json").write_text(json.dumps({**peft, "lora_alpha": 10**400}))
+    with pytest.raises(AdapterError, match="lora_alpha"):
+        load_adapter(folder, model)
+    deep = copy_adapter(adapters["first"], tmp_path / "deep")
+    (deep / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(AdapterError, match="not JSON"):
+        load_adapter(deep, model)
+    with pytest.raises(AdapterError, match="unreadable"):
+        read_adapter_files(str(adapters["first"]) + "\0x")

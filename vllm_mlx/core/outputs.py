@@ -82,6 +82,8 @@ class SchedulerOutput:
     """Requests preempted while building this step (their blocks are already freed)."""
     admitted: list[Admission] = field(default_factory=list)
     """Requests taken from the waiting queue in this step, in admission order."""
+    failed: list[Request] = field(default_factory=list)
+    """Requests that ended at admission (their admission check failed): the engine reports them."""
     token_budget: int = 0
     """The step's token budget (``max_num_batched_tokens``); 0 when unknown."""
 

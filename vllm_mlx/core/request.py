@@ -298,6 +298,9 @@ class Request:
     adapter never serves another (nor, through the disk tier, another process's same id)."""
     lora_slot: int = 0
     """The adapter slot its rows use while it runs (set at admission; 0: the base model)."""
+    admission_passes: int = 0
+    """Steps in which it could not be admitted (``Scheduler.admission_check``) and others were
+    admitted past it; bounded by ``MAX_ADMISSION_PASSES``."""
     speculative: bool | None = None
     """Whether this request speculates: None leaves it to the engine (it does when the engine has
     a ``speculative_config``); True asks for it (n-gram lookup when the engine has no config);

@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vllm_mlx.config import EngineConfig
 from vllm_mlx.core.outputs import StepRecord
@@ -44,6 +45,9 @@ from vllm_mlx.multimodal.media_policy import MediaPolicy
 from vllm_mlx.platform.errors import VllmMlxError
 from vllm_mlx.platform.threads import clear_streams_at_exit, clear_thread_streams, create_random_state_here
 from vllm_mlx.structured.grammar import CompiledGrammar
+
+if TYPE_CHECKING:
+    from vllm_mlx.lora.adapter import AdapterFiles
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +178,8 @@ class _Add:
     constraint: CompiledGrammar | None = None
     speculative: bool | None = None
     lora_request: LoRARequest | None = None
+    lora_files: AdapterFiles | None = None
+    """The adapter's files, read on the caller's thread when the engine did not know it yet."""
 
 
 @dataclass
@@ -337,7 +343,8 @@ class AsyncEngineCore:
                 ``sampling_params.structured_outputs`` (if any) here, on the calling thread,
                 never on the engine thread. An invalid one is raised by the stream.
             speculative: Whether it speculates (see ``EngineCore.add_request``).
-            lora_request: Its LoRA adapter (see ``EngineCore.add_request``).
+            lora_request: Its LoRA adapter (see ``EngineCore.add_request``). Its files, the
+                first time, are read here, on the calling thread.
 
         Returns:
             The request's ``RequestStream``: iterate it (blocking) or ``async for`` it. Leaving
@@ -353,14 +360,16 @@ class AsyncEngineCore:
             if images:
                 prompt = self.prepare_prompt(prompt, images)
             constraint = constraint or self.compile_constraint(params)
+            lora_files = self.read_lora_files(lora_request) if lora_request is not None else None
         except EngineDeadError:
             raise
         except Exception as exc:  # the request's own error: raised by its stream
             stream.put(exc)
             return stream
         self._submit(
-            _Add(request_id, prompt, params, cache_salt, fairness_key, stream, constraint, speculative, lora_request)
-        )
+            _Add(request_id, prompt, params, cache_salt, fairness_key, stream, constraint, speculative, lora_request,
+                 lora_files)
+        )  # fmt: skip
         return stream
 
     def check_images(self, images: Sequence[ImageSource]) -> None:
@@ -494,17 +503,35 @@ class AsyncEngineCore:
         """Forget the hashes of every cached block not in use; returns True."""
         return self.call(lambda engine: engine.reset_prefix_cache())
 
-    def register_lora(self, lora_request: LoRARequest) -> str:
-        """``EngineCore.register_lora`` on the engine thread."""
-        return self.call(lambda engine: engine.register_lora(lora_request))
+    def read_lora_files(self, lora_request: LoRARequest, within: Path | None = None) -> AdapterFiles | None:
+        """``EngineCore.read_lora_files`` on the calling thread (file I/O, no MLX)."""
+        engine = self.engine
+        if engine is None or not self.is_running:
+            raise self._dead_error(self._error)
+        return engine.read_lora_files(lora_request, within)
+
+    def register_lora(self, lora_request: LoRARequest, within: Path | None = None) -> str:
+        """``EngineCore.register_lora``: the files read here, on the calling thread (a stalled
+        disk or a FIFO holds this caller, never the engine), parsed on the engine thread."""
+        files = self.read_lora_files(lora_request, within)
+        return self.call(lambda engine: engine.register_lora(lora_request, files))
+
+    def unregister_lora(self, lora_int_id: int) -> None:
+        """``EngineCore.unregister_lora`` on the engine thread."""
+        self.call(lambda engine: engine.unregister_lora(lora_int_id))
 
     def save_prefix(self, prompt: str | list[int], path: str | Path, *, cache_salt: str | None = None) -> int:
         """``EngineCore.save_prefix``, run on the engine thread between steps."""
         return self.call(lambda engine: engine.save_prefix(prompt, path, cache_salt=cache_salt))
 
     def load_prefix(self, path: str | Path, *, cache_salt: str | None = None) -> int:
-        """``EngineCore.load_prefix``, run on the engine thread between steps."""
-        return self.call(lambda engine: engine.load_prefix(path, cache_salt=cache_salt))
+        """``EngineCore.load_prefix``: the file read here, on the calling thread, then loaded on
+        the engine thread between steps."""
+        engine = self.engine
+        if engine is None or not self.is_running:
+            raise self._dead_error(self._error)
+        data = engine.read_prefix_bytes(path)
+        return self.call(lambda engine: engine.load_prefix(path, cache_salt=cache_salt, data=data))
 
     def _submit(self, command: _Add | _Call) -> None:
         """Queue a command the engine must answer; raise EngineDeadError if it no longer can."""
@@ -582,6 +609,8 @@ class AsyncEngineCore:
     def _add(self, command: _Add) -> None:
         """Admit a request; a request the engine refuses fails alone, through its stream."""
         try:
+            if command.lora_files is not None:
+                self.engine.register_lora(command.lora_request, command.lora_files)
             self.engine.add_request(
                 command.prompt,
                 command.params,

@@ -72,6 +72,7 @@ if TYPE_CHECKING:
     from vllm_mlx.engine.disk_offload import DiskOffload
     from vllm_mlx.engine.draft_model import DraftModel, LoadedDraft
     from vllm_mlx.engine.lora_slots import LoRASlotTable
+    from vllm_mlx.lora.adapter import AdapterFiles
     from vllm_mlx.lora.request import LoRARequest
     from vllm_mlx.engine.weight_plan import WeightPlan
     from vllm_mlx.executor.state_pool import StateLayout
@@ -361,7 +362,7 @@ class EngineCore:
         tier = DiskTier(config.kv_disk_path, identity, config.kv_disk_budget, config.kv_disk_write_budget)
         runner = self.runner
         return DiskOffload(tier, self.scheduler.kv.prefix_cache, self.kv_cache, runner.pool, config.max_num_seqs,
-                           runner.state_pool)  # fmt: skip
+                           runner.state_pool, self.kv_layout.bytes_per_token)  # fmt: skip
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -435,8 +436,9 @@ class EngineCore:
         self.output_processor.finish_if_done(request_id)  # refused at admission (e.g. prompt too long)
         return request_id
 
-    def register_lora(self, lora_request: LoRARequest) -> str:
-        """Read the adapter of ``lora_request`` now (``add_request`` does it on first use);
+    def register_lora(self, lora_request: LoRARequest, files: AdapterFiles | None = None) -> str:
+        """Know the adapter of ``lora_request`` now (``add_request`` does it on first use):
+        parse ``files`` (``read_lora_files``, read on another thread), or read its folder here;
         returns its content digest.
 
         Raises:
@@ -445,7 +447,37 @@ class EngineCore:
         """
         if self.lora is None:
             raise ValueError("lora_request: this engine was started without enable_lora")
-        return self.lora.register(lora_request)
+        return self.lora.register(lora_request, files)
+
+    def read_lora_files(self, lora_request: LoRARequest, within: Path | None = None) -> AdapterFiles | None:
+        """The adapter's files, read whole (no MLX: any thread, so a slow or stalled disk holds
+        the caller, never a step); None when the engine already knows the adapter. ``within``:
+        a folder the files must resolve inside.
+
+        Raises:
+            ValueError: The engine was started without ``enable_lora``; ``AdapterError``: the
+                files are missing, not regular files, or larger than any adapter that fits.
+        """
+        if self.lora is None:
+            raise ValueError("lora_request: this engine was started without enable_lora")
+        if self.lora.knows(lora_request):
+            return None
+        from vllm_mlx.lora.adapter import read_adapter_files
+
+        return read_adapter_files(lora_request.lora_path, self.lora.max_adapter_bytes, within)
+
+    def unregister_lora(self, lora_int_id: int) -> None:
+        """Forget adapter ``lora_int_id``: requests already given it finish with it, then its
+        factors and slot are given back (no memory or file kept per load/unload cycle)."""
+        if self.lora is not None:
+            self.lora.forget(lora_int_id)
+            self._collect_adapters()
+
+    def _collect_adapters(self) -> None:
+        if self.lora is None or not self.lora.retired:
+            return
+        requests = [*self.scheduler.requests.values(), *(r for s in self._deferred.values() for r in s.waiting)]
+        self.lora.collect({r.lora_id for r in requests if r.lora_id})
 
     def compile_constraint(self, params: SamplingParams, max_bound: int | None = None) -> CompiledGrammar | None:
         """The compiled grammar of ``params.structured_outputs`` (None without one), from the
@@ -554,6 +586,9 @@ class EngineCore:
         if self.lora is not None:
             self.lora.begin_step(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.failed:  # ended at admission: reported now, alone
+            outputs += self.output_processor.process(scheduler_output.failed, ModelRunnerOutput())
+            self._collect_adapters()
         if scheduler_output.is_empty:
             return outputs
         with self._waiting_on_ranks(f"step {scheduler_output.step_id}"):
@@ -567,6 +602,7 @@ class EngineCore:
             self.disk.after_update(scheduler_output.scheduled)
         outputs += self.output_processor.process(advanced, runner_output)
         self._release_deferred()
+        self._collect_adapters()
         self._record_step(scheduler_output, runner_output, time.perf_counter() - start)
         return outputs
 
@@ -740,7 +776,7 @@ class EngineCore:
         """
         return self._prefix_transfer.save(prompt, path, cache_salt)
 
-    def load_prefix(self, path: str | Path, *, cache_salt: str | None = None) -> int:
+    def load_prefix(self, path: str | Path, *, cache_salt: str | None = None, data: bytes | None = None) -> int:
         """Load a prefix file saved by ``save_prefix`` (this process or another, same model and
         weight format) into the prefix cache, under ``cache_salt``; return the prompt tokens
         cached now. A request whose prompt starts with those tokens then skips their prefill.
@@ -749,8 +785,18 @@ class EngineCore:
             PrefixFileError: (a ``ValueError``) the file is unreadable, damaged, or from another
                 model, weight format or block size; nothing of it is loaded.
             ValueError: as for ``save_prefix``.
+
+        ``data``: the file's bytes as ``read_prefix_bytes`` read them on another thread (so that
+        a slow disk holds that caller, not a step); None reads ``path`` here.
         """
-        return self._prefix_transfer.load(path, cache_salt)
+        return self._prefix_transfer.load(path, cache_salt, data)
+
+    def read_prefix_bytes(self, path: str | Path) -> bytes:
+        """The prefix file at ``path``, read whole if it is a regular file no larger than this
+        engine could use (no MLX: any thread). Raises ``PrefixFileError``."""
+        from vllm_mlx.engine.prefix_file import read_prefix_bytes
+
+        return read_prefix_bytes(path, self._prefix_transfer.max_file_bytes)
 
     @cached_property
     def _prefix_transfer(self) -> PrefixTransfer:

@@ -93,7 +93,9 @@ class DiskOffload:
     import calls; ``lookahead``: how many waiting requests are probed ahead (the scheduler admits
     at most ``max_num_seqs`` at once)."""
 
-    def __init__(self, tier: DiskTier, prefix_cache, coordinator, pool, lookahead: int, state_pool=None) -> None:
+    def __init__(
+        self, tier: DiskTier, prefix_cache, coordinator, pool, lookahead: int, state_pool=None, kv_bytes_per_token: int = 0
+    ) -> None:
         self.tier = tier
         self.prefix_cache = prefix_cache
         self.coordinator = coordinator
@@ -105,6 +107,7 @@ class DiskOffload:
         self.lookahead = lookahead
         self._pending: dict[str, _PendingRead] = {}
         self._probed: set[tuple[str, int]] = set()  # (request id, preemptions): probed once each
+        tier.max_file_bytes = self._max_file_bytes(kv_bytes_per_token)
 
     # ---- in --------------------------------------------------------------------------------
 
@@ -281,6 +284,15 @@ class DiskOffload:
             arrays = self.state_pool.read_slot(slot)
             as_bytes, dtypes = to_bytes(arrays)
             self.tier.write(BlockBytes(key, tuple(tokens[i * size : (i + 1) * size]), as_bytes, dtypes, "state"))
+
+    def _max_file_bytes(self, kv_bytes_per_token: int) -> int:
+        """The largest file a block or a state of this model makes (``kv_bytes_per_token``: every
+        layer's KV of one token, from the model's measured layout: the pool's arrays may not exist
+        yet when the first read comes), and room for the header (an entry per array, the block's
+        token ids, the metadata)."""
+        per_state = self.state_pool.layout.bytes_per_request if self.state_pool is not None else 0
+        num_layers = 2 * len(self.pool.keys) + (sum(map(len, self.state_pool.layout.layers.values())) if per_state else 0)
+        return max(kv_bytes_per_token * self.block_size, per_state) + 65536 + 512 * num_layers + 32 * self.block_size
 
     def _bytes_per_block(self) -> int:
         arrays = [a for a in self.pool.arrays() if a is not None]

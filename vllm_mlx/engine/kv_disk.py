@@ -7,20 +7,28 @@ written by one background thread and read by a small pool of them while the engi
 
 Layout: ``<kv_disk_path>/<identity>/<block hash, hex>.safetensors``, where ``identity`` digests
 the model (its content digest), the weight format and the block size: blocks of different models
-never meet, and several processes may share one root. A file, version 1, holds one tensor per KV
+never meet, and several processes may share one root. A file, version 2, holds one tensor per KV
 array (``keys.{i}``, ``values.{i}``: the block's slots as raw bytes, ``uint8``
 ``[n_kv_heads, block_size, head_dim * itemsize]``) and metadata: format, version, the key, the
-identity's parts, the block's token ids, each array's dtype and a SHA-256 over names, shapes and
-bytes. A file of kind ``"state"`` (metadata ``kind``; absent: ``"kv"``) holds instead a hybrid
+identity's parts, the block's token ids, each array's dtype, a SHA-256 over names, shapes and
+bytes, and a MAC (HMAC-SHA256 over all of that) under the root's key, ``<root>/.kv-key``
+(``platform/owner_key.py``: 32 random bytes, mode ``0600``, made by the first process). A file of kind ``"state"`` (metadata ``kind``; absent: ``"kv"``) holds instead a hybrid
 model's recurrent state after the block (``state.{layer}.{i}``: one state array's row as raw
 bytes, last axis times the itemsize), keyed apart from the block's KV (``disk_offload.py``).
 
 Never wrong: a file is used only if everything in it agrees (format, version, key, model digest,
-weight format, block size, dtypes, shapes, checksum, and the tokens the engine expects there); a
-damaged or foreign file is deleted and counted, never served. Files are written atomically
+weight format, block size, dtypes, shapes, checksum, MAC, and the tokens the engine expects
+there); a damaged, foreign or forged file is deleted and counted, never served. Whoever can write
+the folder but not read the key cannot make a block the engine serves; a folder (or key) that
+other users may write turns the tier off. A file is read whole, off the engine thread, only if
+it is a regular file no larger than a block can be (``max_file_bytes``), and its safetensors
+header is checked against its length before anything is taken from it
+(``platform/outside_files.py``). Files are written atomically
 (``platform/atomic_file.py``): a reader never sees half a file, and two processes writing the
 same block write the same bytes. A folder that cannot be created or written, or a full disk,
-turns the tier off with one warning; serving goes on without it.
+turns the tier off with one warning; serving goes on without it. A write that fails (a full
+disk, a directory planted under a block's name) skips that block and pauses writing for a while
+(``WRITE_RETRY_S``, doubling while failures repeat): the tier stays on, reads go on.
 
 Budgets: ``budget_bytes`` on disk (least recently used files go first: a read refreshes a file's
 time), and ``write_bytes_per_hour`` over any sliding hour, so that a busy server does not wear
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -48,11 +57,18 @@ from pathlib import Path
 import numpy as np
 
 from vllm_mlx.platform.atomic_file import is_temporary, write_atomically
+from vllm_mlx.platform.outside_files import OutsideFileError, read_regular_file, safetensors_header
+from vllm_mlx.platform.owner_key import check_private_folder, owner_key
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "vllm-mlx-kv-block"
-VERSION = 1
+VERSION = 2
+KEY_FILE = ".kv-key"
+DEFAULT_MAX_FILE_BYTES = 1 << 30
+"""Without a model to size it by (``DiskOffload`` sets the real bound): no block file is larger."""
+WRITE_RETRY_S = 5.0
+MAX_WRITE_RETRY_S = 600.0
 SUFFIX = ".safetensors"
 _NAME = re.compile(r"^[0-9a-f]{64}\.safetensors$")
 STALE_TEMPORARY_S = 3600.0
@@ -101,6 +117,14 @@ class BlockBytes:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
 
+    def mac(self, secret: bytes, metadata: dict[str, str]) -> str:
+        """HMAC-SHA256 under ``secret`` of the file's metadata (its ``mac`` left out) and this
+        block's checksum: what a file must carry to be served."""
+        signed = {name: value for name, value in metadata.items() if name != "mac"}
+        signed["checksum"] = self.checksum()
+        message = json.dumps(signed, sort_keys=True).encode()
+        return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
     def checksum(self) -> str:
         digest = hashlib.sha256()
         for name in sorted(self.arrays):
@@ -128,7 +152,9 @@ class DiskTierStats:
     blocks_read: int = 0
     bytes_read: int = 0
     blocks_rejected: int = 0
-    """Files found damaged or foreign (deleted, never served)."""
+    """Files found damaged, foreign or forged (deleted, never served)."""
+    write_errors: int = 0
+    """Writes that failed (each pauses writing for a while)."""
     writes_skipped: int = 0
     """Blocks not written because the write budget was spent."""
     files_evicted: int = 0
@@ -176,8 +202,15 @@ class DiskTier:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.identity = identity
-        self.folder = Path(root).expanduser() / identity.folder_name
+        root = Path(root).expanduser()
+        self.folder = root / identity.folder_name
         self.budget_bytes = budget_bytes
+        self.max_file_bytes = DEFAULT_MAX_FILE_BYTES
+        """The largest file read (``DiskOffload`` sets it from the block's real size)."""
+        self._clock = clock
+        self._secret = b""
+        self._write_failures = 0
+        self._writes_paused_until = 0.0
         self._lock = threading.Lock()
         self._window = _WriteWindow(write_bytes_per_hour, clock)
         self._stats = DiskTierStats(
@@ -189,7 +222,11 @@ class DiskTier:
         self._closed = False
         self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vllm-mlx-kv-disk-read")
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.folder.mkdir(mode=0o700, exist_ok=True)
+            for folder in (root, self.folder):
+                check_private_folder(folder)
+            self._secret = owner_key(root / KEY_FILE)
             self._probe_writable()
             self._remove_stale_temporaries()
             self._scan()
@@ -232,8 +269,9 @@ class DiskTier:
     # ---- writing -----------------------------------------------------------------------------
 
     def wants(self, key: bytes) -> bool:
-        """Whether writing block ``key`` is worth a copy: the tier is on and it is not there."""
-        return self.enabled and not self.has(key)
+        """Whether writing block ``key`` is worth a copy: the tier is on, writing is not paused
+        after a failure, and it is not there."""
+        return self.enabled and self._clock() >= self._writes_paused_until and not self.has(key)
 
     def admit_write(self, nbytes: int) -> bool:
         """Whether a block of ``nbytes`` fits the write budget now (counted if it does)."""
@@ -282,16 +320,30 @@ class DiskTier:
                 self._writes.task_done()
                 return
             try:
-                if self.enabled:
+                if self.enabled and self._clock() >= self._writes_paused_until:
                     self._write_file(block)
-            except OSError as exc:  # a full disk, a folder gone or made read-only
-                self.disable(f"writing {self.path_of(block.key).name} failed: {exc}")
+                    self._write_failures = 0
+            except OSError as exc:  # a full disk, a folder gone or made read-only, a directory in the way
+                self._pause_writes(f"writing {self.path_of(block.key).name} failed: {exc}")
             except Exception:  # never let the thread die with blocks queued behind it
                 logger.exception("the KV disk tier could not write a block")
             finally:
                 with self._lock:
                     self._queued.discard(block.key)  # on disk now (``has`` looks there), or not at all
                 self._writes.task_done()
+
+    def _pause_writes(self, reason: str) -> None:
+        """Skip writing for a while after a failure (longer while failures repeat); the tier stays
+        on. A folder that is gone turns it off: nothing comes back there."""
+        if not self.folder.is_dir():
+            self.disable(reason)
+            return
+        self._write_failures += 1
+        pause = min(WRITE_RETRY_S * 2 ** (self._write_failures - 1), MAX_WRITE_RETRY_S)
+        self._writes_paused_until = self._clock() + pause
+        with self._lock:
+            self._stats.write_errors += 1
+        logger.warning("KV disk tier: %s; writing again in %.0f s", reason, pause)
 
     def _write_file(self, block: BlockBytes) -> None:
         from safetensors.numpy import save_file
@@ -302,6 +354,7 @@ class DiskTier:
             "block_size": str(self.identity.block_size), "token_ids": json.dumps(list(block.token_ids)),
             "dtypes": json.dumps(block.dtypes, sort_keys=True), "checksum": block.checksum(), "kind": block.kind,
         }  # fmt: skip
+        metadata["mac"] = block.mac(self._secret, metadata)
         arrays = {name: np.ascontiguousarray(a) for name, a in block.arrays.items()}
         path = self.path_of(block.key)
 
@@ -342,17 +395,13 @@ class DiskTier:
 
     def _read_file(self, key: bytes, tokens: tuple[int, ...], kind: str) -> BlockBytes | None:
         """Block ``key`` if its file is there and sound; a damaged one is deleted."""
-        from safetensors import safe_open
-
         path = self.path_of(key)
         try:
-            with safe_open(str(path), framework="np") as file:
-                metadata = file.metadata() or {}
-                arrays = {name: file.get_tensor(name) for name in file.keys()}  # noqa: SIM118 (not a dict)
+            metadata, arrays = _read_block_file(path, self.max_file_bytes)
             block = self._checked(key, tokens, kind, metadata, arrays)
         except FileNotFoundError:
             return None
-        except Exception as exc:  # truncated, not safetensors, foreign: never served
+        except (OutsideFileError, OSError, ValueError) as exc:  # truncated, too large, not a file: never served
             block, problem = None, f"unreadable ({exc})"
         else:
             problem = None if block is not None else "does not match what this engine expects there"
@@ -360,7 +409,7 @@ class DiskTier:
             with self._lock:
                 self._stats.blocks_rejected += 1
             logger.warning("KV disk tier: %s %s; deleted", path.name, problem)
-            path.unlink(missing_ok=True)
+            _discard(path)
             return None
         try:
             os.utime(path)  # recently used: the budget evicts it last
@@ -390,7 +439,9 @@ class DiskTier:
         if not arrays or set(dtypes) != set(arrays) or not shapes_ok:
             return None
         block = BlockBytes(key, tuple(tokens), arrays, dtypes, kind)
-        return block if block.checksum() == metadata.get("checksum") else None
+        if block.checksum() != metadata.get("checksum"):
+            return None
+        return block if hmac.compare_digest(block.mac(self._secret, metadata), metadata.get("mac", "")) else None
 
     # ---- the folder --------------------------------------------------------------------------
 
@@ -439,3 +490,30 @@ class DiskTier:
         with self._lock:
             self._stats.bytes_on_disk, self._stats.num_files = total, len(files) - evicted
             self._stats.files_evicted += evicted
+
+
+def _read_block_file(path: Path, max_bytes: int) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+    """A block file's metadata and ``uint8`` arrays, read whole and checked against its header
+    before any array is taken (views of the bytes read: nothing is allocated from a declared size).
+
+    Raises:
+        FileNotFoundError: No file. OutsideFileError: Not a regular file, too large, not
+            safetensors, a header that disagrees with the data, or an array that is not ``uint8``.
+    """
+    data = read_regular_file(path, max_bytes)
+    header = safetensors_header(data, path.name)
+    arrays = {}
+    for name, entry in header.tensors.items():
+        if entry.dtype != "U8":
+            raise OutsideFileError(f"{path.name}: array {name!r} is {entry.dtype}, not U8")
+        arrays[name] = np.frombuffer(data, np.uint8, entry.end - entry.start, entry.start).reshape(entry.shape)
+    return header.metadata, arrays
+
+
+def _discard(path: Path) -> None:
+    """Delete a rejected file; a directory planted under its name, or a file another process
+    removed or that cannot be deleted, is left (it is never served either way)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass

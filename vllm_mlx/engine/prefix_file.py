@@ -26,6 +26,12 @@ with sliding-window block groups or recurrent layers needs to resume at the end 
 - ``state``: ``"1"`` when tensors ``state.{layer}.{i}`` (``[1, ...]``) hold the recurrent state
   after the last block, else ``"0"``.
 
+Read as files from outside are (``platform/outside_files.py``): a regular file no larger than the
+loading engine's pool could hold, read whole (``read_prefix_bytes``, no MLX: callers do it off the
+engine thread), its safetensors header checked against its length, then its metadata checked (token
+ids are ints inside the vocabulary, no more blocks than the pool has) before any array is made;
+arrays must be finite.
+
 Never wrong: a file whose format, version, model, weight format, block size, shapes, dtype or
 checksum differ is refused as a whole with a ``PrefixFileError`` that says which, and nothing of
 it enters the cache. Hashes are not stored: the loading engine hashes the tokens itself (its
@@ -37,7 +43,9 @@ over it: a reader sees the old file or the new one, never half of one.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,10 +53,13 @@ import mlx.core as mx
 import numpy as np
 
 from vllm_mlx.platform.atomic_file import write_atomically
+from vllm_mlx.platform.outside_files import OutsideFileError, read_regular_file, safetensors_header
 
 FORMAT = "vllm-mlx-prefix"
 VERSION = 2
 """The newest version written; every version up to it is read."""
+DEFAULT_MAX_BYTES = 16 << 30
+"""Without an engine to size it by (``PrefixTransfer.max_file_bytes``): a generous cap."""
 
 
 class PrefixFileError(ValueError):
@@ -97,13 +108,13 @@ class PrefixHeader:
         try:
             header = cls(
                 metadata["model_digest"], metadata["weight_format"], int(metadata["block_size"]),
-                [int(t) for t in json.loads(metadata["token_ids"])], metadata["checksum"],
+                _token_ids(json.loads(metadata["token_ids"])), metadata["checksum"],
                 tuple((int(g), int(first)) for g, first in json.loads(metadata.get("groups", "[]"))),
                 metadata.get("state", "0") == "1",
             )  # fmt: skip
             num_blocks = int(metadata["num_blocks"])
-        except (KeyError, ValueError, TypeError) as exc:
-            raise PrefixFileError(f"damaged prefix file header: {exc!r}") from None
+        except (KeyError, ValueError, TypeError, RecursionError) as exc:
+            raise PrefixFileError(f"damaged prefix file header: {str(exc)[:200]!r}") from None
         if header.block_size < 1 or len(header.token_ids) != num_blocks * header.block_size:
             raise PrefixFileError(f"damaged prefix file header: {len(header.token_ids)} tokens for {num_blocks} blocks")
         if any(not 0 <= first < num_blocks for _, first in header.groups):
@@ -148,29 +159,69 @@ def write_prefix_file(path: Path, header: PrefixHeader, arrays: dict[str, mx.arr
     write_atomically(Path(path), save, suffix=".safetensors")
 
 
-def read_prefix_file(path: Path) -> tuple[PrefixHeader, dict[str, mx.array]]:
-    """The header and arrays of the prefix file at ``path``, checked against its checksum.
+def _token_ids(value) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise ValueError("token_ids is not a list of non-negative integers")
+    return value
+
+
+def read_prefix_bytes(path: str | Path, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+    """The prefix file at ``path``, read whole (no MLX: any thread).
 
     Raises:
-        PrefixFileError: the file is missing, unreadable, truncated, not a prefix file, of
-            another version, or its arrays differ from its checksum.
+        PrefixFileError: Missing, not a regular file, or larger than ``max_bytes``.
     """
     try:
-        arrays, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
-    except (OSError, RuntimeError, ValueError) as exc:
+        return read_regular_file(path, max_bytes)
+    except (OSError, ValueError) as exc:  # OutsideFileError is a ValueError
         raise PrefixFileError(f"cannot read prefix file {path}: {exc}") from None
-    header = PrefixHeader.parse(metadata)
+
+
+def read_prefix_file(
+    path: str | Path, max_bytes: int = DEFAULT_MAX_BYTES, check: Callable[[PrefixHeader], None] | None = None
+) -> tuple[PrefixHeader, dict[str, mx.array]]:
+    """``parse_prefix_file`` of the file at ``path`` (read whole first)."""
+    return parse_prefix_file(read_prefix_bytes(path, max_bytes), str(path), check)
+
+
+def parse_prefix_file(
+    data: bytes, name: str, check: Callable[[PrefixHeader], None] | None = None
+) -> tuple[PrefixHeader, dict[str, mx.array]]:
+    """The header and arrays of a prefix file's bytes, checked in order: the safetensors header
+    against the length, the metadata, ``check(header)`` (the loading engine's: its model, its
+    vocabulary, its pool), the tensors it declares against the header, and only then the arrays
+    (made from the bytes in hand), against the checksum and for finite values.
+
+    Raises:
+        PrefixFileError: Truncated, not a prefix file, of another version, a header that
+            disagrees with its arrays, arrays that differ from its checksum or are not finite.
+    """
     try:
-        shapes_ok = all(_fits(header.slots_of(name), array) for name, array in arrays.items())
+        layout = safetensors_header(data, f"prefix file {name}")
+    except OutsideFileError as exc:
+        raise PrefixFileError(str(exc)) from None
+    header = PrefixHeader.parse(layout.metadata)
+    if check is not None:
+        check(header)
+    try:
+        shapes_ok = all(_fits(header.slots_of(t.name), t.shape) for t in layout.tensors.values())
     except ValueError:  # a tensor name that is not ours
         shapes_ok = False
-    if not arrays or not shapes_ok or any(name.startswith("state.") for name in arrays) != header.has_state:
-        raise PrefixFileError(f"prefix file {path} is damaged: its arrays do not hold the token slots its header says")
+    has_state = any(t.startswith("state.") for t in layout.tensors)
+    if not layout.tensors or not shapes_ok or has_state != header.has_state:
+        raise PrefixFileError(f"prefix file {name} is damaged: its arrays do not hold the token slots its header says")
+    try:
+        arrays = mx.load(io.BytesIO(data), format="safetensors")
+        mx.eval(arrays)
+    except (RuntimeError, ValueError) as exc:
+        raise PrefixFileError(f"cannot read prefix file {name}: {exc}") from None
     if checksum(arrays) != header.checksum:
-        raise PrefixFileError(f"prefix file {path} is damaged: its arrays do not match its checksum")
+        raise PrefixFileError(f"prefix file {name} is damaged: its arrays do not match its checksum")
+    if not all(mx.all(mx.isfinite(a)).item() for a in arrays.values() if mx.issubdtype(a.dtype, mx.floating)):
+        raise PrefixFileError(f"prefix file {name} holds values that are not finite (NaN or infinity)")
     return header, arrays
 
 
-def _fits(slots: int | None, array: mx.array) -> bool:
+def _fits(slots: int | None, shape: tuple[int, ...]) -> bool:
     """A KV tensor holds ``slots`` token slots (``[heads, slots, head_dim]``); a state any shape."""
-    return array.ndim >= 1 if slots is None else array.ndim == 3 and array.shape[1] == slots
+    return len(shape) >= 1 if slots is None else len(shape) == 3 and shape[1] == slots

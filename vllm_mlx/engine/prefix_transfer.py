@@ -15,7 +15,14 @@ from typing import Any
 import mlx.core as mx
 
 from vllm_mlx.core.kv.coordinator import TakenBlock
-from vllm_mlx.engine.prefix_file import PrefixFileError, PrefixHeader, checksum, read_prefix_file, write_prefix_file
+from vllm_mlx.engine.prefix_file import (
+    PrefixFileError,
+    PrefixHeader,
+    checksum,
+    parse_prefix_file,
+    read_prefix_bytes,
+    write_prefix_file,
+)
 from vllm_mlx.models.digest import model_digest
 
 NO_CHECKPOINTS = (
@@ -67,7 +74,16 @@ class PrefixTransfer:
         write_prefix_file(Path(path), header, arrays)
         return len(tokens)
 
-    def load(self, path: str | Path, cache_salt: str | None = None) -> int:
+    @property
+    def max_file_bytes(self) -> int:
+        """The largest prefix file this engine could use: every block of its pool in every block
+        group, its recurrent state, and room for the header (the token ids as JSON)."""
+        kv, engine = self.engine.kv_cache, self.engine
+        tokens = kv.pool.num_blocks * kv.block_size
+        state = engine.runner.state_pool.layout.bytes_per_request if engine.runner.state_pool is not None else 0
+        return tokens * engine.kv_layout.bytes_per_token * len(kv.groups) + state + 24 * tokens + (1 << 20)
+
+    def load(self, path: str | Path, cache_salt: str | None = None, data: bytes | None = None) -> int:
         """Put the blocks of the prefix file at ``path`` into the cache (those not cached already,
         as far as free blocks allow), under ``cache_salt``; return the tokens of the file's
         prompt that are cached now.
@@ -76,10 +92,14 @@ class PrefixTransfer:
             PrefixFileError: the file is unreadable or damaged, or was saved by another model,
                 weight format or block size; nothing of it is loaded.
             ValueError: the engine cannot use prefix files (see ``_check``).
+
+        ``data``: the file's bytes, read beforehand off the engine thread (``read_prefix_bytes``
+        with ``max_file_bytes``); None reads ``path`` here.
         """
         self._check()
-        header, arrays = read_prefix_file(Path(path))
-        self._check_header(header)
+        if data is None:
+            data = read_prefix_bytes(path, self.max_file_bytes)
+        header, arrays = parse_prefix_file(data, str(path), check=self._check_header)
         prefix_cache = self.engine.scheduler.kv.prefix_cache
         hashes = prefix_cache.block_hashes(header.token_ids, cache_salt)
         kv, n = self.engine.kv_cache, header.num_blocks
@@ -114,7 +134,16 @@ class PrefixTransfer:
             raise ValueError(NO_CHECKPOINTS)
 
     def _check_header(self, header: PrefixHeader) -> None:
+        """The file fits this engine: its model, weights and block size, its vocabulary, its pool
+        and block groups (checked before any array of the file is made)."""
         kv = self.engine.kv_cache
+        vocab = self.engine.vocab_size
+        if vocab and header.token_ids and max(header.token_ids) >= vocab:
+            raise PrefixFileError(f"the prefix file holds token id {max(header.token_ids)}; the vocabulary has {vocab}")
+        if header.num_blocks >= kv.pool.num_blocks:
+            raise PrefixFileError(
+                f"the prefix file holds {header.num_blocks} blocks; this engine's pool has {kv.pool.num_blocks - 1}"
+            )
         mine = (self.model_digest, self.engine.weight_format, kv.block_size)
         theirs = (header.model_digest, header.weight_format, header.block_size)
         for what, ours, file in zip(("model (digest)", "weight format", "block size"), mine, theirs):

@@ -130,6 +130,14 @@ class LoRASlots:
             raise ValueError("the model has no linear layers in transformer blocks to put adapters on")
         return slots
 
+    @property
+    def max_adapter_bytes(self) -> int:
+        """The largest weights file an adapter that fits these slots can have: factors of
+        ``max_rank`` and a magnitude on every wrapped layer, 8 bytes an element (float64, the
+        widest), plus room for the header. A file over it is refused before it is read."""
+        elements = sum((i + o) * self.max_rank + o for i, o in (layer._shape for layer in self.layers.values()))
+        return elements * 8 + (1 << 20)
+
     def load(self, slot: int, adapter: Adapter) -> None:
         """Put ``adapter`` in ``slot`` (1..max_loras), replacing what was there.
 

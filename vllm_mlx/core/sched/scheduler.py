@@ -36,6 +36,12 @@ __all__ = ["ModelRunnerOutput", "ScheduledRequest", "Scheduler", "SchedulerConfi
 
 logger = logging.getLogger(__name__)
 
+MAX_ADMISSION_PASSES = 64
+"""Steps a request that cannot be admitted yet (every LoRA slot busy with other adapters) lets
+others past it. Then no one passes it: the queue waits with it until it can be admitted (a slot
+frees as running requests finish), so a stream of requests for the adapters in the slots cannot
+starve it."""
+
 
 @dataclass
 class SchedulerConfig:
@@ -268,10 +274,20 @@ class Scheduler:
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         load = Counter(r.fairness_key for r in self.running)
+        passed: set[str] = set()  # keys whose first request cannot be admitted this step
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.peek(load)
-            if self.admission_check is not None and not self.admission_check(request):
-                break  # it waits (e.g. every LoRA slot is busy); the queue keeps its order
+            request = self.waiting.peek(load, skip=passed)
+            if request is None:
+                break
+            admissible = self._admissible(request, output)
+            if admissible is None:  # failed at admission: ended alone
+                continue
+            if not admissible:  # it waits (e.g. every LoRA slot is busy); its key's later requests too
+                request.admission_passes += 1
+                if request.admission_passes > MAX_ADMISSION_PASSES:
+                    break  # its turn: nobody passes it any more
+                passed.add(request.fairness_key)
+                continue
             hits = self.kv.get_computed_blocks(request)
             num_hit = len(hits) * self.block_size
             num_new = request.num_tokens - num_hit
@@ -286,6 +302,21 @@ class Scheduler:
             self._admit(request, num_hit)
             output.scheduled.append(self._scheduled(request, num_new, []))
             budget -= self._charge(num_new, num_hit)
+
+    def _admissible(self, request: Request, output: SchedulerOutput) -> bool | None:
+        """``admission_check(request)``; None when the check failed: the request ends with the
+        error (in ``output.failed``), the others go on."""
+        if self.admission_check is None:
+            return True
+        try:
+            return self.admission_check(request)
+        except Exception as exc:  # e.g. its adapter could not be put in a slot
+            logger.error("admitting request %s failed", request.request_id, exc_info=True)
+            self.waiting.remove(request)
+            request.error(internal_error_message(exc))
+            self._release(request)
+            output.failed.append(request)
+            return None
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput

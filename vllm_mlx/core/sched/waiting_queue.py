@@ -19,7 +19,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 
 from vllm_mlx.core.request import Request
 
@@ -43,23 +43,27 @@ class WaitingQueue:
         self._by_key.move_to_end(key, last=False)
         self._len += 1
 
-    def peek(self, load: Mapping[str, int] | None = None) -> Request:
+    def peek(self, load: Mapping[str, int] | None = None, skip: Collection[str] = ()) -> Request | None:
         """The request admission takes next: the first of the key with the least ``load``
-        (running requests per key; none = all equal), the earliest key in rotation among equals.
+        (running requests per key; none = all equal), the earliest key in rotation among equals;
+        keys in ``skip`` are passed over (None when every key is).
 
         Only keys with running requests have a load, and there are at most ``max_num_seqs`` of
-        those, so the scan stops within that many keys of the front. IndexError when empty.
+        those, so the scan stops within that many keys (plus the skipped ones) of the front.
+        IndexError when empty.
         """
         if not self._by_key:
             raise IndexError("peek from an empty WaitingQueue")
         best_key, best_load = None, None
         for key in self._by_key:
+            if key in skip:
+                continue
             key_load = load.get(key, 0) if load else 0
             if best_load is None or key_load < best_load:
                 best_key, best_load = key, key_load
                 if key_load == 0:
                     break
-        return self._by_key[best_key][0]
+        return None if best_key is None else self._by_key[best_key][0]
 
     def pop(self, request: Request) -> None:
         """Take ``request``, the first of its key (as ``peek`` returned it); its key goes to the

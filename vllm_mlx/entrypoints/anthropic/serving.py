@@ -81,7 +81,7 @@ class AnthropicServing:
             async for chunk in chunks:
                 events = stream.feed(chunk)
                 if chunk.choices and chunk.choices[0].delta.role:  # the first chunk
-                    yield self._message_start(message_id, stream)
+                    yield self._message_start(message_id, stream, chunk.model)
                 for event in events:
                     yield block_event(event)
             for event in stream.close():
@@ -92,9 +92,9 @@ class AnthropicServing:
         finally:
             await chunks.aclose()
 
-    def _message_start(self, message_id: str, stream: BlockStream) -> str:
+    def _message_start(self, message_id: str, stream: BlockStream, model: str) -> str:
         usage = Usage(input_tokens=stream.usage.prompt_tokens if stream.usage else 0, output_tokens=0)
-        message = MessagesResponse(id=message_id, model=self.chat.model_name, content=[], stop_reason=None, usage=usage)
+        message = MessagesResponse(id=message_id, model=model, content=[], stop_reason=None, usage=usage)
         return named_sse("message_start", {"type": "message_start", "message": message.model_dump()})
 
     @staticmethod

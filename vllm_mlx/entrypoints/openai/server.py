@@ -135,7 +135,7 @@ def build_app(
         loras = [ModelCard(id=n, root=n, parent=name, max_model_len=info.max_model_len) for n in adapters]
         return ModelList(data=[card, *loras]).model_dump()
 
-    loading = LoRALoading(engine, adapters, lora_loading_dir)
+    loading = LoRALoading(engine, adapters, lora_loading_dir, base_model=name)
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
@@ -143,7 +143,7 @@ def build_app(
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
-        return Response(loading.unload(body), media_type="text/plain")
+        return Response(await loading.unload(body), media_type="text/plain")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:

@@ -37,6 +37,8 @@ from vllm_mlx.structured.matcher import ERROR_PREFIX as CONSTRAINT_ERROR_PREFIX
 from vllm_mlx.structured.params import StructuredOutputsParams
 
 DISCONNECT_POLL_S = 0.25
+DEFAULT_MODEL_ALIAS = "default"
+"""Another name of the served base model (the CLI's and the docs' name for it)."""
 ENGINE_DEAD_MESSAGE = "The engine is not running; see the server log."
 
 logger = logging.getLogger(__name__)
@@ -116,8 +118,9 @@ class OpenAIServing:
     # -- checks and translation ---------------------------------------------------------------
 
     def check_model(self, name: str | None) -> LoRARequest | None:
-        """The adapter a request's ``model`` picks (None: the base model); 404 for an unknown name."""
-        if name is None or name == self.model_name:
+        """The adapter a request's ``model`` picks (None: the base model, also named ``default``
+        as the CLI names it); 404 for an unknown name."""
+        if name is None or name == self.model_name or name == DEFAULT_MODEL_ALIAS:
             return None
         if name in self.adapters:
             return self.adapters[name]
@@ -128,6 +131,10 @@ class OpenAIServing:
             param="model",
             code="model_not_found",
         )
+
+    def served_name(self, name: str | None) -> str:
+        """The name a response carries: the adapter's when the request picked one, else the model's."""
+        return name if name is not None and name in self.adapters else self.model_name
 
     async def run_tokenizer(self, fn, *args, chars: int = 0):
         """``fn(*args)`` off the event loop; ``chars``: the length of the text it tokenizes."""

@@ -99,7 +99,7 @@ class ChatServing(OpenAIServing):
             return self._chunks(req, request_id, top_k, parser, first, rest)
         [final] = await self.collect(streams, raw_request)
         choices = [self._choice(c, parser, top_k) for c in final.outputs]
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=self.usage([final]))
+        return ChatCompletionResponse(id=request_id, model=self.served_name(req.model), choices=choices, usage=self.usage([final]))
 
     async def render(self, req: ChatCompletionRequest) -> tuple[ToolPlan, list[int] | PreparedPrompt]:
         """The request's tool plan and its prompt exactly as the engine gets it (template with
@@ -186,7 +186,7 @@ class ChatServing(OpenAIServing):
         def chunk(choices, usage=None, output=None) -> ChatCompletionChunk:
             if usage is None and continuous and output is not None:
                 usage = self.usage([output])
-            return ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices, usage=usage)
+            return ChatCompletionChunk(id=request_id, created=created, model=self.served_name(req.model), choices=choices, usage=usage)
 
         try:
             roles = [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(req.n)]

@@ -48,7 +48,7 @@ class CompletionServing(OpenAIServing):
             for p, final in enumerate(finals)
             for c in final.outputs
         ]
-        return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=self.usage(finals))
+        return CompletionResponse(id=request_id, model=self.served_name(req.model), choices=choices, usage=self.usage(finals))
 
     async def _prompts(self, prompt) -> list[list[int]]:
         """Token ids of each prompt: a str, a list of str, a list of ids, a list of id lists."""
@@ -93,7 +93,7 @@ class CompletionServing(OpenAIServing):
                     if delta or finish or (lp and lp.tokens):
                         choice = CompletionChoice(index=index, text=delta, logprobs=lp, finish_reason=finish)
                         yield sse(
-                            CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[choice])
+                            CompletionResponse(id=request_id, created=created, model=self.served_name(req.model), choices=[choice])
                         )
                 if output.finished:
                     finals[p] = output
@@ -101,7 +101,7 @@ class CompletionServing(OpenAIServing):
             if req.stream_options and req.stream_options.include_usage:
                 usage = self.usage([finals[p] for p in sorted(finals)])
                 yield sse(
-                    CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[], usage=usage)
+                    CompletionResponse(id=request_id, created=created, model=self.served_name(req.model), choices=[], usage=usage)
                 )
         except OpenAIError as exc:
             yield sse_error(exc)

@@ -69,7 +69,7 @@ class ResponsesServing:
     def _shell(self, req: ResponsesRequest) -> ResponseObject:
         """The response before any output: the request's settings echoed."""
         return ResponseObject(
-            id=new_id("resp").replace("-", "_"), model=self.chat.model_name, instructions=req.instructions,
+            id=new_id("resp").replace("-", "_"), model=self.chat.served_name(req.model), instructions=req.instructions,
             max_output_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
             tools=[t.model_dump(exclude_none=True) for t in req.tools or []], tool_choice=req.tool_choice or "auto",
             parallel_tool_calls=req.parallel_tool_calls, text={"format": _format_echo(req)},

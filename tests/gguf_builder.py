@@ -137,6 +137,7 @@ def write_tiny_llama_gguf(
     ffn: int = 128,
     tied: bool = True,
     qk_std: float = 0.15,
+    metadata: dict | None = None,
 ) -> dict:
     """Write the GGUF at ``path``; return its config numbers.
 
@@ -145,6 +146,9 @@ def write_tiny_llama_gguf(
     trained model's 0.02 (embedding 0.5, projections 0.2, Q/K ``qk_std``) so that with hidden
     size 64 attention is far from uniform, logits span ~±15 with clear argmax gaps, and a wrong
     RoPE layout moves the logits by about as much as their scale.
+
+    ``metadata``: fields to write instead of the ones made here, by full key (``llama.block_count``);
+    None leaves a field out. For files that lie about themselves.
     """
     if quant not in QUANT_TYPES + RANDOM_BLOCK_TYPES:
         raise ValueError(f"quant must be one of {QUANT_TYPES + RANDOM_BLOCK_TYPES}")
@@ -194,6 +198,8 @@ def write_tiny_llama_gguf(
     if not tied:
         _add(writer, "output.weight", proj(vocab, hidden, 0.5), embd_type)
 
+    for key, value in (metadata or {}).items():
+        _override(writer, key, value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -210,3 +216,20 @@ def write_tiny_llama_gguf(
         "vocab": vocab,
         "tied": tied,
     }
+
+
+def _override(writer: GGUFWriter, key: str, value) -> None:
+    """Replace (or, for None, drop) one metadata field of a file being written."""
+    from gguf import GGUFValueType
+
+    writer.kv_data[0].pop(key, None)
+    if value is None:
+        return
+    if isinstance(value, list):
+        writer.add_array(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    else:
+        writer.add_key_value(key, value, GGUFValueType.UINT64 if value >= 1 << 32 else GGUFValueType.UINT32)

@@ -108,6 +108,36 @@ def test_models_health_version(http):
     assert http.get("/version").json()["version"]
 
 
+def test_one_model_tokenize_and_detokenize(http, engine):
+    """``GET /v1/models/{id}``, vLLM's ``/tokenize`` (a prompt, or chat messages rendered as a chat
+    completion renders them) and ``/detokenize``: the engine's own tokenizer."""
+    assert http.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+    assert_error(http.get("/v1/models/other"), 404, "model")
+    tokenizer = engine.call(lambda e: e.tokenizer)
+    tokens = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPTS[1]}).json()
+    assert tokens["tokens"] == list(tokenizer.encode(PROMPTS[1])) and tokens["count"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] == MAX_MODEL_LEN
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = http.post("/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == tokenizer.decode(tokens["tokens"])
+    assert_error(http.post("/detokenize", json={"tokens": [10**9]}), 400, "tokens")
+    assert_error(http.post("/tokenize", json={"prompt": "a", "messages": messages}), 400)
+
+
+def test_what_is_not_served_says_so(http):
+    """Fields and paths this server does not serve are refused with a message that says what is
+    not supported, never ignored: ``prompt_logprobs`` (a 400), ``/v1/embeddings`` (a 404 naming
+    what is served)."""
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "prompt_logprobs": 1}
+    assert "prompt_logprobs" in assert_error(http.post("/v1/completions", json=body), 400, "prompt_logprobs")["message"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "prompt_logprobs": 0}
+    assert_error(http.post("/v1/chat/completions", json=chat), 400, "prompt_logprobs")
+    missing = assert_error(http.post("/v1/embeddings", json={"model": MODEL, "input": "x"}), 404)
+    assert "embeddings are not supported" in missing["message"] and "/v1/chat/completions" in missing["message"]
+    assert "/v1/nowhere is not served" in assert_error(http.get("/v1/nowhere"), 404)["message"]
+
+
 def test_serve_cli_parses():
     args = build_parser().parse_args(
         ["serve", "some/model", "--port", "9001", "--api-key", "k", "--max-body-size", "1M"]

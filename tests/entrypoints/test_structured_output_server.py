@@ -156,3 +156,28 @@ def test_a_constraint_that_admits_nothing_is_a_400_and_the_server_goes_on(http):
     assert error["code"] == "structured_output_failed" and "admits no complete output" in error["message"]
     ok = http.post("/v1/chat/completions", json=chat_body("Hi", structured_outputs={"choice": ["hello", "bye"]}))
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] in ("hello", "bye")
+
+
+def test_anthropic_structured_output_is_enforced(server):
+    """Anthropic's own structured output (``output_config.format``, which ``messages.parse``
+    sends) constrains the answer: parsed by the SDK into the model it was given."""
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    message = client.messages.parse(
+        model=MODEL, max_tokens=40, output_format=Capital,
+        messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+    )  # fmt: skip
+    assert message.stop_reason == "end_turn" and isinstance(message.parsed_output, Capital)
+
+
+def test_vllms_guided_fields_are_structured_outputs(http):
+    """vLLM's older ``guided_choice``/``guided_json``/``guided_regex`` constrain as
+    ``structured_outputs`` does; given beside it, a 400."""
+    choice = http.post("/v1/chat/completions", json=chat_body("Cat or dog?", guided_choice=["cat", "dog"])).json()
+    assert choice["choices"][0]["message"]["content"] in ("cat", "dog")
+    answer = http.post("/v1/chat/completions", json=chat_body("Describe an animal.", guided_json=ANIMAL)).json()
+    jsonschema.validate(json.loads(answer["choices"][0]["message"]["content"]), ANIMAL)
+    digits = http.post("/v1/completions", json={"model": MODEL, "prompt": "Year:", "max_tokens": 8, "guided_regex": "[0-9]{4}"})
+    assert len(digits.json()["choices"][0]["text"]) == 4 and digits.json()["choices"][0]["text"].isdigit()
+    both = http.post("/v1/chat/completions", json=chat_body("x", guided_regex="a", structured_outputs={"regex": "b"}))
+    assert both.status_code == 400 and "guided" in both.json()["error"]["message"]

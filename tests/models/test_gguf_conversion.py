@@ -350,3 +350,30 @@ def test_engine_greedy_on_a_k_quant_file_equals_the_reference(tmp_path, empty_ca
     finally:
         llm.shutdown()
     assert list(out[0].outputs[0].token_ids) == expected[len(TOKEN_IDS) :]
+
+
+LYING_METADATA = {
+    "more-layers-than-held": ({"llama.block_count": 100_000}, "block_count is 100000, but the file holds layers 0..1"),
+    "no-layers": ({"llama.block_count": 0}, "block_count is 0"),
+    "no-heads": ({"llama.attention.head_count": 0}, "head_count is 0"),
+    "heads-missing": ({"llama.attention.head_count": None}, "lacks llama.attention.head_count"),
+    "array-for-a-number": ({"llama.embedding_length": [64, 64]}, "embedding_length is [64, 64]"),
+    "tokens-not-strings": ({"tokenizer.ggml.tokens": [1, 2, 3]}, "tokens is not a list of strings"),
+    "token-types-short": ({"tokenizer.ggml.token_type": [1]}, "token_type does not hold one number per token"),
+    "scores-short": ({"tokenizer.ggml.model": "llama", "tokenizer.ggml.scores": [0.5]}, "scores does not hold"),
+    "merges-not-strings": ({"tokenizer.ggml.merges": [1, 2]}, "merges is not a list of strings"),
+    "special-id-not-int": ({"tokenizer.ggml.bos_token_id": "one"}, "bos_token_id is not an integer"),
+}
+
+
+@pytest.mark.parametrize("name", list(LYING_METADATA))
+def test_metadata_that_lies_is_a_one_line_error_before_any_tensor(tmp_path, empty_cache, name):
+    """A file whose metadata disagrees with its tensors or has the wrong shape of value fails
+    at once with one line, before a tensor is converted, and leaves nothing in the cache."""
+    metadata, reason = LYING_METADATA[name]
+    path = tmp_path / f"{name}.gguf"
+    write_tiny_llama_gguf(path, metadata=metadata)
+    with pytest.raises(ModelSourceError) as info:
+        resolve_model(path)
+    assert "\n" not in str(info.value) and reason in str(info.value)
+    assert_nothing_cached(empty_cache)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from vllm_mlx.entrypoints.request_model import RequestBody
 from vllm_mlx.entrypoints.request_model import StrictModel as _Strict
@@ -96,6 +96,19 @@ class ToolChoice(_Strict):
     disable_parallel_tool_use: bool = False
 
 
+class OutputFormat(_Strict):
+    """Anthropic's ``output_config.format``: a JSON schema the answer follows."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    type: Literal["json_schema"]
+    schema_: dict | bool = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    format: OutputFormat | None = None
+
+
 class MessagesInput(RequestBody):
     """What a prompt is made of: the body of ``count_tokens``, and of ``messages`` with more."""
 
@@ -117,6 +130,17 @@ class MessagesRequest(MessagesInput):
     """Accepted and ignored (Anthropic's ``user_id`` is for abuse tracking)."""
     structured_outputs: dict | None = None
     """vLLM's constraint object (``regex``, ``json``, ``choice``, ...), as on chat completions."""
+    output_config: OutputConfig | None = None
+    """Anthropic's structured outputs: ``{"format": {"type": "json_schema", "schema": ...}}``
+    (its other settings, such as ``effort``, change nothing here)."""
+    output_format: OutputFormat | None = None
+    """The same format under its beta name (``output_format``)."""
+
+    def json_schema(self) -> dict | bool | None:
+        """The schema the answer must follow, from either field (None: free text)."""
+        if self.output_config is not None and self.output_config.format is not None:
+            return self.output_config.format.schema_
+        return self.output_format.schema_ if self.output_format is not None else None
 
 
 # -- responses --------------------------------------------------------------------------------

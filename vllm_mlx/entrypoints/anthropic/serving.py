@@ -128,6 +128,8 @@ def chat_request(req: MessagesInput) -> ChatCompletionRequest:
         )  # fmt: skip
         if req.stream:
             fields["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        if (schema := req.json_schema()) is not None:
+            fields["response_format"] = {"type": "json_schema", "json_schema": {"schema": schema}}
     try:
         return ChatCompletionRequest.model_validate(fields)
     except ValidationError as exc:  # e.g. a string that is not valid Unicode

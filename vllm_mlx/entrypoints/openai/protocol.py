@@ -96,6 +96,19 @@ class SamplingFields(RequestBody):
     structured_outputs: dict | None = None
     """vLLM's constraint object (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``,
     ...); checked by ``StructuredOutputsParams.from_dict``."""
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    """vLLM's older names of ``structured_outputs``' fields, still sent by many clients."""
+    prompt_logprobs: int | None = None
+    """vLLM's; refused with a 400 until the engine computes prompt logprobs."""
+
+    def guided_outputs(self) -> dict | None:
+        """The ``guided_*`` fields as a ``structured_outputs`` object (None: none given)."""
+        fields = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}  # fmt: skip
+        return {name: value for name, value in fields.items() if value is not None} or None
 
 
 class TextPart(_Strict):
@@ -138,6 +151,22 @@ class ChatCompletionRequest(SamplingFields):
     """"none", "auto" (the default with tools), "required" or a named function."""
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's ``POST /tokenize``: a ``prompt``, or chat ``messages`` rendered by the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    tools: list[dict] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 class CompletionRequest(SamplingFields):

@@ -47,9 +47,11 @@ from vllm_mlx.entrypoints.openai.lora_loading import LoRALoading
 from vllm_mlx.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
 from vllm_mlx.entrypoints.openai.responses_protocol import ResponsesRequest
@@ -63,6 +65,7 @@ from vllm_mlx.entrypoints.openai.serving import (
 from vllm_mlx.entrypoints.openai.serving_chat import ChatServing
 from vllm_mlx.entrypoints.openai.serving_completion import CompletionServing
 from vllm_mlx.entrypoints.openai.serving_responses import ResponsesServing
+from vllm_mlx.entrypoints.openai.serving_tokenize import TokenizeServing
 from vllm_mlx.entrypoints.openai.sse_response import SSEResponse
 from vllm_mlx.entrypoints.openai.tokenize_pool import TokenizePool
 from vllm_mlx.entrypoints.request_model import UNENCODABLE
@@ -129,11 +132,30 @@ def build_app(
     async def version() -> dict:
         return {"version": __version__}
 
+    def model_cards() -> list[ModelCard]:
+        card = ModelCard(id=name, root=name, max_model_len=info.max_model_len)  # no local paths
+        return [card, *(ModelCard(id=n, root=n, parent=name, max_model_len=info.max_model_len) for n in adapters)]
+
     @app.get("/v1/models")
     async def models() -> dict:
-        card = ModelCard(id=name, root=name, max_model_len=info.max_model_len)  # no local paths
-        loras = [ModelCard(id=n, root=n, parent=name, max_model_len=info.max_model_len) for n in adapters]
-        return ModelList(data=[card, *loras]).model_dump()
+        return ModelList(data=model_cards()).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        card = next((c for c in model_cards() if c.id == model_id), None)
+        if card is None:
+            chat.check_model(model_id)  # the 404 that names what is served
+        return card.model_dump()
+
+    tokens = TokenizeServing(chat)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        return await tokens.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        return await tokens.detokenize(body)
 
     loading = LoRALoading(engine, adapters, lora_loading_dir, base_model=name)
 
@@ -286,7 +308,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
-        response = _error_response(OpenAIError(exc.status_code, str(exc.detail), code=code), request)
+        unrouted = exc.status_code == 404 and exc.detail == "Not Found"  # no route, not a handler's 404
+        message = _not_served(request.url.path) if unrouted else str(exc.detail)
+        response = _error_response(OpenAIError(exc.status_code, message, code=code), request)
         response.headers.update(exc.headers or {})
         return response
 
@@ -299,6 +323,25 @@ def _add_error_handlers(app: FastAPI) -> None:
         # The details (paths, reprs) go to the log, never to the client.
         logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         return _error_response(OpenAIError(500, "Internal server error; see the server log."), request)
+
+
+SERVED_PATHS = (
+    "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/models, /tokenize, "
+    "/detokenize, /v1/cache/stats, /health, /metrics"
+)
+NOT_YET = {
+    "/v1/embeddings": "embeddings are not supported by this server yet",
+    "/v1/score": "scoring is not supported by this server yet",
+    "/v1/rerank": "reranking is not supported by this server yet",
+    "/v1/audio": "audio is not supported by this server",
+    "/v1/images": "image generation is not supported by this server",
+}
+
+
+def _not_served(path: str) -> str:
+    """A 404's message: what this path would be, if we know it, and what is served."""
+    reason = next((why for prefix, why in NOT_YET.items() if path.startswith(prefix)), f"{path} is not served here")
+    return f"Not found: {reason}. This server serves {SERVED_PATHS}."
 
 
 def validation_to_openai(errors) -> OpenAIError:

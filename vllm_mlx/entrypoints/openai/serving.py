@@ -246,7 +246,11 @@ class OpenAIServing:
     def structured_outputs(self, req: SamplingFields) -> StructuredOutputsParams | None:
         """The request's constraint: OpenAI's ``response_format`` or vLLM's ``structured_outputs``
         (JSON ones compact unless the request or ``allow_json_whitespace`` says otherwise)."""
-        fmt, extra = req.response_format, req.structured_outputs
+        fmt, extra, guided = req.response_format, req.structured_outputs, req.guided_outputs()
+        if guided is not None:
+            if extra is not None:
+                raise OpenAIError(400, "Give either guided_* fields or structured_outputs, not both.", param="structured_outputs")
+            extra = guided
         compact = not self.options.allow_json_whitespace
         if fmt is not None and fmt.type != "text" and extra is not None:
             raise OpenAIError(400, "Give either response_format or structured_outputs, not both.", param="structured_outputs")
@@ -490,3 +494,10 @@ def speculation_details(finals: list[RequestOutput]) -> CompletionTokensDetails 
         return None
     accepted = sum(f.metrics.num_accepted_tokens for f in finals)
     return CompletionTokensDetails(accepted_prediction_tokens=accepted, rejected_prediction_tokens=proposed - accepted)
+
+
+def check_prompt_logprobs(req: SamplingFields) -> None:
+    """``prompt_logprobs`` is refused, not ignored: a client that asked for it must not take
+    an answer without it for one with it."""
+    if req.prompt_logprobs is not None:
+        raise OpenAIError(400, "prompt_logprobs is not supported by this server yet.", param="prompt_logprobs")

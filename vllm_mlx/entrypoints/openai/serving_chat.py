@@ -44,6 +44,7 @@ from vllm_mlx.entrypoints.openai.protocol import (
 from vllm_mlx.entrypoints.openai.serving import (
     OpenAIError,
     OpenAIServing,
+    check_prompt_logprobs,
     new_id,
     sse,
     sse_error,
@@ -296,5 +297,6 @@ def _top(text: str, logprob: float) -> TopLogprob:
 
 
 def _check_supported(req: ChatCompletionRequest) -> None:
+    check_prompt_logprobs(req)
     if req.top_logprobs and not req.logprobs:
         raise OpenAIError(400, "top_logprobs requires logprobs: true.", param="top_logprobs")

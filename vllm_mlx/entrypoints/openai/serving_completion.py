@@ -19,7 +19,14 @@ from vllm_mlx.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from vllm_mlx.entrypoints.openai.serving import OpenAIError, OpenAIServing, new_id, sse, sse_error
+from vllm_mlx.entrypoints.openai.serving import (
+    OpenAIError,
+    OpenAIServing,
+    check_prompt_logprobs,
+    new_id,
+    sse,
+    sse_error,
+)
 
 
 class CompletionServing(OpenAIServing):
@@ -125,6 +132,7 @@ class CompletionServing(OpenAIServing):
 
 
 def _check_supported(req: CompletionRequest) -> None:
+    check_prompt_logprobs(req)
     for name, unsupported in (
         ("echo", req.echo),
         ("suffix", req.suffix is not None),

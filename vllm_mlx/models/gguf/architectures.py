@@ -113,6 +113,7 @@ _PHI2_LAYERS = {  # parallel attention and MLP after one LayerNorm; every projec
 }
 _PHI2_GLOBALS = {**_GLOBALS, "output_norm": "model.final_layernorm"}
 _TENSOR_RE = re.compile(r"^(?:blk\.(\d+)\.)?([a-z_]+)\.(weight|bias)$")
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.")
 
 
 class Fields:
@@ -139,9 +140,19 @@ class Fields:
             value = value[0]
         return value
 
+    def count(self, key: str, default=None, minimum: int = 1, per_layer: bool = False) -> int:
+        """A size field (``block_count``, ``attention.head_count``...): an integer of at least
+        ``minimum``; ``per_layer``: llama.cpp may store it per layer (the same for all, here)."""
+        value = self.one_per_model(key, default) if per_layer else self.get(key, default)
+        if value is None:
+            raise ModelSourceError(f"GGUF metadata lacks {self.arch}.{key}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ModelSourceError(f"GGUF metadata {self.arch}.{key} is {str(value)[:40]}, not an integer >= {minimum}")
+        return value
+
     @property
     def hidden_and_heads(self) -> tuple[int, int]:
-        return int(self.need("embedding_length")), int(self.one_per_model("attention.head_count"))
+        return self.count("embedding_length"), self.count("attention.head_count", per_layer=True)
 
     @property
     def head_dim(self) -> int:
@@ -213,6 +224,17 @@ def _rows(tensors: dict, name: str) -> int | None:
     return None if info is None else int(info.shape[-2])
 
 
+def _layer_count(fields: Fields, tensors: dict) -> int:
+    """``block_count``, which must name exactly the layers whose ``blk.N.`` tensors the file holds
+    (a file declaring 100,000 layers over 2 would convert, then fail to load)."""
+    declared = fields.count("block_count")
+    present = {int(m.group(1)) for name in tensors if (m := _LAYER_RE.match(name))}
+    if present != set(range(declared)):
+        held = f"layers 0..{max(present)}" if present else "no layer tensors"
+        raise ModelSourceError(f"GGUF metadata {fields.arch}.block_count is {declared}, but the file holds {held}")
+    return declared
+
+
 def base_config(arch: Architecture, metadata: dict, tensors: dict) -> dict:
     """The config fields every architecture has, then its own (``extra_config``)."""
     fields = Fields(arch.name, metadata)
@@ -223,10 +245,10 @@ def base_config(arch: Architecture, metadata: dict, tensors: dict) -> dict:
     config = {
         "model_type": arch.model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(fields.one_per_model("feed_forward_length", 0)),
+        "intermediate_size": fields.count("feed_forward_length", 0, minimum=0, per_layer=True),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(fields.one_per_model("attention.head_count_kv", heads)),
-        "num_hidden_layers": int(fields.need("block_count")),
+        "num_key_value_heads": fields.count("attention.head_count_kv", heads, per_layer=True),
+        "num_hidden_layers": _layer_count(fields, tensors),
         "head_dim": head_dim,
         "rms_norm_eps": _epsilon(fields),
         "rope_theta": float(fields.get("rope.freq_base", 10000.0)),

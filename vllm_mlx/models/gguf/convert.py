@@ -24,6 +24,7 @@ import hashlib
 import json
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from vllm_mlx.models.gguf.architectures import (
@@ -210,10 +211,13 @@ def convert_gguf(
     """Convert ``gguf_path`` into ``out_dir`` atomically; return ``out_dir``. ``digest``: the
     file's SHA-256 when the caller has it already (the manifest records it)."""
     scale_dtype = scale_dtype or default_scale_dtype()
-    gguf, arch = read_header(gguf_path)
-    config = model_config(gguf, arch)
+    with _metadata_faults(gguf_path):
+        gguf, arch = read_header(gguf_path)
+        config = model_config(gguf, arch)
     digest = digest or file_sha256(gguf_path)
     with atomic_directory(out_dir) as tmp:
+        with _metadata_faults(gguf_path):  # before the tensors: a bad vocabulary fails in a second, not a minute
+            write_tokenizer_files(gguf.metadata, tmp)
         writer, bits = ShardWriter(tmp), {}
         for module, arrays in converted_tensors(gguf, arch, config, scale_dtype):
             if "scales" in arrays:
@@ -224,10 +228,26 @@ def convert_gguf(
         if quantization := quantization_config(bits):
             config["quantization"] = quantization
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        write_tokenizer_files(gguf.metadata, tmp)
         write_manifest(tmp, source=source or str(gguf_path), format="gguf", scale_dtype=scale_dtype,
                        source_sha256=digest, architecture=arch.name)  # fmt: skip
     return out_dir
+
+
+@contextmanager
+def _metadata_faults(path: Path) -> Iterator[None]:
+    """Metadata of a shape no check foresaw (a string where a number belongs deep in an
+    architecture's fields, a vocabulary the tokenizer library rejects) is a one-line
+    ``ModelSourceError`` naming the file, never a traceback."""
+    try:
+        yield
+    except ModelSourceError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, OverflowError, AttributeError) as exc:
+        raise ModelSourceError(f"{path.name}: malformed GGUF metadata ({type(exc).__name__}: {str(exc)[:200]})") from None
+    except Exception as exc:  # the tokenizers library raises plain Exception
+        if type(exc).__module__.startswith("tokenizers") or type(exc) is Exception:
+            raise ModelSourceError(f"{path.name}: its tokenizer cannot be built ({str(exc)[:200]})") from None
+        raise
 
 
 def resolve_gguf(path: Path) -> Path:

@@ -93,6 +93,29 @@ def _array(metadata: dict, key: str, default: list) -> list:
     return list(value) if value is not None else default
 
 
+def _check_vocabulary(metadata: dict, tokens: list) -> None:
+    """The vocabulary's arrays have the types and lengths they must (a malformed one is a clear
+    ``ModelSourceError``, not a traceback from deep inside the tokenizer library)."""
+    if not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ModelSourceError("tokenizer.ggml.tokens is not a list of strings")
+    per_token = {"token_type": (int,), "scores": (int, float)}
+    for key, kinds in per_token.items():
+        value = metadata.get(f"tokenizer.ggml.{key}")
+        if value is None:
+            continue
+        if not isinstance(value, list) or len(value) != len(tokens) or not all(
+            isinstance(v, kinds) and not isinstance(v, bool) for v in value
+        ):
+            raise ModelSourceError(f"tokenizer.ggml.{key} does not hold one number per token ({len(tokens)})")
+    merges = metadata.get("tokenizer.ggml.merges")
+    if merges is not None and (not isinstance(merges, list) or not all(isinstance(m, str) for m in merges)):
+        raise ModelSourceError("tokenizer.ggml.merges is not a list of strings")
+    for kind in ("bos", "eos", "unknown", "padding", "eot", "eom", "sep"):
+        token_id = metadata.get(f"tokenizer.ggml.{kind}_token_id")
+        if token_id is not None and (not isinstance(token_id, int) or isinstance(token_id, bool)):
+            raise ModelSourceError(f"tokenizer.ggml.{kind}_token_id is not an integer")
+
+
 def read_vocab(metadata: dict) -> GGUFVocab:
     """The vocabulary and flags from GGUF metadata; unsupported kinds are refused by name."""
     model = metadata.get("tokenizer.ggml.model")
@@ -106,6 +129,7 @@ def read_vocab(metadata: dict) -> GGUFVocab:
     if "tokenizer.ggml.tokens" not in metadata:
         raise ModelSourceError("the GGUF file has no tokenizer (tokenizer.ggml.tokens)")
     tokens = list(metadata["tokenizer.ggml.tokens"])
+    _check_vocabulary(metadata, tokens)
     types = _array(metadata, "token_type", [TOKEN_TYPE_NORMAL] * len(tokens))
     spm = model == "llama"
     special_ids = {}

@@ -88,6 +88,17 @@ def test_forced_tool_choice_gives_tool_use_blocks_that_validate(client, tool_cho
         assert [b.name for b in uses] == ["get_time"]
 
 
+@pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}], ids=["any", "named"])
+def test_a_forced_call_cut_by_max_tokens_is_still_a_tool_use(client, tool_choice):
+    """``max_tokens`` cuts the forced call: a ``tool_use`` with ``input: {}`` all the same (for
+    ``any`` once its name is written), ``stop_reason`` ``max_tokens``."""
+    tools = ANTHROPIC_TOOLS[:1]  # one function: the cut output's first tokens name it
+    whole = create_message(client, tools=tools, tool_choice=tool_choice)
+    cut = create_message(client, tools=tools, tool_choice=tool_choice, max_tokens=whole.usage.output_tokens - 5)
+    [use] = tool_uses(cut)
+    assert cut.stop_reason == "max_tokens" and use.input == {} and use.name == "get_weather"
+
+
 def test_a_tool_result_turn_continues_the_conversation(client):
     first = create_message(client, tools=ANTHROPIC_TOOLS, tool_choice={"type": "tool", "name": "get_weather"})
     [use] = tool_uses(first)

@@ -19,7 +19,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 import jsonschema  # noqa: E402
 
-from tool_models import HERMES_CALL, MODEL, SCHEMAS, TOOLS, WEATHER, openai_client, serving  # noqa: E402
+from tool_models import HERMES_CALL, MODEL, SCHEMAS, TOOLS, WEATHER, openai_client, serving, with_template  # noqa: E402
 
 from vllm_mlx.engine.chat import template_token_ids  # noqa: E402
 
@@ -170,13 +170,36 @@ def test_bad_tool_requests_are_400s_that_say_why(client, kwargs, param, message)
     assert error["param"] == param and message in error["message"]
 
 
-def test_auto_on_a_template_without_a_call_format_says_how_to_fix_it(tiny_model_dir):
-    with serving(tiny_model_dir) as (_, live):  # SmolLM2's own template: no tools, no markup
+def test_a_template_without_tools_gets_them_in_the_system_message(tiny_model_dir, tmp_path):
+    """SmolLM2's own template renders no tools: they are described in the system message,
+    ``auto`` (what a client that omits ``tool_choice`` gets) reads the calls in that format, and a
+    conversation with an earlier call and its result renders, with or without tools on the
+    turn. A template that renders tools in a format not known here still says how to fix it."""
+    import httpx
+
+    question = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    with serving(tiny_model_dir) as (_, live):
         client = openai_client(live)
-        with pytest.raises(openai.BadRequestError, match="--tool-call-parser"):
-            ask(client, tools=TOOLS)
+        counts = [httpx.post(live.url + "/tokenize", json={"messages": question, **extra}).json()["count"]
+                  for extra in ({}, {"tools": TOOLS})]  # fmt: skip
+        assert counts[1] > counts[0] + 50  # the tools reached the prompt
+        force = {"structured_outputs": {"regex": re.escape(HERMES_CALL)}}
+        [call] = ask(client, tools=TOOLS, extra_body=force).choices[0].message.tool_calls
+        check_call(call)
+        history = [
+            *question,
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
+            {"role": "tool", "tool_call_id": call.id, "content": "-3 C and snow"},
+        ]
+        for extra in ({"tools": TOOLS}, {}):
+            answer = client.chat.completions.create(model=MODEL, messages=history, max_tokens=4, **extra)
+            assert answer.choices[0].finish_reason in ("stop", "length")
         [call] = ask(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}).choices[0].message.tool_calls
         check_call(call)  # forced calls work on any model
+    template = "{% for t in tools or [] %}TOOL {{ t.function.name }}\n{% endfor %}{% for m in messages %}{{ m.content }}\n{% endfor %}"
+    with serving(with_template(tiny_model_dir, tmp_path / "unknown", template)) as (_, live):
+        with pytest.raises(openai.BadRequestError, match="--tool-call-parser"):
+            ask(openai_client(live), tools=TOOLS)
 
 
 def test_reasoning_is_split_from_the_answer_whole_and_streamed(thinking_model_dir):

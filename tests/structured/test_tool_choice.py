@@ -79,10 +79,34 @@ def test_forced_constraints_validate_exactly_the_calls_they_should():
     single = ToolPlan.of(TOOLS, "required", parallel_tool_calls=False).constraint.json
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "get_time", "parameters": {}}] * 2, single)
-    assert ToolPlan.of(TOOLS, NAMED).constraint.json == WEATHER["function"]["parameters"]
+    assert ToolPlan.of(TOOLS, NAMED).constraint.json == {**WEATHER["function"]["parameters"], "additionalProperties": False}
     assert ToolPlan.of(TOOLS, {"type": "function", "function": {"name": "get_time"}}).constraint.json == {"type": "object"}
     assert required.disable_any_whitespace  # a weak model cannot pad a forced call with newlines
     assert ToolPlan.of(TOOLS, "auto").constraint is None and ToolPlan.of(TOOLS, "none").template_tools is None
+
+
+def test_a_required_call_cut_after_its_name_is_still_a_call():
+    """``max_tokens`` cut a forced output: its first call, once named, is answered with what was
+    written of its arguments (as a cut named call is); a later unfinished call is left out."""
+    parser = plan_chat_output(ToolPlan.of(TOOLS, "required"), None, "")
+    cut = '[{"name":"get_weather","parameters":{"ci'
+    [call] = parser.extract(cut).tool_calls
+    assert (call.name, call.arguments) == ("get_weather", '{"ci') and call.id.startswith("call_")
+    assert [(c.name, c.arguments) for c in parse_stream(parser, list(cut)).tool_calls] == [("get_weather", '{"ci')]
+    assert parser.extract('[{"name":"get_w').tool_calls == []  # not even a name
+    done_then_cut = '[{"name":"get_time","parameters":{}},{"name":"get_weather","par'
+    assert [c.name for c in parser.extract(done_then_cut).tool_calls] == ["get_time"]
+
+
+def test_forced_calls_take_only_the_listed_properties_unless_the_schema_says_otherwise():
+    """A schema that lists properties and is silent on others (LangChain's ``@tool``) is closed
+    for a forced call; one that allows others keeps them."""
+    closed = ToolPlan.of(TOOLS, NAMED).constraint.json
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"city": "Oslo", "unit": "C"}, closed)
+    parameters = {**WEATHER["function"]["parameters"], "additionalProperties": True}
+    open_tool = {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
+    assert ToolPlan.of([open_tool], NAMED).constraint.json["additionalProperties"] is True
 
 
 def test_defaults_follow_openai():

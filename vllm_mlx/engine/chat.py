@@ -13,11 +13,17 @@ has its text parts joined into one string, which every template accepts.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 
 from vllm_mlx.multimodal.images import ImageSource
+from vllm_mlx.tool_parsers.tool_prompt import FALLBACK_PARSER, renders_tools, with_tools_in_messages, written_out
 
-__all__ = ["ChatPrompt", "split_chat_images", "template_text", "template_token_ids"]
+__all__ = ["ChatPrompt", "split_chat_images", "template_renders_tools", "template_text", "template_token_ids",
+           "tool_parser_for"]  # fmt: skip
+
+logger = logging.getLogger(__name__)
+_TOLD: set[str] = set()  # templates whose tools fallback was logged
 
 
 @dataclass
@@ -73,8 +79,9 @@ def template_token_ids(
 ) -> list[int]:
     """``messages`` under ``tokenizer``'s chat template, as a list of int token ids (some
     tokenizers return a ``BatchEncoding`` rather than a list). ``tools``: OpenAI function tools,
-    which templates that know tools render into the prompt."""
-    messages = [_template_tool_calls(m) for m in messages]
+    which templates that know tools render into the prompt (for one that does not, they go into
+    the system message: ``tool_parsers/tool_prompt.py``)."""
+    messages, tools = _template_inputs(tokenizer, messages, tools)
     extra = {"tools": tools} if tools else {}
     ids = tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra
@@ -90,9 +97,45 @@ def template_text(
     """The prompt ``template_token_ids`` tokenizes, as text (special tokens written out): its
     token ids are ``tokenizer.encode(text, add_special_tokens=False)``, as transformers and
     mlx-lm tokenize a rendered template."""
-    messages = [_template_tool_calls(m) for m in messages]
+    messages, tools = _template_inputs(tokenizer, messages, tools)
     extra = {"tools": tools} if tools else {}
     return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra)
+
+
+def template_renders_tools(tokenizer) -> bool:
+    """Whether ``tokenizer``'s chat template puts ``tools`` in its prompt (probed once per template)."""
+    template = getattr(tokenizer, "chat_template", None)
+
+    def render(messages: list[dict], tools: list[dict] | None) -> str:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **({"tools": tools} if tools else {}))  # fmt: skip
+
+    return renders_tools(str(template) if template else None, render)
+
+
+def tool_parser_for(tokenizer, configured: str | None) -> str | None:
+    """The tool-call parser requests with tools need: the operator's (``configured``), else the
+    fallback's when the template renders no tools (their format is then the one we describe),
+    else None (the template's own markers decide)."""
+    if configured is not None or template_renders_tools(tokenizer):
+        return configured
+    return FALLBACK_PARSER
+
+
+def _template_inputs(tokenizer, messages: list[dict], tools: list[dict] | None) -> tuple[list[dict], list[dict] | None]:
+    """What the template is given: earlier calls' arguments as mappings, and for a template that
+    renders no tools, the tools in the system message and earlier calls and results written out."""
+    messages = [_template_tool_calls(m) for m in messages]
+    if template_renders_tools(tokenizer):
+        return messages, tools or None
+    if tools:
+        template = str(getattr(tokenizer, "chat_template", ""))
+        if template not in _TOLD:
+            _TOLD.add(template)
+            logger.warning("the chat template renders no tools: they are described in the system message, and "
+                           "calls are read in the %s format", FALLBACK_PARSER)  # fmt: skip
+        return with_tools_in_messages(messages, tools), None
+    return written_out(messages), None
 
 
 def _template_tool_calls(message: dict) -> dict:

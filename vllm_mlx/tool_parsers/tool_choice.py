@@ -14,6 +14,7 @@ Pure Python, no MLX: the server and the notebooks run it off the engine thread.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,6 +22,8 @@ from vllm_mlx.structured.params import StructuredOutputsParams
 from vllm_mlx.tool_parsers.base import IdFactory, StreamDelta, ToolCallDelta, dump_arguments, random_call_id
 
 MODES = ("none", "auto", "required")
+_CUT_CALL = re.compile(r'^\{"name":"(?P<name>(?:[^"\\]|\\.)*)","parameters":(?P<arguments>.*)$', re.S)
+"""A ``required`` output's first call cut short after its name (compact JSON, as constrained)."""
 
 
 @dataclass(frozen=True)
@@ -130,8 +133,14 @@ def forced_call_constraint(
 
 def _parameters(tool: dict) -> dict:
     """A function's parameters schema, always of an object (a schema without ``type``, such as
-    ``{"enum": [...]}``, could otherwise force a string); a function without one takes any object."""
-    return {"type": "object", **(tool["function"].get("parameters") or {})}
+    ``{"enum": [...]}``, could otherwise force a string); a function without one takes any object.
+    A schema that lists its properties and says nothing of others takes only those, as OpenAI's
+    strict mode does: left open (LangChain's ``@tool`` writes such schemas), a model may add keys
+    until ``max_tokens`` and never finish the call."""
+    schema = {"type": "object", **(tool["function"].get("parameters") or {})}
+    if "properties" in schema and "additionalProperties" not in schema:
+        schema["additionalProperties"] = False
+    return schema
 
 
 class ForcedCallStream:
@@ -139,8 +148,10 @@ class ForcedCallStream:
 
     A named function's output *is* the arguments: its call (id, name) is sent at once and the
     arguments stream as the model writes them. A ``required`` output is a JSON array: each call
-    is sent when its array element is complete. An output that stops early (``max_tokens``)
-    leaves what was not complete unsent (a named call's arguments are then cut short).
+    is sent when its array element is complete. An output that stops early (``max_tokens``) has
+    its arguments cut short: a named call's, or a ``required`` output's first call once its name
+    is written (it is sent at the end, with what was written of its arguments: a forced call
+    always answers with a call when it can name one); a later unfinished call is left unsent.
     """
 
     def __init__(self, choice: ToolChoice, id_factory: IdFactory | None = None) -> None:
@@ -155,7 +166,16 @@ class ForcedCallStream:
         return [delta for element in self.array.feed(text) for delta in self._element(element)]
 
     def finish(self) -> list[StreamDelta]:
-        return []
+        if self.choice.mode == "function" or self.num_calls:
+            return []
+        cut = _CUT_CALL.match(self.array.partial)
+        if cut is None:  # not even a name: no call to give
+            return []
+        self.num_calls = 1
+        return [
+            StreamDelta(tool_call=ToolCallDelta(0, self.id_factory(), json.loads(f'"{cut["name"]}"'))),
+            StreamDelta(tool_call=ToolCallDelta(0, arguments=cut["arguments"])),
+        ]
 
     def _named(self, text: str) -> list[StreamDelta]:
         out = []
@@ -186,6 +206,11 @@ class _ArrayElements:
         self.depth = 0
         self.in_string = self.escaped = False
         self.element: list[str] = []
+
+    @property
+    def partial(self) -> str:
+        """The text of the element begun and not yet complete ("" between elements)."""
+        return "".join(self.element)
 
     def feed(self, text: str) -> list[str]:
         done = []

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from vllm_mlx.core.snapshot import CacheSnapshot
-from vllm_mlx.engine.chat import split_chat_images, template_token_ids
+from vllm_mlx.engine.chat import split_chat_images, template_token_ids, tool_parser_for
 from vllm_mlx.platform.cpu_backend import backend_summary
 from vllm_mlx.platform.errors import ImageInputError
 from vllm_mlx.structured.response_format import ResponseFormat
@@ -151,9 +151,12 @@ class Session:
         chat template shows (or, for ``choice`` ``required`` or a function name, the enforced
         call), and ``<think>`` reasoning; None without tools.
 
+        A template that renders no tools gets them in the system message, and ``auto`` reads the
+        calls in that format (``engine/chat.py``, ``tool_parsers/tool_prompt.py``).
+
         Raises:
-            SessionError: A bad ``choice``, or for ``auto``: no chat template that renders tools,
-                or no known tool-call format.
+            SessionError: A bad ``choice``, or for ``auto``: a template that renders tools in a
+                tool-call format not known here, and no ``name``.
         """
         from vllm_mlx.tool_parsers.chat_output import ToolPlan, plan_chat_output
 
@@ -164,7 +167,9 @@ class Session:
         except ValueError as exc:
             raise SessionError(f"--tool-choice: {exc}") from None
         template = self._template
-        if plan.choice.mode == "auto" and (problem := _auto_problem(template, name, self.model)):
+        with self._tokenizer_lock:
+            name = tool_parser_for(self._tokenizer, name)
+        if plan.choice.mode == "auto" and (problem := _auto_problem(template, name)):
             raise SessionError(problem)
         try:
             return plan_chat_output(plan, template, prompt_tail, name)
@@ -300,11 +305,14 @@ class Session:
 
     def _turn_tools(self, session: ChatSession | None, tools: ToolSet | None, name: str | None, choice: str | None):
         """(the turn's tools, ``parser_for(prompt_tail="")``). A chat turn without ``--tools``
-        keeps the session's, called with ``auto`` only where the model can call them by itself."""
+        keeps the session's, called with ``auto`` only where the model's calls can be read."""
         if tools is None and session is not None and session.tools is not None:
             tools = session.tools
-            if choice is None and _auto_problem(self._template, name, self.model):
-                choice = "none"
+            if choice is None:
+                with self._tokenizer_lock:
+                    parser = tool_parser_for(self._tokenizer, name)
+                if _auto_problem(self._template, parser):
+                    choice = "none"
         return tools, functools.partial(self.chat_output_parser, tools, name, choice)
 
     def _remote_tools(self, session: ChatSession | None, tools: ToolSet | None, parser: str | None,
@@ -598,16 +606,10 @@ def _tool_choice(choice: str | None) -> str | dict | None:
     return {"type": "function", "function": {"name": choice}}
 
 
-def _auto_problem(template: str, parser_name: str | None, model: str | None) -> str | None:
-    """Why ``auto`` cannot work here (the model must see the tools, and its calls must be
-    readable); None when it can."""
+def _auto_problem(template: str, parser_name: str | None) -> str | None:
+    """Why ``auto`` cannot work here (the model's calls must be readable); None when it can."""
     from vllm_mlx.tool_parsers.registry import PARSER_NAMES, tool_parser_name
 
-    if "tools" not in template:
-        return (
-            f"--tools: the chat template of {model!r} does not render tools "
-            "(--tool-choice required, or a function's name, works on any model)"
-        )
     if parser_name is None and tool_parser_name(template) is None:
         return (
             "the model's chat template shows no tool-call format known here: "

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from vllm_mlx.core.request import CompletionOutput
-from vllm_mlx.engine.chat import ChatPrompt, split_chat_images, template_text
+from vllm_mlx.engine.chat import ChatPrompt, split_chat_images, template_text, tool_parser_for
 from vllm_mlx.engine.input_processor import PreparedPrompt
 from vllm_mlx.entrypoints.openai.protocol import (
     AssistantMessage,
@@ -137,9 +137,11 @@ class ChatServing(OpenAIServing):
         template = template if isinstance(template, str) else str(template or "")
         try:
             tail = self.tokenizer.decode(token_ids[-16:])
+            parser_name = tool_parser_for(self.tokenizer, self.options.tool_call_parser) if plan.template_tools else None
             return plan_chat_output(
-                plan, template, tail, self.options.tool_call_parser, constraints_follow_reasoning=self.info.thinks
-            )
+                plan, template, tail, parser_name or self.options.tool_call_parser,
+                constraints_follow_reasoning=self.info.thinks,
+            )  # fmt: skip
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param="tool_choice") from None
 

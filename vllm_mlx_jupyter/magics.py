@@ -389,7 +389,10 @@ class GenerateMagics(Magics):
 
     def _cmd_adapter(self, argv: list[str]) -> None:
         if argv[:1] == ["list"] and len(argv) == 1:
-            print("\n".join(f"{n}: {a.lora_path}" for n, a in self.session.adapters.items()) or "no adapters loaded")
+            if self.session.remote:
+                print("\n".join(f"{n}: served" for n in self.session.served_adapters()) or "the server serves no adapter")
+            else:
+                print("\n".join(f"{n}: {a.lora_path}" for n, a in self.session.adapters.items()) or "no adapters loaded")
             return
         if argv[:1] != ["load"] or len(argv) != 3:
             raise UsageError("%vllm_mlx adapter load NAME PATH | adapter list")

@@ -152,18 +152,27 @@ class RemoteEngine:
     def is_running(self) -> bool:
         return self._running
 
-    def add_request(self, prompt, params, request_id: str, constraint=None) -> RequestStream:
+    def add_request(self, prompt, params, request_id: str, constraint=None, lora_request=None) -> RequestStream:
         """Start streaming ``prompt`` (text or a ``ChatPrompt``); ``constraint`` is ignored
-        (the server compiles ``params.structured_outputs`` itself)."""
+        (the server compiles ``params.structured_outputs`` itself); ``lora_request`` (a
+        ``ServedAdapter``) names the server's adapter to run with, as the request's ``model``."""
         if not self._running:
             raise EngineDeadError(f"disconnected from {self.url}")
-        path, body = request_body(prompt, params, self.model)
+        path, body = request_body(prompt, params, lora_request.lora_name if lora_request is not None else self.model)
         stream = RequestStream(request_id, self)
         task = asyncio.run_coroutine_threadsafe(self._stream(path, body, request_id, stream), self._loop)
         with self._lock:
             self._tasks[request_id] = task
         task.add_done_callback(lambda _t: self._forget(request_id))
         return stream
+
+    def served_adapters(self) -> list[str]:
+        """The adapters the server serves (``/v1/models``: its ``--lora-modules`` and those loaded
+        at runtime), by name."""
+        response = self._http.get("/v1/models")
+        if response.status_code != 200:
+            raise ConnectError(f"{self.url}/v1/models: HTTP {response.status_code}: {_message(response)}")
+        return [card["id"] for card in response.json()["data"] if card.get("parent")]
 
     def abort(self, request_id: str) -> None:
         """Close the request's stream; the server aborts it (a no-op once it has ended)."""
@@ -299,6 +308,14 @@ def _choice_changes(state: RemoteOutput, choice: dict) -> dict:
     if choice.get("finish_reason"):
         changes["finish_reason"] = choice["finish_reason"]
     return changes
+
+
+@dataclass(frozen=True)
+class ServedAdapter:
+    """A LoRA adapter a connected server serves, by the name a request's ``model`` picks it with
+    (what a cell's ``--adapter NAME`` is, connected)."""
+
+    lora_name: str
 
 
 def request_body(prompt, params, model: str) -> tuple[str, dict]:

@@ -31,16 +31,29 @@ LONG = "--min-tokens 1500 --max-tokens 1500 --temperature 0"  # seconds on the t
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    eng = AsyncEngineCore(model=str(tiny_model_dir), num_kv_blocks=256, max_model_len=2048).start()
+def adapter(tiny_model_dir, tmp_path_factory):
+    """An adapter the server serves (as ``--lora-modules sql=...`` would)."""
+    from lora_adapters import write_mlx_lm_adapter
+
+    from vllm_mlx.lora import LoRARequest
+
+    path = write_mlx_lm_adapter(tiny_model_dir, tmp_path_factory.mktemp("adapters") / "sql", rank=4, scale=2.0, seed=1)
+    return LoRARequest("sql", 1, str(path))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, adapter):
+    eng = AsyncEngineCore(model=str(tiny_model_dir), num_kv_blocks=256, max_model_len=2048, enable_lora=True,
+                          max_loras=1, max_lora_rank=4).start()  # fmt: skip
+    eng.register_lora(adapter)
     yield eng
     eng.stop()
 
 
 @pytest.fixture(scope="module")
-def server(engine):
+def server(engine, adapter):
     """With the operator's cache-hit disclosure on: the inspector gets this notebook's tables."""
-    live = LiveServer(build_app(engine, served_model_name="tiny", api_key=KEY,
+    live = LiveServer(build_app(engine, served_model_name="tiny", api_key=KEY, lora_modules=[adapter],
                                 options=ServingOptions(enable_prompt_tokens_details=True)))  # fmt: skip
     yield live
     live.stop()
@@ -210,6 +223,26 @@ def test_tool_calls_come_from_the_server_and_results_go_back(ip, session, http):
     oracle = http.post("/v1/chat/completions", json={"messages": history, "tools": spec,
                                                      "temperature": 0, "max_tokens": 8}).json()  # fmt: skip
     assert second.text == (oracle["choices"][0]["message"]["content"] or "")
+
+
+def test_adapters_are_the_servers(ip, http):
+    """Connected, ``--adapter NAME`` runs with an adapter the server serves (its answer is the
+    server's own for that ``model``); ``adapter list`` lists the server's; an unknown name says
+    what is served, and ``adapter load`` says where adapters come from."""
+    with capture_output() as listed:
+        ip.run_line_magic("vllm_mlx", "adapter list")
+    assert listed.stdout.strip() == "sql: served"
+    gen = generate(ip, "--adapter sql --temperature 0 --max-tokens 8 --raw --wait", "Tell me about lighthouses.")
+    assert gen.state == DONE, gen.error
+    oracle = http.post("/v1/completions", json={"model": "sql", "prompt": "Tell me about lighthouses.",
+                                                "temperature": 0, "max_tokens": 8}).json()  # fmt: skip
+    base = http.post("/v1/completions", json={"prompt": "Tell me about lighthouses.", "temperature": 0,
+                                              "max_tokens": 8}).json()  # fmt: skip
+    assert gen.text == oracle["choices"][0]["text"] != base["choices"][0]["text"]
+    with pytest.raises(UsageError, match="serves no such adapter .it serves: sql"):
+        generate(ip, "--adapter nope", "x")
+    with pytest.raises(UsageError, match="adapter list shows them"):
+        ip.run_line_magic("vllm_mlx", "adapter load other /tmp/other")
 
 
 def test_what_the_api_cannot_carry_is_refused(ip):

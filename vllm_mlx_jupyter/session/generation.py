@@ -90,7 +90,7 @@ class GenerationError(RuntimeError):
 
 def chosen_options(speculative: bool | None, lora_request) -> dict:
     """The engine-request options a cell chose beyond its prompt, only those it chose: a server's
-    client (``remote.py``) takes neither, and is called as before when a cell chooses none."""
+    client (``remote.py``) takes no ``speculative`` (the session refuses it there first)."""
     chosen: dict = {} if speculative is None else {"speculative": speculative}
     if lora_request is not None:
         chosen["lora_request"] = lora_request

@@ -276,7 +276,11 @@ class Session:
 
         engine = self.require_engine()
         if self.remote:
-            raise SessionError("adapter load: a server serves the adapters it was started with (--lora-modules)")
+            raise SessionError(
+                "adapter load: connected, the adapters are the server's (its --lora-modules, or POST "
+                "/v1/load_lora_adapter with --enable-lora-loading): %vllm_mlx adapter list shows them, "
+                "%%generate --adapter NAME runs with one"
+            )
         known = self.adapters.get(name)
         lora = LoRARequest(name, known.lora_int_id if known else len(self.adapters) + 1, str(path))
         try:
@@ -287,11 +291,29 @@ class Session:
         return lora
 
     def adapter(self, name: str):
+        """The adapter ``--adapter NAME`` names: one loaded here, or connected, one the server serves."""
+        if self.remote:
+            from vllm_mlx_jupyter.remote import ServedAdapter
+
+            served = self.served_adapters()
+            if name not in served:
+                raise SessionError(f"--adapter {name}: the server serves no such adapter "
+                                   f"(it serves: {', '.join(served) or 'none'})")  # fmt: skip
+            return ServedAdapter(name)
         try:
             return self.adapters[name]
         except KeyError:
             known = ", ".join(self.adapters) or "none yet: %vllm_mlx adapter load NAME PATH"
             raise SessionError(f"--adapter {name}: no such adapter (known: {known})") from None
+
+    def served_adapters(self) -> list[str]:
+        """Connected: the adapters the server serves, by name."""
+        from vllm_mlx_jupyter.remote import ConnectError
+
+        try:
+            return self.require_engine().served_adapters()
+        except ConnectError as exc:
+            raise SessionError(str(exc)) from None
 
     def check_params(self, params) -> None:
         """Connected: refuse sampling options the OpenAI API cannot carry (not drop them)."""

@@ -21,7 +21,7 @@ FILE_SECONDS = {
     "test_recurrent.py": 89, "test_jupyter_browser.py": 69, "test_jupyter_notebooks.py": 105,
     "test_tensor_parallel.py": 43, "test_cpu_backend.py": 41, "test_sliding_window.py": 39,
     "test_async_engine.py": 38, "test_vllm_plugin.py": 38, "test_ring_formation.py": 34,
-    "test_structured_output.py": 33, "test_extras.py": 33, "test_engine.py": 32, "test_kv_disk.py": 30, "test_draft_model.py": 29,
+    "test_structured_output.py": 33, "test_extras.py": 33, "test_client_libraries.py": 60, "test_engine.py": 32, "test_kv_disk.py": 30, "test_draft_model.py": 29,
     "test_lora_engine.py": 20,
     "test_server_fuzz.py": 27, "test_model_support.py": 27, "test_gguf_vocabularies.py": 25,
     "test_llamacpp_reference.py": 23, "test_distributed_costs.py": 18, "test_constraint_bounds.py": 17,

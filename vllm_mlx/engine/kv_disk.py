@@ -12,8 +12,9 @@ array (``keys.{i}``, ``values.{i}``: the block's slots as raw bytes, ``uint8``
 ``[n_kv_heads, block_size, head_dim * itemsize]``) and metadata: format, version, the key, the
 identity's parts, the block's token ids, each array's dtype, a SHA-256 over names, shapes and
 bytes, and a MAC (HMAC-SHA256 over all of that) under the root's key, ``<root>/.kv-key``
-(``platform/owner_key.py``: 32 random bytes, mode ``0600``, made by the first process). A file of kind ``"state"`` (metadata ``kind``; absent: ``"kv"``) holds instead a hybrid
-model's recurrent state after the block (``state.{layer}.{i}``: one state array's row as raw
+(``platform/owner_key.py``: 32 random bytes, mode ``0600``, made by the first process). A file
+of kind ``"state"`` (metadata ``kind``; absent: ``"kv"``) holds instead a hybrid model's
+recurrent state after the block (``state.{layer}.{i}``: one state array's row as raw
 bytes, last axis times the itemsize), keyed apart from the block's KV (``disk_offload.py``).
 
 Never wrong: a file is used only if everything in it agrees (format, version, key, model digest,
@@ -25,10 +26,10 @@ it is a regular file no larger than a block can be (``max_file_bytes``), and its
 header is checked against its length before anything is taken from it
 (``platform/outside_files.py``). Files are written atomically
 (``platform/atomic_file.py``): a reader never sees half a file, and two processes writing the
-same block write the same bytes. A folder that cannot be created or written, or a full disk,
-turns the tier off with one warning; serving goes on without it. A write that fails (a full
-disk, a directory planted under a block's name) skips that block and pauses writing for a while
-(``WRITE_RETRY_S``, doubling while failures repeat): the tier stays on, reads go on.
+same block write the same bytes. A folder that cannot be created or written, or that
+disappears, turns the tier off with one warning; serving goes on without it. A write that fails
+(a full disk, a directory planted under a block's name) skips that block and pauses writing for
+a while (``WRITE_RETRY_S``, doubling while failures repeat): the tier stays on, reads go on.
 
 Budgets: ``budget_bytes`` on disk (least recently used files go first: a read refreshes a file's
 time), and ``write_bytes_per_hour`` over any sliding hour, so that a busy server does not wear

@@ -112,6 +112,9 @@ def test_a_tool_result_turn_continues_the_conversation(client):
     ]
     reply = create_message(client, messages=messages, tools=ANTHROPIC_TOOLS, max_tokens=4)
     assert reply.stop_reason in ("end_turn", "max_tokens")
+    # The SDK's tool runner: a later turn sends the history (and its thread) without the tools.
+    runner_turn = create_message(client, messages=messages, max_tokens=2, extra_body={"thread": {"id": "t"}})
+    assert runner_turn.stop_reason in ("end_turn", "max_tokens")
     assert reply.usage.input_tokens > first.usage.input_tokens
     failed = [{**messages[2], "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "timeout", "is_error": True}]}]
     assert create_message(client, messages=[*messages[:2], *failed], tools=ANTHROPIC_TOOLS, max_tokens=2).usage.output_tokens == 2

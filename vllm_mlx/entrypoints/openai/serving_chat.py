@@ -100,7 +100,8 @@ class ChatServing(OpenAIServing):
             return self._chunks(req, request_id, top_k, parser, first, rest)
         [final] = await self.collect(streams, raw_request)
         choices = [self._choice(c, parser, top_k) for c in final.outputs]
-        return ChatCompletionResponse(id=request_id, model=self.served_name(req.model), choices=choices, usage=self.usage([final]))
+        model = self.served_name(req.model)
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=self.usage([final]))
 
     async def render(self, req: ChatCompletionRequest) -> tuple[ToolPlan, list[int] | PreparedPrompt]:
         """The request's tool plan and its prompt exactly as the engine gets it (template with

@@ -9,7 +9,7 @@ call of the named tool with valid arguments, an agent run that ends), not the qu
 
     pip install openai anthropic openai-agents instructor "pydantic-ai-slim[openai,anthropic]" \\
         langchain-openai langchain-anthropic
-    python bench/client_libraries.py [--port 8765] [--only NAME ...]
+    python bench/client_libraries.py [--port 8765] [--only NAME ...] [--model NAME]
 
 Prints one line per scenario (PASS, FAIL with the reason, SKIP) and exits 1 if any failed.
 """
@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pydantic import BaseModel, Field
 
 MODEL = "default"
+"""The name requests give (``--model``: an older server knows only the served model's own name)."""
 QUESTION = "What is the capital of France? Answer in JSON."
 
 
@@ -198,7 +199,7 @@ SCENARIOS: dict[str, tuple[str, Callable[[str], str]]] = {
 
 def start_server(port: int) -> subprocess.Popen:
     server = subprocess.Popen(
-        [sys.executable, "-m", "vllm_mlx.entrypoints.cli", "serve", MODEL, "--host", "127.0.0.1", "--port", str(port)],
+        [sys.executable, "-m", "vllm_mlx.entrypoints.cli", "serve", "default", "--host", "127.0.0.1", "--port", str(port)],
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     deadline = time.monotonic() + 600
@@ -218,7 +219,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--only", nargs="*", help="run only these scenarios (names as printed)")
+    parser.add_argument("--model", default=MODEL, help="the model name requests give (default: %(default)s)")
     args = parser.parse_args()
+    globals()["MODEL"] = args.model
     server = start_server(args.port)
     base, failed = f"http://127.0.0.1:{args.port}", 0
     try:

@@ -113,22 +113,21 @@ def anthropic_tools(base: str) -> str:
 
 
 def langchain_openai(base: str) -> str:
-    from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
 
-    chat = ChatOpenAI(model=MODEL, base_url=base + "/v1", api_key="none", max_tokens=48, temperature=0)
-    parsed = chat.with_structured_output(Capital, method="json_schema").invoke(QUESTION)
-    assert isinstance(parsed, Capital), parsed
-    calls = chat.bind_tools([tool(get_weather)], tool_choice="any").invoke("Weather in Paris?").tool_calls
-    assert calls and calls[0]["name"] == "get_weather" and "city" in calls[0]["args"], calls
-    return f"{parsed!r}; {calls[0]['name']}({calls[0]['args']})"
+    return _langchain(ChatOpenAI(model=MODEL, base_url=base + "/v1", api_key="none", max_tokens=48, temperature=0))
 
 
 def langchain_anthropic(base: str) -> str:
     from langchain_anthropic import ChatAnthropic
+
+    return _langchain(ChatAnthropic(model=MODEL, base_url=base, api_key="none", max_tokens=48, temperature=0))
+
+
+def _langchain(chat) -> str:
+    """A LangChain chat model's structured output (JSON schema) and forced tool call."""
     from langchain_core.tools import tool
 
-    chat = ChatAnthropic(model=MODEL, base_url=base, api_key="none", max_tokens=48, temperature=0)
     parsed = chat.with_structured_output(Capital, method="json_schema").invoke(QUESTION)
     assert isinstance(parsed, Capital), parsed
     calls = chat.bind_tools([tool(get_weather)], tool_choice="any").invoke("Weather in Paris?").tool_calls

@@ -90,7 +90,13 @@ def installed_by(extra: str) -> frozenset[str]:
 def distributions_of(package: str) -> frozenset[str]:
     """The installed distributions providing a top-level import name (empty: the standard library
     or not installed)."""
-    return frozenset(canonicalize_name(d) for d in metadata.packages_distributions().get(package, ()))
+    return frozenset(canonicalize_name(d) for d in top_level_packages().get(package, ()))
+
+
+@cache
+def top_level_packages() -> dict[str, list[str]]:
+    """Import name -> the distributions providing it (read once: it scans every installed one)."""
+    return metadata.packages_distributions()
 
 
 def _catches_import_error(node: ast.Try) -> bool:
@@ -196,7 +202,7 @@ def hidden_packages(extra: str) -> list[str]:
     installed = installed_by(extra)
     return sorted(
         package
-        for package, dists in metadata.packages_distributions().items()
+        for package, dists in top_level_packages().items()
         if package.isidentifier() and package.partition(".")[0] not in PACKAGES
         and not {canonicalize_name(d) for d in dists} & installed
     )

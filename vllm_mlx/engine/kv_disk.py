@@ -118,14 +118,6 @@ class BlockBytes:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
 
-    def mac(self, secret: bytes, metadata: dict[str, str]) -> str:
-        """HMAC-SHA256 under ``secret`` of the file's metadata (its ``mac`` left out) and this
-        block's checksum: what a file must carry to be served."""
-        signed = {name: value for name, value in metadata.items() if name != "mac"}
-        signed["checksum"] = self.checksum()
-        message = json.dumps(signed, sort_keys=True).encode()
-        return hmac.new(secret, message, hashlib.sha256).hexdigest()
-
     def checksum(self) -> str:
         digest = hashlib.sha256()
         for name in sorted(self.arrays):
@@ -355,7 +347,7 @@ class DiskTier:
             "block_size": str(self.identity.block_size), "token_ids": json.dumps(list(block.token_ids)),
             "dtypes": json.dumps(block.dtypes, sort_keys=True), "checksum": block.checksum(), "kind": block.kind,
         }  # fmt: skip
-        metadata["mac"] = block.mac(self._secret, metadata)
+        metadata["mac"] = _mac(self._secret, metadata)
         arrays = {name: np.ascontiguousarray(a) for name, a in block.arrays.items()}
         path = self.path_of(block.key)
 
@@ -439,10 +431,10 @@ class DiskTier:
         shapes_ok = shapes_ok and all(a.dtype == np.uint8 for a in arrays.values())
         if not arrays or set(dtypes) != set(arrays) or not shapes_ok:
             return None
+        if not hmac.compare_digest(_mac(self._secret, metadata), metadata.get("mac", "")):
+            return None  # forged (or written under another key): its arrays are not even hashed
         block = BlockBytes(key, tuple(tokens), arrays, dtypes, kind)
-        if block.checksum() != metadata.get("checksum"):
-            return None
-        return block if hmac.compare_digest(block.mac(self._secret, metadata), metadata.get("mac", "")) else None
+        return block if block.checksum() == metadata.get("checksum") else None
 
     # ---- the folder --------------------------------------------------------------------------
 
@@ -491,6 +483,14 @@ class DiskTier:
         with self._lock:
             self._stats.bytes_on_disk, self._stats.num_files = total, len(files) - evicted
             self._stats.files_evicted += evicted
+
+
+def _mac(secret: bytes, metadata: dict[str, str]) -> str:
+    """HMAC-SHA256 under ``secret`` of a file's metadata, its ``mac`` left out: what a file must
+    carry to be served. The metadata holds the arrays' checksum, which the reader checks against
+    the arrays, so the MAC binds them too."""
+    signed = {name: value for name, value in metadata.items() if name != "mac"}
+    return hmac.new(secret, json.dumps(signed, sort_keys=True).encode(), hashlib.sha256).hexdigest()
 
 
 def _read_block_file(path: Path, max_bytes: int) -> tuple[dict[str, str], dict[str, np.ndarray]]:

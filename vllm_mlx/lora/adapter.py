@@ -113,7 +113,9 @@ class AdapterFiles:
     @property
     def digest(self) -> str:
         """SHA-256 of the config and the weights, as read."""
-        return hashlib.sha256(self.config + self.weights).hexdigest()
+        digest = hashlib.sha256(self.config)
+        digest.update(self.weights)  # not ``config + weights``: that would copy the weights
+        return digest.hexdigest()
 
 
 def read_adapter_files(

@@ -24,7 +24,6 @@ import dataclasses
 import hashlib
 import io
 import os
-import stat
 import struct
 import urllib.parse
 import urllib.request
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING, Union
 from vllm_mlx.core.canonical import canonical_bytes
 from vllm_mlx.multimodal.media_policy import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, UNAVAILABLE, MediaPolicy
 from vllm_mlx.platform.errors import ImageInputError
+from vllm_mlx.platform.outside_files import FileTooLarge, OutsideFileError, read_regular_file
 
 if TYPE_CHECKING:
     from PIL import Image as PILImage
@@ -149,39 +149,16 @@ def _file_url_path(url: str, name: str) -> str:
 
 
 def _read_file(path: str, max_bytes: int, name: str) -> bytes:
-    """The bytes of the regular file at ``path`` (already resolved by the policy).
-
-    Opened non-blocking and without following a symlink swapped in since it was resolved, and
-    checked with ``fstat`` before any read: a FIFO, a device or a directory is refused at once.
-    Missing, not regular and unreadable all read the same (``_NOT_READABLE``).
-    """
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    """The bytes of the regular file at ``path`` (already resolved by the policy), read as every
+    file from outside is (``platform/outside_files.py``), without following a symlink swapped in
+    since it was resolved: a FIFO, a device or a directory is refused at once. Missing, not
+    regular, changed while read and unreadable all read the same (``_NOT_READABLE``)."""
     try:
-        fd = os.open(path, flags)
-    except OSError:
+        return read_regular_file(path, max_bytes, follow_links=False)
+    except FileTooLarge as exc:
+        raise ImageInputError(f"{name}: {exc.size} bytes exceed the {max_bytes}-byte limit") from None
+    except (OSError, OutsideFileError):
         raise ImageInputError(f"{name}: {_NOT_READABLE}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ImageInputError(f"{name}: {_NOT_READABLE}")
-        if info.st_size > max_bytes:
-            raise ImageInputError(f"{name}: {info.st_size} bytes exceed the {max_bytes}-byte limit")
-        data = _read_at_most(fd, max_bytes + 1)  # the file may grow after fstat
-    except OSError:
-        raise ImageInputError(f"{name}: {_NOT_READABLE}") from None
-    finally:
-        os.close(fd)
-    if len(data) > max_bytes:
-        raise ImageInputError(f"{name}: more than {max_bytes} bytes")
-    return data
-
-
-def _read_at_most(fd: int, limit: int) -> bytes:
-    chunks, total = [], 0
-    while total < limit and (chunk := os.read(fd, min(1 << 20, limit - total))):
-        chunks.append(chunk)
-        total += len(chunk)
-    return b"".join(chunks)
 
 
 def _decode_data_url(url: str, max_bytes: int, name: str) -> bytes:

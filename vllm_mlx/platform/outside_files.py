@@ -1,4 +1,5 @@
-"""Files from outside the process (adapters, KV disk blocks), read whole and checked before use.
+"""Files from outside the process (adapters, KV disk blocks, prefix files, local images), read
+whole and checked before use.
 
 The rule (docs/architecture.md, "Files from outside"): a regular file only (a FIFO, a device or a
 directory planted under the name is refused at once, never waited on), its size checked against
@@ -30,17 +31,29 @@ class OutsideFileError(ValueError):
     or a header that disagrees with its length. The message names the file."""
 
 
-def read_regular_file(path: str | Path, max_bytes: int) -> bytes:
-    """The whole content of the regular file at ``path`` (links followed), if it holds at most
-    ``max_bytes``. Opened without blocking, so a FIFO is refused, not waited on.
+class FileTooLarge(OutsideFileError):
+    """A regular file larger than its reader accepts (``size`` bytes, at most ``limit``)."""
+
+    def __init__(self, path, size: int, limit: int) -> None:
+        super().__init__(f"{path} holds {size} bytes; at most {limit} are accepted here")
+        self.size, self.limit = size, limit
+
+
+def read_regular_file(path: str | Path, max_bytes: int, follow_links: bool = True) -> bytes:
+    """The whole content of the regular file at ``path``, if it holds at most ``max_bytes``.
+    Opened without blocking, so a FIFO is refused, not waited on; ``follow_links=False``: a
+    symlink at ``path`` (swapped in after the caller resolved it) is refused too.
 
     Raises:
-        FileNotFoundError: Nothing is there.
-        OutsideFileError: Not a regular file, larger than ``max_bytes``, or it changed size
-            while it was read.
+        FileNotFoundError: Nothing is there (an ``OSError``, as any other failure to open).
+        FileTooLarge: Larger than ``max_bytes``, before a byte is read.
+        OutsideFileError: Not a regular file, or it changed size while it was read.
     """
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    if not follow_links:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, flags)
     except IsADirectoryError:
         raise OutsideFileError(f"{path} is a directory, not a file") from None
     try:
@@ -48,7 +61,7 @@ def read_regular_file(path: str | Path, max_bytes: int) -> bytes:
         if not stat.S_ISREG(info.st_mode):
             raise OutsideFileError(f"{path} is not a regular file")
         if info.st_size > max_bytes:
-            raise OutsideFileError(f"{path} holds {info.st_size} bytes; at most {max_bytes} are accepted here")
+            raise FileTooLarge(path, info.st_size, max_bytes)
         chunks, left = [], info.st_size
         while left > 0:
             chunk = os.read(fd, min(left, 16 << 20))

@@ -49,12 +49,14 @@ def engine(tiny_model_dir):
 
 
 @contextmanager
-def server(engine, stall_timeout: float | None):
+def server(engine, stall_timeout: float | None, send_buffer: int | None = SMALL_BUFFER):
     """The app on 127.0.0.1 with ``--stream-stall-timeout stall_timeout``; its connections get a
-    small send buffer (accepted sockets inherit the listening socket's)."""
+    send buffer of ``send_buffer`` bytes (accepted sockets inherit the listening socket's; None:
+    the kernel's, autotuned up to megabytes)."""
     options = ServingOptions(stream_stall_timeout=stall_timeout)
     live = LiveServer(build_app(engine, served_model_name="tiny", options=options))
-    live.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SMALL_BUFFER)
+    if send_buffer is not None:
+        live.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     try:
         yield live.url
     finally:
@@ -127,6 +129,56 @@ def test_the_stall_timeout_aborts_the_request_and_the_engine_serves_others(engin
     assert status == 200 and received.startswith(b"data: {")
     assert not complete and b"[DONE]" not in received
     assert idle(engine)
+
+
+def test_a_stall_the_kernel_buffers_absorb_is_aborted_too(engine):
+    """Default buffers on both sides: the server's send buffer absorbs megabytes, so its sends
+    never block while the client reads nothing (before, the request ran to ``max_tokens``). The
+    client's closed window (bytes waiting, none taken: ``delivery.py``) is the stall."""
+    with server(engine, stall_timeout=0.5, send_buffer=None) as url:
+        start = scheduler(engine)["steps"]
+        client = raw_request(url, "/v1/completions", STALLED)
+        try:
+            wait_for(lambda: scheduler(engine)["running"] == N, "the request running")
+            wait_for(lambda: idle(engine), "the abort of the stalled request")
+            assert scheduler(engine)["steps"] - start < MAX_TOKENS // 2
+        finally:
+            client.close()
+
+
+def test_the_kernel_says_whether_a_client_takes_what_is_written():
+    """``read_delivery`` on a real loopback connection: bytes wait and none are taken while the
+    peer reads nothing (its window closed); taken moves once it reads; ``StallClock`` counts the
+    first and not the second."""
+    from vllm_mlx.entrypoints.openai.delivery import StallClock, read_delivery
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        reader = socket.socket()
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SMALL_BUFFER)
+        reader.connect(listener.getsockname())
+        writer, _ = listener.accept()
+        with reader, writer:
+            writer.setblocking(False)
+            assert read_delivery(writer).waiting == 0
+            deadline = time.monotonic() + TIMEOUT
+            while True:  # write until bytes wait and the count taken stays put: the window is closed
+                try:
+                    writer.send(b"x" * 4096)
+                except BlockingIOError:
+                    pass
+                before = read_delivery(writer)
+                time.sleep(0.05)
+                closed = read_delivery(writer)
+                if closed.waiting > 0 and closed.taken == before.taken:
+                    break
+                assert time.monotonic() < deadline, "the reader's window never closed"
+            clock = StallClock(timeout_s=5.0)
+            assert not clock.observe(closed, 0.0)  # nothing to compare with yet
+            assert not clock.observe(read_delivery(writer), 1.0)  # stalled since 1.0
+            assert clock.observe(read_delivery(writer), 6.0)
+            reader.recv(1 << 20)
+            wait_for(lambda: read_delivery(writer).taken > closed.taken, "the reader's bytes taken")
+            assert not clock.observe(read_delivery(writer), 7.0)
 
 
 def test_the_stall_timeout_flag(capsys):

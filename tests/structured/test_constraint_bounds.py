@@ -326,7 +326,7 @@ def test_compiles_run_at_most_max_workers_at_once_and_the_workers_end_with_the_e
     for thread in threads:
         thread.join(120)
     assert warm_compiler.stats()["misses"] == 8 and most == 1
-    [worker] = [w for w in list(guard._idle.queue) if w is not None]
+    [worker] = guard.workers.started()
     warm_compiler.close()
     assert worker.process.wait(10) is not None
 

@@ -16,11 +16,12 @@ import json
 import logging
 from dataclasses import dataclass, field
 
+from vllm_mlx.engine.template_guard import ChatTemplateError, template_guard
 from vllm_mlx.multimodal.images import ImageSource
 from vllm_mlx.tool_parsers.tool_prompt import FALLBACK_PARSER, renders_tools, with_tools_in_messages, written_out
 
-__all__ = ["ChatPrompt", "split_chat_images", "template_renders_tools", "template_text", "template_token_ids",
-           "tool_parser_for"]  # fmt: skip
+__all__ = ["ChatPrompt", "ChatTemplateError", "split_chat_images", "template_renders_tools", "template_text",
+           "template_token_ids", "tool_parser_for"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 _TOLD: set[str] = set()  # templates whose tools fallback was logged
@@ -77,29 +78,25 @@ def _template_part(part: dict, images: list[ImageSource]) -> dict:
 def template_token_ids(
     tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
 ) -> list[int]:
-    """``messages`` under ``tokenizer``'s chat template, as a list of int token ids (some
-    tokenizers return a ``BatchEncoding`` rather than a list). ``tools``: OpenAI function tools,
-    which templates that know tools render into the prompt (for one that does not, they go into
-    the system message: ``tool_parsers/tool_prompt.py``)."""
-    messages, tools = _template_inputs(tokenizer, messages, tools)
-    extra = {"tools": tools} if tools else {}
-    ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra
-    )
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
+    """``messages`` under ``tokenizer``'s chat template, as a list of int token ids: the ids of
+    ``template_text`` (as transformers and mlx-lm tokenize a rendered template). ``tools``: OpenAI
+    function tools, which templates that know tools render into the prompt (for one that does
+    not, they go into the system message: ``tool_parsers/tool_prompt.py``)."""
+    text = template_text(tokenizer, messages, add_generation_prompt, tools)
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
 
 
 def template_text(
     tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
 ) -> str:
-    """The prompt ``template_token_ids`` tokenizes, as text (special tokens written out): its
-    token ids are ``tokenizer.encode(text, add_special_tokens=False)``, as transformers and
-    mlx-lm tokenize a rendered template."""
+    """The prompt ``template_token_ids`` tokenizes, as text (special tokens written out),
+    rendered in a time- and memory-limited worker (``template_guard.py``).
+
+    Raises:
+        ChatTemplateError: The template refused the messages, or overran its time or memory.
+    """
     messages, tools = _template_inputs(tokenizer, messages, tools)
-    extra = {"tools": tools} if tools else {}
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra)
+    return template_guard().render(tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools)
 
 
 def template_renders_tools(tokenizer) -> bool:
@@ -107,8 +104,7 @@ def template_renders_tools(tokenizer) -> bool:
     template = getattr(tokenizer, "chat_template", None)
 
     def render(messages: list[dict], tools: list[dict] | None) -> str:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                             **({"tools": tools} if tools else {}))  # fmt: skip
+        return template_guard().render(tokenizer, messages, add_generation_prompt=True, tools=tools)
 
     return renders_tools(str(template) if template else None, render)
 

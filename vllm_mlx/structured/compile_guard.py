@@ -17,15 +17,11 @@ start it (Python, llguidance and the tokenizer). Cache hits never reach the guar
 from __future__ import annotations
 
 import contextlib
-import json
-import logging
-import queue
-import selectors
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from vllm_mlx.platform.worker_pool import WorkerCrashed, WorkerFailed, WorkerPool, WorkerTimeout
 
 DEFAULT_MEMORY_BYTES = 1 << 30
 """Memory one worker may add while compiling (``maxItems: 10000`` needs ~10 MB)."""
@@ -33,50 +29,12 @@ DEFAULT_TIMEOUT_S = 20.0
 """Seconds one worker compile may take (``maxItems: 10000`` takes ~70 ms)."""
 DEFAULT_MAX_WORKERS = 2
 
-WORKER_SCRIPT = Path(__file__).with_name("compile_worker.py")
+WORKER_HANDLER = Path(__file__).with_name("compile_worker.py")
 
-logger = logging.getLogger(__name__)
 
 
 class CompileRefused(ValueError):
     """The worker ran out of memory or time on a grammar: compiling it here would hurt the server."""
-
-
-class _Worker:
-    """One worker process, its pipes and the read buffer of its replies."""
-
-    def __init__(self, setup: str, start_timeout_s: float) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-I", str(WORKER_SCRIPT)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        )  # fmt: skip
-        self.process.stdin.write(setup + "\n")
-        self.process.stdin.flush()
-        self.read_reply(start_timeout_s)
-
-    def check(self, grammar: str, timeout_s: float) -> str | None:
-        """llguidance's error for ``grammar``, or None when it compiled."""
-        self.process.stdin.write(json.dumps({"grammar": grammar}) + "\n")
-        self.process.stdin.flush()
-        return self.read_reply(timeout_s)["error"]
-
-    def read_reply(self, timeout_s: float) -> dict:
-        """The next reply line; ``TimeoutError`` or ``EOFError`` (the worker died)."""
-        with selectors.DefaultSelector() as selector:
-            selector.register(self.process.stdout, selectors.EVENT_READ)
-            if not selector.select(timeout_s):
-                raise TimeoutError
-        line = self.process.stdout.readline()  # the worker writes whole lines, flushed
-        if not line:
-            raise EOFError
-        return json.loads(line)
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.wait()
-        for pipe in (self.process.stdin, self.process.stdout):
-            with contextlib.suppress(OSError):
-                pipe.close()
 
 
 class CompileGuard:
@@ -99,13 +57,10 @@ class CompileGuard:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         max_workers: int = DEFAULT_MAX_WORKERS,
     ) -> None:
-        self._setup = json.dumps({"tokenizer": tokenizer_json, "eos": eos_token_ids, "memory_bytes": memory_bytes})
+        setup = {"tokenizer": tokenizer_json, "eos": eos_token_ids, "memory_bytes": memory_bytes}
         self.memory_bytes = memory_bytes
         self.timeout_s = timeout_s
-        self._idle: queue.LifoQueue[_Worker | None] = queue.LifoQueue()
-        self.max_workers = max_workers
-        for _ in range(max_workers):
-            self._idle.put(None)  # a slot whose worker is not started yet
+        self.workers = WorkerPool(WORKER_HANDLER, setup, max_workers=max_workers, start_timeout_s=max(60.0, timeout_s))
 
     @contextlib.contextmanager
     def checked(self, grammar: str) -> Iterator[str | None]:
@@ -116,42 +71,24 @@ class CompileGuard:
         Raises:
             CompileRefused: The worker ran out of memory or time (it is replaced).
         """
-        worker = self._idle.get()
-        try:
-            if worker is None:
-                try:
-                    worker = _Worker(self._setup, start_timeout_s=max(60.0, self.timeout_s))
-                except (TimeoutError, EOFError, OSError) as exc:
-                    raise RuntimeError("the structured-output compile worker did not start") from exc
+        with self.workers.worker() as worker:
             started = time.monotonic()
             try:
-                error = worker.check(grammar, self.timeout_s)
-            except TimeoutError:
-                worker.kill()
-                worker = None
+                error = worker.ask({"grammar": grammar}, self.timeout_s)["error"]
+            except WorkerTimeout:
                 raise CompileRefused(
                     f"compiling it took longer than {self.timeout_s:g} s; the compile was stopped"
                 ) from None
-            except (EOFError, OSError):  # the worker died: an allocation over its cap aborts it
-                worker.kill()
-                worker = None
+            except WorkerCrashed:  # an allocation over its cap aborts it
                 elapsed = time.monotonic() - started
                 raise CompileRefused(
                     f"compiling it needed more than {self.memory_bytes >> 20} MiB of memory, or crashed "
                     f"(the compile worker died after {elapsed:.1f} s)"
                 ) from None
+            except WorkerFailed as exc:  # e.g. a Python MemoryError under the cap
+                raise CompileRefused(f"compiling it failed in the compile worker ({exc})") from None
             yield error
-        finally:
-            self._idle.put(worker)
 
     def close(self) -> None:
-        """Stop the idle workers (a later compile starts new ones). A worker also exits by itself
-        when this process does (its input ends)."""
-        workers = []
-        with contextlib.suppress(queue.Empty):
-            while len(workers) < self.max_workers:
-                workers.append(self._idle.get_nowait())
-        for worker in workers:
-            if worker is not None:
-                worker.kill()
-            self._idle.put(None)
+        """Stop the idle workers (a later compile starts new ones)."""
+        self.workers.close()

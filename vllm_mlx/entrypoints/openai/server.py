@@ -36,6 +36,7 @@ from vllm_mlx.core.sched.observation import RequestView
 from vllm_mlx.core.snapshot import CacheSnapshot
 from vllm_mlx.distributed.watchdog import RankLostError
 from vllm_mlx.engine.async_engine import AsyncEngineCore, EngineDeadError
+from vllm_mlx.engine.template_guard import template_guard
 from vllm_mlx.entrypoints.anthropic.protocol import MessagesInput, MessagesRequest, error_body, is_messages_path
 from vllm_mlx.entrypoints.anthropic.serving import AnthropicServing
 from vllm_mlx.entrypoints.openai.cache_blocks import block_view
@@ -66,7 +67,7 @@ from vllm_mlx.entrypoints.openai.serving_chat import ChatServing
 from vllm_mlx.entrypoints.openai.serving_completion import CompletionServing
 from vllm_mlx.entrypoints.openai.serving_responses import ResponsesServing
 from vllm_mlx.entrypoints.openai.serving_tokenize import TokenizeServing
-from vllm_mlx.entrypoints.openai.sse_response import SSEResponse
+from vllm_mlx.entrypoints.openai.sse_response import TRANSPORT_SCOPE_KEY, SSEResponse
 from vllm_mlx.entrypoints.openai.tokenize_pool import TokenizePool
 from vllm_mlx.entrypoints.request_model import UNENCODABLE
 from vllm_mlx.lora.request import LoRARequest
@@ -74,6 +75,19 @@ from vllm_mlx.multimodal.media_policy import MediaPolicy
 from vllm_mlx.platform.cpu_backend import backend_summary, warn_reference_blas
 
 logger = logging.getLogger(__name__)
+
+
+class _ServerApp(FastAPI):
+    """FastAPI, with each request's asyncio transport in its scope (``TRANSPORT_SCOPE_KEY``), where
+    a stream's stall check reads its socket (``sse_response.py``). Under uvicorn, the ``send`` an
+    app gets is a method of the request's cycle, which holds the connection's transport; under
+    another server the key is absent, and only a blocked ``send`` counts as a stall."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        transport = getattr(getattr(send, "__self__", None), "transport", None)
+        if transport is not None and scope["type"] == "http":
+            scope[TRANSPORT_SCOPE_KEY] = transport
+        await super().__call__(scope, receive, send)
 
 
 def build_app(
@@ -110,12 +124,14 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        if getattr(info.tokenizer, "chat_template", None):  # the first chat request need not start it
+            pool.executor.submit(template_guard().warm, info.tokenizer)
         yield
         pool.shutdown()
         if owns_engine:  # here, not after uvicorn returns: it re-raises SIGTERM/SIGINT on exit
             await run_in_threadpool(engine.stop)
 
-    app = FastAPI(title="vllm-mlx", version=__version__, lifespan=lifespan)
+    app = _ServerApp(title="vllm-mlx", version=__version__, lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.model_name = engine, metrics, name
     _add_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)

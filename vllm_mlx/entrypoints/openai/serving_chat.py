@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from vllm_mlx.core.request import CompletionOutput
 from vllm_mlx.engine.chat import ChatPrompt, split_chat_images, template_text, tool_parser_for
 from vllm_mlx.engine.input_processor import PreparedPrompt
+from vllm_mlx.engine.template_guard import TemplateOverrun
 from vllm_mlx.entrypoints.openai.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -176,6 +177,9 @@ class ChatServing(OpenAIServing):
             raise OpenAIError(400, "This model has no chat template; use /v1/completions.", param="messages")
         try:
             text = template_text(self.tokenizer, messages, add_generation_prompt, tools)
+        except TemplateOverrun as exc:  # the template ran out of time or memory on these messages
+            message = f"The chat template could not render the messages: {exc}"
+            raise OpenAIError(400, message, param="messages") from None
         except Exception as exc:  # a template that rejects the conversation (e.g. role order)
             raise OpenAIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
         self.check_text_fits(text, param="messages")

@@ -45,6 +45,7 @@ EXTRA_OF_MODULE = {
     # The serve command's flags are the CLI's (`vllm-mlx --help` lists them): no server package.
     "vllm_mlx.entrypoints.openai.cli_args": CORE,
     "vllm_mlx.multimodal.vlm_families": "vlm",
+    "vllm_mlx.multimodal.vlm_generic": "vlm",
     "vllm_mlx.multimodal.vlm_models": "vlm",
     "vllm_mlx.plugin": "vllm",
     "vllm_mlx.vllm_platform": "vllm",  # the seed's faces of the plugin

@@ -824,8 +824,19 @@ MISTRAL3_VISION_CONFIG = {
 def build_tiny_mistral3(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
     """A tiny random-weight Mistral 3 VLM directory (Pixtral tower at the image's resolution,
     2x2 patch merger, a mistral text model). ``tokenizer_dir`` as in :func:`build_tiny_qwen2_vl`."""
-    from mlx_vlm.models import mistral3
+    return _build_pixtral_layout(out_dir, tokenizer_dir, seed, "mistral3", merge=2)
 
+
+def build_tiny_pixtral(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
+    """A tiny random-weight Pixtral directory: Mistral 3's tower and prompt layout, one token
+    per patch (no merger) and a two-layer projector."""
+    return _build_pixtral_layout(out_dir, tokenizer_dir, seed, "pixtral", merge=1)
+
+
+def _build_pixtral_layout(out_dir: Path, tokenizer_dir: Path | None, seed: int, model_type: str, merge: int) -> Path:
+    import importlib
+
+    family = importlib.import_module(f"mlx_vlm.models.{model_type}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = _make_tokenizer(tokenizer_dir, MISTRAL3_SPECIAL_TOKENS)
@@ -833,18 +844,17 @@ def build_tiny_mistral3(out_dir: Path, tokenizer_dir: Path | None = None, *, see
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     vision = dict(MISTRAL3_VISION_CONFIG)
     config = {
-        "model_type": "mistral3",
-        "architectures": ["Mistral3ForConditionalGeneration"],
+        "model_type": model_type,
+        "architectures": [f"{'Mistral3' if model_type == 'mistral3' else 'Llava'}ForConditionalGeneration"],
         "text_config": {**MISTRAL3_TEXT_CONFIG, "vocab_size": vocab_size},
         "vision_config": vision,
         "vocab_size": vocab_size,
-        "spatial_merge_size": 2,
         "image_token_index": ids["[IMG]"],
         "vision_feature_layer": -1,
-        "multimodal_projector_bias": False,
         "eos_token_id": ids["</s>"],
+        **({"spatial_merge_size": merge, "multimodal_projector_bias": False} if merge > 1 else {}),
     }
-    model = _instantiate(mistral3, config, seed)
+    model = _instantiate(family, config, seed)
     _save_weights(model, out_dir / "model.safetensors")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     max_length = MISTRAL3_TEXT_CONFIG["max_position_embeddings"]
@@ -871,7 +881,7 @@ def build_tiny_mistral3(out_dir: Path, tokenizer_dir: Path | None = None, *, see
         "image_break_token": "[IMG_BREAK]",
         "image_end_token": "[IMG_END]",
         "patch_size": patch,
-        "spatial_merge_size": 2,
+        "spatial_merge_size": merge,
     }
     (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
     return out_dir
@@ -933,17 +943,28 @@ SMOLVLM_VISION_CONFIG = {
 def build_tiny_smolvlm(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
     """A tiny random-weight SmolVLM directory (tiles + global view, pixel-shuffle connector,
     llama text model). ``tokenizer_dir`` as in :func:`build_tiny_qwen2_vl`."""
-    from mlx_vlm.models import smolvlm
+    return _build_idefics3_layout(out_dir, tokenizer_dir, seed, "smolvlm", "SmolVLM")
 
+
+def build_tiny_idefics3(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
+    """A tiny random-weight Idefics3 directory: SmolVLM's layout under Idefics3's own names
+    (mlx-vlm's ``idefics3`` package and transformers' Idefics3 processor)."""
+    return _build_idefics3_layout(out_dir, tokenizer_dir, seed, "idefics3", "Idefics3")
+
+
+def _build_idefics3_layout(out_dir: Path, tokenizer_dir: Path | None, seed: int, model_type: str, name: str) -> Path:
+    import importlib
+
+    family = importlib.import_module(f"mlx_vlm.models.{model_type}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = _make_tokenizer(tokenizer_dir, SMOLVLM_SPECIAL_TOKENS)
     ids = {t: tok.token_to_id(t) for t in SMOLVLM_SPECIAL_TOKENS}
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
-    vision = dict(SMOLVLM_VISION_CONFIG)
+    vision = {**SMOLVLM_VISION_CONFIG, "model_type": f"{model_type}_vision"}
     config = {
-        "model_type": "smolvlm",
-        "architectures": ["SmolVLMForConditionalGeneration"],
+        "model_type": model_type,
+        "architectures": [f"{name}ForConditionalGeneration"],
         "text_config": {**SMOLVLM_TEXT_CONFIG, "vocab_size": vocab_size},
         "vision_config": vision,
         "vocab_size": vocab_size,
@@ -951,15 +972,15 @@ def build_tiny_smolvlm(out_dir: Path, tokenizer_dir: Path | None = None, *, seed
         "image_token_id": ids["<image>"],
         "eos_token_id": ids["<end_of_utterance>"],
     }
-    model = _instantiate(smolvlm, config, seed)
+    model = _instantiate(family, config, seed)
     _save_weights(model, out_dir / "model.safetensors")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     max_length = SMOLVLM_TEXT_CONFIG["max_position_embeddings"]
     _save_tokenizer(out_dir, tok, "<end_of_utterance>", "<pad>", max_length, SMOLVLM_CHAT_TEMPLATE)
     tile = vision["image_size"]
     preprocessor = {
-        "image_processor_type": "SmolVLMImageProcessor",
-        "processor_class": "SmolVLMProcessor",
+        "image_processor_type": f"{name}ImageProcessor",
+        "processor_class": f"{name}Processor",
         "do_convert_rgb": True,
         "do_resize": True,
         "size": {"longest_edge": 2 * tile},
@@ -975,6 +996,6 @@ def build_tiny_smolvlm(out_dir: Path, tokenizer_dir: Path | None = None, *, seed
     }
     (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
     tokens_per_tile = (tile // vision["patch_size"]) ** 2 // config["scale_factor"] ** 2
-    processor_config = {"processor_class": "SmolVLMProcessor", "image_seq_len": tokens_per_tile}
+    processor_config = {"processor_class": f"{name}Processor", "image_seq_len": tokens_per_tile}
     (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
     return out_dir

@@ -288,16 +288,17 @@ def test_placeholder_count_must_match_the_images(qwen):
         qwen.add_request(f"{pad}{pad}One image only.", GREEDY, images=[picture(0)])
 
 
-def test_unsupported_vision_architectures_are_refused_at_load(tiny_qwen2_vl_dir, tmp_path):
-    import shutil
+def test_what_the_generic_path_cannot_drive_is_refused_at_load_with_what_it_needs(tiny_qwen2_vl_dir):
+    """Qwen2-VL through the generic adapter (not its family hook): its embeddings come with
+    multi-axis positions the text model needs, and the check at load says so."""
+    from mlx_vlm.utils import load_model, load_processor
 
-    other = tmp_path / "other-vlm"
-    shutil.copytree(tiny_qwen2_vl_dir, other)
-    config = json.loads((other / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**config, "model_type": "idefics3"}))
-    supported = "gemma3, llava, mistral3, qwen2_5_vl, qwen2_vl, qwen3_5, qwen3_5_moe, qwen3_vl, qwen3_vl_moe, smolvlm"
-    with pytest.raises(UnsupportedModelError, match=rf"idefics3.*\(supported: {supported}\)"):
-        EngineCore(model=str(other))
+    from vllm_mlx.multimodal.vlm_generic import GenericVisionModel
+
+    config = json.loads((tiny_qwen2_vl_dir / "config.json").read_text())
+    model, processor = load_model(tiny_qwen2_vl_dir), load_processor(tiny_qwen2_vl_dir, add_detokenizer=False)
+    with pytest.raises(UnsupportedModelError, match="come with position_ids, rope_deltas, which its text model needs"):
+        GenericVisionModel(model, processor, config, tiny_qwen2_vl_dir)
 
 
 # -- front doors -------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Qwen3-VL and Qwen3.5 (dense and MoE), Gemma 3, Mistral 3 and SmolVLM in the paged engine,
-on tiny random-weight models (tests/tiny_vlm.py).
+"""Qwen3-VL and Qwen3.5 (dense and MoE), Gemma 3, Mistral 3, SmolVLM, Idefics3 and Pixtral in the
+paged engine, on tiny random-weight models (tests/tiny_vlm.py).
 
 Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / LLaVA:
 
@@ -17,6 +17,8 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
   ``[IMG]`` positions only.
 * SmolVLM: an image split into tiles plus a global view, each framed by marker tokens
   (``<fake_token_around_image><row_i_col_j>``); a text model without a hidden-state entry point.
+* Idefics3 and Pixtral: no adapter or hook of ours at all, the generic path alone
+  (``vlm_generic.py``), as LLaVA, Mistral 3 and SmolVLM now go too.
 
 All: one and two images equal mlx-vlm, batched with text-only requests equals solo (chunked
 prefills ending inside images, preemption), prefix cache on equals off with an image in the
@@ -45,6 +47,8 @@ PLACEHOLDER = {
     "gemma3": "<start_of_image>",
     "mistral3": "[IMG]",
     "smolvlm": "<image>",
+    "idefics3": "<image>",
+    "pixtral": "[IMG]",
 }
 
 

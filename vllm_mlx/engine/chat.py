@@ -20,8 +20,8 @@ from vllm_mlx.engine.template_guard import ChatTemplateError, template_guard
 from vllm_mlx.multimodal.images import ImageSource
 from vllm_mlx.tool_parsers.tool_prompt import FALLBACK_PARSER, renders_tools, with_tools_in_messages, written_out
 
-__all__ = ["ChatPrompt", "ChatTemplateError", "split_chat_images", "template_renders_tools", "template_text",
-           "template_token_ids", "tool_parser_for"]  # fmt: skip
+__all__ = ["ChatPrompt", "ChatTemplateError", "split_chat_images", "template_image_text", "template_renders_tools",
+           "template_text", "template_token_ids", "tool_parser_for"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 _TOLD: set[str] = set()  # templates whose tools fallback was logged
@@ -97,6 +97,29 @@ def template_text(
     """
     messages, tools = _template_inputs(tokenizer, messages, tools)
     return template_guard().render(tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools)
+
+
+_MARKER = "\u2063"  # an invisible separator: text no template writes by itself
+
+
+def template_image_text(tokenizer) -> str | None:
+    """What the chat template writes for an image part before a user's text (LLaVA's
+    ``"<image>\n"``, Qwen's ``"<|vision_start|><|image_pad|><|vision_end|>"``): how a prompt
+    written without the template should show an image. None: no template, or it writes the
+    image elsewhere than right before the text."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    text = [{"type": "text", "text": _MARKER}]
+    try:
+        with_image = template_text(tokenizer, [{"role": "user", "content": [{"type": "image"}, *text]}])
+        without = template_text(tokenizer, [{"role": "user", "content": text}])
+    except ValueError:  # a template that takes no image parts, or refuses the probe
+        return None
+    start = without.find(_MARKER)
+    end = with_image.find(_MARKER)
+    if start < 0 or end < start or with_image[:start] != without[:start]:
+        return None
+    return with_image[start:end] or None
 
 
 def template_renders_tools(tokenizer) -> bool:

@@ -13,6 +13,7 @@ generator and runs on the engine thread, inside ``EngineCore.add_request``.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_mlx.core.multimodal import MultiModalInput
 from vllm_mlx.core.request import Request, SamplingParams
+from vllm_mlx.engine.chat import template_image_text
 from vllm_mlx.multimodal.images import ImageSource
 from vllm_mlx.multimodal.media_policy import MediaPolicy
 from vllm_mlx.platform.errors import ImageInputError
@@ -83,6 +85,17 @@ class InputProcessor:
         self.grammars = GrammarCompiler(tokenizer, self.eos_token_ids, max_bound=config.max_constraint_bound)
         self.think_tokens = ThinkTokens.of(tokenizer)
         self._seed_rng = random.Random(config.seed)
+
+    @functools.cached_property
+    def image_text(self) -> str:
+        """What one image looks like in a text prompt written without the chat template: what
+        the template writes for an image part (so a bare prompt reads as the model was trained),
+        else the adapter's placeholder text; only if it holds the adapter's placeholder token."""
+        text = template_image_text(self.tokenizer)
+        placeholder = self.vision.placeholder_token_id
+        if text is not None and placeholder in self.tokenizer.encode(text, add_special_tokens=False):
+            return text
+        return self.vision.image_placeholder_text
 
     @property
     def vocab_size(self) -> int | None:
@@ -184,7 +197,7 @@ class InputProcessor:
         if not images:
             return PreparedPrompt(text, token_ids)
         if isinstance(prompt, str) and self.vision.placeholder_token_id not in token_ids:
-            text, token_ids = self.encode(self.vision.image_placeholder_text * len(images) + prompt)
+            text, token_ids = self.encode(self.image_text * len(images) + prompt)
         try:
             expanded, mm_input = self.vision.prepare(token_ids, images, policy)
         except ImageInputError as exc:

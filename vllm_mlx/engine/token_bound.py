@@ -7,10 +7,14 @@ BPE (GPT-2, Llama 3, Qwen, SmolLM) a token's string has one character per byte, 
 at least as many bytes as characters; for a SentencePiece BPE (``▁`` for a space, ``<0x41>``
 byte fallbacks) a token's string is at least as long as the text it covers. Added tokens
 (``<|im_start|>``) are in the vocabulary as their text. So a text of ``n`` characters is at least
-``ceil(n / max_token_chars)`` tokens. A tokenizer that can drop or merge text (a normalizer that
+``ceil(n / max_token_chars)`` tokens. A BPE without ``<unk>`` or byte fallback drops the characters
+its vocabulary lacks: a byte-level one may lack some bytes (SmolLM2's has no token for 21 of the
+256, six of them ASCII control characters, which vanish from a text), so those characters are
+not counted (``dropped``). A tokenizer that can drop or merge text otherwise (a normalizer that
 strips or composes, a pre-tokenizer that removes whitespace, an added token that swallows the
-whitespace beside it, WordPiece's or a fused ``<unk>`` for a whole unknown word) has no such
-bound: its prompts are tokenized whatever their length.
+whitespace beside it, WordPiece's or a fused ``<unk>`` for a whole unknown word, a vocabulary
+without some character and nothing to stand for it) has no such bound: its prompts are tokenized
+whatever their length.
 
 Pure Python: read once at startup from the Hugging Face tokenizer's own description.
 """
@@ -29,15 +33,18 @@ _KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Split", "Punctua
 
 @dataclass(frozen=True)
 class TokenBound:
-    """At most ``max_token_chars`` characters per token; None: no bound is known."""
+    """At most ``max_token_chars`` characters per token, not counting the ``dropped`` ones, which
+    the tokenizer removes; None: no bound is known."""
 
     max_token_chars: int | None = None
+    dropped: frozenset[str] = frozenset()
 
-    def min_tokens(self, num_chars: int) -> int:
-        """The fewest tokens a text of ``num_chars`` characters can become (0 without a bound)."""
+    def min_tokens(self, text: str) -> int:
+        """The fewest tokens ``text`` can become (0 without a bound)."""
         if self.max_token_chars is None:
             return 0
-        return math.ceil(num_chars / self.max_token_chars)
+        kept = len(text) - sum(text.count(character) for character in self.dropped)
+        return math.ceil(kept / self.max_token_chars)
 
 
 def token_bound(tokenizer: object) -> TokenBound:
@@ -52,9 +59,43 @@ def token_bound(tokenizer: object) -> TokenBound:
         vocab = hf.get_vocab()
     except Exception:  # a tokenizer that cannot describe itself has no bound we can trust
         return TokenBound()
-    if not (_keeps_text(description) and vocab):
+    dropped = _dropped_characters(description, vocab)
+    if not (_keeps_text(description) and vocab) or dropped is None:
         return TokenBound()
-    return TokenBound(max(len(token) for token in vocab))
+    return TokenBound(max(len(token) for token in vocab), dropped)
+
+
+def _dropped_characters(description: dict, vocab: dict) -> frozenset[str] | None:
+    """The characters the BPE model removes from a text: with no ``<unk>`` and no byte fallback,
+    those its vocabulary lacks. Listed for a byte-level BPE, whose alphabet is the 256 bytes: the
+    one-byte characters whose byte has no token (every other character keeps a byte, unless a
+    continuation byte has no token either: then None, no bound); None for another BPE that lacks
+    characters (any character of Unicode may be one)."""
+    model = description.get("model") or {}
+    if model.get("byte_fallback") or model.get("unk_token") in vocab:
+        return frozenset()
+    if not _byte_level(description.get("pre_tokenizer")):
+        return None
+    byte_char = _byte_level_characters()
+    if any(byte_char[b] not in vocab for b in range(0x80, 0xC0)):
+        return None
+    return frozenset(chr(b) for b in range(0x80) if byte_char[b] not in vocab)
+
+
+def _byte_level(component: dict | None) -> bool:
+    if component is None:
+        return False
+    if component.get("type") == "Sequence":
+        return any(_byte_level(c) for c in component.get("pretokenizers") or [])
+    return component.get("type") == "ByteLevel"
+
+
+def _byte_level_characters() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: the character standing for each byte (printable Latin-1
+    bytes for themselves, the others shifted past 255, in byte order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = iter(range(256, 512))
+    return {b: chr(b) if b in printable else chr(next(shifted)) for b in range(256)}
 
 
 def _keeps_text(description: dict) -> bool:

@@ -5,18 +5,20 @@ Every architecture of the *installed* mlx-lm and mlx-vlm is listed with one stat
 * ``supported``: a tiny-model oracle test runs it (``TESTED_ARCHITECTURES`` names the test; a
   test of ours checks that every named test exists and that the architecture still classifies
   as runnable);
-* ``runs-untested``: the engine accepts it and a probe ran, but no test holds it to an oracle;
+* ``runs-untested``: the engine accepts it and a probe ran (for a vision architecture: its code
+  read), but no test holds it to an oracle;
 * ``refused``: the engine refuses it at load, for the reason given (a layer cache kind it does
-  not page; a vision-language family without an adapter);
+  not page; a vision-language model that needs more than the generic path passes on);
 * ``unknown``: no probe could be built or run (the reason is given): a generic tiny config does
   not fit every architecture.
 
 Text architectures (mlx-lm modules with ``Model`` and ``ModelArgs``) are probed in a child
 process (``model_probe``): a tiny model of the architecture, ``attention.layer_specs`` to
 decide between runs and refused, one token through the engine's own forward path to confirm
-that it runs. Vision-language architectures (mlx-vlm packages with a vision tower) run when
-``vlm_families`` has an adapter for them. So support added to ``layer_specs`` or
-``vlm_families.FAMILIES`` shows up here by itself.
+that it runs. Vision-language architectures (mlx-vlm packages with a vision tower) run through
+a family hook (``vlm_families``) or the generic path (``vlm_generic``), whose refusals are read
+off the package's code (``classify_vision``). So support added to ``layer_specs``, the generic
+path or a hook shows up here by itself.
 
 Classifying everything takes 15-50 s on two CPU cores; the result is cached per installed
 versions, backend and our source (``cache_root()/model_support.json``). ``python -m
@@ -29,6 +31,7 @@ import argparse
 import dataclasses
 import hashlib
 import importlib
+import inspect
 import json
 import os
 import pkgutil
@@ -68,7 +71,8 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
         "qwen2_5_vl": "tests/multimodal/test_multimodal.py::test_greedy_tokens_equal_mlx_vlm[qwen2_5_vl]",
         "llava": "tests/multimodal/test_multimodal.py::test_greedy_tokens_equal_mlx_vlm[llava]",
         **{name: f"tests/multimodal/test_vlm_families.py::test_one_image_equals_mlx_vlm[{name}]"
-           for name in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "gemma3", "mistral3", "smolvlm")},
+           for name in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "gemma3", "mistral3", "smolvlm",
+                        "idefics3", "pixtral")},
     },
 }
 
@@ -147,15 +151,74 @@ def _text_row(name: str, worker: ProbeWorker) -> Architecture:
 
 
 def classify_vision(name: str) -> Architecture:
-    """Runs when a ``vlm_families`` adapter takes the architecture; refused otherwise, with the
-    known reason (``NOT_YET``) or for want of an adapter."""
-    from vllm_mlx.multimodal.vlm_families import FAMILIES, NOT_YET, supported_model_types
+    """A family hook takes the architecture (runs), or the generic path does (``vlm_generic.py``),
+    read off the package's installed code: refused where its model has no
+    ``get_input_embeddings``, where the embeddings come with what the text model needs beside
+    them (the fields the generic path's check at load refuses), or where it keeps multi-axis
+    positions as state on its text model; runs otherwise, and the check at load confirms it on
+    the real model."""
+    from vllm_mlx.multimodal.vlm_families import FAMILIES
+    from vllm_mlx.multimodal.vlm_generic import IGNORED_FEATURES
 
     family = next((f for f in FAMILIES if name in f.model_types), None)
     if family is not None:
-        return Architecture(name, VISION, RUNS, f"adapter {family.__name__}")
-    reason = NOT_YET.get(name) or f"no adapter (adapters: {', '.join(supported_model_types())})"
-    return Architecture(name, VISION, REFUSED, reason)
+        return Architecture(name, VISION, RUNS, f"family hook {family.__name__}")
+    code = _package_code(name)
+    embeddings = _method_source(name, "Model", "get_input_embeddings")
+    if embeddings is None:
+        reason = "its model has no get_input_embeddings, the interface the generic path drives"
+        return Architecture(name, VISION, REFUSED, reason)
+    fields = sorted(set(_keywords(embeddings, "InputEmbeddingsFeatures")) & _feature_fields() - IGNORED_FEATURES)
+    if fields:
+        reason = (f"its image embeddings come with {', '.join(fields)}, which its text model needs beside them "
+                  "(the generic path passes embeddings and the cache only)")  # fmt: skip
+        return Architecture(name, VISION, REFUSED, reason)
+    if re.search(r"\._(?:position_ids|rope_deltas)\s*=", code):
+        reason = ("it keeps multi-axis rotary positions as state on its text model, which the rows of a batch "
+                  "cannot share")  # fmt: skip
+        return Architecture(name, VISION, REFUSED, reason)
+    reason = "generic path, read off its code (get_input_embeddings, then its text model); the check at load decides"
+    return Architecture(name, VISION, RUNS, reason)
+
+
+def _feature_fields() -> set[str]:
+    """The fields of mlx-vlm's ``InputEmbeddingsFeatures`` (what ``get_input_embeddings`` returns)."""
+    try:
+        from mlx_vlm.models.base import InputEmbeddingsFeatures
+    except ImportError:  # no vision architectures to classify then
+        return set()
+    return {field.name for field in dataclasses.fields(InputEmbeddingsFeatures)}
+
+
+def _package_code(name: str) -> str:
+    try:
+        import mlx_vlm.models
+    except ImportError:  # no vision architectures to classify then
+        return ""
+    root = Path(mlx_vlm.models.__path__[0]) / name
+    return "\n".join(path.read_text(errors="replace") for path in sorted(root.glob("*.py")))
+
+
+def _method_source(package: str, cls: str, method: str) -> str | None:
+    """The source of ``mlx_vlm.models.<package>.<cls>.<method>``, inherited ones included; None
+    where the package, class or method is missing."""
+    try:
+        owner = getattr(importlib.import_module(f"mlx_vlm.models.{package}"), cls, None)
+        return inspect.getsource(getattr(owner, method)) if owner is not None and hasattr(owner, method) else None
+    except (ImportError, OSError, TypeError):  # a package that does not import here, or no source
+        return None
+
+
+def _keywords(code: str, callee: str) -> list[str]:
+    """The keyword arguments of every ``callee(...)`` call in ``code``."""
+    names = []
+    for match in re.finditer(rf"\b{callee}\(", code):
+        depth, index = 1, match.end()
+        while depth and index < len(code):
+            depth += {"(": 1, ")": -1}.get(code[index], 0)
+            index += 1
+        names += re.findall(r"(?:^|[(,\s])(\w+)\s*=(?!=)", code[match.end() : index - 1])
+    return names
 
 
 def classify(
@@ -311,7 +374,8 @@ The statuses are generated, not claimed (`vllm-mlx models --supported` prints th
 - **supported**: a tiny random-weight model of the architecture runs in an oracle test (the test
   is named); the test suite fails if a named test does not exist.
 - **runs-untested**: the engine accepts it and a probe ran (text: a tiny model built from the
-  module's `ModelArgs` took one token through the paged cache; vision: an adapter exists), but
+  module's `ModelArgs` took one token through the paged cache; vision: a family hook takes it,
+  or its code shows nothing the generic path cannot pass on, and the check at load decides), but
   no test compares its output with mlx-lm or mlx-vlm.
 - **refused**: the engine refuses it at load, for the reason given.
 - **unknown**: no probe could be built for it from a generic tiny config (the reason is given);

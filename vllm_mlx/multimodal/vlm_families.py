@@ -1,10 +1,17 @@
-"""The family adapters: how each supported mlx-vlm architecture is driven by the paged engine.
+"""Which adapter drives an mlx-vlm architecture: the generic one, or a family hook.
 
-Each adapter subclasses ``vlm_models.VisionLanguageModel`` and knows one layout: how an image is
-preprocessed and how many tokens it occupies, how the prompt frames it, how the vision tower and
-projector turn it into features, and what the language model needs besides embeddings
-(multi-axis positions, deepstack features). ``FAMILIES`` lists them; ``NOT_YET`` names
-architectures refused for a known reason; ``load_vision_language_model`` picks the adapter.
+Every architecture goes through ``vlm_generic.GenericVisionModel`` (the processor expands an
+image, ``get_input_embeddings`` merges its features, the text model runs on embeddings and the
+paged caches) unless a family hook here knows what the generic path cannot derive:
+
+* ``Qwen2VLModel`` and its descendants: multi-axis rotary positions, which the engine computes
+  per request (``mrope_positions``) where mlx-vlm keeps them as state on the text model, and
+  Qwen3-VL's deepstack features, passed to the text model beside the embeddings;
+* ``Gemma3Model``: the newlines framing an image merge with the prompt's own (Gemma's tokenizer
+  has single tokens for runs of newlines), so the expansion is re-tokenized where they meet.
+
+``TEXT_MODEL_REFUSALS`` names text models refused whatever the vision side, for what the
+load-time check (one row) cannot see; ``load_vision_language_model`` picks the adapter.
 """
 
 from __future__ import annotations
@@ -18,20 +25,19 @@ from vllm_mlx.core.multimodal import ImageInput, MultiModalInput, mrope_position
 from vllm_mlx.executor.attention import UnsupportedModelError
 from vllm_mlx.multimodal.images import ImageSource, load_image
 from vllm_mlx.multimodal.media_policy import MediaPolicy
+from vllm_mlx.multimodal.vlm_generic import GenericVisionModel
 from vllm_mlx.multimodal.vlm_models import VisionLanguageModel
 from vllm_mlx.platform.errors import ModelSourceError
 
 __all__ = [
     "FAMILIES",
-    "NOT_YET",
+    "TEXT_MODEL_REFUSALS",
     "Gemma3Model",
-    "LlavaModel",
-    "Mistral3Model",
     "Qwen2VLModel",
     "Qwen3VLModel",
     "Qwen3_5Model",
-    "SmolVLMModel",
     "load_vision_language_model",
+    "refusal",
     "supported_model_types",
 ]
 
@@ -69,41 +75,6 @@ class Qwen2VLModel(VisionLanguageModel):
 
     def language_hidden_states(self, embeds, inputs, cache, position_ids):
         return self.language.model(inputs, inputs_embeds=embeds, cache=cache, position_ids=position_ids)
-
-
-class LlavaModel(VisionLanguageModel):
-    """LLaVA 1.5: a CLIP tower at a fixed resolution, a two-layer projector, a llama."""
-
-    model_types = ("llava",)
-    image_placeholder_text = "<image>\n"
-
-    def _image_token_id(self) -> int:
-        return int(self.model.config.image_token_index)
-
-    @property
-    def tokens_per_image(self) -> int:
-        vision = self.model.config.vision_config
-        return (vision.image_size // vision.patch_size) ** 2
-
-    def process(self, source: ImageSource, policy: MediaPolicy) -> ImageInput:
-        rgb = load_image(source, policy)
-        # The image processor alone: mlx-vlm's llava processor passes a ``padding`` argument
-        # that transformers 5's image processors reject, and we expand the placeholders ourselves.
-        pixels = np.asarray(self.processor.image_processor(images=[rgb], return_tensors="np")["pixel_values"])
-        return ImageInput(self._hash(rgb), rgb, pixels, offset=0, num_tokens=self.tokens_per_image)
-
-    def encode(self, image: ImageInput) -> mx.array:
-        model = self.model
-        pixels = mx.array(image.pixel_values).transpose(0, 2, 3, 1)  # NCHW -> NHWC
-        *_, hidden = model.vision_tower(pixels, output_hidden_states=True)
-        layer = model.vision_feature_layer
-        if not isinstance(layer, int):
-            raise UnsupportedModelError("llava with several vision feature layers is not supported")
-        selected = hidden[layer]
-        if model.vision_feature_select_strategy == "default":
-            selected = selected[:, 1:]  # drop the CLS token
-        features = model.multi_modal_projector(selected)
-        return features.reshape(-1, features.shape[-1])
 
 
 class Qwen3VLModel(Qwen2VLModel):
@@ -288,148 +259,6 @@ class Gemma3Model(VisionLanguageModel):
         return features.reshape(-1, features.shape[-1])
 
 
-class Mistral3Model(VisionLanguageModel):
-    """Mistral 3 (Mistral Small 3.1 and later): a Pixtral tower at the image's own resolution
-    (up to ``longest_edge``), a patch merger (2x2 patches -> 1 token) and a Mistral text model.
-
-    An image is ``[IMG]`` in the prompt and expands, row by row of merged patches, to
-    ``[IMG] x cols [IMG_BREAK]`` ... ``[IMG] x cols [IMG_END]``. Only the ``[IMG]`` positions
-    get features; the break and end tokens keep their own embeddings. ``encode`` returns a row
-    for every token of that block, the break/end rows being those tokens' embeddings, so the
-    block is one contiguous run as the runner and the MLLM cache expect (writing a token's own
-    embedding over it changes nothing).
-
-    Text models with a position-dependent attention scale (``ministral3``'s llama-4 scaling,
-    computed by mlx-vlm from the batch's first row only) or multi-latent attention
-    (``mistral4``) are refused at load.
-    """
-
-    model_types = ("mistral3",)
-    image_placeholder_text = "[IMG]"
-    text_types = ("mistral",)
-
-    @classmethod
-    def refusal(cls, config: dict) -> str | None:
-        text_type = (config.get("text_config") or {}).get("model_type", "mistral")
-        if text_type in cls.text_types:
-            return None
-        return (
-            f"its text model {text_type!r} is not one the adapter drives ({', '.join(cls.text_types)}; "
-            "ministral3 scales attention by the position of the batch's first row only, mistral4 "
-            "uses latent attention)"
-        )
-
-    def __init__(self, model, processor, config: dict, path) -> None:
-        super().__init__(model, processor, config, path)
-        self.break_token_id = self._token_id(getattr(processor, "image_break_token", "[IMG_BREAK]"))
-        self.end_token_id = self._token_id(getattr(processor, "image_end_token", "[IMG_END]"))
-
-    def _image_token_id(self) -> int:
-        return int(self.model.config.image_token_index)
-
-    def _token_id(self, token: str) -> int:
-        return int(self.tokenizer.convert_tokens_to_ids(token))
-
-    @property
-    def token_pixels(self) -> int:
-        """Side of the square of pixels one merged token covers."""
-        return int(self.model.config.vision_config.patch_size) * int(self.model.config.spatial_merge_size)
-
-    def grid(self, image: ImageInput) -> tuple[int, int]:
-        """(rows, cols) of merged tokens: the resized image's size over ``token_pixels``."""
-        height, width = image.pixel_values.shape[-2:]
-        return height // self.token_pixels, width // self.token_pixels
-
-    def process(self, source: ImageSource, policy: MediaPolicy) -> ImageInput:
-        rgb = load_image(source, policy)
-        out = self.processor.image_processor([rgb], patch_size=self.token_pixels)
-        pixels = np.asarray(out["pixel_values"])  # one image: no padding
-        image = ImageInput(self._hash(rgb), rgb, pixels, offset=0, num_tokens=0)
-        rows, cols = self.grid(image)
-        image.num_tokens = rows * (cols + 1)  # each row ends with [IMG_BREAK], the last with [IMG_END]
-        return image
-
-    def image_tokens(self, image: ImageInput) -> list[int]:
-        rows, cols = self.grid(image)
-        row = [self.image_token_id] * cols
-        return [*([*row, self.break_token_id] * (rows - 1)), *row, self.end_token_id]
-
-    def encode(self, image: ImageInput) -> mx.array:
-        model = self.model
-        height, width = image.pixel_values.shape[-2:]
-        pixels = mx.array(image.pixel_values).transpose(0, 2, 3, 1)  # NCHW -> NHWC
-        *_, hidden = model.vision_tower(pixels, output_hidden_states=True, image_sizes=[(height, width)])
-        features = model.multi_modal_projector(hidden[model.vision_feature_layer][0], [(height, width)])
-        rows, cols = self.grid(image)
-        separators = self.embed(mx.array([self.break_token_id, self.end_token_id])).astype(features.dtype)
-        pieces = []
-        for r in range(rows):
-            last = r == rows - 1
-            pieces += [features[r * cols : (r + 1) * cols], separators[1:] if last else separators[:1]]
-        return mx.concatenate(pieces)
-
-
-class SmolVLMModel(VisionLanguageModel):
-    """SmolVLM (Idefics3's layout): a SigLIP tower on tiles of the image plus a downscaled
-    global view, a pixel-shuffle connector, and a llama text model.
-
-    An image is ``<image>`` in the prompt; the processor splits it into rows x cols tiles and
-    expands it to ``<fake_token_around_image><row_i_col_j><image> x image_seq_len`` per tile,
-    newlines after each row, then the global view framed the same way. ``process`` builds that
-    block with mlx-vlm's own prompt builder and tokenizes it alone (it begins and ends with a
-    special token, so it tokenizes the same in context); ``encode`` returns a row per block
-    token: mlx-vlm's ``get_input_embeddings`` on the block's ids, i.e. the marker tokens' own
-    embeddings with the features at the ``<image>`` positions.
-
-    mlx-vlm's Idefics3 text model computes its logits in ``__call__`` and has no hidden-state
-    entry point, so ``language_hidden_states`` runs its layers and norm itself (the same three
-    steps as its ``__call__``, without the vocabulary projection, which ``logits`` applies to
-    the sampled positions only).
-    """
-
-    model_types = ("smolvlm",)
-    image_placeholder_text = "<image>"
-
-    def _image_token_id(self) -> int:
-        return int(self.model.config.image_token_index)
-
-    @property
-    def layers(self) -> list:
-        return self.language.layers
-
-    def embed(self, inputs: mx.array) -> mx.array:
-        return self.language.embed_tokens(inputs)
-
-    def language_hidden_states(self, embeds, inputs, cache, position_ids):
-        from mlx_vlm.models.base import create_attention_mask
-
-        language = self.language
-        hidden = embeds.astype(language.norm.weight.dtype)
-        mask = create_attention_mask(hidden, cache)
-        for layer, layer_cache in zip(language.layers, cache):
-            hidden = layer(hidden, mask, layer_cache)
-        return language.norm(hidden)
-
-    def process(self, source: ImageSource, policy: MediaPolicy) -> ImageInput:
-        rgb = load_image(source, policy)
-        out = self.processor.image_processor([[rgb]], return_row_col_info=True, return_tensors="np")
-        rows, cols = int(np.ravel(out["rows"])[0]), int(np.ravel(out["cols"])[0])
-        [text] = self.processor.expand_text_with_image_tokens([self.image_placeholder_text], [[rows]], [[cols]])
-        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
-        extra = {"pixel_attention_mask": np.asarray(out["pixel_attention_mask"])}
-        pixels = np.asarray(out["pixel_values"])
-        return ImageInput(
-            self._hash(rgb), rgb, pixels, 0, len(token_ids), token_ids=token_ids, encoder_inputs=extra
-        )
-
-    def encode(self, image: ImageInput) -> mx.array:
-        inputs = {name: mx.array(value) for name, value in image.encoder_inputs.items()}
-        out = self.model.get_input_embeddings(
-            mx.array([image.token_ids]), mx.array(image.pixel_values), **inputs
-        )
-        return out.inputs_embeds[0]
-
-
 def _newline_run(tokens: list[int], newline_text, *, from_end: bool) -> int:
     """How many tokens at the end (or start) of ``tokens`` are newlines only."""
     count = 0
@@ -440,42 +269,51 @@ def _newline_run(tokens: list[int], newline_text, *, from_end: bool) -> int:
     return count
 
 
-FAMILIES: tuple[type[VisionLanguageModel], ...] = (
-    Qwen2VLModel,
-    Qwen3VLModel,
-    Qwen3_5Model,
-    LlavaModel,
-    Gemma3Model,
-    Mistral3Model,
-    SmolVLMModel,
-)
+FAMILIES: tuple[type[VisionLanguageModel], ...] = (Qwen2VLModel, Qwen3VLModel, Qwen3_5Model, Gemma3Model)
+"""The hooks: families whose prompt or positions the generic path cannot derive."""
 
-# Architectures mlx-vlm runs that the paged engine refuses for a known reason.
-NOT_YET: dict[str, str] = {}
+TEXT_MODEL_REFUSALS: dict[str, str] = {
+    "ministral3": "scales attention by the position of the batch's first row only (mlx-vlm's llama-4 "
+    "scaling), so rows at other positions would get another row's scale",
+    "mistral4": "uses multi-latent attention, which mlx-vlm's vision path does not page",
+}
+"""Text models (``text_config.model_type``) whose vision-language models are refused, and why:
+what the load-time check cannot see because it runs one row."""
 
 
 def supported_model_types() -> list[str]:
+    """The architectures a family hook drives (every other one goes through the generic path)."""
     return sorted(t for family in FAMILIES for t in family.model_types)
 
 
+def refusal(config: dict) -> str | None:
+    """Why the vision-language model of ``config`` is refused before loading (None: it is not)."""
+    model_type = config.get("model_type", "?")
+    family = next((f for f in FAMILIES if model_type in f.model_types), None)
+    if family is not None:
+        return family.refusal(config)
+    text_type = (config.get("text_config") or {}).get("model_type")
+    reason = TEXT_MODEL_REFUSALS.get(text_type)
+    return f"its text model {text_type!r} {reason}" if reason else None
+
+
 def load_vision_language_model(path: Path, config: dict, trust_remote_code: bool = False) -> VisionLanguageModel:
-    """Load the VLM in ``path`` with mlx-vlm and wrap it in its family adapter.
+    """Load the VLM in ``path`` with mlx-vlm and wrap it in its family hook or the generic adapter.
 
     ``path`` must have passed ``models.trust.check_model_code`` (mlx-vlm imports a config's
     ``model_file`` without asking); ``trust_remote_code`` goes on to the processor's loader.
 
     Raises:
-        UnsupportedModelError: No adapter for the architecture, or its adapter refuses the
-            config (``refusal``); the message says why where it is known.
+        UnsupportedModelError: The config is refused (``refusal``), or the generic adapter's
+            check at load finds what the model needs beyond it; the message says why.
         ModelSourceError: mlx-vlm is not installed, or cannot load the directory.
     """
     model_type = config.get("model_type", "?")
     family = next((f for f in FAMILIES if model_type in f.model_types), None)
-    reason = NOT_YET.get(model_type) if family is None else family.refusal(config)
-    if family is None or reason is not None:
+    reason = refusal(config)
+    if reason is not None:
         raise UnsupportedModelError(
-            f"vision-language architecture {model_type!r} is not supported by the paged engine"
-            f"{f': {reason}' if reason else ''} (supported: {', '.join(supported_model_types())})"
+            f"vision-language architecture {model_type!r} is not supported by the paged engine: {reason}"
         )
     try:
         from mlx_vlm.utils import load_model, load_processor
@@ -488,4 +326,11 @@ def load_vision_language_model(path: Path, config: dict, trust_remote_code: bool
         processor = load_processor(path, add_detokenizer=False, trust_remote_code=trust_remote_code)
     except (ValueError, OSError, KeyError, TypeError) as exc:
         raise ModelSourceError(f"cannot load the vision-language model in {path}: {exc}".splitlines()[0]) from exc
-    return family(model, processor, config, path)
+    if family is not None:
+        return family(model, processor, config, path)
+    try:
+        return GenericVisionModel(model, processor, config, path)
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(
+            f"vision-language architecture {model_type!r} is not supported by the paged engine: {exc}"
+        ) from None

@@ -149,7 +149,7 @@ class OpenAIServing:
     def check_text_fits(self, text: str, param: str = "prompt") -> None:
         """Refuse, from its length alone, a text that cannot fit the context (before it is
         tokenized: megabytes take a tokenizer thread seconds)."""
-        limit, at_least = self.info.max_model_len, self.info.token_bound.min_tokens(len(text))
+        limit, at_least = self.info.max_model_len, self.info.token_bound.min_tokens(text)
         if at_least >= limit:
             raise OpenAIError(
                 400,

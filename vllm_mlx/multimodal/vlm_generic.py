@@ -1,0 +1,244 @@
+"""Any mlx-vlm architecture, driven through the interfaces mlx-vlm's models share.
+
+mlx-vlm's own generation never calls a model whole: the processor expands each image into its
+run of tokens, ``Model.get_input_embeddings(input_ids, pixel_values, mask, **processor_outputs)``
+merges the vision features into the token embeddings, and ``Model.language_model(inputs,
+inputs_embeds=..., cache=...)`` runs the text model over mlx-lm style caches. So does this
+adapter, a piece at a time, for rows at different stages of one batch:
+
+* ``process`` (caller's thread): the processor on the image's placeholder text alone. Its ids
+  against the placeholder's own give the image's run (``ImageRun.of``: what the processor put
+  where the placeholder stood, frames and markers included); its other outputs (pixels, grid
+  sizes, masks) are the image's encoder inputs.
+* ``encode`` (engine thread): ``get_input_embeddings`` on the run's ids and the image's encoder
+  inputs: one row per run token (features at the image positions, the markers' own embeddings
+  elsewhere), which the MLLM cache keeps per image content hash.
+* ``hidden_states``: ``get_input_embeddings`` without pixels (the text embeddings), the run's
+  rows written over their positions, then the language model over the paged caches. Its logits
+  are split into backbone and head where that split reproduces them exactly (``LanguageSplit``).
+
+This holds where ``get_input_embeddings`` merges position by position and the text model needs
+nothing but embeddings and the cache; ``check`` runs the pipeline once at load on a small image
+and refuses, with the reason, a model that needs more (multi-axis positions, per-layer inputs,
+cross-attention states, features longer than the run). Family adapters (``vlm_families.py``) are
+the hooks for what differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from vllm_mlx.core.multimodal import ImageInput
+from vllm_mlx.executor.attention import UnsupportedModelError
+from vllm_mlx.multimodal.images import ImageSource, load_image
+from vllm_mlx.multimodal.media_policy import MediaPolicy
+from vllm_mlx.multimodal.vlm_models import VisionLanguageModel
+
+__all__ = ["GenericVisionModel", "ImageRun", "LanguageSplit"]
+
+PROCESSOR_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids"})
+"""Processor outputs about the text, not the image (the run's own ids replace them)."""
+IGNORED_FEATURES = frozenset({"inputs_embeds", "attention_mask_4d", "attention_mask"})
+"""``get_input_embeddings`` outputs the language model does without: mlx-vlm's generation drops
+the masks too (the text model builds its causal masks from the cache)."""
+PROBE_IMAGE_SIZE = (64, 48)
+
+
+@dataclass(frozen=True)
+class ImageRun:
+    """Where the processor's expansion of one image stands against the placeholder's own ids."""
+
+    prefix: int
+    """Tokens the two share at the start (a BOS the tokenizer adds)."""
+    suffix: int
+    """Tokens they share at the end."""
+
+    @classmethod
+    def of(cls, plain: list[int], expanded: list[int]) -> ImageRun:
+        """The run of ``expanded`` that replaces the placeholder token of ``plain``: the shared
+        start and end, leaving exactly one token of ``plain`` between them (a run that repeats
+        the placeholder, ``<image>`` -> ``<image> x n``, must not eat it into the prefix).
+
+        Raises:
+            ValueError: ``plain`` does not come down to one placeholder token.
+        """
+        limit = min(len(plain), len(expanded))
+        prefix = 0
+        while prefix < limit and plain[prefix] == expanded[prefix]:
+            prefix += 1
+        suffix = 0
+        while suffix < limit - prefix and plain[-1 - suffix] == expanded[-1 - suffix]:
+            suffix += 1
+        prefix = min(prefix, len(plain) - 1 - suffix)
+        if prefix < 0 or len(plain) - prefix - suffix != 1:
+            raise ValueError(f"the image placeholder is {len(plain) - prefix - suffix} tokens where one was expected")
+        return cls(prefix, suffix)
+
+    def placeholder(self, plain: list[int]) -> int:
+        return plain[self.prefix]
+
+    def tokens(self, expanded: list[int]) -> list[int]:
+        return expanded[self.prefix : len(expanded) - self.suffix]
+
+
+class LanguageSplit:
+    """A language model as backbone (hidden states) and head (logits), where that split gives
+    exactly the logits of the model's own call; else the call itself, whose logits the runner
+    then takes whole (``head`` is the identity)."""
+
+    def __init__(self, backbone, head) -> None:
+        self.backbone = backbone
+        self.head = head
+
+    @classmethod
+    def probe(cls, language, make_cache, embeds: mx.array) -> LanguageSplit:
+        inputs = mx.zeros(embeds.shape[:2], dtype=mx.int32)
+        whole = _logits(language(inputs, inputs_embeds=embeds, cache=make_cache()))
+        backbone = getattr(language, "model", None)
+        head = getattr(language, "lm_head", None)
+        if head is None:
+            head = getattr(getattr(backbone, "embed_tokens", None), "as_linear", None)
+        if callable(backbone) and head is not None:
+            try:
+                split = head(backbone(inputs, inputs_embeds=embeds, cache=make_cache()))
+                if split.shape == whole.shape and mx.array_equal(split, whole).item():
+                    return cls(backbone, head)
+            except Exception:  # another signature or structure: the whole call it is
+                pass
+        return cls(lambda inputs, **kwargs: _logits(language(inputs, **kwargs)), lambda logits: logits)
+
+
+def _logits(output) -> mx.array:
+    """mlx-vlm language models return a ``LanguageModelOutput``; some return the array."""
+    return getattr(output, "logits", output)
+
+
+class GenericVisionModel(VisionLanguageModel):
+    """An mlx-vlm model through ``get_input_embeddings`` and its language model (module doc).
+
+    ``image_placeholder_text`` is what the processor expands for one image (``_placeholder``);
+    a bare prompt gets what the chat template writes for an image part where that holds it
+    (``InputProcessor.image_text``).
+    """
+
+    def __init__(self, model, processor, config: dict, path) -> None:
+        self.image_placeholder_text, self._plain_ids, self._run = _placeholder(processor)
+        super().__init__(model, processor, config, path)
+        self.split: LanguageSplit | None = None
+        self.check()
+
+    # ---- what mlx-vlm's models share ------------------------------------------------------
+
+    @property
+    def layers(self) -> list:
+        layers = getattr(self.language, "layers", None)
+        return layers if layers is not None else self.language.model.layers
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        return _embeds(self.model.get_input_embeddings(inputs, None))
+
+    def language_hidden_states(self, embeds, inputs, cache, position_ids):
+        return self.split.backbone(inputs, inputs_embeds=embeds, cache=cache)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        return self.split.head(hidden)
+
+    def process(self, source: ImageSource, policy: MediaPolicy) -> ImageInput:
+        rgb = load_image(source, policy)
+        outputs = self.processor(text=[self.image_placeholder_text], images=[rgb], return_tensors="np")
+        expanded = np.asarray(outputs["input_ids"])[0].tolist()
+        run = self._run.tokens(expanded)
+        encoder_inputs = {k: np.asarray(v) for k, v in outputs.items() if k not in PROCESSOR_TEXT_KEYS}
+        pixels = encoder_inputs.pop("pixel_values")
+        return ImageInput(self._hash(rgb), rgb, pixels, 0, len(run), token_ids=run, encoder_inputs=encoder_inputs)
+
+    def encode(self, image: ImageInput) -> mx.array:
+        return _embeds(self._merged(image))[0]
+
+    def image_tokens(self, image: ImageInput) -> list[int]:
+        return list(image.token_ids)
+
+    # ---- the check at load ------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Run the pipeline once on a small image; refuse a model it cannot drive.
+
+        Raises:
+            UnsupportedModelError: What the model needs beyond embeddings and the cache.
+        """
+        from PIL import Image
+
+        probe = Image.new("RGB", PROBE_IMAGE_SIZE, (96, 160, 32))
+        image = self.process(probe, MediaPolicy.operator())
+        merged = self._merged(image)
+        extra = sorted({name for name, value in _fields(merged).items() if value is not None} - IGNORED_FEATURES)
+        if extra:
+            raise UnsupportedModelError(
+                f"its image embeddings come with {', '.join(extra)}, which its text model needs beside them "
+                "(the generic path passes embeddings and the cache only)"
+            )
+        features = _embeds(merged)[0]
+        if features.shape[0] != image.num_tokens:
+            raise UnsupportedModelError(
+                f"it expands an image inside the model ({features.shape[0]} embeddings for a run of "
+                f"{image.num_tokens} tokens), where the engine needs the processor's expansion"
+            )
+        self.split = LanguageSplit.probe(self.language, self.make_cache, features[None])
+        if mx.array_equal(self._logits_of(features[None]), self._logits_of(mx.zeros_like(features[None]))).item():
+            raise UnsupportedModelError("its text model ignores the embeddings it is given, so images cannot reach it")
+
+    def _logits_of(self, embeds: mx.array) -> mx.array:
+        inputs = mx.zeros(embeds.shape[:2], dtype=mx.int32)
+        return self.split.head(self.split.backbone(inputs, inputs_embeds=embeds, cache=self.make_cache()))
+
+    def _merged(self, image: ImageInput):
+        ids = mx.array([image.token_ids])
+        inputs = {name: mx.array(value) for name, value in image.encoder_inputs.items()}
+        return self.model.get_input_embeddings(ids, mx.array(image.pixel_values), mask=mx.ones(ids.shape), **inputs)
+
+    def _image_token_id(self) -> int:
+        return self._run.placeholder(self._plain_ids)
+
+
+def _placeholder(processor) -> tuple[str, list[int], ImageRun]:
+    """The text that stands for one image (the first the processor expands of its
+    ``image_token``, its ``boi_token``, the tokenizer's ``image_token``), its ids, and where the
+    processor puts an image's run against them.
+
+    Raises:
+        UnsupportedModelError: The processor expands none of them.
+    """
+    from PIL import Image
+
+    tokenizer = getattr(processor, "tokenizer", None)
+    candidates = [getattr(owner, name, None) for owner, name in
+                  ((processor, "image_token"), (processor, "boi_token"), (tokenizer, "image_token"))]  # fmt: skip
+    probe = Image.new("RGB", PROBE_IMAGE_SIZE)
+    failures = []
+    for text in dict.fromkeys(c for c in candidates if isinstance(c, str) and c):
+        try:
+            outputs = processor(text=[text], images=[probe], return_tensors="np")
+            plain = _text_ids(processor, text)
+            return text, plain, ImageRun.of(plain, np.asarray(outputs["input_ids"])[0].tolist())
+        except Exception as exc:  # noqa: BLE001 -- a processor refuses a text its own way
+            failures.append(f"{text!r}: {exc}".splitlines()[0])
+    raise UnsupportedModelError(
+        "its processor expands no image placeholder it names" + (f" ({'; '.join(failures)})" if failures else "")
+    )
+
+
+def _text_ids(processor, text: str) -> list[int]:
+    """``text`` tokenized as the processor tokenizes a prompt (special tokens added)."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    return list(tokenizer(text)["input_ids"])
+
+
+def _embeds(merged) -> mx.array:
+    return getattr(merged, "inputs_embeds", merged)
+
+
+def _fields(merged) -> dict:
+    return merged.to_dict() if hasattr(merged, "to_dict") else {}

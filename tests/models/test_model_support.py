@@ -121,3 +121,19 @@ def test_cli_lists_the_named_architectures(capsys):
     assert "supported" in lines[0] and lines[0].endswith(TESTED_ARCHITECTURES[TEXT]["llama"])
     assert main(["models", "--supported", "no_such_arch"]) == 1
     assert "no installed mlx-lm or mlx-vlm architecture named no_such_arch" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["hunyuan", "llama4_text", "mimo_v2_flash", "ministral3"])
+def test_the_tiny_config_is_repaired_from_what_the_model_code_asks(name):
+    """The generic tiny config does not build these (a config dict read by key, a per-layer list
+    read by layer, a field checked against a literal, a list searched for an entry); repaired
+    from each failure's line of the model's own code, it does, and stays tiny."""
+    import importlib
+
+    from vllm_mlx.models import probe
+
+    module = importlib.import_module(f"mlx_lm.models.{name}")
+    with pytest.raises(Exception):  # noqa: B017 -- any of the model's own errors
+        probe._build(module, probe.tiny_config(module, name))
+    model = probe.build_tiny_model(module, name)
+    assert 0 < probe._num_parameters(model) <= probe.PROBE_MAX_PARAMETERS

@@ -2,7 +2,8 @@
 
 ``probe_text(name)`` builds the module's ``Model`` from a tiny config (``PROBE_CONFIG``'s small
 sizes for the usual keys, required ``ModelArgs`` fields filled with small values of their type,
-``PROBE_OVERRIDES`` for the few layer stacks a generic config cannot describe), asks
+``PROBE_OVERRIDES`` for the few layer stacks a generic config cannot describe, and the config
+repaired from the model's own code where building fails: ``repair_config``), asks
 ``attention.layer_specs`` (refused: a cache kind the engine does not page), and runs one token
 through the engine's own forward path (``model_runner.measure_kv_layout``). Every failure to
 build or run the probe is an ``unknown`` with its reason: it says nothing about a real
@@ -16,6 +17,7 @@ the parameter count is known before any memory is).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import json
@@ -96,22 +98,151 @@ def probe_text(name: str) -> Probe:
     return Probe(RUNS, " + ".join(kinds))
 
 
+MAX_REPAIRS = 8
+"""Repairs of the tiny config ``build_tiny_model`` tries, one per failure, before it gives up."""
+
+
 def build_tiny_model(module, name: str):
-    """``module.Model`` from ``tiny_config``; when that fails and the args have ``layer_types``,
-    once more with a stack that alternates the attention kinds the module's code names (e.g.
-    sliding, full): many architectures derive their layers from that list. Raises the first
-    attempt's error when both fail."""
+    """``module.Model`` from ``tiny_config``, repaired from each failure the model's own code gives
+    (``repair_config``: a config dict it reads a key of, a per-layer list it indexes), up to
+    ``MAX_REPAIRS`` times; when the args have ``layer_types``, each attempt is tried once more with
+    a stack that alternates the attention kinds the module's code names (e.g. sliding, full): many
+    architectures derive their layers from that list. Raises the first attempt's error when
+    nothing builds."""
     config = tiny_config(module, name)
+    first = None
+    for _ in range(MAX_REPAIRS + 1):
+        try:
+            return _build(module, config)
+        except Exception as exc:
+            first = first or exc
+            config = repair_config(module, config, exc)
+            if config is None:
+                raise first from None
+    raise first
+
+
+def _build(module, config: dict):
     try:
         return module.Model(module.ModelArgs.from_dict(config))
-    except Exception as first:
+    except Exception:
         stack = _layer_stack(module, config["num_hidden_layers"])
-        if stack is None:
+        if stack is None or config.get("layer_types") == stack:
             raise
         try:
             return module.Model(module.ModelArgs.from_dict({**config, "layer_types": stack}))
         except Exception:
-            raise first from None
+            pass
+        raise
+
+
+_KEY_READ = re.compile(r"\b(\w+)(?:\[[\"'](\w+)[\"']\]|\.get\([\"'](\w+)[\"'])")
+_LAYER_INDEX = re.compile(r"\b(\w+)\[(?:\w*(?:idx|layer|_id|\bi\b|\bj\b)\w*)\]")
+
+
+def repair_config(module, config: dict, exc: Exception) -> dict | None:
+    """``config`` with what the failing line of the model's code asked of it and did not find;
+    None when that line reads nothing of the config we can fill. A field of the text model's
+    config (``text_config``) is repaired there.
+
+    * a config dict read by key (``args.rope_scaling["alpha"]``, ``config.rope_scaling.get(...)``)
+      while the field is None or lacks the key, or a check that names the keys it wants
+      (``rope_scaling must contain keys {'type', 'factor'}``): the keys, with small values for
+      their names;
+    * a per-layer list indexed by a layer (``args.layer_types[layer_idx]``) that is None or too
+      short: one entry per layer (the module's attention kinds for ``layer_types``, else its
+      present entries repeated, else a small value for its name);
+    * a check of a field against a literal (``assert config.topk_method == "noaux_tc"``): that
+      literal.
+    """
+    text_class = getattr(module, "TextConfig", None) or getattr(module, "TextArgs", None)
+    if isinstance(config.get("text_config"), dict) and dataclasses.is_dataclass(text_class):
+        nested = _repair(module, text_class, config["text_config"], exc)
+        if nested is not None:
+            return {**config, "text_config": nested}
+    return _repair(module, module.ModelArgs, config, exc)
+
+
+def _repair(module, args_class, config: dict, exc: Exception) -> dict | None:
+    fields = {field.name: field for field in dataclasses.fields(args_class)}
+    line = _failing_line(exc)
+    if isinstance(exc, (TypeError, AttributeError, KeyError)):
+        reads = [(field, key or got) for field, key, got in _KEY_READ.findall(line)]
+        if isinstance(exc, KeyError) and exc.args and isinstance(exc.args[0], str):  # the key on the next line
+            reads += [(field, exc.args[0]) for field in re.findall(r"\b(\w+)\[\s*$", line)]
+        if isinstance(exc, AttributeError) and "'NoneType' object has no attribute 'get'" in str(exc):
+            reads += [(field, None) for field in re.findall(r"\b(\w+)\.get\(", line)]
+        for field, key in reads:
+            present = config.get(field)
+            if field in fields and isinstance(present, (dict, type(None))) and (present is None or key not in present):
+                return {**config, field: {**(present or {}), **({key: _small_value_for(key)} if key else {})}}
+    if isinstance(exc, (IndexError, TypeError)):
+        for field in _LAYER_INDEX.findall(line):
+            entries = config.get(field)
+            if field in fields and not (isinstance(entries, list) and len(entries) >= config["num_hidden_layers"]):
+                return {**config, field: _per_layer(module, fields[field], config)}
+    if isinstance(exc, (AssertionError, ValueError)):
+        for field, literal in _LITERAL_CHECK.findall(line):
+            if field in fields and config.get(field) != literal:
+                return {**config, field: literal}
+        for field, value in _INDEX_OF.findall(line):  # ``layers.index("sliding_attention")`` found none
+            entries = config.get(field)
+            if field in fields and isinstance(entries, list) and entries and str(exc).endswith("is not in list"):
+                value = ast.literal_eval(value)
+                if value not in entries:
+                    return {**config, field: [value, *entries[1:]]}
+        wanted = _KEY_SET.search(str(exc))
+        named = [field for field in fields if field in str(exc) and isinstance(config.get(field), (dict, type(None)))]
+        if wanted and named:
+            keys = re.findall(r"[\"'](\w+)[\"']", wanted.group(0))
+            present = config.get(named[0]) or {}
+            if any(key not in present for key in keys):
+                return {**config, named[0]: {**present, **{k: _small_value_for(k) for k in keys if k not in present}}}
+    return None
+
+
+_INDEX_OF = re.compile(r"\b(\w+)\.index\(([\"']?[\w.-]+[\"']?)\)")
+_LITERAL_CHECK = re.compile(r"\b\w+\.(\w+)\s*==\s*[\"']([\w.-]+)[\"']")
+_KEY_SET = re.compile(r"\{\s*[\"']\w+[\"'](?:\s*,\s*[\"']\w+[\"'])*\s*\}")
+
+
+def _failing_line(exc: Exception) -> str:
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    return frames[-1].line or "" if frames else ""
+
+
+def _per_layer(module, field: dataclasses.Field, config: dict) -> list:
+    layers = config["num_hidden_layers"]
+    kinds = _attention_kinds(module) if field.name == "layer_types" else []
+    if kinds:
+        return [kinds[i % len(kinds)] for i in range(layers)]
+    present = config.get(field.name)
+    if present is None and field.default_factory is not dataclasses.MISSING:
+        present = field.default_factory()
+    elif present is None:
+        present = field.default
+    present = list(present) if isinstance(present, (list, tuple)) and present else [_small_value_for(field.name)]
+    return [present[i % len(present)] for i in range(layers)]
+
+
+def _small_value_for(name: str) -> object:
+    """A small value for a config key, guessed from its name."""
+    name = name.lower()
+    if "theta" in name:
+        return 10000.0
+    if name.endswith("type"):
+        return "default"
+    if name.endswith("layers"):
+        return [1, 3]
+    if "max_position" in name:
+        return 256
+    if any(word in name for word in ("size", "dim", "hidden")):
+        return 64
+    if any(word in name for word in ("factor", "alpha", "beta", "scale")):
+        return 1.0
+    return 1
 
 
 def _layer_stack(module, num_layers: int) -> list[str] | None:
@@ -119,9 +250,14 @@ def _layer_stack(module, num_layers: int) -> list[str] | None:
     names (full attention last), or None when its args take no ``layer_types`` or it names none."""
     if "layer_types" not in {field.name for field in dataclasses.fields(module.ModelArgs)}:
         return None
-    source = Path(module.__file__).read_text(errors="replace")
-    kinds = sorted(set(re.findall(r"[\"'](\w+_attention)[\"']", source)), key=lambda k: (k == "full_attention", k))
+    kinds = _attention_kinds(module)
     return [kinds[i % len(kinds)] for i in range(num_layers)] if kinds else None
+
+
+def _attention_kinds(module) -> list[str]:
+    """The ``"..._attention"`` layer kinds the module's source names, full attention last."""
+    source = Path(module.__file__).read_text(errors="replace")
+    return sorted(set(re.findall(r"[\"'](\w+_attention)[\"']", source)), key=lambda k: (k == "full_attention", k))
 
 
 def tiny_config(module, name: str, args_class=None) -> dict:

@@ -32,6 +32,7 @@ SmolLM2 model's, ``tokenizer_dir``) with the special tokens added.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -118,6 +119,29 @@ QWEN2_5_VL_VISION_CONFIG = {
 # min_pixels and max_pixels: 56x56 (4 image tokens) up to 112x112 (16 image tokens).
 QWEN2_VL_MIN_PIXELS = 56 * 56
 QWEN2_VL_MAX_PIXELS = 112 * 112
+
+
+CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+
+
+def _patch_image_processor(kind: str, processor: str, vision: dict, pixels: tuple[int, int], **extra) -> dict:
+    """The ``preprocessor_config.json`` of a Qwen2-VL-style image processor (``kind``): images
+    resized to ``pixels`` = (min, max) area, cut in patches, merged ``spatial_merge_size`` x 2."""
+    return {
+        "image_processor_type": kind,
+        "processor_class": processor,
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "image_mean": CLIP_MEAN,
+        "image_std": CLIP_STD,
+        "size": {"shortest_edge": pixels[0], "longest_edge": pixels[1]},
+        "patch_size": vision["patch_size"],
+        "temporal_patch_size": vision["temporal_patch_size"],
+        "merge_size": vision["spatial_merge_size"],
+        **extra,
+    }
 
 
 # The standalone tokenizer's alphabet: tab, newline and printable ASCII, one token per character.
@@ -293,23 +317,10 @@ def _build_qwen_vl(
 
     _save_tokenizer(out_dir, tok, "<|im_end|>", "<|endoftext|>", config["max_position_embeddings"], QWEN2_VL_CHAT_TEMPLATE)
     vision = config["vision_config"]
-    preprocessor = {
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2VLProcessor",
-        "do_convert_rgb": True,
-        "do_normalize": True,
-        "do_rescale": True,
-        "do_resize": True,
-        "rescale_factor": 1 / 255,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711],
-        "min_pixels": QWEN2_VL_MIN_PIXELS,
-        "max_pixels": max_pixels,
-        "size": {"shortest_edge": QWEN2_VL_MIN_PIXELS, "longest_edge": max_pixels},
-        "patch_size": vision["patch_size"],
-        "temporal_patch_size": vision["temporal_patch_size"],
-        "merge_size": vision["spatial_merge_size"],
-    }
+    preprocessor = _patch_image_processor(
+        "Qwen2VLImageProcessor", "Qwen2VLProcessor", vision, (QWEN2_VL_MIN_PIXELS, max_pixels), do_resize=True,
+        min_pixels=QWEN2_VL_MIN_PIXELS, max_pixels=max_pixels,
+    )  # fmt: skip
     (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
     return out_dir
 
@@ -608,20 +619,10 @@ def _build_qwen3_vl_layout(
     max_length = text_config["max_position_embeddings"]
     _save_tokenizer(out_dir, tok, "<|im_end|>", "<|endoftext|>", max_length, QWEN2_VL_CHAT_TEMPLATE)
     vision = config["vision_config"]
-    preprocessor = {
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen3VLProcessor",
-        "do_convert_rgb": True,
-        "do_normalize": True,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "size": {"shortest_edge": QWEN3_VL_MIN_PIXELS, "longest_edge": QWEN3_VL_MAX_PIXELS},
-        "patch_size": vision["patch_size"],
-        "temporal_patch_size": vision["temporal_patch_size"],
-        "merge_size": vision["spatial_merge_size"],
-    }
+    preprocessor = _patch_image_processor(
+        "Qwen2VLImageProcessor", "Qwen3VLProcessor", vision, (QWEN3_VL_MIN_PIXELS, QWEN3_VL_MAX_PIXELS),
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+    )  # fmt: skip
     # mlx-vlm's Qwen3-VL processor reads all three files and asks the hub for a missing one.
     for name in ("preprocessor_config.json", "video_preprocessor_config.json"):
         (out_dir / name).write_text(json.dumps(preprocessor, indent=2))
@@ -998,4 +999,114 @@ def _build_idefics3_layout(out_dir: Path, tokenizer_dir: Path | None, seed: int,
     tokens_per_tile = (tile // vision["patch_size"]) ** 2 // config["scale_factor"] ** 2
     processor_config = {"processor_class": f"{name}Processor", "image_seq_len": tokens_per_tile}
     (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
+    return out_dir
+
+
+GLM4V_SPECIAL_TOKENS = [
+    "<|endoftext|>", "[gMASK]", "<sop>", "<|user|>", "<|assistant|>",
+    "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>", "<|video|>",
+]  # fmt: skip
+
+# GLM-4.1V's template shape: "<|user|>\n<|begin_of_image|><|image|><|end_of_image|>Describe<|assistant|>\n".
+GLM4V_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}<|begin_of_image|><|image|><|end_of_image|>"
+    "{% elif 'text' in part %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+GLM4V_TEXT_CONFIG = {
+    **TINY_CONFIG,
+    "model_type": "glm4v_text",
+    "partial_rotary_factor": 0.5,
+    # head_dim 16, half of it rotated: 4 frequencies over (temporal, height, width).
+    "rope_scaling": {"rope_type": "default", "mrope_section": [2, 1, 1]},
+    "max_position_embeddings": 4096,
+    "attention_bias": True,
+}
+
+GLM4V_VISION_CONFIG = {
+    "model_type": "glm4v",
+    "depth": 1,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "patch_size": 14,
+    "image_size": 56,
+    "out_hidden_size": 64,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+}
+
+
+GLM4V_MOE_TEXT_CONFIG = {
+    "model_type": "glm4v_moe_text", "head_dim": 16, "moe_intermediate_size": 32, "norm_topk_prob": True,
+    "n_group": 1, "topk_group": 1, "n_shared_experts": 1, "n_routed_experts": 4, "routed_scaling_factor": 1.0,
+    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "use_qk_norm": False,
+}  # fmt: skip
+
+
+def build_tiny_glm4v(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
+    """A tiny random-weight GLM-4.1V directory: Qwen2-VL's patches and merge, a GLM text model
+    with partial multi-axis rotary, whose positions mlx-vlm's text model computes itself
+    (``get_rope_index``). ``tokenizer_dir`` as in :func:`build_tiny_qwen2_vl`."""
+    return _build_glm4v_layout(out_dir, tokenizer_dir, seed, "glm4v", "Glm4vForConditionalGeneration")
+
+
+def build_tiny_glm4v_moe(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
+    """A tiny random-weight GLM-4.5V directory: GLM-4.1V's layout, a mixture-of-experts text model."""
+    return _build_glm4v_layout(
+        out_dir, tokenizer_dir, seed, "glm4v_moe", "Glm4vMoeForConditionalGeneration", GLM4V_MOE_TEXT_CONFIG
+    )
+
+
+def build_tiny_glm_ocr(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
+    """A tiny random-weight GLM-OCR directory: GLM-4.1V's layout under GLM-OCR's names."""
+    text = {"model_type": "glm_ocr_text", "head_dim": 16, "rope_parameters": {
+        "rope_type": "default", "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5, "rope_theta": 10000.0}}  # fmt: skip
+    return _build_glm4v_layout(out_dir, tokenizer_dir, seed, "glm_ocr", "GlmOcrForConditionalGeneration", text)
+
+
+def _build_glm4v_layout(
+    out_dir: Path, tokenizer_dir: Path | None, seed: int, model_type: str, architecture: str, text: dict | None = None
+) -> Path:
+    import importlib
+
+    family = importlib.import_module(f"mlx_vlm.models.{model_type}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = _make_tokenizer(tokenizer_dir, GLM4V_SPECIAL_TOKENS)
+    ids = {t: tok.token_to_id(t) for t in GLM4V_SPECIAL_TOKENS}
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    eos = [ids["<|endoftext|>"], ids["<|user|>"]]
+    text_config = {**GLM4V_TEXT_CONFIG, **(text or {}), "vocab_size": vocab_size, "eos_token_id": eos,
+                   "pad_token_id": ids["<|endoftext|>"]}  # fmt: skip
+    known = {field.name for field in dataclasses.fields(family.TextConfig)}
+    config = {
+        "model_type": model_type,
+        "architectures": [architecture],
+        "text_config": {key: value for key, value in text_config.items() if key in known},
+        "vision_config": {**GLM4V_VISION_CONFIG, "model_type": model_type},
+        "vocab_size": vocab_size,
+        "image_token_id": ids["<|image|>"],
+        "image_token_index": ids["<|image|>"],
+        "video_token_id": ids["<|video|>"],
+        "video_token_index": ids["<|video|>"],
+        "vision_start_token_id": ids["<|begin_of_image|>"],
+        "vision_end_token_id": ids["<|end_of_image|>"],
+        "eos_token_id": eos,
+    }
+    model = _instantiate(family, config, seed)
+    _save_weights(model, out_dir / "model.safetensors")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    extra = {"image_token": "<|image|>", "video_token": "<|video|>"}
+    _save_tokenizer(out_dir, tok, "<|endoftext|>", "<|endoftext|>", 4096, GLM4V_CHAT_TEMPLATE, extra)
+    vision = config["vision_config"]
+    pixels = (QWEN2_VL_MIN_PIXELS, QWEN2_VL_MAX_PIXELS)
+    preprocessor = _patch_image_processor("Glm4vImageProcessor", "Glm46VProcessor", vision, pixels, do_resize=True)
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
     return out_dir

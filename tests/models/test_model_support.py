@@ -49,18 +49,20 @@ def test_tested_architectures_probe_as_runnable_and_are_supported():
 
 def test_refusals_name_the_reason():
     """Vision rows are read off mlx-vlm's code: what the generic path cannot pass on is named."""
-    rows = support.classify({TEXT: ["mamba"], VISION: ["gemma3n", "mllama", "glm4v", "siglip", "llava_next"]})
+    vision = ["gemma3n", "mllama", "hunyuan_vl", "siglip", "llava_next", "glm4v"]
+    rows = support.classify({TEXT: ["mamba"], VISION: vision})
     by_name = {row.name: row for row in rows}
-    mamba, gemma3n, mllama, glm4v, siglip, llava_next = (
-        by_name[name] for name in ("mamba", "gemma3n", "mllama", "glm4v", "siglip", "llava_next")
+    mamba, gemma3n, mllama, hunyuan_vl, siglip, llava_next, glm4v = (
+        by_name[name] for name in ("mamba", "gemma3n", "mllama", "hunyuan_vl", "siglip", "llava_next", "glm4v")
     )
     assert mamba.status == REFUSED and "ArraysCache" in mamba.detail and mamba.aliases == ("falcon_mamba",)
-    assert all(row.status == REFUSED for row in (gemma3n, mllama, glm4v, siglip))
+    assert all(row.status == REFUSED for row in (gemma3n, mllama, hunyuan_vl, siglip))
     assert gemma3n.detail.startswith("its image embeddings come with per_layer_inputs, which its text model needs")
     assert "cross_attention_states" in mllama.detail
-    assert glm4v.detail.startswith("it keeps multi-axis rotary positions as state on its text model")
+    assert hunyuan_vl.detail.startswith("it keeps multi-axis rotary positions as state on its text model, with no")
     assert siglip.detail == "its model has no get_input_embeddings, the interface the generic path drives"
     assert llava_next.status == RUNS and llava_next.detail.startswith("generic path")
+    assert glm4v.status == SUPPORTED  # positions from its own get_rope_index: tests/multimodal/test_vlm_families.py
 
 
 def test_installed_architectures_are_listed_and_helpers_are_not():

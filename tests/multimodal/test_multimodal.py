@@ -288,17 +288,19 @@ def test_placeholder_count_must_match_the_images(qwen):
         qwen.add_request(f"{pad}{pad}One image only.", GREEDY, images=[picture(0)])
 
 
-def test_what_the_generic_path_cannot_drive_is_refused_at_load_with_what_it_needs(tiny_qwen2_vl_dir):
-    """Qwen2-VL through the generic adapter (not its family hook): its embeddings come with
-    multi-axis positions the text model needs, and the check at load says so."""
+def test_what_the_generic_path_cannot_drive_is_refused_at_load_with_what_it_needs(tmp_path):
+    """Qwen3-VL through the generic adapter (not its family hook): its embeddings come with
+    deepstack features the text model needs beside them, and the check at load says so."""
     from mlx_vlm.utils import load_model, load_processor
+    from tiny_vlm import build_tiny_qwen3_vl
 
     from vllm_mlx.multimodal.vlm_generic import GenericVisionModel
 
-    config = json.loads((tiny_qwen2_vl_dir / "config.json").read_text())
-    model, processor = load_model(tiny_qwen2_vl_dir), load_processor(tiny_qwen2_vl_dir, add_detokenizer=False)
-    with pytest.raises(UnsupportedModelError, match="come with position_ids, rope_deltas, which its text model needs"):
-        GenericVisionModel(model, processor, config, tiny_qwen2_vl_dir)
+    model_dir = build_tiny_qwen3_vl(tmp_path / "qwen3_vl")
+    config = json.loads((model_dir / "config.json").read_text())
+    model, processor = load_model(model_dir), load_processor(model_dir, add_detokenizer=False)
+    with pytest.raises(UnsupportedModelError, match="come with deepstack_visual_embeds, visual_pos_masks, which"):
+        GenericVisionModel(model, processor, config, model_dir)
 
 
 # -- front doors -------------------------------------------------------------------------------

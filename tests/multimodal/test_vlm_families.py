@@ -1,5 +1,5 @@
-"""Qwen3-VL and Qwen3.5 (dense and MoE), Gemma 3, Mistral 3, SmolVLM, Idefics3 and Pixtral in the
-paged engine, on tiny random-weight models (tests/tiny_vlm.py).
+"""Qwen3-VL and Qwen3.5 (dense and MoE), Gemma 3, Mistral 3, SmolVLM, Idefics3, Pixtral and GLM-4.1V
+in the paged engine, on tiny random-weight models (tests/tiny_vlm.py).
 
 Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / LLaVA:
 
@@ -19,6 +19,9 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
   (``<fake_token_around_image><row_i_col_j>``); a text model without a hidden-state entry point.
 * Idefics3 and Pixtral: no adapter or hook of ours at all, the generic path alone
   (``vlm_generic.py``), as LLaVA, Mistral 3 and SmolVLM now go too.
+* GLM-4.1V, GLM-4.5V (a mixture-of-experts text model) and GLM-OCR: the generic path with
+  multi-axis positions the text model computes itself (``get_rope_index``, once per prompt on
+  the engine thread, passed with every call).
 
 All: one and two images equal mlx-vlm, batched with text-only requests equals solo (chunked
 prefills ending inside images, preemption), prefix cache on equals off with an image in the
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 pytest.importorskip("mlx_vlm", reason="mlx-vlm (the `vlm` extra) is not installed")
@@ -49,6 +53,9 @@ PLACEHOLDER = {
     "smolvlm": "<image>",
     "idefics3": "<image>",
     "pixtral": "[IMG]",
+    "glm4v": "<|begin_of_image|><|image|><|end_of_image|>",
+    "glm4v_moe": "<|begin_of_image|><|image|><|end_of_image|>",
+    "glm_ocr": "<|begin_of_image|><|image|><|end_of_image|>",
 }
 
 
@@ -106,7 +113,7 @@ def test_the_prompt_is_expanded_as_mlx_vlm_expands_it(family, engine):
     pad = PLACEHOLDER[name]
     for text in [f"First {pad} then {pad} compare.", f"user\n{pad}\nWhat?", f"A:{pad}{pad}\n\nB", pad]:
         images = [picture(i, (100, 60)) for i in range(text.count(pad))]
-        expected = processor(text=[text], images=images)["input_ids"][0].tolist()
+        expected = np.asarray(processor(text=[text], images=images)["input_ids"])[0].tolist()
         assert engine.prepare_prompt(text, images).token_ids == expected, text
     if name == "gemma3":  # "user\n" + "\n\n<start_of_image>" tokenized as one "\n\n\n"
         [three_newlines] = engine.tokenizer.encode("\n\n\n", add_special_tokens=False)

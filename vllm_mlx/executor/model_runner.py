@@ -348,13 +348,15 @@ class MLXModelRunner:
         positions = self._position_ids(group, width) if self.vision.uses_mrope else None
         return self.vision.hidden_states(inputs, caches, positions, images)
 
-    @staticmethod
-    def _position_ids(group: list[ScheduledRequest], width: int) -> mx.array:
-        """``[3, B, T]`` multi-axis rotary positions (padding positions are never seen)."""
+    def _position_ids(self, group: list[ScheduledRequest], width: int) -> mx.array:
+        """``[3, B, T]`` multi-axis rotary positions (padding positions are never seen). A prompt
+        whose positions the model computes itself (``positions``) gets them at its first step."""
         positions = np.zeros((3, len(group), width), dtype=np.int32)
         for row, item in enumerate(group):
             start, count = item.num_computed_tokens, item.num_new_tokens
             mm = item.request.mm_input
+            if mm is not None and mm.positions is None:
+                mm.positions, mm.rope_delta = self.vision.positions(item.request.prompt_token_ids, mm.images)
             if mm is not None:
                 positions[:, row, :count] = mm.position_ids(start, count)
             else:

@@ -72,7 +72,7 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
         "llava": "tests/multimodal/test_multimodal.py::test_greedy_tokens_equal_mlx_vlm[llava]",
         **{name: f"tests/multimodal/test_vlm_families.py::test_one_image_equals_mlx_vlm[{name}]"
            for name in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "gemma3", "mistral3", "smolvlm",
-                        "idefics3", "pixtral")},
+                        "idefics3", "pixtral", "glm4v", "glm4v_moe", "glm_ocr")},
     },
 }
 
@@ -154,11 +154,12 @@ def classify_vision(name: str) -> Architecture:
     """A family hook takes the architecture (runs), or the generic path does (``vlm_generic.py``),
     read off the package's installed code: refused where its model has no
     ``get_input_embeddings``, where the embeddings come with what the text model needs beside
-    them (the fields the generic path's check at load refuses), or where it keeps multi-axis
-    positions as state on its text model; runs otherwise, and the check at load confirms it on
-    the real model."""
+    them (the fields the generic path's check at load refuses; positions are not among them where
+    the text model has a ``get_rope_index``), or where it keeps multi-axis positions as state on
+    its text model with no ``get_rope_index``; runs otherwise, and the check at load confirms it
+    on the real model."""
     from vllm_mlx.multimodal.vlm_families import FAMILIES
-    from vllm_mlx.multimodal.vlm_generic import IGNORED_FEATURES
+    from vllm_mlx.multimodal.vlm_generic import IGNORED_FEATURES, POSITION_FEATURES
 
     family = next((f for f in FAMILIES if name in f.model_types), None)
     if family is not None:
@@ -168,17 +169,28 @@ def classify_vision(name: str) -> Architecture:
     if embeddings is None:
         reason = "its model has no get_input_embeddings, the interface the generic path drives"
         return Architecture(name, VISION, REFUSED, reason)
-    fields = sorted(set(_keywords(embeddings, "InputEmbeddingsFeatures")) & _feature_fields() - IGNORED_FEATURES)
+    rope_index = _defines_method(name, "get_rope_index")
+    ignored = IGNORED_FEATURES | (POSITION_FEATURES if rope_index else frozenset())
+    fields = sorted(set(_keywords(embeddings, "InputEmbeddingsFeatures")) & _feature_fields() - ignored)
     if fields:
         reason = (f"its image embeddings come with {', '.join(fields)}, which its text model needs beside them "
                   "(the generic path passes embeddings and the cache only)")  # fmt: skip
         return Architecture(name, VISION, REFUSED, reason)
-    if re.search(r"\._(?:position_ids|rope_deltas)\s*=", code):
-        reason = ("it keeps multi-axis rotary positions as state on its text model, which the rows of a batch "
-                  "cannot share")  # fmt: skip
+    if not rope_index and re.search(r"\._(?:position_ids|rope_deltas)\s*=", code):
+        reason = ("it keeps multi-axis rotary positions as state on its text model, with no get_rope_index to "
+                  "compute them per request")  # fmt: skip
         return Architecture(name, VISION, REFUSED, reason)
     reason = "generic path, read off its code (get_input_embeddings, then its text model); the check at load decides"
     return Architecture(name, VISION, RUNS, reason)
+
+
+def _defines_method(package: str, method: str) -> bool:
+    """Whether a class ``mlx_vlm.models.<package>`` exports has ``method`` (inherited ones too)."""
+    try:
+        module = importlib.import_module(f"mlx_vlm.models.{package}")
+    except ImportError:
+        return False
+    return any(isinstance(value, type) and hasattr(value, method) for value in vars(module).values())
 
 
 def _feature_fields() -> set[str]:

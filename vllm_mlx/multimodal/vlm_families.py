@@ -4,9 +4,10 @@ Every architecture goes through ``vlm_generic.GenericVisionModel`` (the processo
 image, ``get_input_embeddings`` merges its features, the text model runs on embeddings and the
 paged caches) unless a family hook here knows what the generic path cannot derive:
 
-* ``Qwen2VLModel`` and its descendants: multi-axis rotary positions, which the engine computes
-  per request (``mrope_positions``) where mlx-vlm keeps them as state on the text model, and
-  Qwen3-VL's deepstack features, passed to the text model beside the embeddings;
+* ``Qwen3VLModel`` and ``Qwen3_5Model``: Qwen3-VL's deepstack features, passed to the text model
+  beside the embeddings, and Qwen3.5's recurrent layers, whose mlx-vlm code talks to the state
+  cache through calls of its own; both with multi-axis positions computed here
+  (``mrope_positions``);
 * ``Gemma3Model``: the newlines framing an image merge with the prompt's own (Gemma's tokenizer
   has single tokens for runs of newlines), so the expansion is re-tokenized where they meet.
 
@@ -43,9 +44,13 @@ __all__ = [
 
 
 class Qwen2VLModel(VisionLanguageModel):
-    """Qwen2-VL and Qwen2.5-VL: dynamic-resolution patches, 2×2 merge, multi-axis rotary."""
+    """Qwen2-VL's layout: dynamic-resolution patches, 2×2 merge, multi-axis rotary positions
+    computed here (``mrope_positions``, numpy, on the caller's thread).
 
-    model_types = ("qwen2_vl", "qwen2_5_vl")
+    The base of Qwen3-VL's hook. Qwen2-VL and Qwen2.5-VL themselves need no hook any more: the
+    generic path takes their positions from their text model's ``get_rope_index``."""
+
+    model_types: tuple[str, ...] = ()
     uses_mrope = True
     image_placeholder_text = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -269,7 +274,7 @@ def _newline_run(tokens: list[int], newline_text, *, from_end: bool) -> int:
     return count
 
 
-FAMILIES: tuple[type[VisionLanguageModel], ...] = (Qwen2VLModel, Qwen3VLModel, Qwen3_5Model, Gemma3Model)
+FAMILIES: tuple[type[VisionLanguageModel], ...] = (Qwen3VLModel, Qwen3_5Model, Gemma3Model)
 """The hooks: families whose prompt or positions the generic path cannot derive."""
 
 TEXT_MODEL_REFUSALS: dict[str, str] = {

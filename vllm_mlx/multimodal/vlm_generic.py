@@ -17,11 +17,16 @@ adapter, a piece at a time, for rows at different stages of one batch:
   rows written over their positions, then the language model over the paged caches. Its logits
   are split into backbone and head where that split reproduces them exactly (``LanguageSplit``).
 
+* positions: a text model with multi-axis rotary positions that it computes itself
+  (``get_rope_index``: Qwen2-VL, GLM-4.1V, ...) gets them per prompt from that function, on the
+  engine thread at the prompt's first step (``positions``), and passed with every call (mlx-vlm
+  keeps them as state on the model, which the rows of a batch cannot share).
+
 This holds where ``get_input_embeddings`` merges position by position and the text model needs
-nothing but embeddings and the cache; ``check`` runs the pipeline once at load on a small image
-and refuses, with the reason, a model that needs more (multi-axis positions, per-layer inputs,
-cross-attention states, features longer than the run). Family adapters (``vlm_families.py``) are
-the hooks for what differs.
+nothing but embeddings, those positions and the cache; ``check`` runs the pipeline once at load
+on a small image and refuses, with the reason, a model that needs more (positions kept as state
+with no function to compute them, per-layer inputs, cross-attention states, deepstack features,
+features longer than the run). Family hooks (``vlm_families.py``) add what differs.
 """
 
 from __future__ import annotations
@@ -44,6 +49,11 @@ PROCESSOR_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids"
 IGNORED_FEATURES = frozenset({"inputs_embeds", "attention_mask_4d", "attention_mask"})
 """``get_input_embeddings`` outputs the language model does without: mlx-vlm's generation drops
 the masks too (the text model builds its causal masks from the cache)."""
+POSITION_FEATURES = frozenset({"position_ids", "rope_deltas"})
+"""``get_input_embeddings`` outputs the engine recomputes per request where the text model has a
+``get_rope_index`` (its positions for the whole prompt, which one image's run cannot give)."""
+GRID_KEY = "image_grid_thw"
+"""The processor output ``get_rope_index`` reads an image's patch grid from."""
 PROBE_IMAGE_SIZE = (64, 48)
 
 
@@ -127,6 +137,11 @@ class GenericVisionModel(VisionLanguageModel):
     def __init__(self, model, processor, config: dict, path) -> None:
         self.image_placeholder_text, self._plain_ids, self._run = _placeholder(processor)
         super().__init__(model, processor, config, path)
+        # Multi-axis rotary positions, where the text model computes them itself from the prompt
+        # and the images' grids (mlx-vlm keeps them as state on the model; here they are
+        # computed per request, on the engine thread, and passed with every call).
+        self.rope_index = getattr(self.language, "get_rope_index", None)
+        self.uses_mrope = self.rope_index is not None
         self.split: LanguageSplit | None = None
         self.check()
 
@@ -141,7 +156,16 @@ class GenericVisionModel(VisionLanguageModel):
         return _embeds(self.model.get_input_embeddings(inputs, None))
 
     def language_hidden_states(self, embeds, inputs, cache, position_ids):
-        return self.split.backbone(inputs, inputs_embeds=embeds, cache=cache)
+        extra = {"position_ids": position_ids} if position_ids is not None else {}
+        return self.split.backbone(inputs, inputs_embeds=embeds, cache=cache, **extra)
+
+    def positions(self, token_ids: list[int], images: list[ImageInput]) -> tuple[np.ndarray, int]:
+        """``(positions [3, len(token_ids)], rope_delta)``: the text model's own multi-axis
+        positions for a prompt (``get_rope_index`` on its ids and its images' grids); engine thread."""
+        grids = [image.encoder_inputs[GRID_KEY] for image in images]
+        grid = mx.array(np.concatenate(grids).astype(np.int32)) if grids else None
+        positions, delta = self.rope_index(mx.array([token_ids]), image_grid_thw=grid)
+        return np.array(positions)[:, 0, :].astype(np.int64), int(np.array(delta).reshape(-1)[0])
 
     def logits(self, hidden: mx.array) -> mx.array:
         return self.split.head(hidden)
@@ -174,12 +198,20 @@ class GenericVisionModel(VisionLanguageModel):
         probe = Image.new("RGB", PROBE_IMAGE_SIZE, (96, 160, 32))
         image = self.process(probe, MediaPolicy.operator())
         merged = self._merged(image)
-        extra = sorted({name for name, value in _fields(merged).items() if value is not None} - IGNORED_FEATURES)
+        ignored = IGNORED_FEATURES | (POSITION_FEATURES if self.uses_mrope else frozenset())
+        extra = sorted({name for name, value in _fields(merged).items() if value is not None} - ignored)
         if extra:
             raise UnsupportedModelError(
                 f"its image embeddings come with {', '.join(extra)}, which its text model needs beside them "
                 "(the generic path passes embeddings and the cache only)"
             )
+        if self.uses_mrope and GRID_KEY not in image.encoder_inputs:
+            raise UnsupportedModelError(
+                f"its text model computes multi-axis positions, but its processor gives no {GRID_KEY}"
+            )
+        if self.rope_index is None and any(hasattr(self.language, name) for name in ("_position_ids", "_rope_deltas")):
+            raise UnsupportedModelError("it keeps multi-axis rotary positions as state on its text model, with no "
+                                        "get_rope_index to compute them per request")  # fmt: skip
         features = _embeds(merged)[0]
         if features.shape[0] != image.num_tokens:
             raise UnsupportedModelError(

@@ -232,6 +232,12 @@ class VisionLanguageModel:
     def multimodal_input(self, num_tokens: int, images: list[ImageInput]) -> MultiModalInput:
         return MultiModalInput(images)
 
+    def positions(self, token_ids: list[int], images: list[ImageInput]) -> tuple[np.ndarray, int]:
+        """``(positions [3, len(token_ids)], rope_delta)`` of a prompt whose ``multimodal_input``
+        left them None (``uses_mrope`` models that compute them with MLX: the engine thread
+        asks at the prompt's first step)."""
+        raise NotImplementedError
+
     def process(self, source: ImageSource, policy: MediaPolicy) -> ImageInput:
         """Load (under ``policy``) and preprocess one image (numpy only: safe on any thread)."""
         raise NotImplementedError

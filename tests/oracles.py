@@ -4,16 +4,20 @@ directory, and the engine's greedy tokens for the same prompts run to the end.""
 from __future__ import annotations
 
 
-def mlx_lm_tokens(path, prompts: list[str], max_tokens: int, adapter_path=None) -> list[list[int]]:
-    """mlx-lm's ``stream_generate`` greedy tokens for each prompt, alone (with the LoRA adapter
-    in ``adapter_path``, applied by mlx-lm itself, when given)."""
+def mlx_lm_tokens(path, prompts: list[str] | list[list[int]], max_tokens: int, adapter_path=None) -> list[list[int]]:
+    """mlx-lm's ``stream_generate`` greedy tokens for each prompt (text or token ids), alone (with
+    the LoRA adapter in ``adapter_path``, applied by mlx-lm itself, when given)."""
     import mlx_lm
 
     model, tokenizer = mlx_lm.load(str(path), adapter_path=str(adapter_path) if adapter_path else None)
     return [
-        [r.token for r in mlx_lm.stream_generate(model, tokenizer, tokenizer.encode(p), max_tokens=max_tokens)]
+        [r.token for r in mlx_lm.stream_generate(model, tokenizer, _ids(tokenizer, p), max_tokens=max_tokens)]
         for p in prompts
     ]
+
+
+def _ids(tokenizer, prompt: str | list[int]) -> list[int]:
+    return prompt if isinstance(prompt, list) else tokenizer.encode(prompt)
 
 
 def finish(engine, final: dict | None = None) -> dict:

@@ -139,16 +139,13 @@ def build_tiny_llama(
     import importlib
 
     import mlx.core as mx
-    from mlx.utils import tree_flatten
 
     config = {**TINY_CONFIG, **overrides}
     config["vocab_size"] = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
     arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = arch.Model(arch.ModelArgs.from_dict(config))
-    # Larger-than-init weights so logits are peaked: greedy choices are far from ties.
-    weights = {k: v * 4 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
-    weights |= {k: mx.random.normal(v.shape) for k, v in weights.items() if k.endswith(".sinks")}
+    weights = peaked_weights(model)
     if likely_tokens is not None:
         ids = mx.arange(config["vocab_size"])
         rows = ((ids >= likely_tokens.start) & (ids < likely_tokens.stop))[:, None]
@@ -156,12 +153,48 @@ def build_tiny_llama(
             k: mx.where(rows, v, v * 0.01) for k, v in weights.items()
             if k.endswith(("embed_tokens.weight", "lm_head.weight", "embeddings.weight"))
         }  # fmt: skip
+    return save_model_dir(out_dir, tokenizer_dir, config, weights)
+
+
+def peaked_weights(model) -> dict:
+    """``model``'s parameters with matrices scaled 4x, so logits are peaked and greedy choices
+    far from ties; attention sinks (gpt-oss), zero at init, get random values so they matter."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    weights = {k: v * 4 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
+    return weights | {k: mx.random.normal(v.shape) for k, v in weights.items() if k.endswith(".sinks")}
+
+
+def save_model_dir(out_dir: Path, tokenizer_dir: Path, config: dict, weights: dict) -> Path:
+    """A model directory mlx-lm loads: the weights, ``config``, the tokenizer of ``tokenizer_dir``."""
+    import mlx.core as mx
+
     out_dir.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, out_dir / name)
     return out_dir
+
+
+def build_tiny_architecture(out_dir: Path, tokenizer_dir: Path, name: str, seed: int = 0) -> Path:
+    """A tiny random model of mlx-lm's ``name`` module, from the config the support probe builds
+    out of the module's own ``ModelArgs`` (``vllm_mlx.models.probe.build_tiny_model``: no
+    hand-written config). Its vocabulary is 128 tokens: prompts are token ids below 128."""
+    import importlib
+
+    import mlx.core as mx
+
+    from vllm_mlx.models.probe import build_tiny_model
+
+    mx.random.seed(seed)
+    tiny = build_tiny_model(importlib.import_module(f"mlx_lm.models.{name}"), name)
+    weights = peaked_weights(tiny.model)
+    # A matrix initialised to zeros (Talkie's output head) would make every prompt's answer the same.
+    zeros = [k for k, v in weights.items() if v.ndim == 2 and not mx.any(v).item()]
+    weights |= {k: mx.random.normal(weights[k].shape) * 4 / weights[k].shape[-1] ** 0.5 for k in zeros}
+    return save_model_dir(out_dir, tokenizer_dir, tiny.config, weights)
 
 
 def build_tiny_quantized(

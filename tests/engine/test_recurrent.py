@@ -103,15 +103,19 @@ def test_layer_specs_name_the_recurrent_layers(arch):
 
 
 def test_unchecked_recurrent_architectures_are_refused_naming_the_cache():
-    import mlx_lm.models.mamba2 as mamba2
+    """Recurrent layers are served for the architectures checked against mlx-lm (by model type,
+    aliases as mlx-lm maps them); the same layers under an unchecked name are refused."""
+    import mlx_lm.models.mamba as mamba
 
-    args = mamba2.ModelArgs(
-        model_type="mamba2", num_heads=4, head_dim=16, vocab_size=32, hidden_size=64, intermediate_size=64,
-        state_size=16, num_hidden_layers=2, layer_norm_epsilon=1e-5, conv_kernel=4, n_groups=1, use_bias=False,
-        use_conv_bias=True, tie_word_embeddings=True, time_step_limit=(0.0, float("inf")), time_step_rank="auto",
+    args = mamba.ModelArgs(
+        model_type="mamba", vocab_size=32, hidden_size=64, intermediate_size=64, state_size=16,
+        num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=4,
     )  # fmt: skip
-    with pytest.raises(UnsupportedModelError, match="'mamba2' needs ArraysCache caches"):
-        check_supported(mamba2.Model(args))
+    model = mamba.Model(args)
+    assert check_supported(model) == [RecurrentStateSpec(2, pads=False)] * 2  # a pure recurrent model
+    assert check_supported(model, "falcon_mamba") == check_supported(model)
+    with pytest.raises(UnsupportedModelError, match="'mamba3' needs ArraysCache caches"):
+        check_supported(model, "mamba3")
 
 
 def test_the_vllm_plugin_path_still_refuses_recurrent_layers(tmp_path, default_model_dir):

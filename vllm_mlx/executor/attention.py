@@ -56,15 +56,27 @@ NULL_SLOT = 0
 
 # Architectures whose recurrent layers (mlx-lm ``ArraysCache``) we have checked against mlx-lm,
 # and whether their code honours right padding (masks padded tokens, reads ``cache.lengths``).
-# nemotron_h does not pass ``lengths`` to its SSM, so padded rows would corrupt the state: the
-# runner never pads it. Other ``ArraysCache`` users are refused until checked.
+# Those that do not (nemotron_h does not pass ``lengths`` to its SSM; Mamba, RWKV-7, Jamba never
+# read them) would corrupt a padded row's state: the runner never pads them. Pure recurrent
+# models (no attention layer: Mamba, Mamba-2, RWKV-7) hold the state pool alone. Each is checked
+# by an oracle test (docs/models.md names it); other ``ArraysCache`` users are refused until then.
 RECURRENT_ARCHITECTURES: dict[str, bool] = {
     "lfm2": True,
+    "lfm2_moe": True,
     "qwen3_5": True,
     "qwen3_5_moe": True,  # qwen3_5's layers with MoE MLPs (mlx-lm's text model and mlx-vlm's VLM)
     "qwen3_next": True,
     "granitemoehybrid": True,
     "nemotron_h": False,
+    "mamba": False,
+    "mamba2": True,
+    "rwkv7": False,
+    "jamba": False,
+    "plamo2": True,
+    "olmo_hybrid": False,
+    "bailing_hybrid": True,
+    "bailing_moe_linear": False,
+    "bailing_moe_v3": True,
 }
 
 
@@ -134,13 +146,15 @@ def model_type_of(model) -> str:
 
 def _spec_of(cache, recurrent_model_type: str | None) -> LayerSpec | None:
     from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+    from mlx_lm.utils import MODEL_REMAPPING
 
     if type(cache) is KVCache:
         return FullAttentionSpec()
     if type(cache) is RotatingKVCache and cache.keep == 0:
         return SlidingWindowSpec(cache.max_size)
-    if type(cache) is ArraysCache and recurrent_model_type in RECURRENT_ARCHITECTURES:
-        return RecurrentStateSpec(len(cache.cache), pads=RECURRENT_ARCHITECTURES[recurrent_model_type])
+    module = MODEL_REMAPPING.get(recurrent_model_type, recurrent_model_type)  # falcon_mamba: mamba's code
+    if type(cache) is ArraysCache and module in RECURRENT_ARCHITECTURES:
+        return RecurrentStateSpec(len(cache.cache), pads=RECURRENT_ARCHITECTURES[module])
     return None
 
 

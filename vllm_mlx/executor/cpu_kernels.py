@@ -158,8 +158,9 @@ def attention(
 ) -> mx.array:  # fmt: skip
     """Softmax attention as ``mx.fast.scaled_dot_product_attention`` computes it, in float32.
 
-    ``queries`` ``[B, Hq, T, D]``; ``keys``/``values`` ``[B, Hkv, L, D]`` (``Hq`` a multiple of
-    ``Hkv``: grouped queries share their key head in one matmul); ``mask`` broadcastable to
+    ``queries`` ``[B, Hq, T, D]``; ``keys`` ``[B, Hkv, L, D]``; ``values`` ``[B, Hkv, L, Dv]``
+    (``Hq`` a multiple of ``Hkv``: grouped queries share their key head in one matmul; latent
+    attention's values are narrower than its keys); ``mask`` broadcastable to
     ``[B, Hq, T, L]``, boolean (True: visible) or additive, or None. Queries are taken in
     ``blocks`` (default: ``query_blocks`` without key ranges) so that each block's scores stay
     in cache; the softmax is normalised after the value matmul (``T x D`` divisions, not
@@ -197,7 +198,8 @@ def _attend(queries, keys, values, mask, block: QueryBlock, scale: mx.array) -> 
         probs = kernel(scores, block_mask, scale)
     totals = probs.sum(axis=-1, keepdims=True)
     weighted = probs.reshape(batch, kv_heads, group * rows, -1) @ values[:, :, span]
-    return (weighted.reshape(batch, kv_heads, group, rows, head_dim) / totals).reshape(batch, q_heads, rows, head_dim)
+    value_dim = values.shape[-1]  # latent attention (MLA) reads values narrower than its keys
+    return (weighted.reshape(batch, kv_heads, group, rows, value_dim) / totals).reshape(batch, q_heads, rows, value_dim)
 
 
 class SharedRoPE(nn.Module):

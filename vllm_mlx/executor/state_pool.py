@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import ArraysCache
 
 from vllm_mlx.core.kv.spec import LayerSpec, is_recurrent
 
@@ -197,9 +198,11 @@ class StatePool:
 
 
 @dataclass
-class RecurrentLayerCache:
+class RecurrentLayerCache(ArraysCache):
     """mlx-lm's ``ArraysCache`` protocol for one recurrent layer during one forward call.
 
+    A subclass of ``ArraysCache`` (none of whose state or methods it uses) because model code
+    asks: Mamba stores its new state only ``if isinstance(cache, ArraysCache)``.
     ``lengths`` starts as the rows' real token counts (None when no row is padded) and, as in
     mlx-lm, ``advance(T)`` lowers it. ``make_mask(T)`` is True on real tokens (None: no padding).
     """

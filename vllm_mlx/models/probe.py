@@ -23,6 +23,7 @@ import importlib
 import json
 import re
 import sys
+import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,11 +33,13 @@ RUNS, REFUSED, UNKNOWN = "runs-untested", "refused", "unknown"
 # The tiny config every text probe starts from (ModelArgs.from_dict drops keys it does not know).
 PROBE_CONFIG = {
     "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "num_hidden_layers": 4, "head_dim": 16, "vocab_size": 128, "max_position_embeddings": 256,
+    "num_hidden_layers": 4, "head_dim": 16, "vocab_size": 128, "max_position_embeddings": 256, "n_positions": 256,
+    "n_ctx": 256,
     "rms_norm_eps": 1e-5, "layer_norm_eps": 1e-5, "norm_eps": 1e-5, "rope_theta": 10000.0,
     "tie_word_embeddings": True, "sliding_window": 8, "sliding_window_pattern": 2,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4,
     "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+    "n_group": 1, "topk_group": 1,
     "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
 }  # fmt: skip
 # Architectures whose layer stack the generic config cannot describe.
@@ -51,6 +54,11 @@ PROBE_OVERRIDES: dict[str, dict] = {
                          "mamba_n_groups": 1, "shared_intermediate_size": 128, "position_embedding_type": "rope"},
     "nemotron_h": {"hybrid_override_pattern": "M*M*", "mamba_num_heads": 4, "mamba_head_dim": 16,
                    "ssm_state_size": 8, "n_groups": 1, "conv_kernel": 4, "chunk_size": 16},
+    # transformers checks hidden_size * expand (2) == num_heads * head_dim when the directory loads.
+    "mamba2": {"num_heads": 8, "head_dim": 16, "state_size": 16, "n_groups": 1, "conv_kernel": 4,
+               "time_step_limit": [0.0, 1000.0]},
+    # Its sanitize adds lm_head.weight whatever tie_word_embeddings says: a tied model does not load.
+    "minicpm": {"tie_word_embeddings": False},
 }  # fmt: skip
 PROBE_MAX_PARAMETERS = 10_000_000  # a config the tiny values do not shrink is not probed
 PROBE_TIMEOUT_S = 120.0
@@ -76,7 +84,7 @@ def probe_text(name: str) -> Probe:
     except (Exception, SystemExit) as exc:  # some modules exit when an optional package is missing
         return Probe(UNKNOWN, f"the module does not import: {_reason(exc)}")
     try:
-        model = build_tiny_model(module, name)
+        model = build_tiny_model(module, name).model
     except Exception as exc:
         return Probe(UNKNOWN, f"could not build a probe: {_reason(exc)}")
     size = _num_parameters(model)
@@ -102,7 +110,16 @@ MAX_REPAIRS = 8
 """Repairs of the tiny config ``build_tiny_model`` tries, one per failure, before it gives up."""
 
 
-def build_tiny_model(module, name: str):
+@dataclass
+class TinyModel:
+    """A tiny random-weight model and the config that built it (``config.json`` of a directory
+    mlx-lm loads it from)."""
+
+    model: typing.Any  # mlx.nn.Module; mlx is imported lazily here
+    config: dict
+
+
+def build_tiny_model(module, name: str) -> TinyModel:
     """``module.Model`` from ``tiny_config``, repaired from each failure the model's own code gives
     (``repair_config``: a config dict it reads a key of, a per-layer list it indexes), up to
     ``MAX_REPAIRS`` times; when the args have ``layer_types``, each attempt is tried once more with
@@ -122,15 +139,16 @@ def build_tiny_model(module, name: str):
     raise first
 
 
-def _build(module, config: dict):
+def _build(module, config: dict) -> TinyModel:
     try:
-        return module.Model(module.ModelArgs.from_dict(config))
+        return TinyModel(module.Model(module.ModelArgs.from_dict(config)), config)
     except Exception:
         stack = _layer_stack(module, config["num_hidden_layers"])
         if stack is None or config.get("layer_types") == stack:
             raise
+        config = {**config, "layer_types": stack}
         try:
-            return module.Model(module.ModelArgs.from_dict({**config, "layer_types": stack}))
+            return TinyModel(module.Model(module.ModelArgs.from_dict(config)), config)
         except Exception:
             pass
         raise
@@ -223,7 +241,9 @@ def _per_layer(module, field: dataclasses.Field, config: dict) -> list:
         present = field.default_factory()
     elif present is None:
         present = field.default
-    present = list(present) if isinstance(present, (list, tuple)) and present else [_small_value_for(field.name)]
+    if not (isinstance(present, (list, tuple)) and present):
+        small = _small_value_for(field.name)
+        present = small if isinstance(small, list) else [small]
     return [present[i % len(present)] for i in range(layers)]
 
 
@@ -282,6 +302,10 @@ def _required(field: dataclasses.Field) -> bool:
 
 
 def _small_value(name: str, annotation) -> object:
+    members = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+    if members:  # ``int | str``: a number where one is allowed (a string field's "" is rarely valid)
+        ranked = sorted((m for m in members if m is not type(None)), key=lambda m: m not in (int, float, bool))
+        return _small_value(name, ranked[0]) if ranked else None
     text = str(annotation)
     if annotation is bool or text == "bool":
         return False

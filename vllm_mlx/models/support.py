@@ -48,6 +48,20 @@ SUPPORTED = "supported"
 STATUSES = (SUPPORTED, RUNS, REFUSED, UNKNOWN)
 TEXT, VISION = "mlx-lm", "mlx-vlm"
 
+# mlx-lm architectures with no test of their own that the breadth sweep runs: a tiny model the
+# probe builds from the module's own ModelArgs, greedy tokens equal to mlx-lm's, batched and on a
+# prefix hit (tests/models/test_architecture_sweep.py).
+SWEPT_TEXT = (
+    "afmoe", "apertus", "bailing_hybrid", "bailing_moe", "bailing_moe_linear", "bailing_moe_v3", "cohere",
+    "cohere2", "deepseek", "deepseek_v2", "dots1", "ernie4_5_moe", "exaone", "exaone_moe", "gear", "gemma3",
+    "glm", "glm4", "glm4_moe", "glm4_moe_lite", "gpt2", "gpt_neox", "helium", "hunyuan", "hunyuan_v1_dense",
+    "internlm2", "internlm3", "iquestloopcoder", "jamba", "kimi_k25", "kimi_vl", "Klear", "laguna", "lfm2_moe",
+    "llama4_text", "mamba", "mamba2", "mimo", "minicpm", "minicpm3", "minimax", "ministral3", "mistral3",
+    "mixtral", "muse_glimmer", "nanbeige", "nanochat", "nemotron", "olmo3", "olmo_hybrid", "openelm", "phimoe",
+    "pixtral", "plamo2", "plamo3", "qwen2_vl", "qwen3_5_moe", "qwen3_vl", "rwkv7", "seed_oss", "step3p5",
+    "talkie", "telechat3", "youtu_llm",
+)  # fmt: skip
+
 # Architecture -> the tiny-model oracle test (pytest node id) that runs it in the engine.
 # Add a line with the test; tests/models/test_model_support.py checks every node id collects.
 TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
@@ -65,6 +79,7 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
         "deepseek_v3": "tests/core/test_kv_sizing.py::test_latent_attention_equals_mlx_lm",
         **{name: f"tests/engine/test_recurrent.py::test_staggered_arrivals_and_preemption_equal_mlx_lm[{name}]"
            for name in ("lfm2", "qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_h")},
+        **{name: f"tests/models/test_architecture_sweep.py::test_engine_equals_mlx_lm[{name}]" for name in SWEPT_TEXT},
     },
     VISION: {
         "qwen2_vl": "tests/multimodal/test_multimodal.py::test_greedy_tokens_equal_mlx_vlm[qwen2_vl]",

@@ -247,16 +247,24 @@ class KVLayout:
         return [group.view(self.dtype, num_blocks, num_state_slots, num_checkpoints) for group in self.groups]
 
 
+STATE_ONLY_BLOCKS = 1 << 15
+"""The blocks of a model that writes no keys or values (pure recurrent: Mamba, RWKV-7). They
+hold no arrays, only what the scheduler counts tokens by and the prefix cache hashes (its hits
+resume from state checkpoints), so they cost no memory: this many bound only the tokens in
+flight (half a million at 16 tokens a block); the state slots bound the requests."""
+
+
 def blocks_for_bytes(budget_bytes: int, block_size: int, bytes_per_block_token: int) -> int:
     """How many blocks (plus the null block) ``budget_bytes`` holds, one token of a block id
-    costing ``bytes_per_block_token`` (``KVLayout.bytes_per_block_token``).
+    costing ``bytes_per_block_token`` (``KVLayout.bytes_per_block_token``); ``STATE_ONLY_BLOCKS``
+    when blocks cost nothing.
 
     Raises:
         ValueError: The budget holds no block.
     """
     per_block = bytes_per_block_token * block_size
     if per_block == 0:
-        raise ValueError("the model writes no keys or values: nothing to size the KV pool by")
+        return STATE_ONLY_BLOCKS
     num_blocks = budget_bytes // per_block + 1
     if num_blocks < 2:
         raise ValueError(f"kv_cache_memory={budget_bytes} bytes holds no block ({per_block} bytes each)")

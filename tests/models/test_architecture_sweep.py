@@ -1,0 +1,62 @@
+"""Breadth: every mlx-lm architecture the engine serves without a test of its own runs here, as a
+tiny random model built from the module's own ``ModelArgs`` by the support probe
+(``vllm_mlx.models.probe.build_tiny_model``: no hand-written config), saved as a directory
+mlx-lm loads.
+
+The oracle is mlx-lm: the engine's greedy tokens for prompts of different lengths, submitted
+together (so they share forward calls, padded where the model allows it), equal mlx-lm's for
+each prompt alone; a prompt sent again hits the prefix cache and still equals them; and no step
+failed (the engine re-runs a failed step's rows one by one, which would hide a model that cannot
+take rows at different positions in one call). ``support.SWEPT_TEXT`` lists the architectures;
+``docs/models.md`` calls them supported on the strength of this test.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from oracles import engine_tokens, finish, mlx_lm_tokens
+from tiny_model import build_tiny_architecture
+
+from vllm_mlx import SamplingParams
+from vllm_mlx.core.kv.spec import STATE_ONLY_BLOCKS
+from vllm_mlx.engine.core import EngineCore
+from vllm_mlx.models.support import SWEPT_TEXT
+
+# Token ids (the tiny vocabulary is 128): 20 tokens (past the probe's sliding window of 8 and
+# five 4-token blocks), 11, and 3 (shorter than one block).
+PROMPTS = [list(range(10, 30)), [5, 17, 33, 9, 60, 3, 44, 100, 7, 12, 90], [8, 8, 21]]
+GREEDY = SamplingParams(max_tokens=6, temperature=0)  # both stop at the tokenizer's EOS (id 2)
+
+
+@pytest.mark.parametrize("name", SWEPT_TEXT)
+def test_engine_equals_mlx_lm(name, tmp_path, default_model_dir, caplog):
+    path = build_tiny_architecture(tmp_path / name, default_model_dir, name)
+    expected = mlx_lm_tokens(path, PROMPTS, GREEDY.max_tokens)
+    assert len({tuple(tokens) for tokens in expected}) > 1, "the tiny model ignores its prompt: no oracle"
+    engine = EngineCore(model=str(path), block_size=4, num_kv_blocks=256)
+    try:
+        with caplog.at_level(logging.ERROR, logger="vllm_mlx"):
+            assert engine_tokens(engine, PROMPTS, GREEDY) == expected
+            request_id = engine.add_request(PROMPTS[0], GREEDY)
+            again = finish(engine)[request_id]
+        assert again.outputs[0].token_ids == expected[0]
+        assert again.num_cached_tokens >= 16, "the prompt sent again did not hit the prefix cache"
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    finally:
+        engine.shutdown()
+
+
+def test_a_model_without_attention_sizes_its_pool_by_its_states(tmp_path, default_model_dir):
+    """Mamba writes no keys or values: its blocks cost nothing (they only count tokens and carry
+    the prefix hashes), so the engine's memory sizing gives it ``STATE_ONLY_BLOCKS`` and spends
+    the budget on state slots, where it would otherwise have found nothing to size the pool by."""
+    path = build_tiny_architecture(tmp_path / "mamba", default_model_dir, "mamba")
+    expected = mlx_lm_tokens(path, PROMPTS[:2], GREEDY.max_tokens)
+    engine = EngineCore(model=str(path))
+    try:
+        assert engine.kv_cache.num_blocks == STATE_ONLY_BLOCKS
+        assert engine_tokens(engine, PROMPTS[:2], GREEDY) == expected
+    finally:
+        engine.shutdown()

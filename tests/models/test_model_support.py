@@ -50,12 +50,14 @@ def test_tested_architectures_probe_as_runnable_and_are_supported():
 def test_refusals_name_the_reason():
     """Vision rows are read off mlx-vlm's code: what the generic path cannot pass on is named."""
     vision = ["gemma3n", "mllama", "hunyuan_vl", "siglip", "llava_next", "glm4v"]
-    rows = support.classify({TEXT: ["falcon_h1"], VISION: vision})
+    rows = support.classify({TEXT: ["longcat_flash_ngram"], VISION: vision})
     by_name = {row.name: row for row in rows}
-    falcon_h1, gemma3n, mllama, hunyuan_vl, siglip, llava_next, glm4v = (
-        by_name[name] for name in ("falcon_h1", "gemma3n", "mllama", "hunyuan_vl", "siglip", "llava_next", "glm4v")
+    ngram, gemma3n, mllama, hunyuan_vl, siglip, llava_next, glm4v = (
+        by_name[name]
+        for name in ("longcat_flash_ngram", "gemma3n", "mllama", "hunyuan_vl", "siglip", "llava_next", "glm4v")
     )
-    assert falcon_h1.status == REFUSED and "needs CacheList caches" in falcon_h1.detail
+    assert ngram.status == REFUSED and "needs ArraysCache caches" in ngram.detail
+    assert "a fixed-size state slot cannot hold" in ngram.detail  # why, for this architecture
     assert all(row.status == REFUSED for row in (gemma3n, mllama, hunyuan_vl, siglip))
     assert gemma3n.detail.startswith("its image embeddings come with per_layer_inputs, which its text model needs")
     assert "cross_attention_states" in mllama.detail

@@ -77,6 +77,17 @@ RECURRENT_ARCHITECTURES: dict[str, bool] = {
     "bailing_hybrid": True,
     "bailing_moe_linear": False,
     "bailing_moe_v3": True,
+    "falcon_h1": True,  # a CacheList layer: the Mamba-2 state beside the attention's KV
+    "baichuan_m1": False,  # a CacheList layer: the last key and value (a short convolution) beside the KV
+}
+
+
+# Architectures whose code takes one position for the whole batch, so rows at different
+# positions cannot share a forward call: each row gets a call of its own (the paged cache,
+# prefix caching and the rest are unchanged). The breadth sweep finds them: a step that fails
+# batched and succeeds row by row (the engine's re-run) fails its "no failed step" check.
+ONE_ROW_PER_CALL: dict[str, str] = {
+    "gpt_bigcode": "its positions are np.arange(cache[0].offset, ...), one start for every row",
 }
 
 
@@ -86,8 +97,9 @@ class UnsupportedModelError(VllmMlxError):
 
 
 def layer_specs(model, model_type: str | None = None, recurrent: bool = True) -> list[LayerSpec]:
-    """One spec per cache the model asks for (``model.make_cache()``; without it, one
-    full-attention layer per ``model.layers``). ``model_type`` defaults to the model's own.
+    """One spec per cache the model asks for (``model.make_cache()``, each member of a
+    ``CacheList`` a cache of its own: ``CacheNesting``; without it, one full-attention layer per
+    ``model.layers``). ``model_type`` defaults to the model's own.
 
     Raises:
         UnsupportedModelError: Some layer needs a cache that is not a plain ``KVCache``, a
@@ -100,7 +112,7 @@ def layer_specs(model, model_type: str | None = None, recurrent: bool = True) ->
     if make_cache is None:
         return [FullAttentionSpec()] * len(model.layers)
     specs, refused = [], set()
-    for cache in make_cache():
+    for cache in flat_caches(make_cache()):
         spec = _spec_of(cache, model_type if recurrent else None)
         if spec is None:
             refused.add(_describe(cache))
@@ -112,14 +124,63 @@ def layer_specs(model, model_type: str | None = None, recurrent: bool = True) ->
             "RotatingKVCache layers, and keeps the recurrent ArraysCache state of "
             f"{', '.join(sorted(RECURRENT_ARCHITECTURES)) if recurrent else 'no architecture here'}; "
             "other recurrent or chunked layers are refused)"
-            + "".join(f". {_WHY_NOT[kind]}" for kind in sorted(refused) if kind in _WHY_NOT)
+            + "".join(f". {_WHY_NOT[kind]}" for kind in [*sorted(refused), model_type] if kind in _WHY_NOT)
             + ("" if recurrent else _THROUGH_VLLM)
         )
     return specs
 
 
-# What a cache kind would need beyond the paged protocol, where it is more than a missing branch.
+def flat_caches(caches: list) -> list:
+    """``make_cache()``'s caches with each ``CacheList`` replaced by its members, in order: the
+    engine pages each member as a layer of its own (one spec, one pool array or state slot)."""
+    from mlx_lm.models.cache import CacheList
+
+    return [member for cache in caches for member in (cache.caches if isinstance(cache, CacheList) else (cache,))]
+
+
+@dataclass(frozen=True)
+class CacheNesting:
+    """How the flat per-spec caches of a forward call regroup into what the model's layers take.
+
+    A layer of some architectures holds several caches in one mlx-lm ``CacheList``: Falcon-H1
+    and Baichuan-M1 a state beside their keys and values, DeepSeek-V3.2 and GLM-5 their sparse
+    indexer's keys beside the latent KV, LongCat-Flash two attentions. Everything the engine
+    keeps is per member (``layer_specs``, the pools, the state slots); only the model sees
+    the ``CacheList``. ``members[i]`` is None for a plain cache, else the ``CacheList``'s size.
+    """
+
+    members: tuple[int | None, ...] = ()
+
+    @classmethod
+    def of(cls, model) -> CacheNesting:
+        from mlx_lm.models.cache import CacheList
+
+        make_cache = getattr(model, "make_cache", None)
+        caches = make_cache() if make_cache is not None else []
+        return cls(tuple(len(c.caches) if isinstance(c, CacheList) else None for c in caches))
+
+    def nest(self, flat: list) -> list:
+        """``flat`` (one cache per spec) as the model takes it: the same list when no layer
+        holds a ``CacheList``."""
+        if all(size is None for size in self.members):
+            return flat
+        from mlx_lm.models.cache import CacheList
+
+        nested, start = [], 0
+        for size in self.members:
+            nested.append(flat[start] if size is None else CacheList(*flat[start : start + size]))
+            start += 1 if size is None else size
+        return nested
+
+
+# What a cache kind (or an architecture's use of one) would need beyond the paged protocol, where
+# it is more than a missing branch.
 _WHY_NOT = {
+    "longcat_flash_ngram": (
+        "Its n-gram embedding keeps the last few token ids as a recurrent state that grows over "
+        "the first tokens of a sequence (and treats a shorter history differently from one of "
+        "zeros), which a fixed-size state slot cannot hold"
+    ),
     "ChunkedKVCache": (
         "Chunked attention (Llama 4) is not a cache change alone: the model's own code builds its "
         "chunk mask from one scalar offset and start position for the whole batch "
@@ -421,6 +482,7 @@ class PagedLayerCache:
         self.layout = layout
         self.window = window
         self.group = group
+        self._fetched: tuple[mx.array, mx.array] | None = None
 
     @property
     def offset(self) -> mx.array:
@@ -436,7 +498,15 @@ class PagedLayerCache:
         # Start computing the layers built so far while Python builds the next ones: the model's
         # graph building (~10% of a decode step) then overlaps the computation.
         mx.async_eval(fetched)
+        self._fetched = fetched
         return fetched
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """What the last ``update_and_fetch`` of this forward call returned: the layers that
+        share this layer's KV (Gemma 3n's last layers) read it here without writing."""
+        if self._fetched is None:
+            raise RuntimeError(f"layer {self.layer}'s keys are read before this forward call wrote them")
+        return self._fetched
 
     @property
     def keys(self) -> mx.array:
@@ -448,6 +518,18 @@ class PagedLayerCache:
     @keys.setter
     def keys(self, value: mx.array) -> None:
         self.pool.keys[self.layer] = value
+
+    @property
+    def values(self) -> mx.array:
+        """This layer's pool array of values (read, as ``keys``, only to tie it into the graph:
+        DeepSeek-V3.2's and MiniMax-M3's sparse-attention indexers)."""
+        return self.pool.values[self.layer]
+
+    @values.setter
+    def values(self, value: mx.array) -> None:
+        """Ignored: DeepSeek-V3.2's indexer, which never reads its values, assigns zeros the
+        size of its cache here to drop them; the paged pool keeps what was written (zeros the
+        size of the whole pool would be allocated in every step)."""
 
     def make_mask(self, num_tokens: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         """The mask over this layer's keys; ``window_size`` (else the layer's own window) limits

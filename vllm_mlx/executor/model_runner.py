@@ -34,7 +34,16 @@ from vllm_mlx.core.kv.spec import BlockGroups, GroupLayout, KVLayout, group_laye
 from vllm_mlx.core.multimodal import ImageInput
 from vllm_mlx.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepRecord
 from vllm_mlx.core.request import Request, SamplingParams
-from vllm_mlx.executor.attention import KVPool, MLXAttentionBackend, PagedLayerCache, RowSpec, layer_specs
+from vllm_mlx.executor.attention import (
+    ONE_ROW_PER_CALL,
+    CacheNesting,
+    KVPool,
+    MLXAttentionBackend,
+    PagedLayerCache,
+    RowSpec,
+    layer_specs,
+    model_type_of,
+)
 from vllm_mlx.executor.bitmask import StepMasks
 from vllm_mlx.executor.cpu_kernels import CPUKernels
 from vllm_mlx.executor.sampling import sample, sampling_row
@@ -158,11 +167,13 @@ class MLXModelRunner:
         self.mllm_cache = mllm_cache
         self.specs = layer_specs(model, getattr(model, "model_type", None))
         self.num_layers = len(self.specs)  # one cache per spec (make_cache may differ from layers)
+        self.nesting = CacheNesting.of(model)  # the specs' caches as the model's layers take them
         self.block_groups = block_groups or BlockGroups.single(self.specs)
         used = set(self.block_groups.array_of_layer.values())  # a recurrent layer writes no KV
         self.pool = KVPool(self.block_groups.num_arrays, num_blocks, block_size, used=used)
         self.state_pool = self._make_state_pool(num_state_slots, state_layout)
         self.pads = all(s.pads for s in self.specs if is_recurrent(s))
+        self.one_row_per_call = model_type_of(model) in ONE_ROW_PER_CALL
         self.attention = MLXAttentionBackend(self.pool, self.specs, self.state_pool, self.block_groups)
         self.last_step: StepRecord | None = None
         self.vision_encoder_runs = 0
@@ -189,7 +200,7 @@ class MLXModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         output = ModelRunnerOutput()
         runnable = [s for s in scheduler_output.scheduled if self._images_ready(s, output.errors)]
-        groups = group_for_padding(runnable, self.pads)
+        groups = [[s] for s in runnable] if self.one_row_per_call else group_for_padding(runnable, self.pads)
         sampled: list[ScheduledRequest] = []
         picked: list[mx.array] = []
         states: list[StateWrite] = []  # written only if the whole step succeeds
@@ -265,12 +276,13 @@ class MLXModelRunner:
         kernels = self.kernels.active(_key_ranges(caches), inputs.size) if self.kernels is not None else nullcontext()
         adapters = self.lora.rows([s.request.lora_slot for s in group]) if self.lora is not None else nullcontext()
         with kernels, adapters:
+            layer_caches = self.nesting.nest(caches)
             if self.vision is not None:
-                out = self._vision_hidden_states(group, inputs, caches)
+                out = self._vision_hidden_states(group, inputs, layer_caches)
             elif self.split is not None:
-                out = self.split.backbone(inputs, cache=caches)
+                out = self.split.backbone(inputs, cache=layer_caches)
             else:
-                out = self.model(inputs, cache=caches)
+                out = self.model(inputs, cache=layer_caches)
         picked = out[mx.array(row_index), mx.array(positions)] if wanted else None
         new_states = [w for c in caches if isinstance(c, RecurrentLayerCache) for w in c.writes()]
         # Evaluate now (asynchronously: sampling's graph is built meanwhile): the pool's next

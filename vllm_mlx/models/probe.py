@@ -39,7 +39,9 @@ PROBE_CONFIG = {
     "tie_word_embeddings": True, "sliding_window": 8, "sliding_window_pattern": 2,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4,
     "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
-    "n_group": 1, "topk_group": 1,
+    "n_group": 1, "topk_group": 1, "index_head_dim": 16, "index_n_heads": 4, "index_topk": 4,
+    "swa_head_dim": 16, "swa_v_head_dim": 16, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2,
+    "partial_rotary_factor": 1.0,
     "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
 }  # fmt: skip
 # Architectures whose layer stack the generic config cannot describe.
@@ -59,6 +61,8 @@ PROBE_OVERRIDES: dict[str, dict] = {
                "time_step_limit": [0.0, 1000.0]},
     # Its sanitize adds lm_head.weight whatever tie_word_embeddings says: a tied model does not load.
     "minicpm": {"tie_word_embeddings": False},
+    "baichuan_m1": {"tie_word_embeddings": False},  # its __call__ uses lm_head whatever that says
+    "gemma3n": {"activation_sparsity_pattern": [0.0] * 4, "final_logit_softcapping": 30.0},  # 0: dense
 }  # fmt: skip
 PROBE_MAX_PARAMETERS = 10_000_000  # a config the tiny values do not shrink is not probed
 PROBE_TIMEOUT_S = 120.0
@@ -141,17 +145,30 @@ def build_tiny_model(module, name: str) -> TinyModel:
 
 def _build(module, config: dict) -> TinyModel:
     try:
-        return TinyModel(module.Model(module.ModelArgs.from_dict(config)), config)
+        return _built_and_run(module, config)
     except Exception:
         stack = _layer_stack(module, config["num_hidden_layers"])
         if stack is None or config.get("layer_types") == stack:
             raise
-        config = {**config, "layer_types": stack}
         try:
-            return TinyModel(module.Model(module.ModelArgs.from_dict(config)), config)
+            return _built_and_run(module, {**config, "layer_types": stack})
         except Exception:
             pass
         raise
+
+
+def _built_and_run(module, config: dict) -> TinyModel:
+    """The model of ``config``, once it took a token with mlx-lm's own caches: some models read
+    a field only in their forward (e.g. a scale set only when its flag is on), and a config
+    that builds but cannot run says nothing of the paged engine. Too large a model is returned
+    unrun (the caller refuses it, and MLX has allocated nothing yet)."""
+    import mlx.core as mx
+
+    model = module.Model(module.ModelArgs.from_dict(config))
+    if _num_parameters(model) <= PROBE_MAX_PARAMETERS:
+        make_cache = getattr(model, "make_cache", None)
+        mx.eval(model(mx.array([[1]]), cache=make_cache() if make_cache is not None else None))
+    return TinyModel(model, config)
 
 
 _KEY_READ = re.compile(r"\b(\w+)(?:\[[\"'](\w+)[\"']\]|\.get\([\"'](\w+)[\"'])")
@@ -171,7 +188,9 @@ def repair_config(module, config: dict, exc: Exception) -> dict | None:
       short: one entry per layer (the module's attention kinds for ``layer_types``, else its
       present entries repeated, else a small value for its name);
     * a check of a field against a literal (``assert config.topk_method == "noaux_tc"``): that
-      literal.
+      literal;
+    * an attribute the model sets only when a flag of the config is on (``if args.scale_q:
+      self.scale_q = ...``, read unconditionally): the flag on.
     """
     text_class = getattr(module, "TextConfig", None) or getattr(module, "TextArgs", None)
     if isinstance(config.get("text_config"), dict) and dataclasses.is_dataclass(text_class):
@@ -194,6 +213,9 @@ def _repair(module, args_class, config: dict, exc: Exception) -> dict | None:
             present = config.get(field)
             if field in fields and isinstance(present, (dict, type(None))) and (present is None or key not in present):
                 return {**config, field: {**(present or {}), **({key: _small_value_for(key)} if key else {})}}
+    missing = re.search(r"has no attribute '(\w+)'", str(exc)) if isinstance(exc, AttributeError) else None
+    if missing and missing[1] in fields and config.get(missing[1]) is False:  # set only when the flag is on
+        return {**config, missing[1]: True}
     if isinstance(exc, (IndexError, TypeError)):
         for field in _LAYER_INDEX.findall(line):
             entries = config.get(field)
@@ -310,7 +332,9 @@ def _small_value(name: str, annotation) -> object:
     if annotation is bool or text == "bool":
         return False
     if annotation is int or text == "int":
-        return 2
+        if "vocab" in name:  # a second vocabulary (Gemma 3n's per-layer inputs) takes the same ids
+            return PROBE_CONFIG["vocab_size"]
+        return 0 if name.endswith(("idx", "index")) else 2
     if annotation is float or text == "float":
         return 1e-5 if "eps" in name else 1.0
     if annotation is str or text == "str":

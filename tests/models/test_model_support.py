@@ -20,7 +20,7 @@ import pytest
 from vllm_mlx.entrypoints.cli import main
 from vllm_mlx.models import support
 from vllm_mlx.models.probe import REFUSED, RUNS, UNKNOWN, Probe, ProbeWorker, probe_text
-from vllm_mlx.models.support import SUPPORTED, TESTED_ARCHITECTURES, TEXT, VISION
+from vllm_mlx.models.support import NOT_GENERATOR, SUPPORTED, TESTED_ARCHITECTURES, TEXT, VISION
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "models.md"
@@ -58,13 +58,23 @@ def test_refusals_name_the_reason():
     )
     assert ngram.status == REFUSED and "needs ArraysCache caches" in ngram.detail
     assert "a fixed-size state slot cannot hold" in ngram.detail  # why, for this architecture
-    assert all(row.status == REFUSED for row in (gemma3n, mllama, hunyuan_vl, siglip))
+    assert all(row.status == REFUSED for row in (gemma3n, mllama, hunyuan_vl))
     assert gemma3n.detail.startswith("its image embeddings come with per_layer_inputs, which its text model needs")
     assert "cross_attention_states" in mllama.detail
     assert hunyuan_vl.detail.startswith("it keeps multi-axis rotary positions as state on its text model, with no")
-    assert siglip.detail == "its model has no get_input_embeddings, the interface the generic path drives"
+    assert siglip.status == NOT_GENERATOR and siglip.detail.startswith("no language model: an image encoder")
     assert llava_next.status == RUNS and llava_next.detail.startswith("generic path")
     assert glm4v.status == SUPPORTED  # positions from its own get_rope_index: tests/multimodal/test_vlm_families.py
+
+
+def test_models_that_generate_no_text_are_told_apart_from_refusals():
+    """Encoders, detectors and segmenters (no language model) and embedding or retrieval models
+    are not refusals: there is nothing to generate with. A generator is never among them."""
+    names = ["siglip", "rfdetr", "sam3", "colqwen2_5", "qwen3_vl_embedding", "qwen2_vl", "llava"]
+    rows = {row.name: row for row in support.classify({VISION: names})}
+    assert {name for name, row in rows.items() if row.status == NOT_GENERATOR} == set(names[:5])
+    assert rows["colqwen2_5"].detail.startswith("an embedding (retrieval) model")
+    assert rows["rfdetr"].detail.startswith("no language model")
 
 
 def test_installed_architectures_are_listed_and_helpers_are_not():

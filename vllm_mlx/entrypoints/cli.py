@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  "the architectures the engine runs)")  # fmt: skip
     models.add_argument("--supported", nargs="*", default=None, metavar="ARCH",
                         help="list every mlx-lm and mlx-vlm architecture installed as supported, runs-untested, "
-                        "refused or unknown (with the reason); name some to classify only those")  # fmt: skip
+                        "refused, not-a-generator or unknown (with the reason); name some to classify only "
+                        "those")  # fmt: skip
     models.set_defaults(handler=run_models)
 
     convert = commands.add_parser("convert", help="convert a GGUF file into an MLX model directory (mlx-lm loads it)")

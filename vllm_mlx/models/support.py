@@ -9,6 +9,8 @@ Every architecture of the *installed* mlx-lm and mlx-vlm is listed with one stat
   read), but no test holds it to an oracle;
 * ``refused``: the engine refuses it at load, for the reason given (a layer cache kind it does
   not page; a vision-language model that needs more than the generic path passes on);
+* ``not-a-generator``: it does not generate text (an image encoder, detector, segmenter or
+  classifier with no language model; an embedding or retrieval model): nothing to serve here;
 * ``unknown``: no probe could be built or run (the reason is given): a generic tiny config does
   not fit every architecture.
 
@@ -45,7 +47,8 @@ from pathlib import Path
 from vllm_mlx.models.probe import REFUSED, RUNS, UNKNOWN, ProbeWorker
 
 SUPPORTED = "supported"
-STATUSES = (SUPPORTED, RUNS, REFUSED, UNKNOWN)
+NOT_GENERATOR = "not-a-generator"
+STATUSES = (SUPPORTED, RUNS, REFUSED, NOT_GENERATOR, UNKNOWN)
 TEXT, VISION = "mlx-lm", "mlx-vlm"
 
 # mlx-lm architectures with no test of their own that the breadth sweep runs: a tiny model the
@@ -181,6 +184,9 @@ def classify_vision(name: str) -> Architecture:
     if family is not None:
         return Architecture(name, VISION, RUNS, f"family hook {family.__name__}")
     code = _package_code(name)
+    why_not = _why_not_a_generator(name, code)
+    if why_not is not None:
+        return Architecture(name, VISION, NOT_GENERATOR, why_not)
     embeddings = _method_source(name, "Model", "get_input_embeddings")
     if embeddings is None:
         reason = "its model has no get_input_embeddings, the interface the generic path drives"
@@ -198,6 +204,23 @@ def classify_vision(name: str) -> Architecture:
         return Architecture(name, VISION, REFUSED, reason)
     reason = "generic path, read off its code (get_input_embeddings, then its text model); the check at load decides"
     return Architecture(name, VISION, RUNS, reason)
+
+
+_EMBEDDER_NAME = re.compile(r"embedding|^col(?=[a-z])")  # ColPali's ColQwen2.5, ColIdefics3: retrieval
+
+
+def _why_not_a_generator(name: str, code: str) -> str | None:
+    """Why an mlx-vlm package generates no text, read off its name and code; None for a generator.
+
+    A package whose code has no ``language_model`` is a vision model alone (SigLIP's encoder,
+    RF-DETR's and RT-DETR's detectors, SAM 3's segmenters, a decision head); an embedding or
+    late-interaction retrieval model (``*embedding*``, ColPali's ``col*``) has a language model
+    but returns vectors."""
+    if _EMBEDDER_NAME.search(name):
+        return "an embedding (retrieval) model: it returns vectors, not text"
+    if "language_model" not in code:
+        return "no language model: an image encoder, detector, segmenter or classifier"
+    return None
 
 
 def _defines_method(package: str, method: str) -> bool:
@@ -406,6 +429,8 @@ The statuses are generated, not claimed (`vllm-mlx models --supported` prints th
   or its code shows nothing the generic path cannot pass on, and the check at load decides), but
   no test compares its output with mlx-lm or mlx-vlm.
 - **refused**: the engine refuses it at load, for the reason given.
+- **not-a-generator**: it generates no text (an image encoder, detector, segmenter or
+  classifier; an embedding or retrieval model), so there is nothing to serve (the reason is given).
 - **unknown**: no probe could be built for it from a generic tiny config (the reason is given);
   the engine decides when it loads a real checkpoint.
 

@@ -240,17 +240,30 @@ def test_layout_writes_then_reads_the_window_through_the_pool():
     assert forward(18, 1) == list(range(18 - WINDOW + 1, 19))
 
 
-def test_chunked_attention_is_refused_saying_what_it_would_need():
+def test_chunked_attention_layers_are_stored_as_full_attention_and_fetched_from_their_chunk():
+    """Llama 4's layout, three chunked layers to one full: all page as full attention (every
+    block kept), and a chunked layer fetches, for its one row, the keys from the start of the
+    first query's chunk (the model masks the rest itself; tests/models/test_architecture_sweep.py
+    holds the whole model to mlx-lm)."""
+    import mlx.core as mx
     from mlx_lm.models.cache import ChunkedKVCache, KVCache
 
-    from vllm_mlx.executor.attention import UnsupportedModelError
+    from vllm_mlx.core.kv.spec import FullAttentionSpec
+    from vllm_mlx.executor.attention import BatchLayout, ChunkedLayerCache, KVPool, RowSpec, chunk_sizes
 
-    class Llama4Caches:  # only make_cache() is asked: Llama 4's cache layout, three chunked to one full
+    class Llama4Caches:  # only make_cache() is asked
         model_type = "llama4"
 
         def make_cache(self):
             return [ChunkedKVCache(8), ChunkedKVCache(8), ChunkedKVCache(8), KVCache()]
 
-    with pytest.raises(UnsupportedModelError, match="needs ChunkedKVCache caches") as refused:
-        layer_specs(Llama4Caches())
-    assert "one scalar offset" in str(refused.value)
+    assert layer_specs(Llama4Caches()) == [FullAttentionSpec()] * 4
+    assert chunk_sizes(Llama4Caches()) == {0: 8, 1: 8, 2: 8}
+    pool = KVPool(1, num_blocks=8, block_size=4)
+    row = RowSpec(tokens=list(range(3)), num_computed=18, block_ids=[1, 2, 3, 4, 5, 6])
+    cache = ChunkedLayerCache(pool, 0, BatchLayout.build([row], 4, host_offset=True), chunk=8)
+    assert (cache.offset, cache.start_position) == (18, 16)
+    keys, _ = cache.update_and_fetch(*[mx.ones((1, 1, 3, 2))] * 2)
+    assert keys.shape == (1, 1, 21 - 16, 2)  # positions 16..20: the chunk the queries 18..20 are in
+    with pytest.raises(ValueError, match="one row per forward call"):
+        ChunkedLayerCache(pool, 0, BatchLayout.build([row, row], 4), chunk=8)

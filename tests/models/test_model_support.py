@@ -49,21 +49,21 @@ def test_tested_architectures_probe_as_runnable_and_are_supported():
 
 def test_refusals_name_the_reason():
     """Vision rows are read off mlx-vlm's code: what the generic path cannot pass on is named."""
-    vision = ["gemma3n", "mllama", "hunyuan_vl", "siglip", "llava_next", "glm4v"]
+    vision = ["florence2", "mllama", "hunyuan_vl", "siglip", "llava_next", "glm4v", "gemma3n"]
     rows = support.classify({TEXT: ["longcat_flash_ngram"], VISION: vision})
     by_name = {row.name: row for row in rows}
-    ngram, gemma3n, mllama, hunyuan_vl, siglip, llava_next, glm4v = (
-        by_name[name]
-        for name in ("longcat_flash_ngram", "gemma3n", "mllama", "hunyuan_vl", "siglip", "llava_next", "glm4v")
+    ngram, florence2, mllama, hunyuan_vl, siglip, llava_next, glm4v, gemma3n = (
+        by_name[name] for name in ("longcat_flash_ngram", *vision)
     )
     assert ngram.status == REFUSED and "needs ArraysCache caches" in ngram.detail
     assert "a fixed-size state slot cannot hold" in ngram.detail  # why, for this architecture
-    assert all(row.status == REFUSED for row in (gemma3n, mllama, hunyuan_vl))
-    assert gemma3n.detail.startswith("its image embeddings come with per_layer_inputs, which its text model needs")
+    assert all(row.status == REFUSED for row in (florence2, mllama, hunyuan_vl))
+    assert florence2.detail.startswith("its image embeddings come with decoder_inputs_embeds, which its text model")
     assert "cross_attention_states" in mllama.detail
     assert hunyuan_vl.detail.startswith("it keeps multi-axis rotary positions as state on its text model, with no")
     assert siglip.status == NOT_GENERATOR and siglip.detail.startswith("no language model: an image encoder")
     assert llava_next.status == RUNS and llava_next.detail.startswith("generic path")
+    assert gemma3n.status == RUNS  # its per_layer_inputs travel with the embeddings (TOKEN_FEATURES)
     assert glm4v.status == SUPPORTED  # positions from its own get_rope_index: tests/multimodal/test_vlm_families.py
 
 

@@ -130,6 +130,16 @@ def layer_specs(model, model_type: str | None = None, recurrent: bool = True) ->
     return specs
 
 
+def chunk_sizes(model) -> dict[int, int]:
+    """Per layer (spec index) with chunked attention (mlx-lm's ``ChunkedKVCache``: Llama 4), its
+    chunk size; such a model runs one row per forward call (``ChunkedLayerCache``)."""
+    from mlx_lm.models.cache import ChunkedKVCache
+
+    make_cache = getattr(model, "make_cache", None)
+    caches = flat_caches(make_cache()) if make_cache is not None else []
+    return {i: c.chunk_size for i, c in enumerate(caches) if type(c) is ChunkedKVCache}
+
+
 def flat_caches(caches: list) -> list:
     """``make_cache()``'s caches with each ``CacheList`` replaced by its members, in order: the
     engine pages each member as a layer of its own (one spec, one pool array or state slot)."""
@@ -181,12 +191,6 @@ _WHY_NOT = {
         "the first tokens of a sequence (and treats a shorter history differently from one of "
         "zeros), which a fixed-size state slot cannot hold"
     ),
-    "ChunkedKVCache": (
-        "Chunked attention (Llama 4) is not a cache change alone: the model's own code builds its "
-        "chunk mask from one scalar offset and start position for the whole batch "
-        "(cache[0].offset, cache[0].start_position), so rows at different positions cannot share "
-        "a forward call without an adapter for that code"
-    ),
 }
 
 
@@ -206,10 +210,10 @@ def model_type_of(model) -> str:
 
 
 def _spec_of(cache, recurrent_model_type: str | None) -> LayerSpec | None:
-    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+    from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache
     from mlx_lm.utils import MODEL_REMAPPING
 
-    if type(cache) is KVCache:
+    if type(cache) is KVCache or type(cache) is ChunkedKVCache:  # chunked: stored as full (ChunkedLayerCache)
         return FullAttentionSpec()
     if type(cache) is RotatingKVCache and cache.keep == 0:
         return SlidingWindowSpec(cache.max_size)
@@ -303,20 +307,23 @@ class BatchLayout:
     context_len: np.ndarray  # (B,) num_computed + the row's new tokens
     num_new: int  # T: new tokens of the longest row
     groups: list[GroupSlots]  # per block group
-    offsets: mx.array  # (B,) num_computed as an MLX array: RoPE offsets
+    offsets: mx.array | int  # (B,) num_computed as an MLX array: RoPE offsets (one row: maybe a host int)
     _views: dict = field(default_factory=dict, init=False, repr=False)
     _masks: dict = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
-    def build(cls, rows: list[RowSpec], block_size: int, num_groups: int = 1) -> BatchLayout:
+    def build(cls, rows: list[RowSpec], block_size: int, num_groups: int = 1, host_offset: bool = False) -> BatchLayout:
+        """``host_offset``: the one row's offset as a Python int (``MLXAttentionBackend``)."""
         num_new = max(len(r.tokens) for r in rows)
         computed = np.array([r.num_computed for r in rows], dtype=np.int32)
+        if host_offset and len(rows) != 1:
+            raise ValueError(f"a host offset is one row's, got {len(rows)} rows")
         return cls(
             num_computed=computed,
             context_len=np.array([r.context_len for r in rows], dtype=np.int32),
             num_new=num_new,
             groups=[_group_slots(rows, block_size, group, num_new) for group in range(num_groups)],
-            offsets=mx.array(computed),
+            offsets=int(computed[0]) if host_offset else mx.array(computed),
         )
 
     def key_start(self, window: int | None) -> np.ndarray:
@@ -485,7 +492,7 @@ class PagedLayerCache:
         self._fetched: tuple[mx.array, mx.array] | None = None
 
     @property
-    def offset(self) -> mx.array:
+    def offset(self) -> mx.array | int:
         return self.layout.offsets
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -537,6 +544,38 @@ class PagedLayerCache:
         return self.layout.mask(self.window, window_size or self.window)
 
 
+class ChunkedLayerCache(PagedLayerCache):
+    """A chunked-attention layer (Llama 4: a query sees only the keys of its own ``chunk`` of
+    positions) in a forward call of one row.
+
+    mlx-lm's Llama 4 builds the chunk mask itself, from ``start_position`` and ``offset`` as host
+    integers, over keys that begin at ``start_position``; rows at different positions cannot
+    share that mask, so the runner gives such a model one row per call. Keys are stored as full
+    attention's (every block kept: a chunk's blocks could return to the pool once passed, as a
+    sliding window's do; not yet) and fetched from the start of the first query's chunk, the
+    earliest key any query of the call sees.
+    """
+
+    def __init__(self, pool: KVPool, layer: int, layout: BatchLayout, chunk: int, group: int = 0) -> None:
+        if not isinstance(layout.offsets, int):
+            raise ValueError("chunked attention runs one row per forward call, at a host offset")
+        super().__init__(pool, layer, layout, None, group)
+        self.chunk = chunk
+
+    @property
+    def start_position(self) -> int:
+        return self.offset // self.chunk * self.chunk
+
+    def maybe_trim_front(self) -> None:
+        """Nothing to trim: the fetch starts at ``start_position`` (mlx-lm's cache trims here)."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        all_keys, all_values = super().update_and_fetch(keys, values)
+        start = self.start_position
+        self._fetched = (all_keys[:, :, start:], all_values[:, :, start:])
+        return self._fetched
+
+
 class MLXAttentionBackend:
     """Builds the per-layer caches that a forward call hands to the model: paged KV for
     attention layers, state-pool views for recurrent ones (``state_pool`` is then required)."""
@@ -547,15 +586,22 @@ class MLXAttentionBackend:
         specs: list[LayerSpec],
         state_pool: StatePool | None = None,
         block_groups: BlockGroups | None = None,
+        chunks: dict[int, int] | None = None,
+        host_offsets: bool = False,
     ) -> None:
+        """``chunks``: the chunk size of each chunked-attention layer (``chunk_sizes``);
+        ``host_offsets``: calls hold one row, whose caches give its offset as a Python int
+        (for model code that computes positions on the host: ``ONE_ROW_PER_CALL``, Llama 4)."""
         self.pool = pool
         self.specs = list(specs)
+        self.chunks = dict(chunks or {})
+        self.host_offsets = host_offsets
         self.state_pool = state_pool
         self.block_groups = block_groups or BlockGroups.single(self.specs)
         self._group_of = {layer: self.block_groups.group_of_layer(layer) for layer in self.block_groups.array_of_layer}
 
     def make_caches(self, rows: list[RowSpec]) -> list[PagedLayerCache | RecurrentLayerCache]:
-        layout = BatchLayout.build(rows, self.pool.block_size, len(self.block_groups.groups))
+        layout = BatchLayout.build(rows, self.pool.block_size, len(self.block_groups.groups), self.host_offsets)
         states = None
         if self.state_pool is not None:
             states = StateBatch.build(
@@ -572,4 +618,6 @@ class MLXAttentionBackend:
 
     def _paged(self, layer: int, layout: BatchLayout) -> PagedLayerCache:
         array = self.block_groups.array_of_layer[layer]
+        if layer in self.chunks:
+            return ChunkedLayerCache(self.pool, array, layout, self.chunks[layer], self._group_of[layer])
         return PagedLayerCache(self.pool, array, layout, self.specs[layer].window, self._group_of[layer])

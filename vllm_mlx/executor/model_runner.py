@@ -41,6 +41,7 @@ from vllm_mlx.executor.attention import (
     MLXAttentionBackend,
     PagedLayerCache,
     RowSpec,
+    chunk_sizes,
     layer_specs,
     model_type_of,
 )
@@ -173,8 +174,12 @@ class MLXModelRunner:
         self.pool = KVPool(self.block_groups.num_arrays, num_blocks, block_size, used=used)
         self.state_pool = self._make_state_pool(num_state_slots, state_layout)
         self.pads = all(s.pads for s in self.specs if is_recurrent(s))
-        self.one_row_per_call = model_type_of(model) in ONE_ROW_PER_CALL
-        self.attention = MLXAttentionBackend(self.pool, self.specs, self.state_pool, self.block_groups)
+        chunks = chunk_sizes(model)
+        # Code that takes one position for the whole batch (a chunk mask built from host ints too).
+        self.one_row_per_call = model_type_of(model) in ONE_ROW_PER_CALL or bool(chunks)
+        self.attention = MLXAttentionBackend(
+            self.pool, self.specs, self.state_pool, self.block_groups, chunks, host_offsets=self.one_row_per_call
+        )
         self.last_step: StepRecord | None = None
         self.vision_encoder_runs = 0
         self.lora: LoRASlots | None = None

@@ -62,6 +62,8 @@ PROBE_OVERRIDES: dict[str, dict] = {
     # Its sanitize adds lm_head.weight whatever tie_word_embeddings says: a tied model does not load.
     "minicpm": {"tie_word_embeddings": False},
     "baichuan_m1": {"tie_word_embeddings": False},  # its __call__ uses lm_head whatever that says
+    # mlx-lm's MoE takes one expert per token; chunks of 8 positions, so short prompts span several.
+    "llama4": {"num_experts_per_tok": 1, "attention_chunk_size": 8, "interleave_moe_layer_step": 2},
     "gemma3n": {"activation_sparsity_pattern": [0.0] * 4, "final_logit_softcapping": 30.0},  # 0: dense
 }  # fmt: skip
 PROBE_MAX_PARAMETERS = 10_000_000  # a config the tiny values do not shrink is not probed

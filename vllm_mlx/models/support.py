@@ -59,7 +59,7 @@ SWEPT_TEXT = (
     "cohere", "cohere2", "deepseek", "deepseek_v2", "deepseek_v32", "dots1", "ernie4_5_moe", "exaone",
     "exaone_moe", "falcon_h1", "gear", "gemma3", "gemma3n", "glm", "glm4", "glm4_moe", "glm4_moe_lite",
     "glm_moe_dsa", "gpt2", "gpt_bigcode", "gpt_neox", "helium", "hunyuan", "hunyuan_v1_dense", "internlm2",
-    "internlm3", "iquestloopcoder", "jamba", "kimi_k25", "kimi_vl", "Klear", "laguna", "lfm2_moe",
+    "internlm3", "iquestloopcoder", "jamba", "kimi_k25", "kimi_vl", "Klear", "laguna", "lfm2_moe", "llama4",
     "llama4_text", "longcat_flash", "mamba", "mamba2", "mimo", "mimo_v2_flash", "minicpm", "minicpm3",
     "minimax", "minimax_m3_vl", "ministral3", "mistral3", "mistral4", "mixtral", "muse_glimmer", "nanbeige",
     "nanochat", "nemotron", "olmo3", "olmo_hybrid", "openelm", "phimoe", "pixtral", "plamo2", "plamo3",
@@ -178,7 +178,7 @@ def classify_vision(name: str) -> Architecture:
     its text model with no ``get_rope_index``; runs otherwise, and the check at load confirms it
     on the real model."""
     from vllm_mlx.multimodal.vlm_families import FAMILIES
-    from vllm_mlx.multimodal.vlm_generic import IGNORED_FEATURES, POSITION_FEATURES
+    from vllm_mlx.multimodal.vlm_generic import IGNORED_FEATURES, POSITION_FEATURES, TOKEN_FEATURES
 
     family = next((f for f in FAMILIES if name in f.model_types), None)
     if family is not None:
@@ -192,7 +192,7 @@ def classify_vision(name: str) -> Architecture:
         reason = "its model has no get_input_embeddings, the interface the generic path drives"
         return Architecture(name, VISION, REFUSED, reason)
     rope_index = _defines_method(name, "get_rope_index")
-    ignored = IGNORED_FEATURES | (POSITION_FEATURES if rope_index else frozenset())
+    ignored = IGNORED_FEATURES | TOKEN_FEATURES | (POSITION_FEATURES if rope_index else frozenset())
     fields = sorted(set(_keywords(embeddings, "InputEmbeddingsFeatures")) & _feature_fields() - ignored)
     if fields:
         reason = (f"its image embeddings come with {', '.join(fields)}, which its text model needs beside them "

@@ -17,6 +17,11 @@ adapter, a piece at a time, for rows at different stages of one batch:
   rows written over their positions, then the language model over the paged caches. Its logits
   are split into backbone and head where that split reproduces them exactly (``LanguageSplit``).
 
+* per-token features: what ``get_input_embeddings`` returns beside the embeddings, one row per
+  token, for text alone too (``TOKEN_FEATURES``: Gemma 3n's and Gemma 4's ``per_layer_inputs``,
+  computed from each token's id with the image's tokens as padding), travels as the embeddings
+  do: the run's rows are kept with them (``encode`` appends them, flattened), the text's come
+  from the text-only call, and the language model gets the whole batch's by name.
 * positions: a text model with multi-axis rotary positions that it computes itself
   (``get_rope_index``: Qwen2-VL, GLM-4.1V, ...) gets them per prompt from that function, on the
   engine thread at the prompt's first step (``positions``), and passed with every call (mlx-vlm
@@ -52,6 +57,9 @@ the masks too (the text model builds its causal masks from the cache)."""
 POSITION_FEATURES = frozenset({"position_ids", "rope_deltas"})
 """``get_input_embeddings`` outputs the engine recomputes per request where the text model has a
 ``get_rope_index`` (its positions for the whole prompt, which one image's run cannot give)."""
+TOKEN_FEATURES = frozenset({"per_layer_inputs"})
+"""``get_input_embeddings`` outputs with one row per token that the language model takes by name
+beside the embeddings, and that the text-only call gives for text tokens (module doc)."""
 GRID_KEY = "image_grid_thw"
 """The processor output ``get_rope_index`` reads an image's patch grid from."""
 PROBE_IMAGE_SIZE = (64, 48)
@@ -143,6 +151,9 @@ class GenericVisionModel(VisionLanguageModel):
         self.rope_index = getattr(self.language, "get_rope_index", None)
         self.uses_mrope = self.rope_index is not None
         self.split: LanguageSplit | None = None
+        self.token_features: dict[str, tuple[int, ...]] = {}
+        """Per-token features the model gives beside its embeddings (``TOKEN_FEATURES``), by
+        name: each row's shape (``encode`` flattens them after the embedding row)."""
         self.check()
 
     # ---- what mlx-vlm's models share ------------------------------------------------------
@@ -155,9 +166,31 @@ class GenericVisionModel(VisionLanguageModel):
     def embed(self, inputs: mx.array) -> mx.array:
         return _embeds(self.model.get_input_embeddings(inputs, None))
 
-    def language_hidden_states(self, embeds, inputs, cache, position_ids):
+    def hidden_states(self, inputs, cache, position_ids, images):
+        """The base class's, with the per-token features: text rows from the text-only call,
+        the images' rows (after the embedding in ``images.features``) over their positions."""
+        if not self.token_features:
+            return super().hidden_states(inputs, cache, position_ids, images)
+        text = _fields(self.model.get_input_embeddings(inputs, None))
+        embeds, features = _embeds(text), {name: text[name] for name in self.token_features}
+        if images is not None:
+            rows = self._split_rows(images.features)
+            embeds = images.scatter(embeds, rows.pop(_EMBEDDING))
+            for name, shape in self.token_features.items():
+                flat = features[name].reshape(*features[name].shape[:2], -1)
+                features[name] = images.scatter(flat, rows[name]).reshape(*flat.shape[:2], *shape)
+        return self.language_hidden_states(embeds, inputs, cache, position_ids, **features)
+
+    def language_hidden_states(self, embeds, inputs, cache, position_ids, **features):
         extra = {"position_ids": position_ids} if position_ids is not None else {}
-        return self.split.backbone(inputs, inputs_embeds=embeds, cache=cache, **extra)
+        return self.split.backbone(inputs, inputs_embeds=embeds, cache=cache, **extra, **features)
+
+    def _split_rows(self, rows: mx.array) -> dict[str, mx.array]:
+        """``encode``'s rows back into the embedding and each per-token feature (flattened)."""
+        widths = [rows.shape[-1] - sum(int(np.prod(s)) for s in self.token_features.values())]
+        widths += [int(np.prod(shape)) for shape in self.token_features.values()]
+        parts = mx.split(rows, list(np.cumsum(widths)[:-1]), axis=-1)
+        return dict(zip([_EMBEDDING, *self.token_features], parts))
 
     def positions(self, token_ids: list[int], images: list[ImageInput]) -> tuple[np.ndarray, int]:
         """``(positions [3, len(token_ids)], rope_delta)``: the text model's own multi-axis
@@ -180,7 +213,10 @@ class GenericVisionModel(VisionLanguageModel):
         return ImageInput(self._hash(rgb), rgb, pixels, 0, len(run), token_ids=run, encoder_inputs=encoder_inputs)
 
     def encode(self, image: ImageInput) -> mx.array:
-        return _embeds(self._merged(image))[0]
+        merged = self._merged(image)
+        fields = _fields(merged)
+        rows = [_embeds(merged)[0], *(fields[name][0].reshape(image.num_tokens, -1) for name in self.token_features)]
+        return rows[0] if len(rows) == 1 else mx.concatenate([r.astype(rows[0].dtype) for r in rows], axis=-1)
 
     def image_tokens(self, image: ImageInput) -> list[int]:
         return list(image.token_ids)
@@ -198,7 +234,8 @@ class GenericVisionModel(VisionLanguageModel):
         probe = Image.new("RGB", PROBE_IMAGE_SIZE, (96, 160, 32))
         image = self.process(probe, MediaPolicy.operator())
         merged = self._merged(image)
-        ignored = IGNORED_FEATURES | (POSITION_FEATURES if self.uses_mrope else frozenset())
+        self.token_features = self._token_features(merged, image.num_tokens)
+        ignored = IGNORED_FEATURES | (POSITION_FEATURES if self.uses_mrope else frozenset()) | set(self.token_features)
         extra = sorted({name for name, value in _fields(merged).items() if value is not None} - ignored)
         if extra:
             raise UnsupportedModelError(
@@ -221,6 +258,18 @@ class GenericVisionModel(VisionLanguageModel):
         self.split = LanguageSplit.probe(self.language, self.make_cache, features[None])
         if mx.array_equal(self._logits_of(features[None]), self._logits_of(mx.zeros_like(features[None]))).item():
             raise UnsupportedModelError("its text model ignores the embeddings it is given, so images cannot reach it")
+
+    def _token_features(self, merged, run_length: int) -> dict[str, tuple[int, ...]]:
+        """The ``TOKEN_FEATURES`` the model gives with an image, one row per run token, that its
+        text-only call gives too (so text tokens have theirs): name -> a row's shape."""
+        given = {name: value for name, value in _fields(merged).items() if name in TOKEN_FEATURES and value is not None}
+        if not given:
+            return {}
+        text = _fields(self.model.get_input_embeddings(mx.array([[0]]), None))
+        return {
+            name: tuple(value.shape[2:]) for name, value in given.items()
+            if value.shape[:2] == (1, run_length) and text.get(name) is not None
+        }  # fmt: skip
 
     def _logits_of(self, embeds: mx.array) -> mx.array:
         inputs = mx.zeros(embeds.shape[:2], dtype=mx.int32)
@@ -266,6 +315,9 @@ def _text_ids(processor, text: str) -> list[int]:
     """``text`` tokenized as the processor tokenizes a prompt (special tokens added)."""
     tokenizer = getattr(processor, "tokenizer", processor)
     return list(tokenizer(text)["input_ids"])
+
+
+_EMBEDDING = "inputs_embeds"
 
 
 def _embeds(merged) -> mx.array:

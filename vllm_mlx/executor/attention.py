@@ -79,6 +79,9 @@ RECURRENT_ARCHITECTURES: dict[str, bool] = {
     "bailing_moe_v3": True,
     "falcon_h1": True,  # a CacheList layer: the Mamba-2 state beside the attention's KV
     "baichuan_m1": False,  # a CacheList layer: the last key and value (a short convolution) beside the KV
+    "lfm2-vl": True,  # LFM2-VL's text model, loaded by mlx-lm as text alone: lfm2's layers
+    "kimi_linear": False,  # Kimi Delta Attention layers beside MLA ones
+    "kimi_k3": False,
 }
 
 
@@ -88,6 +91,7 @@ RECURRENT_ARCHITECTURES: dict[str, bool] = {
 # batched and succeeds row by row (the engine's re-run) fails its "no failed step" check.
 ONE_ROW_PER_CALL: dict[str, str] = {
     "gpt_bigcode": "its positions are np.arange(cache[0].offset, ...), one start for every row",
+    "phi3small": "its block-sparse attention builds one block mask for every row, from one offset",
 }
 
 

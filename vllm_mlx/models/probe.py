@@ -43,6 +43,12 @@ PROBE_CONFIG = {
     "swa_head_dim": 16, "swa_v_head_dim": 16, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2,
     "partial_rotary_factor": 1.0,
     "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+    # The same sizes under the other names configs give them (GPT-2's n_embd, DBRX's d_model, ...).
+    "n_embd": 64, "d_model": 64, "model_dim": 64, "hidden_dim": 64, "n_head": 4, "n_heads": 4, "num_heads": 4,
+    "n_layer": 4, "n_layers": 4, "num_layers": 4, "n_kv_heads": 2, "num_kv_heads": 2, "num_vocab": 128,
+    "kv_channels": 16, "rotary_dim": 8, "n_shared_head": 2, "global_head_dim": 32, "intermediate_size_mlp": 128,
+    "attention_window_size": 8, "attention_chunk_size": 8, "num_experts_per_token": 2,
+    "num_kv_shared_layers": 2, "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 16,
 }  # fmt: skip
 # Architectures whose layer stack the generic config cannot describe.
 PROBE_OVERRIDES: dict[str, dict] = {
@@ -62,9 +68,20 @@ PROBE_OVERRIDES: dict[str, dict] = {
     # Its sanitize adds lm_head.weight whatever tie_word_embeddings says: a tied model does not load.
     "minicpm": {"tie_word_embeddings": False},
     "baichuan_m1": {"tie_word_embeddings": False},  # its __call__ uses lm_head whatever that says
-    # mlx-lm's MoE takes one expert per token; chunks of 8 positions, so short prompts span several.
-    "llama4": {"num_experts_per_tok": 1, "attention_chunk_size": 8, "interleave_moe_layer_step": 2},
     "gemma3n": {"activation_sparsity_pattern": [0.0] * 4, "final_logit_softcapping": 30.0},  # 0: dense
+    # A string of L (local) and G (global) layers, as EXAONE 4.0's own config writes it.
+    # (transformers derives layer_types from the pattern as a number unless they are given, as they are).
+    "exaone4": {"sliding_window_pattern": "LLLG", "layer_types": ["sliding_attention"] * 3 + ["full_attention"]},
+    # Its logits mask the ids 100256..100351 (Phi-3-small's dummy tokens) by index: a smaller vocabulary is
+    # written out of bounds (memory corruption, "double free or corruption"). Tied: 6.4M parameters.
+    "phi3small": {"vocab_size": 100352},
+    "dbrx": {"tie_word_embeddings": False},  # transformers' DbrxConfig refuses tied embeddings
+    # Its sanitize reads lm_head whatever its text model's tie_word_embeddings says.
+    "qwen3_vl_moe": {"text_config": {"tie_word_embeddings": False}},
+    # Griffin's stack is a list of block kinds (its code cycles through it), recurrent and local attention.
+    "recurrent_gemma": {"block_types": ["recurrent", "recurrent", "attention"], "conv1d_width": 4},
+    # One block config per layer (each its own attention and FFN sizes), as Nemotron-NAS configs have.
+    "nemotron-nas": {"block_configs": [{"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 2.0}}] * 4},
 }  # fmt: skip
 PROBE_MAX_PARAMETERS = 10_000_000  # a config the tiny values do not shrink is not probed
 PROBE_TIMEOUT_S = 120.0
@@ -189,14 +206,22 @@ def repair_config(module, config: dict, exc: Exception) -> dict | None:
     * a per-layer list indexed by a layer (``args.layer_types[layer_idx]``) that is None or too
       short: one entry per layer (the module's attention kinds for ``layer_types``, else its
       present entries repeated, else a small value for its name);
-    * a check of a field against a literal (``assert config.topk_method == "noaux_tc"``): that
-      literal;
+    * a check of a field against a literal (``assert config.topk_method == "noaux_tc"``, or
+      ``assert self.top_k == 1`` after ``self.top_k = args.num_experts_per_tok``): that literal;
+    * a check that names the layer kinds missing from a RoPE dict (``Missing RoPE parameters for
+      layer types: [...]``), or a RoPE dict read by a layer kind: default RoPE for each kind;
     * an attribute the model sets only when a flag of the config is on (``if args.scale_q:
       self.scale_q = ...``, read unconditionally): the flag on.
+
+    A name the failing function bound to a config field (``cfg = args.linear_attn_config``) counts
+    as that field.
     """
     text_class = getattr(module, "TextConfig", None) or getattr(module, "TextArgs", None)
+    text_module = module
+    if not dataclasses.is_dataclass(text_class) and (sibling := _text_module(module)) is not None:
+        text_module, text_class = sibling, sibling.ModelArgs  # ``lfm2.ModelArgs.from_dict(args.text_config)``
     if isinstance(config.get("text_config"), dict) and dataclasses.is_dataclass(text_class):
-        nested = _repair(module, text_class, config["text_config"], exc)
+        nested = _repair(text_module, text_class, config["text_config"], exc)
         if nested is not None:
             return {**config, "text_config": nested}
     return _repair(module, module.ModelArgs, config, exc)
@@ -205,16 +230,20 @@ def repair_config(module, config: dict, exc: Exception) -> dict | None:
 def _repair(module, args_class, config: dict, exc: Exception) -> dict | None:
     fields = {field.name: field for field in dataclasses.fields(args_class)}
     line = _failing_line(exc)
+    aliases = _aliases(exc)  # ``cfg = args.linear_attn_config`` above the failing ``cfg["num_heads"]``
     if isinstance(exc, (TypeError, AttributeError, KeyError)):
         reads = [(field, key or got) for field, key, got in _KEY_READ.findall(line)]
         if isinstance(exc, KeyError) and exc.args and isinstance(exc.args[0], str):  # the key on the next line
             reads += [(field, exc.args[0]) for field in re.findall(r"\b(\w+)\[\s*$", line)]
+            # or a key held in a variable: ``args.rope_parameters[layer_type]``
+            reads += [(field, exc.args[0]) for field in re.findall(r"\b(\w+)\[[a-z_]\w*\]", line)]
         if isinstance(exc, AttributeError) and "'NoneType' object has no attribute 'get'" in str(exc):
             reads += [(field, None) for field in re.findall(r"\b(\w+)\.get\(", line)]
         for field, key in reads:
+            field = field if field in fields else aliases.get(field, field)
             present = config.get(field)
             if field in fields and isinstance(present, (dict, type(None))) and (present is None or key not in present):
-                return {**config, field: {**(present or {}), **({key: _small_value_for(key)} if key else {})}}
+                return {**config, field: {**(present or {}), **({key: _small_value_for(key, field)} if key else {})}}
     missing = re.search(r"has no attribute '(\w+)'", str(exc)) if isinstance(exc, AttributeError) else None
     if missing and missing[1] in fields and config.get(missing[1]) is False:  # set only when the flag is on
         return {**config, missing[1]: True}
@@ -225,8 +254,15 @@ def _repair(module, args_class, config: dict, exc: Exception) -> dict | None:
                 return {**config, field: _per_layer(module, fields[field], config)}
     if isinstance(exc, (AssertionError, ValueError)):
         for field, literal in _LITERAL_CHECK.findall(line):
+            field = field if field in fields else aliases.get(field, field)
+            literal = ast.literal_eval(literal) if literal[0] not in "\"'" else literal[1:-1]
             if field in fields and config.get(field) != literal:
                 return {**config, field: literal}
+        kinds = re.findall(r"[\"'](\w+_attention)[\"']", str(exc))
+        rope = [field for field in fields if "rope" in field and isinstance(config.get(field), (dict, type(None)))]
+        if kinds and rope and "rope" in str(exc).lower():  # ``Missing RoPE parameters for layer types: [...]``
+            present = config.get(rope[0]) or {}
+            return {**config, rope[0]: {**present, **{kind: _small_value_for(kind, rope[0]) for kind in kinds}}}
         for field, value in _INDEX_OF.findall(line):  # ``layers.index("sliding_attention")`` found none
             entries = config.get(field)
             if field in fields and isinstance(entries, list) and entries and str(exc).endswith("is not in list"):
@@ -244,7 +280,7 @@ def _repair(module, args_class, config: dict, exc: Exception) -> dict | None:
 
 
 _INDEX_OF = re.compile(r"\b(\w+)\.index\(([\"']?[\w.-]+[\"']?)\)")
-_LITERAL_CHECK = re.compile(r"\b\w+\.(\w+)\s*==\s*[\"']([\w.-]+)[\"']")
+_LITERAL_CHECK = re.compile(r"\b\w+\.(\w+)\s*==\s*([\"'][\w.-]+[\"']|\d+(?:\.\d+)?\b)")
 _KEY_SET = re.compile(r"\{\s*[\"']\w+[\"'](?:\s*,\s*[\"']\w+[\"'])*\s*\}")
 
 
@@ -253,6 +289,27 @@ def _failing_line(exc: Exception) -> str:
 
     frames = traceback.extract_tb(exc.__traceback__)
     return frames[-1].line or "" if frames else ""
+
+
+def _aliases(exc: Exception) -> dict[str, str]:
+    """Names the failing function gave config fields before its failing line: ``cfg =
+    args.linear_attn_config`` (cfg -> linear_attn_config), ``self.top_k = args.num_experts_per_tok``
+    (top_k -> num_experts_per_tok)."""
+    import linecache
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return {}
+    frame = frames[-1]
+    lines = [linecache.getline(frame.filename, n) for n in range(max(1, frame.lineno - 40), frame.lineno)]
+    start = max((i for i, text in enumerate(lines) if re.match(r"\s*def ", text)), default=0)
+    found = {}
+    for text in lines[start:]:
+        assigned = re.match(r"\s*(?:self\.)?(\w+)\s*=\s*(?:self\.)?(?:args|config|cfg|params)\.(\w+)\s*$", text)
+        if assigned:
+            found[assigned[1]] = assigned[2]
+    return found
 
 
 def _per_layer(module, field: dataclasses.Field, config: dict) -> list:
@@ -271,9 +328,20 @@ def _per_layer(module, field: dataclasses.Field, config: dict) -> list:
     return [present[i % len(present)] for i in range(layers)]
 
 
-def _small_value_for(name: str) -> object:
-    """A small value for a config key, guessed from its name."""
+def _small_value_for(name: str, container: str = "") -> object:
+    """A small value for a config key, guessed from its name (and the name of the config dict
+    ``container`` it is a key of: a layer kind's RoPE parameters are a dict)."""
     name = name.lower()
+    if name.endswith("_attention") and "rope" in container:  # ``rope_parameters["sliding_attention"]``
+        return {"rope_type": "default", "rope_theta": PROBE_CONFIG["rope_theta"]}
+    if name in PROBE_CONFIG:
+        return PROBE_CONFIG[name]
+    if "experts" in name:
+        return PROBE_CONFIG["num_experts"]
+    if "top_k" in name or "topk" in name:
+        return PROBE_CONFIG["num_experts_per_tok"]
+    if "heads" in name:
+        return PROBE_CONFIG["num_key_value_heads" if "kv" in name else "num_attention_heads"]
     if "theta" in name:
         return 10000.0
     if name.endswith("type"):
@@ -306,19 +374,52 @@ def _attention_kinds(module) -> list[str]:
 
 def tiny_config(module, name: str, args_class=None) -> dict:
     """``PROBE_CONFIG`` and ``name``'s overrides, and a small value of the declared type for
-    every other field of ``args_class`` (default ``module.ModelArgs``) without a default. A
-    ``text_config`` field gets the same treatment for the module's ``TextConfig``/``TextArgs``."""
+    every other field of ``args_class`` (default ``module.ModelArgs``) without a default (a
+    required ``layer_...`` list: one entry a layer). A ``PROBE_CONFIG`` number is left out where
+    the field is declared a list, string or dict. A ``text_config`` field gets the same treatment
+    for the module's ``TextConfig``/``TextArgs``, or for the sibling module a wrapper builds its
+    text model with (``lfm2.ModelArgs.from_dict(args.text_config)``); an override's
+    ``text_config`` entries are merged into it."""
     args_class = args_class or module.ModelArgs
-    config = {**PROBE_CONFIG, **PROBE_OVERRIDES.get(name, {}), "model_type": name}
+    fields = {field.name: field for field in dataclasses.fields(args_class)}
+    generic = {k: v for k, v in PROBE_CONFIG.items() if k not in fields or _fits(v, fields[k].type)}
+    config = {**generic, **PROBE_OVERRIDES.get(name, {}), "model_type": name}
     text_class = getattr(module, "TextConfig", None) or getattr(module, "TextArgs", None)
-    for field in dataclasses.fields(args_class):
+    for field in fields.values():
         if field.name == "text_config":
             nested = dataclasses.is_dataclass(text_class) and text_class is not args_class
-            tiny = tiny_config(module, name, text_class) if nested else {**PROBE_CONFIG, "model_type": name}
-            config[field.name] = tiny
+            sibling = None if nested else _text_module(module)
+            if nested:
+                tiny = tiny_config(module, name, text_class)
+            elif sibling is not None:  # ``lfm2.ModelArgs.from_dict(args.text_config)``: that module's config
+                tiny = tiny_config(sibling, sibling.__name__.rpartition(".")[2])
+            else:
+                tiny = {**PROBE_CONFIG, "model_type": name}
+            config[field.name] = {**tiny, **PROBE_OVERRIDES.get(name, {}).get("text_config", {})}
         elif field.name not in config and _required(field):
             config[field.name] = _small_value(field.name, field.type)
+            if field.name.startswith("layer_") and config[field.name] == []:  # per-layer: one entry a layer
+                config[field.name] = _per_layer(module, field, config)
     return config
+
+
+def _fits(value, annotation) -> bool:
+    """False when ``value`` (a ``PROBE_CONFIG`` number) is plainly not of the field's declared
+    type: a field named like a size that holds a per-layer list (OpenELM's ``num_kv_heads``) or a
+    string (EXAONE 4's ``sliding_window_pattern``)."""
+    text = str(annotation).lower()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return not re.match(r"^(typing\.)?(optional\[)?(list|tuple|str|dict)\b", text.replace("<class '", ""))
+    return True
+
+
+def _text_module(module):
+    """The sibling module whose ``ModelArgs`` a wrapper builds its text model from
+    (``lfm2.ModelArgs.from_dict(args.text_config)``), or None."""
+    source = Path(module.__file__).read_text(errors="replace")
+    found = re.search(r"\b(\w+)\.ModelArgs\.from_dict\(\s*\w+\.text_config", source)
+    sibling = getattr(module, found[1], None) if found else None
+    return sibling if isinstance(sibling, types.ModuleType) and hasattr(sibling, "ModelArgs") else None
 
 
 def _required(field: dataclasses.Field) -> bool:

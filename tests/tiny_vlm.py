@@ -219,14 +219,14 @@ def _instantiate(arch, config: dict, seed: int):
     double as the text config; ``text_config``/``vision_config`` dicts become their dataclasses)."""
     import mlx.core as mx
 
+    from mlx_vlm.utils import update_module_configs
+
     params = json.loads(json.dumps(config))  # from_dict mutates its argument
     params.setdefault("text_config", {})
     params.setdefault("vision_config", {})
     model_config = arch.ModelConfig.from_dict(params)
-    for name in ("text", "vision", "projector"):
-        if isinstance(getattr(model_config, f"{name}_config", None), dict):
-            cls = getattr(arch, f"{name.title()}Config")
-            setattr(model_config, f"{name}_config", cls.from_dict(params[f"{name}_config"]))
+    modules = ["text", "vision", "perceiver", "projector", "audio"]  # as mlx_vlm.utils.load_model
+    model_config = update_module_configs(model_config, arch, params, modules)
     mx.random.seed(seed)
     return arch.Model(model_config)
 
@@ -373,8 +373,26 @@ def build_tiny_llava(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: 
     ``tokenizer_dir`` as in :func:`build_tiny_qwen2_vl`. Call the loaded processor without
     ``padding`` (or see :func:`drop_text_kwargs_for_images` for ``mlx_vlm.generate(image=...)``).
     """
-    from mlx_vlm.models import llava
+    return _build_llava_layout(out_dir, tokenizer_dir, seed, "llava", "LlavaForConditionalGeneration")
 
+
+def _build_llava_layout(
+    out_dir: Path,
+    tokenizer_dir: Path | None,
+    seed: int,
+    model_type: str,
+    architecture: str,
+    *,
+    config_extra: dict | None = None,
+    preprocessor_extra: dict | None = None,
+    processor_extra: dict | None = None,
+    processor_class: str = "LlavaProcessor",
+) -> Path:
+    """A directory in LLaVA-1.5's layout (llama text model, CLIP tower at 28 px, projector) for
+    mlx-vlm's ``model_type`` package; the ``*_extra`` dicts add or override config keys."""
+    import importlib
+
+    family = importlib.import_module(f"mlx_vlm.models.{model_type}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = _make_tokenizer(tokenizer_dir, LLAVA_SPECIAL_TOKENS)
@@ -382,8 +400,8 @@ def build_tiny_llava(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: 
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     vision = dict(LLAVA_VISION_CONFIG)
     config = {
-        "model_type": "llava",
-        "architectures": ["LlavaForConditionalGeneration"],
+        "model_type": model_type,
+        "architectures": [architecture],
         "text_config": {**LLAVA_TEXT_CONFIG, "vocab_size": vocab_size},
         "vision_config": vision,
         "vocab_size": vocab_size,
@@ -395,8 +413,9 @@ def build_tiny_llava(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: 
         "pad_token_id": ids["<pad>"],
         "eos_token_id": ids["</s>"],
         "tie_word_embeddings": True,
+        **(config_extra or {}),
     }
-    model = _instantiate(llava, config, seed)
+    model = _instantiate(family, config, seed)
     _save_weights(model, out_dir / "model.safetensors")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
 
@@ -404,7 +423,7 @@ def build_tiny_llava(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: 
     size = vision["image_size"]
     preprocessor = {
         "image_processor_type": "CLIPImageProcessor",
-        "processor_class": "LlavaProcessor",
+        "processor_class": processor_class,
         "do_convert_rgb": True,
         "do_resize": True,
         "size": {"shortest_edge": size},
@@ -416,14 +435,121 @@ def build_tiny_llava(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: 
         "do_normalize": True,
         "image_mean": [0.48145466, 0.4578275, 0.40821073],
         "image_std": [0.26862954, 0.26130258, 0.27577711],
+        **(preprocessor_extra or {}),
     }
     (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
     processor_config = {
-        "processor_class": "LlavaProcessor",
+        "processor_class": processor_class,
         "image_token": "<image>",
         "patch_size": vision["patch_size"],
         "vision_feature_select_strategy": "default",
         "num_additional_image_tokens": 1,  # the CLS position
+        **(processor_extra or {}),
+    }
+    (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
+    return out_dir
+
+
+def build_tiny_llava_next(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
+    """A tiny random-weight LLaVA-NeXT directory: LLaVA's layout with any-resolution tiles (a
+    28 px base view plus up to 2x2 tiles of 28 px, by aspect ratio) and a learned newline."""
+    pinpoints = [[28, 28], [28, 56], [56, 28], [56, 56]]
+    return _build_llava_layout(
+        out_dir, tokenizer_dir, seed, "llava_next", "LlavaNextForConditionalGeneration",
+        config_extra={"image_grid_pinpoints": pinpoints},
+        preprocessor_extra={"image_processor_type": "LlavaNextImageProcessor", "image_grid_pinpoints": pinpoints,
+                            "do_pad": True},
+        processor_class="LlavaNextProcessor",
+    )  # fmt: skip
+
+
+# LLaVA's template with an image part rendered as the bare placeholder (no newline after it), so
+# a prompt without one gets exactly the placeholder the family tests write themselves.
+LLAVA_BARE_IMAGE_CHAT_TEMPLATE = LLAVA_CHAT_TEMPLATE.replace("<image>\n", "<image>")
+
+# LLaVA-OneVision: a qwen2 text model and a SigLIP tower at 28 px (2x2 patches of 14 px, all
+# kept: 4 tokens per tile); any-resolution tiles up to 56x56 (2x2 tiles), unpadded to the
+# image's aspect ratio with a learned newline after each row of the tiles' features.
+LLAVA_ONEVISION_TEXT_CONFIG = {
+    "model_type": "qwen2",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+}
+
+TINY_SIGLIP_VISION_CONFIG = {
+    "model_type": "siglip_vision_model",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 1,
+    "image_size": 28,
+    "patch_size": 14,
+    "num_channels": 3,
+    "layer_norm_eps": 1e-6,
+}
+
+
+def build_tiny_llava_onevision(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
+    """A tiny random-weight LLaVA-OneVision directory (qwen2 text, SigLIP at 28 px, any-resolution
+    tiles up to 2x2 plus the base view: a 100x60 picture is 4 + 2x4 + 2 newlines = 14 tokens)."""
+    from mlx_vlm.models import llava_onevision
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = _make_tokenizer(tokenizer_dir, [*LLAVA_SPECIAL_TOKENS, "<video>"])
+    ids = {t: tok.token_to_id(t) for t in [*LLAVA_SPECIAL_TOKENS, "<video>"]}
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    vision = dict(TINY_SIGLIP_VISION_CONFIG)
+    tile = vision["image_size"]
+    pinpoints = [[tile, tile], [tile, 2 * tile], [2 * tile, tile], [2 * tile, 2 * tile]]
+    config = {
+        "model_type": "llava_onevision",
+        "architectures": ["LlavaOnevisionForConditionalGeneration"],
+        "text_config": {**LLAVA_ONEVISION_TEXT_CONFIG, "vocab_size": vocab_size},
+        "vision_config": vision,
+        "vocab_size": vocab_size,
+        "image_token_index": ids["<image>"],
+        "video_token_index": ids["<video>"],
+        "image_grid_pinpoints": pinpoints,
+        "vision_aspect_ratio": "anyres_max_9",
+        "vision_feature_select_strategy": "full",
+        "vision_feature_layer": -1,
+        "eos_token_id": ids["</s>"],
+        "tie_word_embeddings": True,
+    }
+    model = _instantiate(llava_onevision, config, seed)
+    _save_weights(model, out_dir / "model.safetensors")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    _save_tokenizer(out_dir, tok, "</s>", "<pad>", 4096, LLAVA_BARE_IMAGE_CHAT_TEMPLATE)
+    preprocessor = {
+        "image_processor_type": "LlavaOnevisionImageProcessor",
+        "processor_class": "LlavaOnevisionProcessor",
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "size": {"height": tile, "width": tile},
+        "image_grid_pinpoints": pinpoints,
+        "do_pad": True,
+        "resample": 3,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+    }
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    processor_config = {
+        "processor_class": "LlavaOnevisionProcessor",
+        "num_image_tokens": (tile // vision["patch_size"]) ** 2,
+        "vision_feature_select_strategy": "full",
+        "image_token": "<image>",
+        "video_token": "<video>",
     }
     (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
     return out_dir
@@ -999,6 +1125,187 @@ def _build_idefics3_layout(out_dir: Path, tokenizer_dir: Path | None, seed: int,
     tokens_per_tile = (tile // vision["patch_size"]) ** 2 // config["scale_factor"] ** 2
     processor_config = {"processor_class": f"{name}Processor", "image_seq_len": tokens_per_tile}
     (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
+    return out_dir
+
+
+AYA_VISION_SPECIAL_TOKENS = [
+    "<PAD>", "<EOS>", "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>",
+    "<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>",
+]  # fmt: skip
+
+# Aya Vision's turn markers; an image part renders as <image>, which the processor replaces by
+# <|START_OF_IMG|>, per tile "TILE_i" + <|IMG_PATCH|> x n, "TILE_GLOBAL" + the thumbnail's, <|END_OF_IMG|>.
+AYA_VISION_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|START_OF_TURN_TOKEN|>"
+    "{{ '<|USER_TOKEN|>' if message['role'] == 'user' else '<|CHATBOT_TOKEN|>' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}<image>"
+    "{% elif 'text' in part %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "<|END_OF_TURN_TOKEN|>{% endfor %}"
+    "{% if add_generation_prompt %}<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>{% endif %}"
+)
+
+# Cohere 2's text model: layers alternating a sliding window (rotary) and global attention (no
+# rotary; pattern 2), logits scaled; SigLIP at 56 px tiles (4x4 patches, pixel-shuffled 2x2 by the SwiGLU
+# projector: 4 tokens per tile); images cropped to up to 2 tiles plus a thumbnail.
+AYA_VISION_TEXT_CONFIG = {
+    "model_type": "cohere2",
+    "hidden_size": 64,
+    "head_dim": 16,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rope_theta": 10000.0,
+    "layer_norm_eps": 1e-5,
+    "logit_scale": 0.25,
+    "sliding_window": 32,
+    "sliding_window_pattern": 2,
+    "max_position_embeddings": 4096,
+}
+
+
+def build_tiny_aya_vision(
+    out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0, sliding_window: int = 32
+) -> Path:
+    """A tiny random-weight Aya Vision directory (SigLIP tiles + thumbnail, pixel-shuffle SwiGLU
+    projector, a Cohere 2 text model with a sliding window of 32, shorter than the image prompts).
+
+    Cohere 2's global layers have no rotary positions: with a window much shorter than an image's
+    run (36 tokens for 100x60), image tokens mix only with each other before the global layer,
+    which then cannot tell the order of two images (the two-image test needs it to)."""
+    from mlx_vlm.models import aya_vision
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = _make_tokenizer(tokenizer_dir, AYA_VISION_SPECIAL_TOKENS)
+    ids = {t: tok.token_to_id(t) for t in AYA_VISION_SPECIAL_TOKENS}
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    vision = {**TINY_SIGLIP_VISION_CONFIG, "image_size": 56}
+    tile = vision["image_size"]
+    config = {
+        "model_type": "aya_vision",
+        "architectures": ["AyaVisionForConditionalGeneration"],
+        "text_config": {**AYA_VISION_TEXT_CONFIG, "vocab_size": vocab_size, "sliding_window": sliding_window},
+        "vision_config": vision,
+        "image_token_index": ids["<|IMG_PATCH|>"],
+        "downsample_factor": 2,
+        "alignment_intermediate_size": 128,
+        "max_splits_per_img": 2,
+        "vision_feature_layer": -1,
+        "vision_feature_select_strategy": "full",
+        "eos_token_id": [ids["<EOS>"], ids["<|END_OF_TURN_TOKEN|>"]],
+    }
+    model = _instantiate(aya_vision, config, seed)
+    _save_weights(model, out_dir / "model.safetensors")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    _save_tokenizer(out_dir, tok, "<|END_OF_TURN_TOKEN|>", "<PAD>", 4096, AYA_VISION_CHAT_TEMPLATE)
+    preprocessor = {
+        "image_processor_type": "GotOcr2ImageProcessor",
+        "processor_class": "AyaVisionProcessor",
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "size": {"height": tile, "width": tile},
+        "crop_to_patches": True,
+        "min_patches": 1,
+        "max_patches": 2,
+        "resample": 3,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+    }
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    processor_config = {"processor_class": "AyaVisionProcessor", "image_token": "<image>",
+                        "patch_size": vision["patch_size"], "img_size": tile, "downsample_factor": 2}  # fmt: skip
+    (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
+    return out_dir
+
+
+LFM2_VL_SPECIAL_TOKENS = [
+    "<|pad|>", "<|startoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<|image_start|>", "<|image_end|>",
+    "<|img_thumbnail|>", *[f"<|img_row_{i}_col_{j}|>" for i in range(1, 4) for j in range(1, 4)],
+]  # fmt: skip
+
+# LFM2-VL: an LFM2 text model (full attention, then a short-convolution layer: the other way
+# round, two images swapped give the same greedy tokens on these seeds), a SigLIP2
+# NaFlex tower (16 px patches, learned 4x4 position grid resized to the image), pixel-unshuffle
+# 2x2 and a projector; images resized to 4-16 tokens, framed by <|image_start|> / <|image_end|>.
+LFM2_VL_TEXT_CONFIG = {
+    "model_type": "lfm2",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "norm_eps": 1e-5,
+    "conv_bias": False,
+    "conv_L_cache": 3,
+    "block_dim": 64,
+    "block_ff_dim": 128,
+    "block_multiple_of": 16,
+    "block_ffn_dim_multiplier": 1.0,
+    "block_auto_adjust_ff_dim": False,
+    "layer_types": ["full_attention", "conv"],
+    "tie_word_embeddings": True,
+}
+
+LFM2_VL_VISION_CONFIG = {
+    "model_type": "lfm2_vl",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_channels": 3,
+    "patch_size": 16,
+    "num_patches": 16,
+}
+
+
+def build_tiny_lfm2_vl(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
+    """A tiny random-weight LFM2-VL directory (SigLIP2 NaFlex, pixel unshuffle, LFM2 hybrid text)."""
+    from mlx_vlm.models import lfm2_vl
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = _make_tokenizer(tokenizer_dir, LFM2_VL_SPECIAL_TOKENS)
+    ids = {t: tok.token_to_id(t) for t in LFM2_VL_SPECIAL_TOKENS}
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    image = {"downsample_factor": 2, "encoder_patch_size": 16, "min_image_tokens": 4, "max_image_tokens": 16,
+             "tile_size": 64, "max_num_patches": 64, "use_image_special_tokens": True}  # fmt: skip
+    config = {
+        "model_type": "lfm2_vl",
+        "architectures": ["Lfm2VlForConditionalGeneration"],
+        "text_config": {**LFM2_VL_TEXT_CONFIG, "vocab_size": vocab_size, "eos_token_id": ids["<|im_end|>"]},
+        "vision_config": dict(LFM2_VL_VISION_CONFIG),
+        "image_token_id": ids["<image>"],
+        "projector_hidden_size": 64,
+        "eos_token_id": ids["<|im_end|>"],
+        **image,
+    }
+    model = _instantiate(lfm2_vl, config, seed)
+    _save_weights(model, out_dir / "model.safetensors")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    template = QWEN2_VL_CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
+    _save_tokenizer(out_dir, tok, "<|im_end|>", "<|pad|>", 4096, template)
+    preprocessor = {
+        "image_processor_type": "Lfm2VlImageProcessor",
+        "processor_class": "Lfm2VlProcessor",
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "resample": 2,
+        **image,
+    }
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    (out_dir / "processor_config.json").write_text(json.dumps({"processor_class": "Lfm2VlProcessor"}, indent=2))
     return out_dir
 
 

@@ -1,5 +1,5 @@
-"""Qwen3-VL and Qwen3.5 (dense and MoE), Gemma 3, Mistral 3, SmolVLM, Idefics3, Pixtral and GLM-4.1V
-in the paged engine, on tiny random-weight models (tests/tiny_vlm.py).
+"""Qwen3-VL and Qwen3.5 (dense and MoE), Gemma 3, Mistral 3, SmolVLM, Idefics3, Pixtral, GLM-4.1V,
+LLaVA-OneVision, Aya Vision and LFM2-VL in the paged engine, on tiny random-weight models (tests/tiny_vlm.py).
 
 Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / LLaVA:
 
@@ -22,6 +22,9 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
 * GLM-4.1V, GLM-4.5V (a mixture-of-experts text model) and GLM-OCR: the generic path with
   multi-axis positions the text model computes itself (``get_rope_index``, once per prompt on
   the engine thread, passed with every call).
+* LLaVA-OneVision (SigLIP tiles, a Qwen2 text model), Aya Vision (SigLIP tiles, Cohere 2 with
+  sliding-window layers and global layers without rotary positions), LFM2-VL (a hybrid text
+  model: short convolutions in the state pool): the generic path alone.
 
 All: one and two images equal mlx-vlm, batched with text-only requests equals solo (chunked
 prefills ending inside images, preemption), prefix cache on equals off with an image in the
@@ -56,6 +59,9 @@ PLACEHOLDER = {
     "glm4v": "<|begin_of_image|><|image|><|end_of_image|>",
     "glm4v_moe": "<|begin_of_image|><|image|><|end_of_image|>",
     "glm_ocr": "<|begin_of_image|><|image|><|end_of_image|>",
+    "llava_onevision": "<image>",
+    "aya_vision": "<image>",
+    "lfm2_vl": "<image>",
 }
 
 
@@ -159,8 +165,9 @@ def test_prefix_cache_on_equals_off_with_an_image_in_the_prefix(family):
     def outputs(enabled: bool):
         engine = family_engine(model_dir, num_kv_blocks=96, enable_prefix_caching=enabled)
         try:
-            first = engine.prepare_prompt(*prompts[0]).token_ids
-            image_end = max(i for i, t in enumerate(first) if t == engine.vision.image_token_id) + 1
+            prepared = engine.prepare_prompt(*prompts[0])
+            first = prepared.token_ids
+            image_end = prepared.mm_input.images[-1].end  # the image's run, closing markers included
             outs = [run_prompts(engine, [p])[0] for p in prompts]
             cached = [o.num_cached_tokens for o in outs]
             hybrid = engine.kv_cache.checkpoints is not None
@@ -171,8 +178,8 @@ def test_prefix_cache_on_equals_off_with_an_image_in_the_prefix(family):
     (on, cached_on, mllm_on, image_end, length, hybrid), (off, cached_off, *_) = outputs(True), outputs(False)
     assert on == off
     assert cached_off == [0, 0, 0]
-    if hybrid:  # recurrent layers (Qwen3.5) resume only where a state checkpoint was kept
-        assert name.startswith("qwen3_5")
+    if hybrid:  # recurrent layers (Qwen3.5, LFM2-VL) resume only where a state checkpoint was kept
+        assert name.startswith(("qwen3_5", "lfm2_vl"))
         # The second prompt branches off the first after the image: no checkpoint there yet.
         assert cached_on[0:2] == [0, 0] and cached_on[2] >= length - 4  # the repeat resumes
         # The image, encoded once, came from the MLLM cache for the second prompt.
@@ -277,3 +284,21 @@ def test_mistral3_with_a_ministral3_text_model_is_refused_before_loading(tmp_pat
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="'mistral3'.*text model 'ministral3'.*first row"):
         EngineCore(model=str(model_dir))
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        # mlx-vlm's LLaVA-NeXT model adds a newline row per tile and no unpadding, where its
+        # processor counts the tokens as transformers does: the two disagree on the run's length.
+        ("llava_next", r"expands an image inside the model \(\d+ embeddings for a run of \d+ tokens\)"),
+    ],
+)
+def test_a_family_the_generic_path_cannot_drive_is_refused_at_load_saying_why(tmp_path, name, reason):
+    """The check at load runs the generic path on a small image: a family it cannot drive is
+    refused with what differs, never served wrong."""
+    import tiny_vlm
+
+    model_dir = getattr(tiny_vlm, f"build_tiny_{name}")(tmp_path / name)
+    with pytest.raises(UnsupportedModelError, match=reason):
+        EngineCore(model=str(model_dir), num_kv_blocks=32, block_size=4)

@@ -80,6 +80,7 @@ RECURRENT_ARCHITECTURES: dict[str, bool] = {
     "falcon_h1": True,  # a CacheList layer: the Mamba-2 state beside the attention's KV
     "baichuan_m1": False,  # a CacheList layer: the last key and value (a short convolution) beside the KV
     "lfm2-vl": True,  # LFM2-VL's text model, loaded by mlx-lm as text alone: lfm2's layers
+    "lfm2_vl": True,  # LFM2-VL through mlx-vlm: the same layers
     "kimi_linear": False,  # Kimi Delta Attention layers beside MLA ones
     "kimi_k3": False,
 }

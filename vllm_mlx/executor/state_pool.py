@@ -210,6 +210,7 @@ class RecurrentLayerCache(ArraysCache):
     mlx-lm, ``advance(T)`` lowers it. ``make_mask(T)`` is True on real tokens (None: no padding).
     """
 
+    left_padding = None  # rows are right-padded (``lengths``); mlx-vlm's LFM2 reads this too
     pool: StatePool
     layer: int
     batch: StateBatch

@@ -92,13 +92,22 @@ def test_a_probe_that_hangs_is_unknown_and_the_worker_recovers():
         assert worker.probe("llama") == Probe(RUNS, "full attention")
 
 
+def mlx_has_metal() -> bool:
+    import mlx.core as mx
+
+    return mx.metal.is_available()
+
+
 def test_probe_details():
     """In this process: a runnable architecture's layer kinds, and why a probe cannot be built."""
     assert probe_text("gemma3_text") == Probe(RUNS, "sliding window + full attention")
     assert probe_text("gear") == Probe(RUNS, "sliding window + full attention")  # built from layer_types
     assert probe_text("lfm2") == Probe(RUNS, "recurrent state + full attention")  # short convolutions
     if importlib.util.find_spec("hf_olmo") is None:  # mlx-lm's olmo exits on import without ai2-olmo
-        assert probe_text("olmo") == Probe(UNKNOWN, "the module does not import: SystemExit: 1")
+        said = "the module does not import: SystemExit: 1 (To run olmo install ai2-olmo: pip install ai2-olmo)"
+        assert probe_text("olmo") == Probe(UNKNOWN, said)  # what it printed before it exited, kept
+    if not mlx_has_metal():  # BitNet's layers run a Metal kernel of their own
+        assert probe_text("bitnet").detail.endswith("which this MLX backend has not (probe it on Apple silicon)")
     # Its ModelArgs demand a Hadamard-packed 2-bit checkpoint, which no tiny config describes.
     assert probe_text("prism_hadamard_qwen35").detail.startswith(
         "could not build a probe: ValueError: Unsupported Hadamard pack"

@@ -191,6 +191,11 @@ class CacheNesting:
 # What a cache kind (or an architecture's use of one) would need beyond the paged protocol, where
 # it is more than a missing branch.
 _WHY_NOT = {
+    "recurrent_gemma": (
+        "Tried against mlx-lm, its RG-LRU layers differ from the third token of a three-token "
+        "prompt, cause not yet found (its recurrence also starts a sequence differently when the "
+        "state is None, which a batch of new and continuing rows would have to keep apart)"
+    ),
     "longcat_flash_ngram": (
         "Its n-gram embedding keeps the last few token ids as a recurrent state that grows over "
         "the first tokens of a sequence (and treats a shorter history differently from one of "

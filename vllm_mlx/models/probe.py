@@ -18,8 +18,10 @@ the parameter count is known before any memory is).
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import importlib
+import io
 import json
 import re
 import sys
@@ -102,10 +104,13 @@ def probe_text(name: str) -> Probe:
     from vllm_mlx.executor.attention import UnsupportedModelError, layer_specs
     from vllm_mlx.executor.model_runner import measure_kv_layout
 
+    printed = io.StringIO()
     try:
-        module = importlib.import_module(f"mlx_lm.models.{name}")
+        with contextlib.redirect_stdout(printed):
+            module = importlib.import_module(f"mlx_lm.models.{name}")
     except (Exception, SystemExit) as exc:  # some modules exit when an optional package is missing
-        return Probe(UNKNOWN, f"the module does not import: {_reason(exc)}")
+        said = printed.getvalue().strip().splitlines()  # what the module printed before it exited
+        return Probe(UNKNOWN, f"the module does not import: {_reason(exc)}" + (f" ({said[-1]})" if said else ""))
     try:
         model = build_tiny_model(module, name).model
     except Exception as exc:
@@ -148,7 +153,7 @@ def build_tiny_model(module, name: str) -> TinyModel:
     ``MAX_REPAIRS`` times; when the args have ``layer_types``, each attempt is tried once more with
     a stack that alternates the attention kinds the module's code names (e.g. sliding, full): many
     architectures derive their layers from that list. Raises the first attempt's error when
-    nothing builds."""
+    nothing builds (the last, where the repairs got as far as a kernel only Metal has)."""
     config = tiny_config(module, name)
     first = None
     for _ in range(MAX_REPAIRS + 1):
@@ -157,8 +162,8 @@ def build_tiny_model(module, name: str) -> TinyModel:
         except Exception as exc:
             first = first or exc
             config = repair_config(module, config, exc)
-            if config is None:
-                raise first from None
+            if config is None:  # the config is not what stops a Metal-only kernel: say that
+                raise (exc if _NO_METAL in str(exc) else first) from None
     raise first
 
 
@@ -456,7 +461,12 @@ def _num_parameters(model) -> int:
     return sum(value.size for _, value in tree_flatten(model.parameters()))  # lazy: nothing allocated
 
 
+_NO_METAL = "No Metal back-end"  # what mx.fast.metal_kernel raises on another backend
+
+
 def _reason(exc: BaseException) -> str:
+    if _NO_METAL in str(exc):  # mx.fast.metal_kernel: a kernel of the model's own
+        return "its code runs a Metal kernel of its own, which this MLX backend has not (probe it on Apple silicon)"
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {text}"[:200] if text else type(exc).__name__
 

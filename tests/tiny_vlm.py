@@ -36,7 +36,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from tiny_model import TINY_CONFIG
+from tiny_model import TINY_CONFIG, TINY_LFM2
 
 # Special tokens of the Qwen2-VL family, in the order they get ids.
 QWEN_SPECIAL_TOKENS = [
@@ -1235,7 +1235,7 @@ LFM2_VL_SPECIAL_TOKENS = [
 # NaFlex tower (16 px patches, learned 4x4 position grid resized to the image), pixel-unshuffle
 # 2x2 and a projector; images resized to 4-16 tokens, framed by <|image_start|> / <|image_end|>.
 LFM2_VL_TEXT_CONFIG = {
-    "model_type": "lfm2",
+    **{k: v for k, v in TINY_LFM2.items() if k != "full_attn_idxs"},
     "hidden_size": 64,
     "num_hidden_layers": 2,
     "intermediate_size": 128,
@@ -1243,15 +1243,7 @@ LFM2_VL_TEXT_CONFIG = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 4096,
     "rope_theta": 10000.0,
-    "norm_eps": 1e-5,
-    "conv_bias": False,
-    "conv_L_cache": 3,
-    "block_dim": 64,
-    "block_ff_dim": 128,
-    "block_multiple_of": 16,
-    "block_ffn_dim_multiplier": 1.0,
-    "block_auto_adjust_ff_dim": False,
-    "layer_types": ["full_attention", "conv"],
+    "layer_types": ["full_attention", "conv"],  # mlx-vlm's LFM2 reads layer_types, not full_attn_idxs
     "tie_word_embeddings": True,
 }
 

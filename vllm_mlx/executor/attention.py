@@ -125,10 +125,10 @@ def layer_specs(model, model_type: str | None = None, recurrent: bool = True) ->
     if refused:
         raise UnsupportedModelError(
             f"architecture {model_type!r} needs {', '.join(sorted(refused))} caches, which the paged "
-            "engine does not support yet (it pages full-attention KVCache and sliding-window "
-            "RotatingKVCache layers, and keeps the recurrent ArraysCache state of "
-            f"{', '.join(sorted(RECURRENT_ARCHITECTURES)) if recurrent else 'no architecture here'}; "
-            "other recurrent or chunked layers are refused)"
+            "engine does not support yet (it pages KVCache, RotatingKVCache and ChunkedKVCache layers "
+            "and each member of a CacheList, and keeps the recurrent ArraysCache state of "
+            + ("the architectures checked against mlx-lm, which `vllm-mlx models --supported` lists"
+               if recurrent else "no architecture here") + ")"
             + "".join(f". {_WHY_NOT[kind]}" for kind in [*sorted(refused), model_type] if kind in _WHY_NOT)
             + ("" if recurrent else _THROUGH_VLLM)
         )
@@ -191,6 +191,11 @@ class CacheNesting:
 # What a cache kind (or an architecture's use of one) would need beyond the paged protocol, where
 # it is more than a missing branch.
 _WHY_NOT = {
+    "LayerCache": (
+        "DeepSeek-V4.1's LayerCache keeps, per layer, a sliding window, compressed groups of closed "
+        "blocks and their index keys: a layout of its own, not pages (a cache held per request "
+        "inside the batch would serve it without prefix caching; not yet)"
+    ),
     "recurrent_gemma": (
         "Tried against mlx-lm, its RG-LRU layers differ from the third token of a three-token "
         "prompt, cause not yet found (its recurrence also starts a sequence differently when the "

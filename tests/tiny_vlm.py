@@ -1409,3 +1409,189 @@ def _build_glm4v_layout(
     preprocessor = _patch_image_processor("Glm4vImageProcessor", "Glm46VProcessor", vision, pixels, do_resize=True)
     (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
     return out_dir
+
+
+KIMI_VL_SPECIAL_TOKENS = [
+    "[PAD]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>",
+    "<|media_start|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>",
+]  # fmt: skip
+
+# Kimi-VL's template shape: "<|im_user|>user<|im_middle|>...<|im_end|>"; an image part renders as
+# <|media_start|>image<|media_content|><|media_pad|><|media_end|> (the processor repeats <|media_pad|>).
+KIMI_VL_IMAGE = "<|media_start|>image<|media_content|><|media_pad|><|media_end|>"
+KIMI_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_user|>user' if message['role'] == 'user' else '<|im_assistant|>assistant' }}<|im_middle|>"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}" + KIMI_VL_IMAGE +
+    "{% elif 'text' in part %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
+)
+
+# DeepSeek-V3's text model (multi-head latent attention: kv_lora_rank 16, keys of 16 + 8 rotary
+# dims, values of 16; a dense layer, then a sigmoid-routed MoE layer with a shared expert).
+DEEPSEEK_V3_TINY_TEXT_CONFIG = {
+    "model_type": "deepseek_v3",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_shared_experts": 1,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+}
+
+
+def build_tiny_kimi_vl(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
+    """A tiny random-weight Kimi-VL directory: MoonViT (14 px patches at the image's own size,
+    cropped to multiples of 28 px, learned 4x4 positions interpolated, 2-D rotary), 2x2 patch
+    merge and projector, a DeepSeek-V3 text model (MLA, MoE). A 100x60 picture: 3x2 = 6 tokens."""
+    from mlx_vlm.models import kimi_vl
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = _make_tokenizer(tokenizer_dir, KIMI_VL_SPECIAL_TOKENS)
+    ids = {t: tok.token_to_id(t) for t in KIMI_VL_SPECIAL_TOKENS}
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    vision = {
+        "model_type": "moonvit", "depth": 1, "embed_dim": 32, "hidden_size": 32, "num_heads": 2,
+        "intermediate_size": 64, "patch_size": 14, "init_pos_emb_height": 4, "init_pos_emb_width": 4,
+        "merge_kernel_size": [2, 2],
+    }  # fmt: skip
+    eos = [ids["[EOS]"], ids["<|im_end|>"]]
+    config = {
+        "model_type": "kimi_vl",
+        "architectures": ["KimiVLForConditionalGeneration"],
+        "text_config": {**DEEPSEEK_V3_TINY_TEXT_CONFIG, "vocab_size": vocab_size},
+        "vision_config": vision,
+        "vocab_size": vocab_size,
+        "media_placeholder_token_id": ids["<|media_pad|>"],
+        "eos_token_id": eos,
+    }
+    model = _instantiate(kimi_vl, config, seed)
+    _save_weights(model, out_dir / "model.safetensors")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    _save_tokenizer(out_dir, tok, "<|im_end|>", "[PAD]", 4096, KIMI_VL_CHAT_TEMPLATE)
+    preprocessor = {"processor_class": "KimiVLProcessor", "image_processor_type": "KimiVLImageProcessor",
+                    "patch_size": 14, "merge_kernel_size": [2, 2], "in_token_limit": 256}  # fmt: skip
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    return out_dir
+
+
+LLAMA4_SPECIAL_TOKENS = [
+    "<|finetune_right_pad_id|>", "<|eot|>", "<|header_start|>", "<|header_end|>", "<|image_start|>", "<|image_end|>",
+    "<|image|>", "<|patch|>", "<|tile_x_separator|>", "<|tile_y_separator|>",
+]  # fmt: skip
+
+# Llama 4's template shape: "<|header_start|>user<|header_end|>\n\n<|image|>Describe<|eot|>"; the
+# processor replaces <|image|> by <|image_start|>, the tiles' <|patch|> runs split by the tile
+# separators, <|image|>, the global view's <|patch|> run and <|image_end|>.
+LLAMA4_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|header_start|>{{ message['role'] }}<|header_end|>\n\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}<|image|>"
+    "{% elif 'text' in part %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "<|eot|>{% endfor %}"
+    "{% if add_generation_prompt %}<|header_start|>assistant<|header_end|>\n\n{% endif %}"
+)
+
+# Llama 4's text model: layers 0-2 chunked attention (rotary, qk norm; chunks of 16 tokens,
+# shorter than every image prompt), layer 3 global attention without rotary (temperature
+# tuned), a mixture of experts every second layer (one routed expert plus the shared one).
+LLAMA4_TEXT_CONFIG = {
+    "model_type": "llama4_text",
+    "hidden_size": 64,
+    "head_dim": 16,
+    "intermediate_size": 64,
+    "intermediate_size_mlp": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 4,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 1,
+    "interleave_moe_layer_step": 2,
+    "attention_chunk_size": 16,
+    "floor_scale": 8,
+    "attn_scale": 0.1,
+    "max_position_embeddings": 4096,
+}
+
+# Llama 4's vision model at 56 px tiles: 4x4 patches of 14 px (plus a class position, dropped),
+# pixel-shuffled 0.5 to 2x2 = 4 tokens per tile; up to 4 tiles plus the global view.
+LLAMA4_VISION_CONFIG = {
+    "model_type": "llama4_vision_model",
+    "hidden_size": 32,
+    "intermediate_size": 128,  # = hidden_size / pixel_shuffle_ratio**2: the projector's input
+    "num_attention_heads": 2,
+    "num_hidden_layers": 1,
+    "image_size": 56,
+    "patch_size": 14,
+    "num_channels": 3,
+    "norm_eps": 1e-5,
+    "initializer_range": 0.02,
+    "pixel_shuffle_ratio": 0.5,
+    "projector_dropout": 0.0,
+    "projector_input_dim": 64,
+    "projector_output_dim": 64,
+    "vision_output_dim": 64,
+    "rope_theta": 10000.0,
+    "vision_feature_layer": -1,
+    "vision_feature_select_strategy": "default",
+}
+
+
+def build_tiny_llama4(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
+    """A tiny random-weight Llama 4 directory (tiled vision model with pixel shuffle, a text
+    model with chunked attention, a global layer without rotary, and a mixture of experts).
+
+    One 56 px tile per image (``max_patches`` 1): for an image of several tiles mlx-vlm's
+    processor writes the global view's ``<|patch|>`` run while its model adds no global view,
+    so their counts disagree (the engine then fails that request, saying so)."""
+    from mlx_vlm.models import llama4
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = _make_tokenizer(tokenizer_dir, LLAMA4_SPECIAL_TOKENS)
+    ids = {t: tok.token_to_id(t) for t in LLAMA4_SPECIAL_TOKENS}
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    eos = [ids["<|eot|>"]]
+    text = {**LLAMA4_TEXT_CONFIG, "vocab_size": vocab_size, "eos_token_id": eos,
+            "pad_token_id": ids["<|finetune_right_pad_id|>"], "bos_token_id": None}  # fmt: skip
+    config = {
+        "model_type": "llama4",
+        "architectures": ["Llama4ForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": dict(LLAMA4_VISION_CONFIG),
+        "image_token_index": ids["<|patch|>"],
+        "eos_token_id": eos,
+    }
+    model = _instantiate(llama4, config, seed)
+    _save_weights(model, out_dir / "model.safetensors")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    _save_tokenizer(out_dir, tok, "<|eot|>", "<|finetune_right_pad_id|>", 4096, LLAMA4_CHAT_TEMPLATE)
+    tile = LLAMA4_VISION_CONFIG["image_size"]
+    preprocessor = {"image_processor_type": "Llama4ImageProcessorFast", "processor_class": "Llama4Processor",
+                    "size": {"height": tile, "width": tile}, "max_patches": 1,
+                    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}  # fmt: skip
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    return out_dir

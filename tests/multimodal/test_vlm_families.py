@@ -1,5 +1,6 @@
 """Qwen3-VL and Qwen3.5 (dense and MoE), Gemma 3, Mistral 3, SmolVLM, Idefics3, Pixtral, GLM-4.1V,
-LLaVA-OneVision, Aya Vision and LFM2-VL in the paged engine, on tiny random-weight models (tests/tiny_vlm.py).
+LLaVA-OneVision, Aya Vision, LFM2-VL, Kimi-VL and Llama 4 in the paged engine, on tiny random-weight
+models (tests/tiny_vlm.py).
 
 Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / LLaVA:
 
@@ -25,6 +26,12 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
 * LLaVA-OneVision (SigLIP tiles, a Qwen2 text model), Aya Vision (SigLIP tiles, Cohere 2 with
   sliding-window layers and global layers without rotary positions), LFM2-VL (a hybrid text
   model: short convolutions in the state pool): the generic path alone.
+* Kimi-VL: MoonViT at the image's own size (2-D rotary, interpolated learned positions, 2x2
+  patch merge) and a DeepSeek-V3 text model (multi-head latent attention, sigmoid-routed MoE):
+  the generic path alone.
+* Llama 4: a text model with chunked attention (chunks of 16, shorter than every image prompt:
+  one row per forward call), a global layer without rotary positions and a mixture of experts;
+  one tile per image (mlx-vlm's processor and model disagree for several).
 
 All: one and two images equal mlx-vlm, batched with text-only requests equals solo (chunked
 prefills ending inside images, preemption), prefix cache on equals off with an image in the
@@ -62,6 +69,8 @@ PLACEHOLDER = {
     "llava_onevision": "<image>",
     "aya_vision": "<image>",
     "lfm2_vl": "<image>",
+    "kimi_vl": "<|media_start|>image<|media_content|><|media_pad|><|media_end|>",
+    "llama4": "<|image|>",
 }
 
 

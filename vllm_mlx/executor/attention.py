@@ -136,13 +136,22 @@ def layer_specs(model, model_type: str | None = None, recurrent: bool = True) ->
 
 
 def chunk_sizes(model) -> dict[int, int]:
-    """Per layer (spec index) with chunked attention (mlx-lm's ``ChunkedKVCache``: Llama 4), its
-    chunk size; such a model runs one row per forward call (``ChunkedLayerCache``)."""
-    from mlx_lm.models.cache import ChunkedKVCache
-
+    """Per layer (spec index) with chunked attention (``ChunkedKVCache``: Llama 4), its chunk
+    size; such a model runs one row per forward call (``ChunkedLayerCache``)."""
     make_cache = getattr(model, "make_cache", None)
     caches = flat_caches(make_cache()) if make_cache is not None else []
-    return {i: c.chunk_size for i, c in enumerate(caches) if type(c) is ChunkedKVCache}
+    return {i: c.chunk_size for i, c in enumerate(caches) if type(c) in _chunked_cache_types()}
+
+
+def _chunked_cache_types() -> tuple[type, ...]:
+    """mlx-lm's ``ChunkedKVCache``, and mlx-vlm's (its Llama 4 builds its own class) where installed."""
+    from mlx_lm.models.cache import ChunkedKVCache
+
+    try:
+        from mlx_vlm.models.cache import ChunkedKVCache as VlmChunkedKVCache
+    except ImportError:
+        return (ChunkedKVCache,)
+    return (ChunkedKVCache, VlmChunkedKVCache)
 
 
 def flat_caches(caches: list) -> list:
@@ -225,10 +234,10 @@ def model_type_of(model) -> str:
 
 
 def _spec_of(cache, recurrent_model_type: str | None) -> LayerSpec | None:
-    from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
     from mlx_lm.utils import MODEL_REMAPPING
 
-    if type(cache) is KVCache or type(cache) is ChunkedKVCache:  # chunked: stored as full (ChunkedLayerCache)
+    if type(cache) is KVCache or type(cache) in _chunked_cache_types():  # chunked: stored as full
         return FullAttentionSpec()
     if type(cache) is RotatingKVCache and cache.keep == 0:
         return SlidingWindowSpec(cache.max_size)

@@ -16,6 +16,8 @@ No model hub is reachable in the test environment, so the multimodal tests build
   Qwen3-VL's tower without deepstack, a hybrid text model (gated delta-net + full attention).
 * :func:`build_tiny_gemma3`: Gemma 3 (SigLIP at 56x56, pooled to 4 tokens per image), text layers
   alternating a sliding window of 8 and global attention; its tokenizer has newline-run tokens.
+* :func:`build_tiny_gemma4`: Gemma 4 (its own tower, 16 px patches pooled 3x3: 2 to 4 soft tokens
+  per image), a text model with sliding and global layers, KV-sharing layers and per-layer inputs.
 * :func:`build_tiny_mistral3`: Mistral 3 (Pixtral at the image's resolution up to 112 px, 2x2
   patch merger, mistral text model): rows of ``[IMG]`` split by ``[IMG_BREAK]``.
 
@@ -897,6 +899,186 @@ def build_tiny_gemma3(
     }
     (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
     processor_config = {"processor_class": "Gemma3Processor", "image_seq_length": text["mm_tokens_per_image"]}
+    (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
+    return out_dir
+
+
+GEMMA4_SPECIAL_TOKENS = [
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<|turn>",
+    "<turn|>",
+    "<|image>",
+    "<image|>",
+    "<|image|>",
+    "<|audio>",
+    "<audio|>",
+    "<|audio|>",
+    "<|video|>",
+]
+
+# Gemma 4's turn markers, minus the BOS and the system/thinking handling: an image part renders
+# as <|image|>, which the processor (and the engine) expand to
+# "<|image>" + <|image|> x (soft tokens of that image) + "<image|>".
+GEMMA4_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}<|image|>"
+    "{% elif 'text' in part %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "<turn|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+
+# Gemma 4's small-model text layout (E2B/E4B): layers 0 and 2 slide (window 8), 1 and 3 attend
+# globally with a wider head (global_head_dim 32) and partial "proportional" rotary positions;
+# the last two layers (num_kv_shared_layers 2) compute no keys or values of their own but reuse
+# those of the last earlier layer of their kind (2 -> 0, 3 -> 1), with double-wide MLPs; every
+# layer adds a per-layer input (hidden_size_per_layer_input 8) computed from the token ids (the
+# image tokens' from id 0) and the embeddings.
+GEMMA4_TEXT_CONFIG = {
+    "model_type": "gemma4_text",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "global_head_dim": 32,
+    "rms_norm_eps": 1e-6,
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "num_kv_shared_layers": 2,
+    "hidden_size_per_layer_input": 8,
+    "use_double_wide_mlp": True,
+    "final_logit_softcapping": 30.0,
+    "use_bidirectional_attention": None,
+    "rope_parameters": {
+        "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0, "rope_type": "proportional"},
+        "sliding_attention": {"rope_theta": 10_000.0, "rope_type": "default"},
+    },
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+}
+
+# Gemma 4's tower: 16 px patches, pooled 3x3 into soft tokens; images resized (aspect kept) to
+# at most max_soft_tokens x 9 patches, sides multiples of 48 px: a 64x64 picture is 96x96 (4
+# soft tokens), 100x60 is 48x96 (2).
+GEMMA4_VISION_CONFIG = {
+    "model_type": "gemma4_vision",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "global_head_dim": 16,
+    "rms_norm_eps": 1e-6,
+    "patch_size": 16,
+    "pooling_kernel_size": 3,
+    "position_embedding_size": 64,
+    "default_output_length": 4,
+    "rope_parameters": {"rope_theta": 100.0, "rope_type": "default"},
+}
+GEMMA4_MAX_SOFT_TOKENS = 4
+
+
+def build_tiny_gemma4(
+    out_dir: Path,
+    tokenizer_dir: Path | None = None,
+    *,
+    seed: int = 0,
+    weight_scale: float = 1.25,
+) -> Path:
+    """A tiny random-weight Gemma 4 VLM directory (Gemma 4 vision tower pooled 3x3, a gemma4
+    text model with sliding and global layers, KV-sharing layers and per-layer inputs, no audio
+    tower). Every image is its soft tokens (2 to 4 here) between ``<|image>`` and ``<image|>``.
+    ``tokenizer_dir`` as in :func:`build_tiny_qwen2_vl`.
+
+    Weights are scaled x1.25, not x4 (Gemma's embedding scaling saturates larger weights, as in
+    :func:`build_tiny_gemma3`; at x2 every prompt decodes to one token): the seven test prompts
+    decode to seven different sequences, and the top two log-probabilities of mlx-vlm's greedy
+    steps stay >= 0.05 apart on them (x1: >= 0.0006).
+    """
+    import mlx.core as mx
+    from mlx_vlm.models import gemma4
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = _make_tokenizer(tokenizer_dir, GEMMA4_SPECIAL_TOKENS, newline_runs=True)
+    ids = {t: tok.token_to_id(t) for t in GEMMA4_SPECIAL_TOKENS}
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    text = {**GEMMA4_TEXT_CONFIG, "vocab_size": vocab_size, "vocab_size_per_layer_input": vocab_size,
+            "pad_token_id": ids["<pad>"]}  # fmt: skip
+    vision = {**GEMMA4_VISION_CONFIG, "default_output_length": GEMMA4_MAX_SOFT_TOKENS}
+    config = {
+        "model_type": "gemma4",
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": vision,
+        "audio_config": None,
+        "vocab_size": vocab_size,
+        "hidden_size": text["hidden_size"],
+        "image_token_id": ids["<|image|>"],
+        "boi_token_id": ids["<|image>"],
+        "eoi_token_id": ids["<image|>"],
+        "audio_token_id": ids["<|audio|>"],
+        "boa_token_id": ids["<|audio>"],
+        "eoa_token_id": ids["<audio|>"],
+        "video_token_id": ids["<|video|>"],
+        "vision_soft_tokens_per_image": GEMMA4_MAX_SOFT_TOKENS,
+        "pad_token_id": ids["<pad>"],
+        "bos_token_id": ids["<bos>"],
+        "eos_token_id": [ids["<eos>"], ids["<turn|>"]],
+        "tie_word_embeddings": True,
+    }
+    model = _instantiate(gemma4, config, seed)
+    # The patch position table starts as all ones (the same for every patch): random instead.
+    embedder = model.vision_tower.patch_embedder
+    table = embedder.position_embedding_table
+    embedder.position_embedding_table = mx.random.normal(table.shape) * 0.5
+    # Zero (tied) embedding rows for the media placeholders: their logit is then 0, below the
+    # best of the others, so the model never writes one. mlx-vlm's decode steps would give a
+    # written placeholder the per-layer input of its own id, where its prompt path (as Hugging
+    # Face's model, and the engine) gives every placeholder that of id 0.
+    embed = model.language_model.model.embed_tokens
+    media = mx.array([ids["<|image|>"], ids["<|audio|>"], ids["<|video|>"]])
+    embed.weight = embed.weight.at[media].multiply(0.0)
+    # Per-layer inputs x3: large enough that giving the image positions those of the image
+    # token's id instead of id 0's changes the greedy tokens of most test prompts.
+    per_layer = model.language_model.model.embed_tokens_per_layer
+    per_layer.weight = per_layer.weight * 3.0
+    _save_weights(model, out_dir / "model.safetensors", weight_scale)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    # The Gemma 4 processor reads these names off the tokenizer.
+    extra = {
+        "extra_special_tokens": {
+            "boi_token": "<|image>",
+            "eoi_token": "<image|>",
+            "image_token": "<|image|>",
+            "boa_token": "<|audio>",
+            "eoa_token": "<audio|>",
+            "audio_token": "<|audio|>",
+            "video_token": "<|video|>",
+        }
+    }
+    max_length = text["max_position_embeddings"]
+    _save_tokenizer(out_dir, tok, "<turn|>", "<pad>", max_length, GEMMA4_CHAT_TEMPLATE, extra)
+    image_processor = {
+        "image_processor_type": "Gemma4ImageProcessor",
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": False,
+        "patch_size": vision["patch_size"],
+        "pooling_kernel_size": vision["pooling_kernel_size"],
+        "max_soft_tokens": GEMMA4_MAX_SOFT_TOKENS,
+    }
+    processor_config = {"processor_class": "Gemma4Processor", "image_processor": image_processor}
     (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
     return out_dir
 

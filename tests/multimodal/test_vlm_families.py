@@ -1,4 +1,4 @@
-"""Qwen3-VL and Qwen3.5 (dense and MoE), Gemma 3, Mistral 3, SmolVLM, Idefics3, Pixtral, GLM-4.1V,
+"""Qwen3-VL and Qwen3.5 (dense and MoE), Gemma 3, Gemma 4, Mistral 3, SmolVLM, Idefics3, Pixtral, GLM-4.1V,
 LLaVA-OneVision, Aya Vision, LFM2-VL, Kimi-VL and Llama 4 in the paged engine, on tiny random-weight
 models (tests/tiny_vlm.py).
 
@@ -13,6 +13,10 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
 * Gemma 3: an image framed by ``<start_of_image>`` / ``<end_of_image>`` and newlines, features
   scaled on the way in, and a text model alternating sliding-window (here 8 tokens, shorter
   than every prompt) and global layers: the paged caches must apply the window.
+* Gemma 4: the generic path with per-token features: ``get_input_embeddings`` gives per-layer
+  inputs beside the embeddings (id 0's at the image tokens), which travel with the image's rows
+  and reach the text model by name; its last two layers reuse the keys and values of earlier
+  ones (KV sharing), and its global layers have a wider head than its sliding ones.
 * Mistral 3: images at their own resolution (token count from the size), expanded to rows of
   ``[IMG]`` separated by ``[IMG_BREAK]`` and closed by ``[IMG_END]``: features go to the
   ``[IMG]`` positions only.
@@ -71,6 +75,7 @@ PLACEHOLDER = {
     "lfm2_vl": "<image>",
     "kimi_vl": "<|media_start|>image<|media_content|><|media_pad|><|media_end|>",
     "llama4": "<|image|>",
+    "gemma4": "<|image|>",
 }
 
 
@@ -310,4 +315,17 @@ def test_a_family_the_generic_path_cannot_drive_is_refused_at_load_saying_why(tm
 
     model_dir = getattr(tiny_vlm, f"build_tiny_{name}")(tmp_path / name)
     with pytest.raises(UnsupportedModelError, match=reason):
+        EngineCore(model=str(model_dir), num_kv_blocks=32, block_size=4)
+
+
+def test_image_tokens_attending_both_ways_are_refused_at_load(tmp_path):
+    """Gemma 4 (``use_bidirectional_attention="vision"``) and PaliGemma let image tokens see each
+    other both ways in mlx-vlm; the engine's prefill is causal, so it refuses rather than differ."""
+    from tiny_vlm import build_tiny_gemma4
+
+    model_dir = build_tiny_gemma4(tmp_path / "gemma4")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["text_config"]["use_bidirectional_attention"] = "vision"
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="attend to each other both ways.*'vision'"):
         EngineCore(model=str(model_dir), num_kv_blocks=32, block_size=4)

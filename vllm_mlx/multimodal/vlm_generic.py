@@ -29,8 +29,8 @@ adapter, a piece at a time, for rows at different stages of one batch:
 
 This holds where ``get_input_embeddings`` merges position by position and the text model needs
 nothing but embeddings, those positions and the cache; ``check`` runs the pipeline once at load
-on a small image and refuses, with the reason, a model that needs more (positions kept as state
-with no function to compute them, cross-attention states, deepstack features, features longer
+on a small image and refuses, with the reason, a model that needs more (image tokens attending
+both ways, positions kept as state with no function to compute them, cross-attention states, deepstack features, features longer
 than the run). Family hooks (``vlm_families.py``) add what differs.
 """
 
@@ -171,8 +171,9 @@ class GenericVisionModel(VisionLanguageModel):
         the images' rows (after the embedding in ``images.features``) over their positions."""
         if not self.token_features:
             return super().hidden_states(inputs, cache, position_ids, images)
-        text = _fields(self.model.get_input_embeddings(inputs, None))
-        embeds, features = _embeds(text), {name: text[name] for name in self.token_features}
+        merged = self.model.get_input_embeddings(inputs, None)
+        text = _fields(merged)
+        embeds, features = _embeds(merged), {name: text[name] for name in self.token_features}
         if images is not None:
             rows = self._split_rows(images.features)
             embeds = images.scatter(embeds, rows.pop(_EMBEDDING))
@@ -231,6 +232,12 @@ class GenericVisionModel(VisionLanguageModel):
         """
         from PIL import Image
 
+        both_ways = _bidirectional_attention(self.model)
+        if both_ways:
+            raise UnsupportedModelError(
+                f"its text model lets image tokens attend to each other both ways (use_bidirectional_attention="
+                f"{both_ways!r}), where the engine's prefill in the batch is causal"
+            )
         probe = Image.new("RGB", PROBE_IMAGE_SIZE, (96, 160, 32))
         image = self.process(probe, MediaPolicy.operator())
         merged = self._merged(image)
@@ -315,6 +322,13 @@ def _text_ids(processor, text: str) -> list[int]:
     """``text`` tokenized as the processor tokenizes a prompt (special tokens added)."""
     tokenizer = getattr(processor, "tokenizer", processor)
     return list(tokenizer(text)["input_ids"])
+
+
+def _bidirectional_attention(model) -> object:
+    """The text config's ``use_bidirectional_attention`` (PaliGemma's prefix, Gemma 4's
+    ``"vision"``: image tokens see each other both ways in mlx-vlm), None where unset."""
+    text_config = getattr(getattr(model, "config", None), "text_config", None)
+    return getattr(text_config, "use_bidirectional_attention", None)
 
 
 _EMBEDDING = "inputs_embeds"

@@ -49,6 +49,7 @@ from vllm_mlx.core.kv.spec import (
     SlidingWindowSpec,
     is_recurrent,
 )
+from vllm_mlx.executor.cache_list import flat_caches
 from vllm_mlx.executor.state_pool import RecurrentLayerCache, StateBatch, StatePool
 from vllm_mlx.platform.errors import VllmMlxError
 
@@ -154,60 +155,17 @@ def _chunked_cache_types() -> tuple[type, ...]:
     return (ChunkedKVCache, VlmChunkedKVCache)
 
 
-def flat_caches(caches: list) -> list:
-    """``make_cache()``'s caches with each ``CacheList`` replaced by its members, in order: the
-    engine pages each member as a layer of its own (one spec, one pool array or state slot)."""
-    from mlx_lm.models.cache import CacheList
-
-    return [member for cache in caches for member in (cache.caches if isinstance(cache, CacheList) else (cache,))]
-
-
-@dataclass(frozen=True)
-class CacheNesting:
-    """How the flat per-spec caches of a forward call regroup into what the model's layers take.
-
-    A layer of some architectures holds several caches in one mlx-lm ``CacheList``: Falcon-H1
-    and Baichuan-M1 a state beside their keys and values, DeepSeek-V3.2 and GLM-5 their sparse
-    indexer's keys beside the latent KV, LongCat-Flash two attentions. Everything the engine
-    keeps is per member (``layer_specs``, the pools, the state slots); only the model sees
-    the ``CacheList``. ``members[i]`` is None for a plain cache, else the ``CacheList``'s size.
-    """
-
-    members: tuple[int | None, ...] = ()
-
-    @classmethod
-    def of(cls, model) -> CacheNesting:
-        from mlx_lm.models.cache import CacheList
-
-        make_cache = getattr(model, "make_cache", None)
-        caches = make_cache() if make_cache is not None else []
-        return cls(tuple(len(c.caches) if isinstance(c, CacheList) else None for c in caches))
-
-    def nest(self, flat: list) -> list:
-        """``flat`` (one cache per spec) as the model takes it: the same list when no layer
-        holds a ``CacheList``."""
-        if all(size is None for size in self.members):
-            return flat
-        from mlx_lm.models.cache import CacheList
-
-        nested, start = [], 0
-        for size in self.members:
-            nested.append(flat[start] if size is None else CacheList(*flat[start : start + size]))
-            start += 1 if size is None else size
-        return nested
-
-
 # What a cache kind (or an architecture's use of one) would need beyond the paged protocol, where
 # it is more than a missing branch.
 _WHY_NOT = {
     "LayerCache": (
         "DeepSeek-V4.1's LayerCache keeps, per layer, a sliding window, compressed groups of closed "
         "blocks and their index keys: a layout of its own, not pages (a cache held per request "
-        "inside the batch would serve it without prefix caching; not yet)"
+        "inside the batch could serve it, without prefix caching)"
     ),
     "recurrent_gemma": (
         "Tried against mlx-lm, its RG-LRU layers differ from the third token of a three-token "
-        "prompt, cause not yet found (its recurrence also starts a sequence differently when the "
+        "prompt, for a cause still unknown (its recurrence also starts a sequence differently when the "
         "state is None, which a batch of new and continuing rows would have to keep apart)"
     ),
     "longcat_flash_ngram": (

@@ -36,7 +36,6 @@ from vllm_mlx.core.outputs import ModelRunnerOutput, ScheduledRequest, Scheduler
 from vllm_mlx.core.request import Request, SamplingParams
 from vllm_mlx.executor.attention import (
     ONE_ROW_PER_CALL,
-    CacheNesting,
     KVPool,
     MLXAttentionBackend,
     PagedLayerCache,
@@ -46,6 +45,7 @@ from vllm_mlx.executor.attention import (
     model_type_of,
 )
 from vllm_mlx.executor.bitmask import StepMasks
+from vllm_mlx.executor.cache_list import CacheNesting
 from vllm_mlx.executor.cpu_kernels import CPUKernels
 from vllm_mlx.executor.sampling import sample, sampling_row
 from vllm_mlx.executor.state_pool import RecurrentLayerCache, StateLayout, StatePool, StateWrite, probe_state_layout

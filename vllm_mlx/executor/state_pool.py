@@ -29,6 +29,7 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache
 
 from vllm_mlx.core.kv.spec import LayerSpec, is_recurrent
+from vllm_mlx.executor.cache_list import flat_caches
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,6 @@ class StateLayout:
 def probe_state_layout(model, specs: list[LayerSpec]) -> StateLayout:
     """Run one token through ``model`` with mlx-lm's own caches and read the state arrays it
     leaves (shapes do not depend on the sequence length; dtypes are the model's own)."""
-    from vllm_mlx.executor.attention import flat_caches
-
     caches = model.make_cache()
     mx.eval(model(mx.array([[0]]), cache=caches))
     caches = flat_caches(caches)  # one per spec

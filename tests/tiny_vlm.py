@@ -180,6 +180,16 @@ def _make_tokenizer(tokenizer_dir: Path | None, special_tokens: list[str], newli
     return tok
 
 
+def _save_model(out_dir: Path, model, config: dict, scale: float = 4.0) -> None:
+    """The model's weights (scaled: ``_save_weights``) and its ``config.json``."""
+    _save_weights(model, out_dir / "model.safetensors", scale)
+    _write_json(out_dir / "config.json", config)
+
+
+def _write_json(path: Path, data) -> None:
+    path.write_text(json.dumps(data, indent=2))
+
+
 def _save_weights(model, path: Path, scale: float = 4.0) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -212,8 +222,8 @@ def _save_tokenizer(
         "chat_template": chat_template,
         **(extra or {}),
     }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-    (out_dir / "chat_template.json").write_text(json.dumps({"chat_template": chat_template}, indent=2))
+    _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
+    _write_json(out_dir / "chat_template.json", {"chat_template": chat_template})
 
 
 def _instantiate(arch, config: dict, seed: int):
@@ -314,8 +324,7 @@ def _build_qwen_vl(
     }
 
     model = _instantiate(arch, config, seed)
-    _save_weights(model, out_dir / "model.safetensors", weight_scale)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    _save_model(out_dir, model, config, weight_scale)
 
     _save_tokenizer(out_dir, tok, "<|im_end|>", "<|endoftext|>", config["max_position_embeddings"], QWEN2_VL_CHAT_TEMPLATE)
     vision = config["vision_config"]
@@ -323,7 +332,7 @@ def _build_qwen_vl(
         "Qwen2VLImageProcessor", "Qwen2VLProcessor", vision, (QWEN2_VL_MIN_PIXELS, max_pixels), do_resize=True,
         min_pixels=QWEN2_VL_MIN_PIXELS, max_pixels=max_pixels,
     )  # fmt: skip
-    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    _write_json(out_dir / "preprocessor_config.json", preprocessor)
     return out_dir
 
 
@@ -418,8 +427,7 @@ def _build_llava_layout(
         **(config_extra or {}),
     }
     model = _instantiate(family, config, seed)
-    _save_weights(model, out_dir / "model.safetensors")
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    _save_model(out_dir, model, config)
 
     _save_tokenizer(out_dir, tok, "</s>", "<pad>", LLAVA_TEXT_CONFIG["max_position_embeddings"], LLAVA_CHAT_TEMPLATE)
     size = vision["image_size"]
@@ -439,7 +447,7 @@ def _build_llava_layout(
         "image_std": [0.26862954, 0.26130258, 0.27577711],
         **(preprocessor_extra or {}),
     }
-    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    _write_json(out_dir / "preprocessor_config.json", preprocessor)
     processor_config = {
         "processor_class": processor_class,
         "image_token": "<image>",
@@ -448,7 +456,7 @@ def _build_llava_layout(
         "num_additional_image_tokens": 1,  # the CLS position
         **(processor_extra or {}),
     }
-    (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
+    _write_json(out_dir / "processor_config.json", processor_config)
     return out_dir
 
 
@@ -527,8 +535,7 @@ def build_tiny_llava_onevision(out_dir: Path, tokenizer_dir: Path | None = None,
         "tie_word_embeddings": True,
     }
     model = _instantiate(llava_onevision, config, seed)
-    _save_weights(model, out_dir / "model.safetensors")
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    _save_model(out_dir, model, config)
     _save_tokenizer(out_dir, tok, "</s>", "<pad>", 4096, LLAVA_BARE_IMAGE_CHAT_TEMPLATE)
     preprocessor = {
         "image_processor_type": "LlavaOnevisionImageProcessor",
@@ -545,7 +552,7 @@ def build_tiny_llava_onevision(out_dir: Path, tokenizer_dir: Path | None = None,
         "image_mean": [0.5, 0.5, 0.5],
         "image_std": [0.5, 0.5, 0.5],
     }
-    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    _write_json(out_dir / "preprocessor_config.json", preprocessor)
     processor_config = {
         "processor_class": "LlavaOnevisionProcessor",
         "num_image_tokens": (tile // vision["patch_size"]) ** 2,
@@ -553,7 +560,7 @@ def build_tiny_llava_onevision(out_dir: Path, tokenizer_dir: Path | None = None,
         "image_token": "<image>",
         "video_token": "<video>",
     }
-    (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
+    _write_json(out_dir / "processor_config.json", processor_config)
     return out_dir
 
 
@@ -742,8 +749,7 @@ def _build_qwen3_vl_layout(
         "tie_word_embeddings": True,
     }
     model = _instantiate(arch, config, seed)
-    _save_weights(model, out_dir / "model.safetensors")
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    _save_model(out_dir, model, config)
     max_length = text_config["max_position_embeddings"]
     _save_tokenizer(out_dir, tok, "<|im_end|>", "<|endoftext|>", max_length, QWEN2_VL_CHAT_TEMPLATE)
     vision = config["vision_config"]
@@ -754,7 +760,7 @@ def _build_qwen3_vl_layout(
     # mlx-vlm's Qwen3-VL processor reads all three files and asks the hub for a missing one.
     for name in ("preprocessor_config.json", "video_preprocessor_config.json"):
         (out_dir / name).write_text(json.dumps(preprocessor, indent=2))
-    (out_dir / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}, indent=2))
+    _write_json(out_dir / "processor_config.json", {"processor_class": "Qwen3VLProcessor"})
     return out_dir
 
 
@@ -870,8 +876,7 @@ def build_tiny_gemma3(
     projector = model.multi_modal_projector
     shape = projector.mm_input_projection_weight.shape
     projector.mm_input_projection_weight = mx.random.normal(shape) / shape[0] ** 0.5
-    _save_weights(model, out_dir / "model.safetensors", weight_scale)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    _save_model(out_dir, model, config, weight_scale)
     # The Gemma 3 processor reads these names off the tokenizer.
     extra = {
         "extra_special_tokens": {
@@ -897,9 +902,9 @@ def build_tiny_gemma3(
         "image_std": [0.5, 0.5, 0.5],
         "do_pan_and_scan": False,
     }
-    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    _write_json(out_dir / "preprocessor_config.json", preprocessor)
     processor_config = {"processor_class": "Gemma3Processor", "image_seq_length": text["mm_tokens_per_image"]}
-    (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
+    _write_json(out_dir / "processor_config.json", processor_config)
     return out_dir
 
 
@@ -1052,8 +1057,7 @@ def build_tiny_gemma4(
     # token's id instead of id 0's changes the greedy tokens of most test prompts.
     per_layer = model.language_model.model.embed_tokens_per_layer
     per_layer.weight = per_layer.weight * 3.0
-    _save_weights(model, out_dir / "model.safetensors", weight_scale)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    _save_model(out_dir, model, config, weight_scale)
     # The Gemma 4 processor reads these names off the tokenizer.
     extra = {
         "extra_special_tokens": {
@@ -1079,7 +1083,7 @@ def build_tiny_gemma4(
         "max_soft_tokens": GEMMA4_MAX_SOFT_TOKENS,
     }
     processor_config = {"processor_class": "Gemma4Processor", "image_processor": image_processor}
-    (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
+    _write_json(out_dir / "processor_config.json", processor_config)
     return out_dir
 
 
@@ -1164,8 +1168,7 @@ def _build_pixtral_layout(out_dir: Path, tokenizer_dir: Path | None, seed: int, 
         **({"spatial_merge_size": merge, "multimodal_projector_bias": False} if merge > 1 else {}),
     }
     model = _instantiate(family, config, seed)
-    _save_weights(model, out_dir / "model.safetensors")
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    _save_model(out_dir, model, config)
     max_length = MISTRAL3_TEXT_CONFIG["max_position_embeddings"]
     _save_tokenizer(out_dir, tok, "</s>", "<pad>", max_length, MISTRAL3_CHAT_TEMPLATE)
     patch = vision["patch_size"]
@@ -1183,7 +1186,7 @@ def _build_pixtral_layout(out_dir: Path, tokenizer_dir: Path | None, seed: int, 
         "image_mean": [0.48145466, 0.4578275, 0.40821073],
         "image_std": [0.26862954, 0.26130258, 0.27577711],
     }
-    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    _write_json(out_dir / "preprocessor_config.json", preprocessor)
     processor_config = {
         "processor_class": "PixtralProcessor",
         "image_token": "[IMG]",
@@ -1192,7 +1195,7 @@ def _build_pixtral_layout(out_dir: Path, tokenizer_dir: Path | None, seed: int, 
         "patch_size": patch,
         "spatial_merge_size": merge,
     }
-    (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
+    _write_json(out_dir / "processor_config.json", processor_config)
     return out_dir
 
 
@@ -1282,8 +1285,7 @@ def _build_idefics3_layout(out_dir: Path, tokenizer_dir: Path | None, seed: int,
         "eos_token_id": ids["<end_of_utterance>"],
     }
     model = _instantiate(family, config, seed)
-    _save_weights(model, out_dir / "model.safetensors")
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    _save_model(out_dir, model, config)
     max_length = SMOLVLM_TEXT_CONFIG["max_position_embeddings"]
     _save_tokenizer(out_dir, tok, "<end_of_utterance>", "<pad>", max_length, SMOLVLM_CHAT_TEMPLATE)
     tile = vision["image_size"]
@@ -1303,10 +1305,10 @@ def _build_idefics3_layout(out_dir: Path, tokenizer_dir: Path | None, seed: int,
         "image_std": [0.5, 0.5, 0.5],
         "do_pad": True,
     }
-    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    _write_json(out_dir / "preprocessor_config.json", preprocessor)
     tokens_per_tile = (tile // vision["patch_size"]) ** 2 // config["scale_factor"] ** 2
     processor_config = {"processor_class": f"{name}Processor", "image_seq_len": tokens_per_tile}
-    (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
+    _write_json(out_dir / "processor_config.json", processor_config)
     return out_dir
 
 
@@ -1381,8 +1383,7 @@ def build_tiny_aya_vision(
         "eos_token_id": [ids["<EOS>"], ids["<|END_OF_TURN_TOKEN|>"]],
     }
     model = _instantiate(aya_vision, config, seed)
-    _save_weights(model, out_dir / "model.safetensors")
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    _save_model(out_dir, model, config)
     _save_tokenizer(out_dir, tok, "<|END_OF_TURN_TOKEN|>", "<PAD>", 4096, AYA_VISION_CHAT_TEMPLATE)
     preprocessor = {
         "image_processor_type": "GotOcr2ImageProcessor",
@@ -1400,10 +1401,10 @@ def build_tiny_aya_vision(
         "image_mean": [0.5, 0.5, 0.5],
         "image_std": [0.5, 0.5, 0.5],
     }
-    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    _write_json(out_dir / "preprocessor_config.json", preprocessor)
     processor_config = {"processor_class": "AyaVisionProcessor", "image_token": "<image>",
                         "patch_size": vision["patch_size"], "img_size": tile, "downsample_factor": 2}  # fmt: skip
-    (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
+    _write_json(out_dir / "processor_config.json", processor_config)
     return out_dir
 
 
@@ -1463,8 +1464,7 @@ def build_tiny_lfm2_vl(out_dir: Path, tokenizer_dir: Path | None = None, *, seed
         **image,
     }
     model = _instantiate(lfm2_vl, config, seed)
-    _save_weights(model, out_dir / "model.safetensors")
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    _save_model(out_dir, model, config)
     template = QWEN2_VL_CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
     _save_tokenizer(out_dir, tok, "<|im_end|>", "<|pad|>", 4096, template)
     preprocessor = {
@@ -1478,8 +1478,8 @@ def build_tiny_lfm2_vl(out_dir: Path, tokenizer_dir: Path | None = None, *, seed
         "resample": 2,
         **image,
     }
-    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
-    (out_dir / "processor_config.json").write_text(json.dumps({"processor_class": "Lfm2VlProcessor"}, indent=2))
+    _write_json(out_dir / "preprocessor_config.json", preprocessor)
+    _write_json(out_dir / "processor_config.json", {"processor_class": "Lfm2VlProcessor"})
     return out_dir
 
 
@@ -1582,14 +1582,13 @@ def _build_glm4v_layout(
         "eos_token_id": eos,
     }
     model = _instantiate(family, config, seed)
-    _save_weights(model, out_dir / "model.safetensors")
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    _save_model(out_dir, model, config)
     extra = {"image_token": "<|image|>", "video_token": "<|video|>"}
     _save_tokenizer(out_dir, tok, "<|endoftext|>", "<|endoftext|>", 4096, GLM4V_CHAT_TEMPLATE, extra)
     vision = config["vision_config"]
     pixels = (QWEN2_VL_MIN_PIXELS, QWEN2_VL_MAX_PIXELS)
     preprocessor = _patch_image_processor("Glm4vImageProcessor", "Glm46VProcessor", vision, pixels, do_resize=True)
-    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    _write_json(out_dir / "preprocessor_config.json", preprocessor)
     return out_dir
 
 
@@ -1667,12 +1666,11 @@ def build_tiny_kimi_vl(out_dir: Path, tokenizer_dir: Path | None = None, *, seed
         "eos_token_id": eos,
     }
     model = _instantiate(kimi_vl, config, seed)
-    _save_weights(model, out_dir / "model.safetensors")
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    _save_model(out_dir, model, config)
     _save_tokenizer(out_dir, tok, "<|im_end|>", "[PAD]", 4096, KIMI_VL_CHAT_TEMPLATE)
     preprocessor = {"processor_class": "KimiVLProcessor", "image_processor_type": "KimiVLImageProcessor",
                     "patch_size": 14, "merge_kernel_size": [2, 2], "in_token_limit": 256}  # fmt: skip
-    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    _write_json(out_dir / "preprocessor_config.json", preprocessor)
     return out_dir
 
 
@@ -1768,12 +1766,11 @@ def build_tiny_llama4(out_dir: Path, tokenizer_dir: Path | None = None, *, seed:
         "eos_token_id": eos,
     }
     model = _instantiate(llama4, config, seed)
-    _save_weights(model, out_dir / "model.safetensors")
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    _save_model(out_dir, model, config)
     _save_tokenizer(out_dir, tok, "<|eot|>", "<|finetune_right_pad_id|>", 4096, LLAMA4_CHAT_TEMPLATE)
     tile = LLAMA4_VISION_CONFIG["image_size"]
     preprocessor = {"image_processor_type": "Llama4ImageProcessorFast", "processor_class": "Llama4Processor",
                     "size": {"height": tile, "width": tile}, "max_patches": 1,
                     "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}  # fmt: skip
-    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    _write_json(out_dir / "preprocessor_config.json", preprocessor)
     return out_dir

@@ -27,12 +27,12 @@ from vllm_mlx.models.support import SWEPT_TEXT
 # Token ids (the tiny vocabulary is 128): 20 tokens (past the probe's sliding window of 8 and
 # five 4-token blocks), 11, and 3 (shorter than one block).
 PROMPTS = [list(range(10, 30)), [5, 17, 33, 9, 60, 3, 44, 100, 7, 12, 90], [8, 8, 21]]
-GREEDY = SamplingParams(max_tokens=6, temperature=0)  # both stop at the tokenizer's EOS (id 2)
+GREEDY = SamplingParams(max_tokens=6, temperature=0)  # both stop at the tokenizer's EOS (id 98)
 
 
 @pytest.mark.parametrize("name", SWEPT_TEXT)
-def test_engine_equals_mlx_lm(name, tmp_path, default_model_dir, caplog):
-    path = build_tiny_architecture(tmp_path / name, default_model_dir, name)
+def test_engine_equals_mlx_lm(name, tmp_path, caplog):
+    path = build_tiny_architecture(tmp_path / name, name)
     expected = mlx_lm_tokens(path, PROMPTS, GREEDY.max_tokens)
     assert len({tuple(tokens) for tokens in expected}) > 1, "the tiny model ignores its prompt: no oracle"
     engine = EngineCore(model=str(path), block_size=4, num_kv_blocks=256)
@@ -48,11 +48,11 @@ def test_engine_equals_mlx_lm(name, tmp_path, default_model_dir, caplog):
         engine.shutdown()
 
 
-def test_a_model_without_attention_sizes_its_pool_by_its_states(tmp_path, default_model_dir):
+def test_a_model_without_attention_sizes_its_pool_by_its_states(tmp_path):
     """Mamba writes no keys or values: its blocks cost nothing (they only count tokens and carry
     the prefix hashes), so the engine's memory sizing gives it ``STATE_ONLY_BLOCKS`` and spends
     the budget on state slots, where it would otherwise have found nothing to size the pool by."""
-    path = build_tiny_architecture(tmp_path / "mamba", default_model_dir, "mamba")
+    path = build_tiny_architecture(tmp_path / "mamba", "mamba")
     expected = mlx_lm_tokens(path, PROMPTS[:2], GREEDY.max_tokens)
     engine = EngineCore(model=str(path))
     try:

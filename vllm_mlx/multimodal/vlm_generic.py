@@ -30,8 +30,9 @@ adapter, a piece at a time, for rows at different stages of one batch:
 This holds where ``get_input_embeddings`` merges position by position and the text model needs
 nothing but embeddings, those positions and the cache; ``check`` runs the pipeline once at load
 on a small image and refuses, with the reason, a model that needs more (image tokens attending
-both ways, positions kept as state with no function to compute them, cross-attention states, deepstack features, features longer
-than the run). Family hooks (``vlm_families.py``) add what differs.
+both ways, positions kept as state with no function to compute them, cross-attention states,
+deepstack features, features longer than the run). Family hooks (``vlm_families.py``) add what
+differs.
 """
 
 from __future__ import annotations

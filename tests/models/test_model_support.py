@@ -49,12 +49,14 @@ def test_tested_architectures_probe_as_runnable_and_are_supported():
 
 def test_refusals_name_the_reason():
     """Vision rows are read off mlx-vlm's code: what the generic path cannot pass on is named."""
-    vision = ["florence2", "mllama", "hunyuan_vl", "siglip", "llava_next", "glm4v", "gemma3n"]
+    vision = ["florence2", "mllama", "hunyuan_vl", "siglip", "llava_next", "glm4v", "gemma3n", "paligemma"]
     rows = support.classify({TEXT: ["longcat_flash_ngram"], VISION: vision})
     by_name = {row.name: row for row in rows}
-    ngram, florence2, mllama, hunyuan_vl, siglip, llava_next, glm4v, gemma3n = (
+    ngram, florence2, mllama, hunyuan_vl, siglip, llava_next, glm4v, gemma3n, paligemma = (
         by_name[name] for name in ("longcat_flash_ngram", *vision)
     )
+    # Its config sets use_bidirectional_attention when a checkpoint leaves it out: image tokens see each other.
+    assert paligemma.status == REFUSED and "attend to each other both ways" in paligemma.detail
     assert ngram.status == REFUSED and "needs ArraysCache caches" in ngram.detail
     assert "a fixed-size state slot cannot hold" in ngram.detail  # why, for this architecture
     assert all(row.status == REFUSED for row in (florence2, mllama, hunyuan_vl))

@@ -181,7 +181,7 @@ def classify_vision(name: str) -> Architecture:
     its text model with no ``get_rope_index``; runs otherwise, and the check at load confirms it
     on the real model."""
     from vllm_mlx.multimodal.vlm_families import FAMILIES
-    from vllm_mlx.multimodal.vlm_generic import IGNORED_FEATURES, POSITION_FEATURES, TOKEN_FEATURES
+    from vllm_mlx.multimodal.vlm_generic import IGNORED_FEATURES, POSITION_FEATURES, TOKEN_FEATURES, both_ways_reason
 
     family = next((f for f in FAMILIES if name in f.model_types), None)
     if family is not None:
@@ -194,6 +194,9 @@ def classify_vision(name: str) -> Architecture:
     if embeddings is None:
         reason = "its model has no get_input_embeddings, the interface the generic path drives"
         return Architecture(name, VISION, REFUSED, reason)
+    both_ways = _bidirectional_by_default(name, code)
+    if both_ways:
+        return Architecture(name, VISION, REFUSED, both_ways_reason(both_ways))
     rope_index = _defines_method(name, "get_rope_index")
     ignored = IGNORED_FEATURES | TOKEN_FEATURES | (POSITION_FEATURES if rope_index else frozenset())
     fields = sorted(set(_keywords(embeddings, "InputEmbeddingsFeatures")) & _feature_fields() - ignored)
@@ -224,6 +227,21 @@ def _why_not_a_generator(name: str, code: str) -> str | None:
     if "language_model" not in code:
         return "no language model: an image encoder, detector, segmenter or classifier"
     return None
+
+
+def _bidirectional_by_default(package: str, code: str) -> object:
+    """The package's text config default for ``use_bidirectional_attention`` (Gemma 4 unified's
+    ``"vision"``), or True where its code sets it when a checkpoint leaves it out (PaliGemma);
+    None otherwise (the check at load still reads a checkpoint's own value)."""
+    if re.search(r"""\[["']use_bidirectional_attention["']\]\s*=\s*True""", code):
+        return True
+    try:
+        text_config = getattr(importlib.import_module(f"mlx_vlm.models.{package}"), "TextConfig", None)
+    except ImportError:
+        return None
+    fields = {f.name: f for f in dataclasses.fields(text_config)} if dataclasses.is_dataclass(text_config) else {}
+    field = fields.get("use_bidirectional_attention")
+    return field.default if field is not None and field.default is not dataclasses.MISSING else None
 
 
 def _defines_method(package: str, method: str) -> bool:

@@ -235,10 +235,7 @@ class GenericVisionModel(VisionLanguageModel):
 
         both_ways = _bidirectional_attention(self.model)
         if both_ways:
-            raise UnsupportedModelError(
-                f"its text model lets image tokens attend to each other both ways (use_bidirectional_attention="
-                f"{both_ways!r}), where the engine's prefill in the batch is causal"
-            )
+            raise UnsupportedModelError(both_ways_reason(both_ways))
         probe = Image.new("RGB", PROBE_IMAGE_SIZE, (96, 160, 32))
         image = self.process(probe, MediaPolicy.operator())
         merged = self._merged(image)
@@ -323,6 +320,12 @@ def _text_ids(processor, text: str) -> list[int]:
     """``text`` tokenized as the processor tokenizes a prompt (special tokens added)."""
     tokenizer = getattr(processor, "tokenizer", processor)
     return list(tokenizer(text)["input_ids"])
+
+
+def both_ways_reason(value: object) -> str:
+    """Why a text model whose image tokens attend both ways (``use_bidirectional_attention``) is refused."""
+    return (f"its text model lets image tokens attend to each other both ways (use_bidirectional_attention="
+            f"{value!r}), where the engine's prefill in the batch is causal")  # fmt: skip
 
 
 def _bidirectional_attention(model) -> object:

@@ -483,12 +483,17 @@ class PagedLayerCache:
         flat_k = keys.transpose(1, 0, 2, 3).reshape(heads, batch * num_new, keys.shape[-1])
         flat_v = values.transpose(1, 0, 2, 3).reshape(heads, batch * num_new, values.shape[-1])
         self.pool.write(self.layer, self.layout.groups[self.group].write_slots, flat_k, flat_v)
-        fetched = self.pool.gather(self.layer, self.layout.keys(self.window, self.group).gather_slots)
+        fetched = self.pool.gather(self.layer, self.layout.keys(self._gather_window, self.group).gather_slots)
         # Start computing the layers built so far while Python builds the next ones: the model's
         # graph building (~10% of a decode step) then overlaps the computation.
         mx.async_eval(fetched)
         self._fetched = fetched
         return fetched
+
+    @property
+    def _gather_window(self) -> int | None:
+        """The window whose keys ``update_and_fetch`` returns (the layer's own)."""
+        return self.window
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
         """What the last ``update_and_fetch`` of this forward call returned: the layers that
@@ -534,8 +539,9 @@ class ChunkedLayerCache(PagedLayerCache):
     integers, over keys that begin at ``start_position``; rows at different positions cannot
     share that mask, so the runner gives such a model one row per call. Keys are stored as full
     attention's (every block kept: a chunk's blocks could return to the pool once passed, as a
-    sliding window's do; not yet) and fetched from the start of the first query's chunk, the
-    earliest key any query of the call sees.
+    sliding window's do) and gathered from the start of the first query's chunk, the earliest key
+    any query of the call sees: the sliding-window gather, with the window that reaches back
+    exactly that far (masks stay full attention's: the model builds its chunk mask itself).
     """
 
     def __init__(self, pool: KVPool, layer: int, layout: BatchLayout, chunk: int, group: int = 0) -> None:
@@ -548,14 +554,12 @@ class ChunkedLayerCache(PagedLayerCache):
     def start_position(self) -> int:
         return self.offset // self.chunk * self.chunk
 
-    def maybe_trim_front(self) -> None:
-        """Nothing to trim: the fetch starts at ``start_position`` (mlx-lm's cache trims here)."""
+    @property
+    def _gather_window(self) -> int:
+        return self.offset - self.start_position + 1
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        all_keys, all_values = super().update_and_fetch(keys, values)
-        start = self.start_position
-        self._fetched = (all_keys[:, :, start:], all_values[:, :, start:])
-        return self._fetched
+    def maybe_trim_front(self) -> None:
+        """Nothing to trim: the gather starts at ``start_position`` (mlx-lm's cache trims here)."""
 
 
 class MLXAttentionBackend:

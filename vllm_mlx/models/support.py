@@ -235,10 +235,7 @@ def _bidirectional_by_default(package: str, code: str) -> object:
     None otherwise (the check at load still reads a checkpoint's own value)."""
     if re.search(r"""\[["']use_bidirectional_attention["']\]\s*=\s*True""", code):
         return True
-    try:
-        text_config = getattr(importlib.import_module(f"mlx_vlm.models.{package}"), "TextConfig", None)
-    except ImportError:
-        return None
+    text_config = getattr(_package_module(package), "TextConfig", None)
     fields = {f.name: f for f in dataclasses.fields(text_config)} if dataclasses.is_dataclass(text_config) else {}
     field = fields.get("use_bidirectional_attention")
     return field.default if field is not None and field.default is not dataclasses.MISSING else None
@@ -246,11 +243,16 @@ def _bidirectional_by_default(package: str, code: str) -> object:
 
 def _defines_method(package: str, method: str) -> bool:
     """Whether a class ``mlx_vlm.models.<package>`` exports has ``method`` (inherited ones too)."""
+    module = _package_module(package)
+    return module is not None and any(isinstance(v, type) and hasattr(v, method) for v in vars(module).values())
+
+
+def _package_module(package: str):
+    """``mlx_vlm.models.<package>``, or None where it does not import here."""
     try:
-        module = importlib.import_module(f"mlx_vlm.models.{package}")
+        return importlib.import_module(f"mlx_vlm.models.{package}")
     except ImportError:
-        return False
-    return any(isinstance(value, type) and hasattr(value, method) for value in vars(module).values())
+        return None
 
 
 def _feature_fields() -> set[str]:
@@ -274,10 +276,10 @@ def _package_code(name: str) -> str:
 def _method_source(package: str, cls: str, method: str) -> str | None:
     """The source of ``mlx_vlm.models.<package>.<cls>.<method>``, inherited ones included; None
     where the package, class or method is missing."""
+    owner = getattr(_package_module(package), cls, None)
     try:
-        owner = getattr(importlib.import_module(f"mlx_vlm.models.{package}"), cls, None)
         return inspect.getsource(getattr(owner, method)) if owner is not None and hasattr(owner, method) else None
-    except (ImportError, OSError, TypeError):  # a package that does not import here, or no source
+    except (OSError, TypeError):  # no source
         return None
 
 

@@ -153,7 +153,10 @@ def build_tiny_llama(
             k: mx.where(rows, v, v * 0.01) for k, v in weights.items()
             if k.endswith(("embed_tokens.weight", "lm_head.weight", "embeddings.weight"))
         }  # fmt: skip
-    return save_model_dir(out_dir, tokenizer_dir, config, weights)
+    save_model_dir(out_dir, config, weights)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, out_dir / name)
+    return out_dir
 
 
 def peaked_weights(model) -> dict:
@@ -166,16 +169,14 @@ def peaked_weights(model) -> dict:
     return weights | {k: mx.random.normal(v.shape) for k, v in weights.items() if k.endswith(".sinks")}
 
 
-def save_model_dir(out_dir: Path, tokenizer_dir: Path, config: dict, weights: dict) -> Path:
-    """A model directory mlx-lm loads: the weights, ``config``, the tokenizer of ``tokenizer_dir``."""
+def save_model_dir(out_dir: Path, config: dict, weights: dict) -> None:
+    """The weights and ``config.json`` of a model directory mlx-lm loads (its tokenizer is the
+    caller's to write)."""
     import mlx.core as mx
 
     out_dir.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, out_dir / name)
-    return out_dir
 
 
 def build_tiny_architecture(out_dir: Path, name: str, seed: int = 0) -> Path:
@@ -197,9 +198,7 @@ def build_tiny_architecture(out_dir: Path, name: str, seed: int = 0) -> Path:
     # A matrix initialised to zeros (Talkie's output head) would make every prompt's answer the same.
     zeros = [k for k, v in weights.items() if v.ndim == 2 and not mx.any(v).item()]
     weights |= {k: mx.random.normal(weights[k].shape) * 4 / weights[k].shape[-1] ** 0.5 for k in zeros}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out_dir / "model.safetensors"), weights)
-    (out_dir / "config.json").write_text(json.dumps(tiny.config, indent=2))
+    save_model_dir(out_dir, tiny.config, weights)
     tok = _char_level_tokenizer(["<|im_end|>"])
     tok.add_special_tokens([f"<|extra_{i}|>" for i in range(PROBE_CONFIG["vocab_size"] - tok.get_vocab_size())])
     _save_tokenizer(out_dir, tok, "<|im_end|>", "<unk>", 256, TINY_CHAT_TEMPLATE)

@@ -79,12 +79,24 @@ PLACEHOLDER = {
 }
 
 
+def tiny_builder(name: str):
+    """``build_tiny_<name>`` from tests/tiny_vlm.py or one of the ``tests/tiny_vlm_*.py`` modules
+    (families grouped by what they share: processor, tower or text model)."""
+    import importlib
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parents[1]
+    for path in [tests / "tiny_vlm.py", *sorted(tests.glob("tiny_vlm_*.py"))]:
+        builder = getattr(importlib.import_module(path.stem), f"build_tiny_{name}", None)
+        if builder is not None:
+            return builder
+    raise LookupError(f"no build_tiny_{name} in tests/tiny_vlm*.py")
+
+
 @pytest.fixture(scope="module", params=list(PLACEHOLDER))
 def family(request, tmp_path_factory):
-    import tiny_vlm
-
     name = request.param
-    return name, getattr(tiny_vlm, f"build_tiny_{name}")(tmp_path_factory.mktemp(name))
+    return name, tiny_builder(name)(tmp_path_factory.mktemp(name))
 
 
 @pytest.fixture(scope="module")
@@ -311,9 +323,7 @@ def test_mistral3_with_a_ministral3_text_model_is_refused_before_loading(tmp_pat
 def test_a_family_the_generic_path_cannot_drive_is_refused_at_load_saying_why(tmp_path, name, reason):
     """The check at load runs the generic path on a small image: a family it cannot drive is
     refused with what differs, never served wrong."""
-    import tiny_vlm
-
-    model_dir = getattr(tiny_vlm, f"build_tiny_{name}")(tmp_path / name)
+    model_dir = tiny_builder(name)(tmp_path / name)
     with pytest.raises(UnsupportedModelError, match=reason):
         EngineCore(model=str(model_dir), num_kv_blocks=32, block_size=4)
 

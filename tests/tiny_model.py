@@ -190,19 +190,35 @@ def build_tiny_architecture(out_dir: Path, name: str, seed: int = 0) -> Path:
     import mlx.core as mx
     from tiny_vlm import _char_level_tokenizer, _save_tokenizer
 
-    from vllm_mlx.models.probe import PROBE_CONFIG, build_tiny_model
+    from vllm_mlx.models.probe import PROBE_CONFIG, build_tiny_model, stand_in_for_import_gate
 
     mx.random.seed(seed)
-    tiny = build_tiny_model(importlib.import_module(f"mlx_lm.models.{name}"), name)
+    with stand_in_for_import_gate(name):  # OLMo's module, once imported, stays so for mlx-lm's load
+        module = importlib.import_module(f"mlx_lm.models.{name}")
+    tiny = build_tiny_model(module, name)
     weights = peaked_weights(tiny.model)
+    # Packed weights, zeros at init: BitNet's ternary bytes get random values -1, 0, 1; a 2-bit
+    # quantized layer's words (PRISM's Hadamard pack) random bits.
+    packed = {k: v.shape for k, v in weights.items() if v.dtype in (mx.uint8, mx.uint32)}
+    words = {k: mx.random.randint(0, 2**31, shape).astype(mx.uint32) for k, shape in packed.items()}
+    weights |= {k: random_ternary_bytes(v) if weights[k].dtype == mx.uint8 else words[k] for k, v in packed.items()}
     # A matrix initialised to zeros (Talkie's output head) would make every prompt's answer the same.
-    zeros = [k for k, v in weights.items() if v.ndim == 2 and not mx.any(v).item()]
+    zeros = [k for k, v in weights.items() if v.ndim == 2 and k not in packed and not mx.any(v).item()]
     weights |= {k: mx.random.normal(weights[k].shape) * 4 / weights[k].shape[-1] ** 0.5 for k in zeros}
     save_model_dir(out_dir, tiny.config, weights)
     tok = _char_level_tokenizer(["<|im_end|>"])
     tok.add_special_tokens([f"<|extra_{i}|>" for i in range(PROBE_CONFIG["vocab_size"] - tok.get_vocab_size())])
     _save_tokenizer(out_dir, tok, "<|im_end|>", "<unk>", 256, TINY_CHAT_TEMPLATE)
     return out_dir
+
+
+def random_ternary_bytes(shape: tuple[int, ...]):
+    """Packed ternary weights as BitNet stores them: four 2-bit codes a byte, each 0, 1 or 2
+    (the values -1, 0, 1 plus one)."""
+    import mlx.core as mx
+
+    codes = mx.random.randint(0, 3, (4, *shape)).astype(mx.uint8)
+    return sum((codes[i] << (2 * i) for i in range(1, 4)), codes[0]).astype(mx.uint8)
 
 
 TINY_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}<|im_end|>{% endfor %}"

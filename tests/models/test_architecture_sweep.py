@@ -60,3 +60,16 @@ def test_a_model_without_attention_sizes_its_pool_by_its_states(tmp_path):
         assert engine_tokens(engine, PROMPTS[:2], GREEDY) == expected
     finally:
         engine.shutdown()
+
+
+def test_an_architecture_that_fails_in_mlx_lm_itself_is_refused_at_load(tmp_path):
+    """OLMo (1): mlx-lm's own generation fails on a prompt of more than one token, so there is no
+    oracle to match; the engine refuses it at load saying why. When mlx-lm fixes it, the first
+    assertion fails: then the architecture joins the sweep."""
+    from vllm_mlx.executor.attention import UnsupportedModelError
+
+    path = build_tiny_architecture(tmp_path / "olmo", "olmo")  # with a stand-in for ai2-olmo's import gate
+    with pytest.raises(ValueError, match="inplace addition.*str"):
+        mlx_lm_tokens(path, PROMPTS[:1], GREEDY.max_tokens)
+    with pytest.raises(UnsupportedModelError, match="'olmo' is refused: mlx-lm's OLMo"):
+        EngineCore(model=str(path), block_size=4, num_kv_blocks=64)

@@ -67,6 +67,7 @@ RECURRENT_ARCHITECTURES: dict[str, bool] = {
     "qwen3_5": True,
     "qwen3_5_moe": True,  # qwen3_5's layers with MoE MLPs (mlx-lm's text model and mlx-vlm's VLM)
     "qwen3_next": True,
+    "prism_hadamard_qwen35": True,  # qwen3_5's layers, some of them 2-bit with a Hadamard rotation
     "granitemoehybrid": True,
     "nemotron_h": False,
     "mamba": False,
@@ -97,6 +98,17 @@ ONE_ROW_PER_CALL: dict[str, str] = {
 }
 
 
+# Architectures refused whatever their caches: their mlx-lm code fails in mlx-lm's own generation,
+# so there is nothing to match (found by the breadth sweep).
+BROKEN_IN_MLX_LM: dict[str, str] = {
+    "olmo": (
+        "mlx-lm's OLMo (1) attention adds the mask it is given to its scores, where mlx-lm passes the "
+        "string 'causal' for a prompt of more than one token: it fails in mlx-lm itself (OLMo 2 and 3 "
+        "checkpoints are the olmo2 and olmo3 architectures, which run)"
+    ),
+}
+
+
 class UnsupportedModelError(VllmMlxError):
     """The model needs a cache we do not support (chunked attention, unchecked recurrent
     architectures, ...)."""
@@ -114,6 +126,8 @@ def layer_specs(model, model_type: str | None = None, recurrent: bool = True) ->
             names the kinds.
     """
     model_type = model_type or model_type_of(model)
+    if model_type in BROKEN_IN_MLX_LM:
+        raise UnsupportedModelError(f"architecture {model_type!r} is refused: {BROKEN_IN_MLX_LM[model_type]}")
     make_cache = getattr(model, "make_cache", None)
     if make_cache is None:
         return [FullAttentionSpec()] * len(model.layers)

@@ -81,6 +81,8 @@ def load_model(source: str | Path, trust_remote_code: bool = False) -> LoadedMod
     """
     import mlx_lm
 
+    from vllm_mlx.models.portable_layers import make_portable
+
     path = resolve_model(source, trust_remote_code)
     check_model_code(path, trust_remote_code)
     config = read_config(path)
@@ -96,6 +98,10 @@ def load_model(source: str | Path, trust_remote_code: bool = False) -> LoadedMod
         )
     except (ValueError, FileNotFoundError, KeyError) as exc:
         raise ModelSourceError(f"cannot load the model in {path}: {exc}".splitlines()[0]) from exc
+    except SystemExit as exc:  # an mlx-lm module that exits on import (OLMo's, without ai2-olmo)
+        raise ModelSourceError(f"cannot load the model in {path}: mlx-lm's model code exited ({exc.code}); "
+                               "it may print what it needs above") from None  # fmt: skip
+    make_portable(model)  # BitNet's Metal kernel, on a backend without Metal
     return LoadedModel(model, tokenizer, config, path)
 
 

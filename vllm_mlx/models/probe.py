@@ -21,6 +21,7 @@ import ast
 import contextlib
 import dataclasses
 import importlib
+import importlib.util
 import io
 import json
 import re
@@ -74,6 +75,13 @@ PROBE_OVERRIDES: dict[str, dict] = {
     # A string of L (local) and G (global) layers, as EXAONE 4.0's own config writes it.
     # (transformers derives layer_types from the pattern as a number unless they are given, as they are).
     "exaone4": {"sliding_window_pattern": "LLLG", "layer_types": ["sliding_attention"] * 3 + ["full_attention"]},
+    # A Hadamard-rotated 2-bit pack: one packed layer, its input 512 wide so that a rotation block fits.
+    "prism_hadamard_qwen35": {
+        "schema_version": 1, "tensor_namespace": "mlx-lm-text", "quantization": {"bits": 2, "group_size": 128,
+        "mode": "affine"}, "text_config": {"shared_expert_intermediate_size": 512},
+        "modules": [{"path": "model.layers.3.mlp.shared_expert.down_proj", "embedding": False, "dtype": "float16",
+                     "block": 512}],
+    },
     # Its logits mask the ids 100256..100351 (Phi-3-small's dummy tokens) by index: a smaller vocabulary is
     # written out of bounds (memory corruption, "double free or corruption"). Tied: 6.4M parameters.
     "phi3small": {"vocab_size": 100352},
@@ -85,6 +93,10 @@ PROBE_OVERRIDES: dict[str, dict] = {
     # One block config per layer (each its own attention and FFN sizes), as Nemotron-NAS configs have.
     "nemotron-nas": {"block_configs": [{"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 2.0}}] * 4},
 }  # fmt: skip
+# mlx-lm modules that exit on import unless a package is installed that their code never calls (an
+# availability check): the module it would import -> the package a user installs. The probe stands an
+# empty module in for it, so the architecture itself is probed; its row says what to install.
+IMPORT_GATES: dict[str, tuple[str, str]] = {"olmo": ("hf_olmo", "ai2-olmo")}
 PROBE_MAX_PARAMETERS = 10_000_000  # a config the tiny values do not shrink is not probed
 PROBE_TIMEOUT_S = 120.0
 CRASHED = "the probe crashed the process"
@@ -106,7 +118,7 @@ def probe_text(name: str) -> Probe:
 
     printed = io.StringIO()
     try:
-        with contextlib.redirect_stdout(printed):
+        with contextlib.redirect_stdout(printed), stand_in_for_import_gate(name):
             module = importlib.import_module(f"mlx_lm.models.{name}")
     except (Exception, SystemExit) as exc:  # some modules exit when an optional package is missing
         said = printed.getvalue().strip().splitlines()  # what the module printed before it exited
@@ -131,7 +143,24 @@ def probe_text(name: str) -> Probe:
         reason = f"a one-token forward through the paged cache failed: {_reason(exc)}"
         return Probe(UNKNOWN, reason)
     kinds = [group.view(layout.dtype, num_blocks=0).kind.replace("_", " ") for group in layout.groups]
-    return Probe(RUNS, " + ".join(kinds))
+    gate = IMPORT_GATES.get(name)
+    needs = f" (mlx-lm imports it only where {gate[1]} is installed: pip install {gate[1]})" if gate else ""
+    return Probe(RUNS, " + ".join(kinds) + needs)
+
+
+@contextlib.contextmanager
+def stand_in_for_import_gate(name: str):
+    """An empty module in ``sys.modules`` for the package ``name``'s import gate checks
+    (``IMPORT_GATES``) while the block runs, where that package does not import; nothing otherwise."""
+    gate = IMPORT_GATES.get(name)
+    if gate is None or gate[0] in sys.modules or importlib.util.find_spec(gate[0]) is not None:
+        yield
+        return
+    sys.modules[gate[0]] = types.ModuleType(gate[0])
+    try:
+        yield
+    finally:
+        del sys.modules[gate[0]]
 
 
 MAX_REPAIRS = 8
@@ -188,7 +217,10 @@ def _built_and_run(module, config: dict) -> TinyModel:
     unrun (the caller refuses it, and MLX has allocated nothing yet)."""
     import mlx.core as mx
 
+    from vllm_mlx.models.portable_layers import make_portable
+
     model = module.Model(module.ModelArgs.from_dict(config))
+    make_portable(model)  # as load_model does: BitNet's Metal kernel, on a backend without Metal
     if _num_parameters(model) <= PROBE_MAX_PARAMETERS:
         make_cache = getattr(model, "make_cache", None)
         mx.eval(model(mx.array([[1]]), cache=make_cache() if make_cache is not None else None))

@@ -55,7 +55,7 @@ TEXT, VISION = "mlx-lm", "mlx-vlm"
 # probe builds from the module's own ModelArgs, greedy tokens equal to mlx-lm's, batched and on a
 # prefix hit (tests/models/test_architecture_sweep.py).
 SWEPT_TEXT = (
-    "afm7", "afmoe", "apertus", "baichuan_m1", "bailing_hybrid", "bailing_moe", "bailing_moe_linear",
+    "afm7", "afmoe", "apertus", "baichuan_m1", "bitnet", "bailing_hybrid", "bailing_moe", "bailing_moe_linear",
     "bailing_moe_v3", "cohere", "cohere2", "dbrx", "deepseek", "deepseek_v2", "deepseek_v32", "dots1",
     "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "falcon_h1", "gear", "gemma3", "gemma3n", "gemma4",
     "gemma4_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt2", "gpt_bigcode", "gpt_neox",
@@ -63,9 +63,9 @@ SWEPT_TEXT = (
     "kimi_k25", "kimi_k3", "kimi_linear", "kimi_vl", "Klear", "laguna", "lfm2-vl", "lfm2_moe", "lille-130m",
     "llama4", "llama4_text", "longcat_flash", "mamba", "mamba2", "mellum", "mimo", "mimo_v2_flash", "minicpm",
     "minicpm3", "minimax", "minimax_m3_vl", "ministral3", "mistral3", "mistral4", "mixtral", "muse_glimmer",
-    "nanbeige", "nanochat", "nemotron", "nemotron-nas", "olmo3", "olmo_hybrid", "openelm", "phi3small",
-    "phimoe", "phixtral", "pixtral", "plamo", "plamo2", "plamo3", "qwen", "qwen2_vl", "qwen3_5_moe", "qwen3_vl",
-    "qwen3_vl_moe", "rwkv7", "seed_oss", "spark2_5", "step3p5", "talkie", "telechat3", "youtu_llm",
+    "nanbeige", "nanochat", "nemotron", "nemotron-nas", "olmo3", "olmo_hybrid", "openelm", "phi3small", "phimoe",
+    "phixtral", "pixtral", "plamo", "plamo2", "plamo3", "prism_hadamard_qwen35", "qwen", "qwen2_vl", "qwen3_5_moe",
+    "qwen3_vl", "qwen3_vl_moe", "rwkv7", "seed_oss", "spark2_5", "step3p5", "talkie", "telechat3", "youtu_llm",
 )  # fmt: skip
 
 # Architecture -> the tiny-model oracle test (pytest node id) that runs it in the engine.

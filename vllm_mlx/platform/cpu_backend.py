@@ -282,7 +282,8 @@ def prepare_model_weights(model, weight_format: str) -> str:
     ``QuantizedEmbedding`` — tied output heads go through the embedding's ``as_linear`` — and
     mlx-lm's ``QuantizedSwitchLinear``) and cast the floating-point parameters to that dtype.
     Dequantization is exact, so float32 logits only change by summation order; bfloat16 rounds
-    each weight to 8 bits of mantissa. "quantized" leaves the model as it is. A model without
+    each weight to 8 bits of mantissa. A quantized layer of a kind the model defines itself is
+    kept as it is, scales included (its own code computes it). "quantized" leaves the model as it is. A model without
     quantized layers is never changed; the return value is then its weights' dtype (e.g.
     "float32", "bfloat16"). "auto" is resolved with ``choose_weight_format`` first (by speed
     only: the engine decides by memory before loading, ``engine/weight_plan.py``).
@@ -307,13 +308,13 @@ def prepare_model_weights(model, weight_format: str) -> str:
     dtype = getattr(mx, weight_format)
     for name in names:
         _dequantize_layer(model, name, dtype)
-    left = [(name, type(m).__name__) for name, m in model.named_modules() if _is_quantized(m)]
-    if left:
-        raise ValueError(f"cannot dequantize layer {left[0][0]} ({left[0][1]})")
+    # Layers of a quantized kind the model defines itself (PRISM's Hadamard-rotated 2-bit pack,
+    # whose input is rotated before the product) stay as they are: only their own code computes them.
+    kept = {id(value) for name, m in model.named_modules() if _is_quantized(m) for _, value in tree_flatten(m)}
     casts = [
         (name, value.astype(dtype))
         for name, value in tree_flatten(model.parameters())
-        if mx.issubdtype(value.dtype, mx.floating) and value.dtype != dtype
+        if mx.issubdtype(value.dtype, mx.floating) and value.dtype != dtype and id(value) not in kept
     ]
     if casts:
         model.update(tree_unflatten(casts))

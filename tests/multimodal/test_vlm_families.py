@@ -1,6 +1,6 @@
 """Qwen3-VL and Qwen3.5 (dense and MoE), Gemma 3, Gemma 4, Mistral 3, SmolVLM, Idefics3, Pixtral, GLM-4.1V,
-LLaVA-OneVision, Aya Vision, LFM2-VL, Kimi-VL and Llama 4 in the paged engine, on tiny random-weight
-models (tests/tiny_vlm.py).
+LLaVA-OneVision, Aya Vision, LFM2-VL, Kimi-VL, Llama 4, InternVL and Nemotron 3 Nano Omni in the paged
+engine, on tiny random-weight models (tests/tiny_vlm.py, tests/tiny_vlm_*.py).
 
 Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / LLaVA:
 
@@ -36,6 +36,13 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
 * Llama 4: a text model with chunked attention (chunks of 16, shorter than every image prompt:
   one row per forward call), a global layer without rotary positions and a mixture of experts;
   one tile per image (mlx-vlm's processor and model disagree for several).
+* InternVL (``internvl_chat``: InternViT and a Qwen2 text model; ``internvl``: transformers'
+  port, a Qwen3 text model): tiles plus a thumbnail, each 4 ``<IMG_CONTEXT>`` tokens, framed
+  by ``<img>`` / ``</img>`` (tests/tiny_vlm_internvl.py). ``internvl_chat``'s placeholder is the
+  text ``<image>``, several tokens: the engine writes one token in for it before tokenizing.
+* Nemotron 3 Nano Omni: RADIO at the image's own size (16 px patches, shuffled 2x2), framed by
+  ``<img>`` / ``</img>``, and a Nemotron-H hybrid text model (a Mamba-2 layer, whose state lives
+  in the state pool with rows never right-padded, and an attention layer).
 
 All: one and two images equal mlx-vlm, batched with text-only requests equals solo (chunked
 prefills ending inside images, preemption), prefix cache on equals off with an image in the
@@ -76,6 +83,9 @@ PLACEHOLDER = {
     "kimi_vl": "<|media_start|>image<|media_content|><|media_pad|><|media_end|>",
     "llama4": "<|image|>",
     "gemma4": "<|image|>",
+    "internvl": "<IMG_CONTEXT>",
+    "internvl_chat": "<image>",
+    "nemotron_h_nano_omni": "<image>",
 }
 
 
@@ -204,8 +214,8 @@ def test_prefix_cache_on_equals_off_with_an_image_in_the_prefix(family):
     (on, cached_on, mllm_on, image_end, length, hybrid), (off, cached_off, *_) = outputs(True), outputs(False)
     assert on == off
     assert cached_off == [0, 0, 0]
-    if hybrid:  # recurrent layers (Qwen3.5, LFM2-VL) resume only where a state checkpoint was kept
-        assert name.startswith(("qwen3_5", "lfm2_vl"))
+    if hybrid:  # recurrent layers (Qwen3.5, LFM2-VL, Nemotron-H) resume only where a state checkpoint was kept
+        assert name.startswith(("qwen3_5", "lfm2_vl", "nemotron_h"))
         # The second prompt branches off the first after the image: no checkpoint there yet.
         assert cached_on[0:2] == [0, 0] and cached_on[2] >= length - 4  # the repeat resumes
         # The image, encoded once, came from the MLLM cache for the second prompt.

@@ -93,7 +93,7 @@ class InputProcessor:
         else the adapter's placeholder text; only if it holds the adapter's placeholder token."""
         text = template_image_text(self.tokenizer)
         placeholder = self.vision.placeholder_token_id
-        if text is not None and placeholder in self.tokenizer.encode(text, add_special_tokens=False):
+        if text is not None and placeholder in self._image_prompt_ids(text):
             return text
         return self.vision.image_placeholder_text
 
@@ -196,13 +196,25 @@ class InputProcessor:
         text, token_ids = self.encode(prompt)
         if not images:
             return PreparedPrompt(text, token_ids)
-        if isinstance(prompt, str) and self.vision.placeholder_token_id not in token_ids:
-            text, token_ids = self.encode(self.image_text * len(images) + prompt)
+        if isinstance(prompt, str):
+            token_ids = self._image_prompt_ids(prompt, token_ids)
+            if self.vision.placeholder_token_id not in token_ids:
+                text = self.image_text * len(images) + prompt
+                token_ids = self._image_prompt_ids(text)
         try:
             expanded, mm_input = self.vision.prepare(token_ids, images, policy)
         except ImageInputError as exc:
             return PreparedPrompt(text, token_ids, error=str(exc))
         return PreparedPrompt(text, expanded, mm_input)
+
+    def _image_prompt_ids(self, text: str, token_ids: list[int] | None = None) -> list[int]:
+        """``text``'s ids with each image placeholder one token: a placeholder of several tokens
+        (InternVL's ``<image>``) is replaced before tokenizing (``prompt_text``), as the processor
+        replaces it; ``token_ids``: ``text``'s own ids, kept where nothing is replaced."""
+        tokenized = self.vision.prompt_text(text)
+        if token_ids is not None and tokenized == text:
+            return token_ids
+        return self.encode(tokenized)[1]
 
     def check_images(self, images: Sequence[ImageSource]) -> None:
         """Raise ``ValueError`` if there are images and the model is text-only (before a chat

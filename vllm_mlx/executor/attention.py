@@ -83,6 +83,7 @@ RECURRENT_ARCHITECTURES: dict[str, bool] = {
     "baichuan_m1": False,  # a CacheList layer: the last key and value (a short convolution) beside the KV
     "lfm2-vl": True,  # LFM2-VL's text model, loaded by mlx-lm as text alone: lfm2's layers
     "lfm2_vl": True,  # LFM2-VL through mlx-vlm: the same layers
+    "nemotron_h_nano_omni": False,  # Nemotron 3 Nano Omni through mlx-vlm: nemotron_h's layers, never padded
     "kimi_linear": False,  # Kimi Delta Attention layers beside MLA ones
     "kimi_k3": False,
 }

@@ -74,15 +74,20 @@ class ImageRun:
     """Tokens the two share at the start (a BOS the tokenizer adds)."""
     suffix: int
     """Tokens they share at the end."""
+    stand_in: int
+    """The one token that stands for the placeholder in a tokenized prompt: the placeholder
+    itself, or, where the placeholder is text of several tokens (InternVL's ``<image>``, no token
+    of its tokenizer), the token its run repeats (``<IMG_CONTEXT>``): ``prompt_text`` writes it
+    in the placeholder's stead before tokenizing, as the processor replaces the text."""
 
     @classmethod
     def of(cls, plain: list[int], expanded: list[int]) -> ImageRun:
-        """The run of ``expanded`` that replaces the placeholder token of ``plain``: the shared
-        start and end, leaving exactly one token of ``plain`` between them (a run that repeats
+        """The run of ``expanded`` that replaces the placeholder tokens of ``plain``: the shared
+        start and end, leaving at least one token of ``plain`` between them (a run that repeats
         the placeholder, ``<image>`` -> ``<image> x n``, must not eat it into the prefix).
 
         Raises:
-            ValueError: ``plain`` does not come down to one placeholder token.
+            ValueError: ``plain`` has no token between what it shares with ``expanded``.
         """
         limit = min(len(plain), len(expanded))
         prefix = 0
@@ -92,12 +97,15 @@ class ImageRun:
         while suffix < limit - prefix and plain[-1 - suffix] == expanded[-1 - suffix]:
             suffix += 1
         prefix = min(prefix, len(plain) - 1 - suffix)
-        if prefix < 0 or len(plain) - prefix - suffix != 1:
-            raise ValueError(f"the image placeholder is {len(plain) - prefix - suffix} tokens where one was expected")
-        return cls(prefix, suffix)
+        if prefix < 0:
+            raise ValueError("the image placeholder has no token of its own")
+        placeholder = plain[prefix : len(plain) - suffix]
+        run = expanded[prefix : len(expanded) - suffix]
+        stand_in = placeholder[0] if len(placeholder) == 1 else max(run, key=run.count)
+        return cls(prefix, suffix, stand_in)
 
-    def placeholder(self, plain: list[int]) -> int:
-        return plain[self.prefix]
+    def placeholder(self, plain: list[int]) -> list[int]:
+        return plain[self.prefix : len(plain) - self.suffix]
 
     def tokens(self, expanded: list[int]) -> list[int]:
         return expanded[self.prefix : len(expanded) - self.suffix]
@@ -145,6 +153,10 @@ class GenericVisionModel(VisionLanguageModel):
 
     def __init__(self, model, processor, config: dict, path) -> None:
         self.image_placeholder_text, self._plain_ids, self._run = _placeholder(processor)
+        several = len(self._run.placeholder(self._plain_ids)) > 1
+        self._stand_in_text = (
+            _stand_in_text(processor, self.image_placeholder_text, self._run.stand_in) if several else None
+        )
         super().__init__(model, processor, config, path)
         # Multi-axis rotary positions, where the text model computes them itself from the prompt
         # and the images' grids (mlx-vlm keeps them as state on the model; here they are
@@ -286,25 +298,28 @@ class GenericVisionModel(VisionLanguageModel):
         return self.model.get_input_embeddings(ids, mx.array(image.pixel_values), mask=mx.ones(ids.shape), **inputs)
 
     def _image_token_id(self) -> int:
-        return self._run.placeholder(self._plain_ids)
+        return self._run.stand_in
+
+    def prompt_text(self, text: str) -> str:
+        """``text`` with the stand-in token's text for each placeholder of several tokens
+        (``ImageRun.stand_in``; the text as it is where the placeholder is one token)."""
+        if self._stand_in_text is None:
+            return text
+        return text.replace(self.image_placeholder_text, self._stand_in_text)
 
 
 def _placeholder(processor) -> tuple[str, list[int], ImageRun]:
-    """The text that stands for one image (the first the processor expands of its
-    ``image_token``, its ``boi_token``, the tokenizer's ``image_token``), its ids, and where the
-    processor puts an image's run against them.
+    """The text that stands for one image (the first the processor expands of
+    ``_candidate_texts``), its ids, and where the processor puts an image's run against them.
 
     Raises:
         UnsupportedModelError: The processor expands none of them.
     """
     from PIL import Image
 
-    tokenizer = getattr(processor, "tokenizer", None)
-    candidates = [getattr(owner, name, None) for owner, name in
-                  ((processor, "image_token"), (processor, "boi_token"), (tokenizer, "image_token"))]  # fmt: skip
     probe = Image.new("RGB", PROBE_IMAGE_SIZE)
     failures = []
-    for text in dict.fromkeys(c for c in candidates if isinstance(c, str) and c):
+    for text in _candidate_texts(processor):
         try:
             outputs = processor(text=[text], images=[probe], return_tensors="np")
             plain = _text_ids(processor, text)
@@ -314,6 +329,38 @@ def _placeholder(processor) -> tuple[str, list[int], ImageRun]:
     raise UnsupportedModelError(
         "its processor expands no image placeholder it names" + (f" ({'; '.join(failures)})" if failures else "")
     )
+
+
+def _candidate_texts(processor):
+    """The processor's ``image_token``, its ``boi_token``, the tokenizer's ``image_token``; then
+    (only rendered if those fail) what the chat template writes for an image, stripped: InternVL's
+    processor names no placeholder, it replaces the text ``<image>`` its template writes."""
+    from vllm_mlx.engine.chat import template_image_text
+
+    tokenizer = getattr(processor, "tokenizer", None)
+    candidates = [getattr(owner, name, None) for owner, name in
+                  ((processor, "image_token"), (processor, "boi_token"), (tokenizer, "image_token"))]  # fmt: skip
+    named = list(dict.fromkeys(c for c in candidates if isinstance(c, str) and c))
+    yield from named
+    template = (template_image_text(tokenizer) or "").strip() if tokenizer is not None else ""
+    if template and template not in named:
+        yield template
+
+
+def _stand_in_text(processor, placeholder_text: str, stand_in: int) -> str:
+    """The text of the token that stands for a placeholder of several tokens (``ImageRun``).
+
+    Raises:
+        UnsupportedModelError: That token's text does not tokenize back to it alone.
+    """
+    tokenizer = getattr(processor, "tokenizer", processor)
+    text = tokenizer.convert_ids_to_tokens(stand_in)
+    if tokenizer.encode(text, add_special_tokens=False) != [stand_in]:
+        raise UnsupportedModelError(
+            f"its image placeholder {placeholder_text!r} is several tokens, and the token of its run "
+            f"({text!r}) cannot stand for it in a tokenized prompt"
+        )
+    return text
 
 
 def _text_ids(processor, text: str) -> list[int]:

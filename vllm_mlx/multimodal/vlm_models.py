@@ -215,6 +215,11 @@ class VisionLanguageModel:
         self._extend(expanded, token_ids[cursor:])
         return expanded, self.multimodal_input(len(expanded), placed)
 
+    def prompt_text(self, text: str) -> str:
+        """A text prompt with images as it is tokenized for ``prepare`` (the generic adapter
+        writes one token in for a placeholder of several: ``ImageRun.stand_in``)."""
+        return text
+
     def image_frame(self) -> tuple[list[int], list[int]]:
         """Tokens the expansion puts before and after an image's run of feature tokens."""
         return [], []

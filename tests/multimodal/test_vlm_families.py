@@ -1,6 +1,5 @@
-"""Qwen3-VL and Qwen3.5 (dense and MoE), Gemma 3, Gemma 4, Mistral 3, SmolVLM, Idefics3, Pixtral, GLM-4.1V,
-LLaVA-OneVision, Aya Vision, LFM2-VL, Kimi-VL, Llama 4, InternVL and Nemotron 3 Nano Omni in the paged
-engine, on tiny random-weight models (tests/tiny_vlm.py, tests/tiny_vlm_*.py).
+"""Vision-language families in the paged engine, on tiny random-weight models (tests/tiny_vlm.py and
+tests/tiny_vlm_*.py, a module per group of families that share a processor, tower or text model).
 
 Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / LLaVA:
 
@@ -43,6 +42,11 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
 * Nemotron 3 Nano Omni: RADIO at the image's own size (16 px patches, shuffled 2x2), framed by
   ``<img>`` / ``</img>``, and a Nemotron-H hybrid text model (a Mamba-2 layer, whose state lives
   in the state pool with rows never right-padded, and an attention layer).
+* Refused at load, saying why: Phi-4-SigLIP and Phi-4-multimodal (one out-of-vocabulary id per
+  image, expanded inside the model), Moondream 3 (the image always after the BOS, no placeholder).
+* Idefics2 (a perceiver resampler to 4 latents per image): its processor rewrites the text
+  around an image (two images' markers merge into one, a space goes between a closing marker
+  and the text after it), which the family hook applies where the pieces meet.
 
 All: one and two images equal mlx-vlm, batched with text-only requests equals solo (chunked
 prefills ending inside images, preemption), prefix cache on equals off with an image in the
@@ -86,6 +90,7 @@ PLACEHOLDER = {
     "internvl": "<IMG_CONTEXT>",
     "internvl_chat": "<image>",
     "nemotron_h_nano_omni": "<image>",
+    "idefics2": "<image>",
 }
 
 
@@ -328,6 +333,11 @@ def test_mistral3_with_a_ministral3_text_model_is_refused_before_loading(tmp_pat
         # mlx-vlm's LLaVA-NeXT model adds a newline row per tile and no unpadding, where its
         # processor counts the tokens as transformers does: the two disagree on the run's length.
         ("llava_next", r"expands an image inside the model \(\d+ embeddings for a run of \d+ tokens\)"),
+        # Phi-4-SigLIP's and Phi-4-multimodal's processors name no image token: they write one id
+        # (-200, outside the vocabulary) per "<image>" and the model puts the features in its place.
+        # Moondream 3's processor puts the one image after the BOS whatever the text says.
+        *[(name, "its processor expands no image placeholder it names") for name in ("phi4_siglip", "phi4mm",
+                                                                                      "moondream3")],
     ],
 )
 def test_a_family_the_generic_path_cannot_drive_is_refused_at_load_saying_why(tmp_path, name, reason):

@@ -94,8 +94,10 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
         **{name: f"tests/multimodal/test_vlm_families.py::test_one_image_equals_mlx_vlm[{name}]"
            for name in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "gemma3", "mistral3", "smolvlm",
                         "idefics3", "pixtral", "glm4v", "glm4v_moe", "glm_ocr", "llava_onevision", "aya_vision",
-                        "lfm2_vl", "kimi_vl", "llama4", "gemma4", "internvl", "internvl_chat",
-                        "nemotron_h_nano_omni")},
+                        "lfm2_vl", "kimi_vl", "llama4", "gemma4",
+                        "internvl", "internvl_chat", "nemotron_h_nano_omni",
+                        "idefics2",
+                        )},
     },
 }
 

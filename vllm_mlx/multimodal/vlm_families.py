@@ -9,7 +9,9 @@ paged caches) unless a family hook here knows what the generic path cannot deriv
   cache through calls of its own; both with multi-axis positions computed here
   (``mrope_positions``);
 * ``Gemma3Model``: the newlines framing an image merge with the prompt's own (Gemma's tokenizer
-  has single tokens for runs of newlines), so the expansion is re-tokenized where they meet.
+  has single tokens for runs of newlines), so the expansion is re-tokenized where they meet;
+* ``Idefics2Model``: the generic path, with the processor's rewriting of the text where an
+  image meets its neighbours (markers merged, a space before text).
 
 ``TEXT_MODEL_REFUSALS`` names text models refused whatever the vision side, for what the
 load-time check (one row) cannot see; ``load_vision_language_model`` picks the adapter.
@@ -34,6 +36,7 @@ __all__ = [
     "FAMILIES",
     "TEXT_MODEL_REFUSALS",
     "Gemma3Model",
+    "Idefics2Model",
     "Qwen2VLModel",
     "Qwen3VLModel",
     "Qwen3_5Model",
@@ -264,6 +267,52 @@ class Gemma3Model(VisionLanguageModel):
         return features.reshape(-1, features.shape[-1])
 
 
+class Idefics2Model(GenericVisionModel):
+    """Idefics2: the generic path, with its processor's rewriting of the text around an image.
+
+    The processor (mlx-vlm's, after transformers') writes ``<fake_token_around_image> <image> x n
+    <fake_token_around_image>`` for an image and then rewrites the prompt as text: where two
+    images meet, their markers merge into one; where text follows a closing marker directly (no
+    space, no tag), it puts a space in between. One image's run, spliced alone, cannot know its
+    neighbours, so here the markers are the image's frame (``image_frame``), ``_extend`` applies
+    both rules where the pieces meet, and an image's run is what lies between its markers (the
+    same wherever the image stands: the MLLM cache keys its rows on the image alone).
+    """
+
+    model_types = ("idefics2",)
+
+    @property
+    def marker_id(self) -> int:
+        return int(self.tokenizer.convert_tokens_to_ids(self.processor.fake_image_token))
+
+    def process(self, source: ImageSource, policy: MediaPolicy) -> ImageInput:
+        image = super().process(source, policy)
+        run = list(image.token_ids)
+        if len(run) > 2 and run[0] == run[-1] == self.marker_id:
+            image.token_ids, image.num_tokens = run[1:-1], len(run) - 2
+        return image
+
+    def image_frame(self) -> tuple[list[int], list[int]]:
+        return [self.marker_id], [self.marker_id]
+
+    def _extend(self, expanded: list[int], tokens: list[int]) -> None:
+        if expanded and tokens and expanded[-1] == self.marker_id:
+            if tokens[0] == self.marker_id:  # two images meet: one marker between them
+                tokens = tokens[1:]
+            else:
+                text = self._text_after_marker(tokens[0])
+                if text and not text[0].isspace() and text[0] != "<":  # the processor's (?=[^\s<])
+                    # It tokenizes " " + the text: the first token is re-tokenized with the space.
+                    tokens = self.tokenizer.encode(" " + text, add_special_tokens=False) + tokens[1:]
+        expanded += tokens
+
+    def _text_after_marker(self, token_id: int) -> str:
+        """``token_id``'s text where it follows a marker (a tokenizer that drops a word's leading
+        space when it decodes the word alone keeps it there)."""
+        marker = self.tokenizer.decode([self.marker_id])
+        return self.tokenizer.decode([self.marker_id, token_id])[len(marker) :]
+
+
 def _newline_run(tokens: list[int], newline_text, *, from_end: bool) -> int:
     """How many tokens at the end (or start) of ``tokens`` are newlines only."""
     count = 0
@@ -274,7 +323,7 @@ def _newline_run(tokens: list[int], newline_text, *, from_end: bool) -> int:
     return count
 
 
-FAMILIES: tuple[type[VisionLanguageModel], ...] = (Qwen3VLModel, Qwen3_5Model, Gemma3Model)
+FAMILIES: tuple[type[VisionLanguageModel], ...] = (Qwen3VLModel, Qwen3_5Model, Gemma3Model, Idefics2Model)
 """The hooks: families whose prompt or positions the generic path cannot derive."""
 
 TEXT_MODEL_REFUSALS: dict[str, str] = {

@@ -575,7 +575,9 @@ def drop_text_kwargs_for_images(processor):
     tests) through by dropping the tokenizer-only kwargs before the image processor sees them.
     """
     image_processor = processor.image_processor
-    preprocess = image_processor.preprocess
+    preprocess = getattr(image_processor, "preprocess", None)
+    if preprocess is None:  # an image processor of mlx-vlm's own, called whole (Muse Spark's)
+        return processor
 
     def preprocess_images_only(images, *args, padding=None, padding_side=None, **kwargs):
         return preprocess(images, *args, **kwargs)

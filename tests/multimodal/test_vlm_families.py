@@ -47,6 +47,12 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
 * Idefics2 (a perceiver resampler to 4 latents per image): its processor rewrites the text
   around an image (two images' markers merge into one, a space goes between a closing marker
   and the text after it), which the family hook applies where the pieces meet.
+* Muse Glimmer (tests/tiny_vlm_others.py): its own processor (``<|patch|>`` framed by image
+  start/end markers), a sliding-window layer with rotary positions and a global one without,
+  gated attention and soft-capped scaled logits (the whole call, no backbone/head split).
+* d1: LFM2-VL's model under its own type (typed-decision readouts beside it): its short
+  convolutions go in the state pool as LFM2-VL's do.
+* Muse Spark: refused at load without Metal (its text model runs fused Metal kernels only).
 
 All: one and two images equal mlx-vlm, batched with text-only requests equals solo (chunked
 prefills ending inside images, preemption), prefix cache on equals off with an image in the
@@ -57,6 +63,7 @@ from __future__ import annotations
 
 import json
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -91,6 +98,8 @@ PLACEHOLDER = {
     "internvl_chat": "<image>",
     "nemotron_h_nano_omni": "<image>",
     "idefics2": "<image>",
+    "muse_glimmer": "<|patch|>",
+    "d1": "<image>",
 }
 
 
@@ -219,8 +228,8 @@ def test_prefix_cache_on_equals_off_with_an_image_in_the_prefix(family):
     (on, cached_on, mllm_on, image_end, length, hybrid), (off, cached_off, *_) = outputs(True), outputs(False)
     assert on == off
     assert cached_off == [0, 0, 0]
-    if hybrid:  # recurrent layers (Qwen3.5, LFM2-VL, Nemotron-H) resume only where a state checkpoint was kept
-        assert name.startswith(("qwen3_5", "lfm2_vl", "nemotron_h"))
+    if hybrid:  # recurrent layers (Qwen3.5, LFM2-VL, d1, Nemotron-H) resume only where a state checkpoint was kept
+        assert name.startswith(("qwen3_5", "lfm2_vl", "d1", "nemotron_h"))
         # The second prompt branches off the first after the image: no checkpoint there yet.
         assert cached_on[0:2] == [0, 0] and cached_on[2] >= length - 4  # the repeat resumes
         # The image, encoded once, came from the MLLM cache for the second prompt.
@@ -338,6 +347,10 @@ def test_mistral3_with_a_ministral3_text_model_is_refused_before_loading(tmp_pat
         # Moondream 3's processor puts the one image after the BOS whatever the text says.
         *[(name, "its processor expands no image placeholder it names") for name in ("phi4_siglip", "phi4mm",
                                                                                       "moondream3")],
+        # mlx-vlm's Muse Spark text model runs fused Metal kernels with no fallback: mlx-vlm itself
+        # fails without Metal (on Apple silicon the family is served and this case is skipped).
+        pytest.param("muse_spark", r"Metal-only kernels .* this MLX backend has no Metal",
+                     marks=pytest.mark.skipif(mx.metal.is_available(), reason="Metal: Muse Spark runs")),
     ],
 )
 def test_a_family_the_generic_path_cannot_drive_is_refused_at_load_saying_why(tmp_path, name, reason):

@@ -84,6 +84,7 @@ RECURRENT_ARCHITECTURES: dict[str, bool] = {
     "lfm2-vl": True,  # LFM2-VL's text model, loaded by mlx-lm as text alone: lfm2's layers
     "lfm2_vl": True,  # LFM2-VL through mlx-vlm: the same layers
     "nemotron_h_nano_omni": False,  # Nemotron 3 Nano Omni through mlx-vlm: nemotron_h's layers, never padded
+    "d1": True,  # d1 through mlx-vlm: LFM2-VL's model (typed-decision readouts added), the same layers
     "kimi_linear": False,  # Kimi Delta Attention layers beside MLA ones
     "kimi_k3": False,
 }

@@ -97,6 +97,7 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
                         "lfm2_vl", "kimi_vl", "llama4", "gemma4",
                         "internvl", "internvl_chat", "nemotron_h_nano_omni",
                         "idefics2",
+                        "muse_glimmer", "d1",
                         )},
     },
 }
@@ -184,7 +185,13 @@ def classify_vision(name: str) -> Architecture:
     its text model with no ``get_rope_index``; runs otherwise, and the check at load confirms it
     on the real model."""
     from vllm_mlx.multimodal.vlm_families import FAMILIES
-    from vllm_mlx.multimodal.vlm_generic import IGNORED_FEATURES, POSITION_FEATURES, TOKEN_FEATURES, both_ways_reason
+    from vllm_mlx.multimodal.vlm_generic import (
+        IGNORED_FEATURES,
+        POSITION_FEATURES,
+        TOKEN_FEATURES,
+        both_ways_reason,
+        metal_only_reason,
+    )
 
     family = next((f for f in FAMILIES if name in f.model_types), None)
     if family is not None:
@@ -193,6 +200,8 @@ def classify_vision(name: str) -> Architecture:
     why_not = _why_not_a_generator(name, code)
     if why_not is not None:
         return Architecture(name, VISION, NOT_GENERATOR, why_not)
+    if _METAL_ONLY_KERNELS.search(code) and not _has_metal():
+        return Architecture(name, VISION, REFUSED, metal_only_reason())
     embeddings = _method_source(name, "Model", "get_input_embeddings")
     if embeddings is None:
         reason = "its model has no get_input_embeddings, the interface the generic path drives"
@@ -265,6 +274,17 @@ def _feature_fields() -> set[str]:
     except ImportError:  # no vision architectures to classify then
         return set()
     return {field.name for field in dataclasses.fields(InputEmbeddingsFeatures)}
+
+
+_METAL_ONLY_KERNELS = re.compile(r"from\s+(?:\.\.\.|mlx_vlm\.)kernels\s+import")
+"""An import of mlx-vlm's top-level ``kernels`` package: fused ``mx.fast.metal_kernel``s with no
+fallback (unlike ``mlx_vlm.models.kernels``, which falls back to MLX ops without Metal)."""
+
+
+def _has_metal() -> bool:
+    import mlx.core as mx
+
+    return mx.metal.is_available()
 
 
 def _package_code(name: str) -> str:

@@ -31,8 +31,8 @@ This holds where ``get_input_embeddings`` merges position by position and the te
 nothing but embeddings, those positions and the cache; ``check`` runs the pipeline once at load
 on a small image and refuses, with the reason, a model that needs more (image tokens attending
 both ways, positions kept as state with no function to compute them, cross-attention states,
-deepstack features, features longer than the run). Family hooks (``vlm_families.py``) add what
-differs.
+deepstack features, features longer than the run, Metal-only kernels on a backend without
+Metal). Family hooks (``vlm_families.py``) add what differs.
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ class GenericVisionModel(VisionLanguageModel):
             raise UnsupportedModelError(both_ways_reason(both_ways))
         probe = Image.new("RGB", PROBE_IMAGE_SIZE, (96, 160, 32))
         image = self.process(probe, MediaPolicy.operator())
-        merged = self._merged(image)
+        merged = self._without_metal_refused(self._merged, image)
         self.token_features = self._token_features(merged, image.num_tokens)
         ignored = IGNORED_FEATURES | (POSITION_FEATURES if self.uses_mrope else frozenset()) | set(self.token_features)
         extra = sorted({name for name, value in _fields(merged).items() if value is not None} - ignored)
@@ -272,9 +272,21 @@ class GenericVisionModel(VisionLanguageModel):
                 f"it expands an image inside the model ({features.shape[0]} embeddings for a run of "
                 f"{image.num_tokens} tokens), where the engine needs the processor's expansion"
             )
-        self.split = LanguageSplit.probe(self.language, self.make_cache, features[None])
+        self.split = self._without_metal_refused(LanguageSplit.probe, self.language, self.make_cache, features[None])
         if mx.array_equal(self._logits_of(features[None]), self._logits_of(mx.zeros_like(features[None]))).item():
             raise UnsupportedModelError("its text model ignores the embeddings it is given, so images cannot reach it")
+
+    @staticmethod
+    def _without_metal_refused(call, *args):
+        """``call(*args)``, refusing a model whose code runs Metal-only kernels (mlx-vlm's fused
+        ``mx.fast.metal_kernel``s, with no fallback: Muse Spark's text model) on a backend without
+        Metal, where MLX raises at the first such kernel: mlx-vlm itself cannot run it there."""
+        try:
+            return call(*args)
+        except RuntimeError as exc:
+            if "metal_kernel" not in str(exc) or mx.metal.is_available():
+                raise
+            raise UnsupportedModelError(metal_only_reason()) from None
 
     def _token_features(self, merged, run_length: int) -> dict[str, tuple[int, ...]]:
         """The ``TOKEN_FEATURES`` the model gives with an image, one row per run token, that its
@@ -367,6 +379,12 @@ def _text_ids(processor, text: str) -> list[int]:
     """``text`` tokenized as the processor tokenizes a prompt (special tokens added)."""
     tokenizer = getattr(processor, "tokenizer", processor)
     return list(tokenizer(text)["input_ids"])
+
+
+def metal_only_reason() -> str:
+    """Why a model running Metal-only kernels is refused on a backend without Metal."""
+    return ("it runs Metal-only kernels (mx.fast.metal_kernel, no fallback), and this MLX backend has no Metal: "
+            "serve it on Apple silicon")  # fmt: skip
 
 
 def both_ways_reason(value: object) -> str:

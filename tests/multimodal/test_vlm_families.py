@@ -53,6 +53,13 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
 * d1: LFM2-VL's model under its own type (typed-decision readouts beside it): its short
   convolutions go in the state pool as LFM2-VL's do.
 * Muse Spark: refused at load without Metal (its text model runs fused Metal kernels only).
+* Mage-VL: Mage-ViT (3-D rotary, 2x2 merge) under a plain qwen3 text model with 1-D positions,
+  and mlx-vlm's own torch-free processor: the generic path alone.
+* LLM-jp-VL: SigLIP with InternVL's pixel shuffle and a llama text model, expanded by
+  transformers' ``LlavaProcessor`` (mlx-vlm ships none for it): the generic path alone.
+* Refused at load, saying why: Granite Vision (mlx-vlm's model and processor disagree on the run,
+  as LLaVA-NeXT's), Bunny and FastVLM (the model splices an image in for one -200 mark), GOT-OCR
+  2.0 (its processor names no placeholder and wraps every prompt in its own conversation).
 
 All: one and two images equal mlx-vlm, batched with text-only requests equals solo (chunked
 prefills ending inside images, preemption), prefix cache on equals off with an image in the
@@ -100,6 +107,8 @@ PLACEHOLDER = {
     "idefics2": "<image>",
     "muse_glimmer": "<|patch|>",
     "d1": "<image>",
+    "mage_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "llmjpvl": "<image>",
 }
 
 
@@ -351,6 +360,16 @@ def test_mistral3_with_a_ministral3_text_model_is_refused_before_loading(tmp_pat
         # fails without Metal (on Apple silicon the family is served and this case is skipped).
         pytest.param("muse_spark", r"Metal-only kernels .* this MLX backend has no Metal",
                      marks=pytest.mark.skipif(mx.metal.is_available(), reason="Metal: Muse Spark runs")),
+        # mlx-vlm's Granite Vision model (LLaVA-NeXT's layout) puts a block of features, and a block
+        # of newlines, per image token: more rows than the processor's LLaVA-NeXT count.
+        ("granite_vision", r"expands an image inside the model \(\d+ embeddings for a run of \d+ tokens\)"),
+        # Bunny: mlx-vlm's processor is the tokenizer; its prompt builder inserts -200 for the model to splice.
+        ("llava_bunny", r"processor is a tokenizer alone: mlx-vlm's model splices an image's features in itself"),
+        # FastVLM: the processor marks an image with -200, which the model replaces by its features.
+        ("fastvlm", r"marks an image with the id -200, outside the vocabulary: mlx-vlm's model splices"),
+        # GOT-OCR 2.0: the processor names no placeholder; it expands "<image>" to 256 pads at 1024 px
+        # and wraps every prompt in GOT's own conversation (mlx-vlm's model takes one image a prompt).
+        ("got", r"its processor expands no image placeholder it names"),
     ],
 )
 def test_a_family_the_generic_path_cannot_drive_is_refused_at_load_saying_why(tmp_path, name, reason):

@@ -31,8 +31,9 @@ This holds where ``get_input_embeddings`` merges position by position and the te
 nothing but embeddings, those positions and the cache; ``check`` runs the pipeline once at load
 on a small image and refuses, with the reason, a model that needs more (image tokens attending
 both ways, positions kept as state with no function to compute them, cross-attention states,
-deepstack features, features longer than the run, Metal-only kernels on a backend without
-Metal). Family hooks (``vlm_families.py``) add what differs.
+deepstack features, features longer than the run, an image its processor leaves as one mark for
+the model to splice its features in, Metal-only kernels on a backend without Metal). Family hooks
+(``vlm_families.py``) add what differs.
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ beside the embeddings, and that the text-only call gives for text tokens (module
 GRID_KEY = "image_grid_thw"
 """The processor output ``get_rope_index`` reads an image's patch grid from."""
 PROBE_IMAGE_SIZE = (64, 48)
+SPLICED_BY_THE_MODEL = (
+    "{what}: mlx-vlm's model splices an image's features in itself, in place of one mark, where the engine "
+    "needs the processor to expand each image into its run of tokens"
+)
+"""Why a model whose processor does not expand images (LLaVA-style ``image_token_index`` marks) is refused."""
 
 
 @dataclass(frozen=True)
@@ -250,6 +256,11 @@ class GenericVisionModel(VisionLanguageModel):
             raise UnsupportedModelError(both_ways_reason(both_ways))
         probe = Image.new("RGB", PROBE_IMAGE_SIZE, (96, 160, 32))
         image = self.process(probe, MediaPolicy.operator())
+        # A negative id (FastVLM's -200) is no token: a mark where the model splices features in.
+        marks = sorted({token for token in image.token_ids if token < 0})
+        if marks:
+            what = f"its processor marks an image with the id {marks[0]}, outside the vocabulary"
+            raise UnsupportedModelError(SPLICED_BY_THE_MODEL.format(what=what))
         merged = self._without_metal_refused(self._merged, image)
         self.token_features = self._token_features(merged, image.num_tokens)
         ignored = IGNORED_FEATURES | (POSITION_FEATURES if self.uses_mrope else frozenset()) | set(self.token_features)
@@ -329,6 +340,9 @@ def _placeholder(processor) -> tuple[str, list[int], ImageRun]:
     """
     from PIL import Image
 
+    tokenizer = getattr(processor, "tokenizer", None)
+    if tokenizer is None:  # mlx-vlm's load gave the tokenizer alone (Bunny): nothing expands an image
+        raise UnsupportedModelError(SPLICED_BY_THE_MODEL.format(what="its processor is a tokenizer alone"))
     probe = Image.new("RGB", PROBE_IMAGE_SIZE)
     failures = []
     for text in _candidate_texts(processor):

@@ -347,14 +347,39 @@ def _placeholder(processor) -> tuple[str, list[int], ImageRun]:
     failures = []
     for text in _candidate_texts(processor):
         try:
-            outputs = processor(text=[text], images=[probe], return_tensors="np")
+            expanded = _expanded_ids(processor, text, probe)
             plain = _text_ids(processor, text)
-            return text, plain, ImageRun.of(plain, np.asarray(outputs["input_ids"])[0].tolist())
+            run = ImageRun.of(plain, expanded)
+            if _expands_in_place(processor, text, run.tokens(expanded), probe):
+                return text, plain, run
+            failures.append(f"{text!r}: its run is not put where the placeholder stands in a prompt")
         except Exception as exc:  # noqa: BLE001 -- a processor refuses a text its own way
             failures.append(f"{text!r}: {exc}".splitlines()[0])
     raise UnsupportedModelError(
         "its processor expands no image placeholder it names" + (f" ({'; '.join(failures)})" if failures else "")
     )
+
+
+def _expanded_ids(processor, text: str, image) -> list[int]:
+    return np.asarray(processor(text=[text], images=[image], return_tensors="np")["input_ids"])[0].tolist()
+
+
+IN_PLACE_HEAD, IN_PLACE_TAIL = "Look:", " Then."
+"""The text around a placeholder in ``_expands_in_place``'s prompt."""
+
+
+def _expands_in_place(processor, text: str, run: list[int], image) -> bool:
+    """Whether the processor puts an image's run where its placeholder stands in a longer prompt:
+    the text before it kept (all but its last token, which a tokenizer may merge with what
+    follows) and the run whole after it. A processor that moves every image to the front
+    (Moondream 3's, Molmo's) or wraps the prompt in a conversation of its own (GOT-OCR's) does not:
+    the engine places an image's run where the prompt names it."""
+    expanded = _expanded_ids(processor, IN_PLACE_HEAD + text + IN_PLACE_TAIL, image)
+    kept = _text_ids(processor, IN_PLACE_HEAD)[:-1]
+    if expanded[: len(kept)] != kept:
+        return False
+    after = expanded[len(kept) :]
+    return any(after[i : i + len(run)] == run for i in range(len(after) - len(run) + 1))
 
 
 def _candidate_texts(processor):

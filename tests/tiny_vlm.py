@@ -574,9 +574,11 @@ def drop_text_kwargs_for_images(processor):
     processor without ``padding`` works; this wrapper lets mlx-vlm's own path (the oracle in
     tests) through by dropping the tokenizer-only kwargs before the image processor sees them.
     """
-    image_processor = processor.image_processor
+    image_processor = getattr(processor, "image_processor", None)
     preprocess = getattr(image_processor, "preprocess", None)
-    if preprocess is None:  # an image processor of mlx-vlm's own, called whole (Muse Spark's)
+    # mlx-vlm's own processors that transform images themselves (DeepSeek-VL2's) or call their
+    # image processor whole (Muse Spark's): nothing to wrap.
+    if preprocess is None:
         return processor
 
     def preprocess_images_only(images, *args, padding=None, padding_side=None, **kwargs):

@@ -178,7 +178,9 @@ def test_the_prompt_is_expanded_as_mlx_vlm_expands_it(family, engine):
     pad = PLACEHOLDER[name]
     for text in [f"First {pad} then {pad} compare.", f"user\n{pad}\nWhat?", f"A:{pad}{pad}\n\nB", pad]:
         images = [picture(i, (100, 60)) for i in range(text.count(pad))]
-        expected = np.asarray(processor(text=[text], images=images)["input_ids"])[0].tolist()
+        # The text alone, not in a list, as mlx-vlm's generation passes it (DeepSeek-VL2's processor
+        # takes a list as a batch of prompts with one image each).
+        expected = np.asarray(processor(text=text, images=images)["input_ids"])[0].tolist()
         assert engine.prepare_prompt(text, images).token_ids == expected, text
     if name == "gemma3":  # "user\n" + "\n\n<start_of_image>" tokenized as one "\n\n\n"
         [three_newlines] = engine.tokenizer.encode("\n\n\n", add_special_tokens=False)

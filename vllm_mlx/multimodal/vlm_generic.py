@@ -51,8 +51,11 @@ from vllm_mlx.multimodal.vlm_models import VisionLanguageModel
 
 __all__ = ["GenericVisionModel", "ImageRun", "LanguageSplit"]
 
-PROCESSOR_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids"})
+PROCESSOR_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "labels"})
 """Processor outputs about the text, not the image (the run's own ids replace them)."""
+PIXEL_KEYS = ("pixel_values", "images")
+"""Where a processor puts the pixels: DeepSeek-VL2's says ``images`` (mlx-vlm's ``prepare_inputs``
+renames it to ``pixel_values``)."""
 IGNORED_FEATURES = frozenset({"inputs_embeds", "attention_mask_4d", "attention_mask"})
 """``get_input_embeddings`` outputs the language model does without: mlx-vlm's generation drops
 the masks too (the text model builds its causal masks from the cache)."""
@@ -228,8 +231,8 @@ class GenericVisionModel(VisionLanguageModel):
         outputs = self.processor(text=[self.image_placeholder_text], images=[rgb], return_tensors="np")
         expanded = np.asarray(outputs["input_ids"])[0].tolist()
         run = self._run.tokens(expanded)
-        encoder_inputs = {k: np.asarray(v) for k, v in outputs.items() if k not in PROCESSOR_TEXT_KEYS}
-        pixels = encoder_inputs.pop("pixel_values")
+        encoder_inputs = _encoder_inputs(outputs, self._run, len(expanded))
+        pixels = next(encoder_inputs.pop(key) for key in PIXEL_KEYS if key in encoder_inputs)
         return ImageInput(self._hash(rgb), rgb, pixels, 0, len(run), token_ids=run, encoder_inputs=encoder_inputs)
 
     def encode(self, image: ImageInput) -> mx.array:
@@ -412,6 +415,22 @@ def _stand_in_text(processor, placeholder_text: str, stand_in: int) -> str:
             f"({text!r}) cannot stand for it in a tokenized prompt"
         )
     return text
+
+
+def _encoder_inputs(outputs, run: ImageRun, length: int) -> dict[str, np.ndarray]:
+    """The processor's outputs about the image, as arrays: not the text's, not strings or lists
+    of them (DeepSeek-VL2's ``sft_format``). An output with one entry per prompt token (a
+    ``[1, length]`` mask: DeepSeek-VL2's ``images_seq_mask``, which counts the BOS) is cut to the
+    run, as the run's ids are: ``encode`` gives the model the run alone."""
+    inputs = {}
+    for name, value in outputs.items():
+        array = np.asarray(value)
+        if name in PROCESSOR_TEXT_KEYS or array.dtype.kind not in "biuf":
+            continue
+        if array.shape == (1, length):
+            array = array[:, run.prefix : length - run.suffix]
+        inputs[name] = array
+    return inputs
 
 
 def _text_ids(processor, text: str) -> list[int]:

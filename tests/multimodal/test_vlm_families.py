@@ -60,6 +60,10 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
 * Refused at load, saying why: Granite Vision (mlx-vlm's model and processor disagree on the run,
   as LLaVA-NeXT's), Bunny and FastVLM (the model splices an image in for one -200 mark), GOT-OCR
   2.0 (its processor names no placeholder and wraps every prompt in its own conversation).
+* Molmo 2: the generic path alone, with the placeholder its processor names
+  ``image_placeholder_token``: a low-resolution view and overlapping crops, rows closed by
+  ``<im_col>``, features added to the ``<im_patch>`` embeddings; its images are 400+ tokens
+  even in a tiny model (378 px crops, fixed by mlx-vlm's ``load``), so its pools are larger.
 
 All: one and two images equal mlx-vlm, batched with text-only requests equals solo (chunked
 prefills ending inside images, preemption), prefix cache on equals off with an image in the
@@ -109,7 +113,17 @@ PLACEHOLDER = {
     "d1": "<image>",
     "mage_vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "llmjpvl": "<image>",
+    "molmo2": "<|image|>",
 }
+
+KV_SCALE = {"molmo2": 8}
+"""Families whose images are hundreds of tokens even in a tiny model (mlx-vlm's ``load`` builds
+Molmo 2's image processor with its defaults: 378 px crops, 424 tokens or more an image): their
+KV pools are this many times larger, so the same prompts fit, and the small pool still preempts."""
+
+
+def kv_blocks(name: str, blocks: int) -> int:
+    return blocks * KV_SCALE.get(name, 1)
 
 
 def tiny_builder(name: str):
@@ -135,7 +149,8 @@ def family(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(family):
     _, model_dir = family
-    engine = EngineCore(model=str(model_dir), num_kv_blocks=96, block_size=4, force_model_takeover=True)
+    engine = EngineCore(model=str(model_dir), num_kv_blocks=kv_blocks(family[0], 96), block_size=4,
+                        force_model_takeover=True)
     yield engine
     engine.shutdown()
 
@@ -201,7 +216,7 @@ def test_batched_with_text_requests_equals_solo(family):
         ("Another look.", [picture(7, (90, 90))]),
     ]
     # Small steps: prefill chunks end inside images; a small pool forces preemption.
-    options = {"num_kv_blocks": 30, "max_num_batched_tokens": 12, "enable_prefix_caching": False}
+    options = {"num_kv_blocks": kv_blocks(name, 30), "max_num_batched_tokens": 12, "enable_prefix_caching": False}
     engine = family_engine(model_dir, **options)
     try:
         solo = [tokens(run_prompts(engine, [p]))[0] for p in prompts]
@@ -224,7 +239,7 @@ def test_prefix_cache_on_equals_off_with_an_image_in_the_prefix(family):
     prompts = [(prefix + question, [image]) for question in ("What is it?", "What colour?", "What is it?")]
 
     def outputs(enabled: bool):
-        engine = family_engine(model_dir, num_kv_blocks=96, enable_prefix_caching=enabled)
+        engine = family_engine(model_dir, num_kv_blocks=kv_blocks(name, 96), enable_prefix_caching=enabled)
         try:
             prepared = engine.prepare_prompt(*prompts[0])
             first = prepared.token_ids
@@ -259,7 +274,7 @@ def test_the_mllm_cache_encodes_an_image_seen_twice_once(family):
     prompts = [(f"{n} {PLACEHOLDER[name]} Describe.", [image]) for n in ("One", "Two")]
 
     def outputs(enabled: bool):
-        engine = family_engine(model_dir, num_kv_blocks=96, enable_mllm_cache=enabled)
+        engine = family_engine(model_dir, num_kv_blocks=kv_blocks(name, 96), enable_mllm_cache=enabled)
         try:
             return [tokens(run_prompts(engine, [p]))[0] for p in prompts], engine.get_stats()["mllm"]
         finally:
@@ -372,6 +387,10 @@ def test_mistral3_with_a_ministral3_text_model_is_refused_before_loading(tmp_pat
         ("llava_bunny", r"processor is a tokenizer alone: mlx-vlm's model splices an image's features in itself"),
         # FastVLM: the processor marks an image with -200, which the model replaces by its features.
         ("fastvlm", r"marks an image with the id -200, outside the vocabulary: mlx-vlm's model splices"),
+        # MolmoPoint's point predictor keeps per-request image state on the model between steps.
+        ("molmo_point", r"'molmo_point'.*per-request image state.*point predictor"),
+        # Molmo's processor ignores placeholders: every image's tokens go before the whole text.
+        ("molmo", r"'molmo'.*its processor expands no image placeholder it names"),
     ],
 )
 def test_a_family_the_generic_path_cannot_drive_is_refused_at_load_saying_why(tmp_path, name, reason):

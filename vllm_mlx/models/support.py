@@ -99,6 +99,7 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
                         "idefics2",
                         "muse_glimmer", "d1",
                         "mage_vl", "llmjpvl",
+                        "molmo2",
                         )},
     },
 }
@@ -186,7 +187,7 @@ def classify_vision(name: str) -> Architecture:
     the text model has a ``get_rope_index``), or where it keeps multi-axis positions as state on
     its text model with no ``get_rope_index``; runs otherwise, and the check at load confirms it
     on the real model."""
-    from vllm_mlx.multimodal.vlm_families import FAMILIES
+    from vllm_mlx.multimodal.vlm_families import ARCHITECTURE_REFUSALS, FAMILIES
     from vllm_mlx.multimodal.vlm_generic import (
         IGNORED_FEATURES,
         POSITION_FEATURES,
@@ -199,6 +200,8 @@ def classify_vision(name: str) -> Architecture:
     family = next((f for f in FAMILIES if name in f.model_types), None)
     if family is not None:
         return Architecture(name, VISION, RUNS, f"family hook {family.__name__}")
+    if name in ARCHITECTURE_REFUSALS:  # what its code does past what can be read off generally
+        return Architecture(name, VISION, REFUSED, f"it {ARCHITECTURE_REFUSALS[name]}")
     code = _package_code(name)
     why_not = _why_not_a_generator(name, code)
     if why_not is not None:

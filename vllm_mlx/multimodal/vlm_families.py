@@ -33,6 +33,7 @@ from vllm_mlx.multimodal.vlm_models import VisionLanguageModel
 from vllm_mlx.platform.errors import ModelSourceError
 
 __all__ = [
+    "ARCHITECTURE_REFUSALS",
     "FAMILIES",
     "TEXT_MODEL_REFUSALS",
     "Gemma3Model",
@@ -334,6 +335,15 @@ TEXT_MODEL_REFUSALS: dict[str, str] = {
 """Text models (``text_config.model_type``) whose vision-language models are refused, and why:
 what the load-time check cannot see because it runs one row."""
 
+ARCHITECTURE_REFUSALS: dict[str, str] = {
+    "molmo_point": "keeps per-request image state on the model between steps: its point predictor extends "
+    "the logits over the image's patches, from the prefill's hidden states, and a logit processor follows "
+    "the tokens generated so far (mlx-vlm routes its generation through the whole model's call), where the "
+    "engine runs the text model alone over a batch",
+}
+"""Vision-language architectures (``model_type``) refused whatever their checkpoint, and why:
+what the generic path's check at load cannot see (one call of the pieces, no generation)."""
+
 
 def supported_model_types() -> list[str]:
     """The architectures a family hook drives (every other one goes through the generic path)."""
@@ -346,6 +356,8 @@ def refusal(config: dict) -> str | None:
     family = next((f for f in FAMILIES if model_type in f.model_types), None)
     if family is not None:
         return family.refusal(config)
+    if model_type in ARCHITECTURE_REFUSALS:
+        return f"it {ARCHITECTURE_REFUSALS[model_type]}"
     text_type = (config.get("text_config") or {}).get("model_type")
     reason = TEXT_MODEL_REFUSALS.get(text_type)
     return f"its text model {text_type!r} {reason}" if reason else None

@@ -336,7 +336,8 @@ class GenericVisionModel(VisionLanguageModel):
 
 def _placeholder(processor) -> tuple[str, list[int], ImageRun]:
     """The text that stands for one image (the first the processor expands of
-    ``_candidate_texts``), its ids, and where the processor puts an image's run against them.
+    ``_candidate_texts`` where it stands in a prompt), its ids, and where the processor puts an
+    image's run against them.
 
     Raises:
         UnsupportedModelError: The processor expands none of them.
@@ -386,14 +387,16 @@ def _expands_in_place(processor, text: str, run: list[int], image) -> bool:
 
 
 def _candidate_texts(processor):
-    """The processor's ``image_token``, its ``boi_token``, the tokenizer's ``image_token``; then
-    (only rendered if those fail) what the chat template writes for an image, stripped: InternVL's
-    processor names no placeholder, it replaces the text ``<image>`` its template writes."""
+    """The processor's ``image_token``, its ``boi_token``, its ``image_placeholder_token`` (Molmo
+    2's ``<|image|>``), the tokenizer's ``image_token``; then (only rendered if those fail) what
+    the chat template writes for an image, stripped: InternVL's processor names no placeholder, it
+    replaces the text ``<image>`` its template writes."""
     from vllm_mlx.engine.chat import template_image_text
 
     tokenizer = getattr(processor, "tokenizer", None)
-    candidates = [getattr(owner, name, None) for owner, name in
-                  ((processor, "image_token"), (processor, "boi_token"), (tokenizer, "image_token"))]  # fmt: skip
+    owners = ((processor, "image_token"), (processor, "boi_token"), (processor, "image_placeholder_token"),
+              (tokenizer, "image_token"))  # fmt: skip
+    candidates = [getattr(owner, name, None) for owner, name in owners]
     named = list(dict.fromkeys(c for c in candidates if isinstance(c, str) and c))
     yield from named
     template = (template_image_text(tokenizer) or "").strip() if tokenizer is not None else ""

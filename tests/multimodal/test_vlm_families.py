@@ -64,6 +64,11 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
   ``image_placeholder_token``: a low-resolution view and overlapping crops, rows closed by
   ``<im_col>``, features added to the ``<im_patch>`` embeddings; its images are 400+ tokens
   even in a tiny model (378 px crops, fixed by mlx-vlm's ``load``), so its pools are larger.
+* dots.ocr (tests/tiny_vlm_qwen_like.py): Qwen2-VL's patches without temporal depth, its own
+  tower and a Qwen2 text model with 1-D positions, under the real model's image token ids.
+* CLEF: Qwen3.5 whole (mlx-vlm's model subclasses it) with a decision head beside it: Qwen3.5's
+  hook and recurrent state. IndicOCR's OCR stage: Qwen3.5 under its own name, the same. Prism's
+  Hadamard pack of Qwen3.5: 2-bit layers with their own kernel (rotated inputs), kept quantized.
 
 All: one and two images equal mlx-vlm, batched with text-only requests equals solo (chunked
 prefills ending inside images, preemption), prefix cache on equals off with an image in the
@@ -114,7 +119,15 @@ PLACEHOLDER = {
     "mage_vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "llmjpvl": "<image>",
     "molmo2": "<|image|>",
+    "dots_ocr": "<|img|><|imgpad|><|endofimg|>",
+    "clef": "<|vision_start|><|image_pad|><|vision_end|>",
+    "indic_ocr": "<|vision_start|><|image_pad|><|vision_end|>",
+    "prism_hadamard_qwen35": "<|vision_start|><|image_pad|><|vision_end|>",
 }
+
+HYBRID = {"qwen3_5", "qwen3_5_moe", "lfm2_vl", "d1", "nemotron_h_nano_omni", "clef", "indic_ocr",
+          "prism_hadamard_qwen35"}
+"""Families whose text model has recurrent layers (a state pool beside the KV blocks)."""
 
 KV_SCALE = {"molmo2": 8}
 """Families whose images are hundreds of tokens even in a tiny model (mlx-vlm's ``load`` builds
@@ -254,8 +267,8 @@ def test_prefix_cache_on_equals_off_with_an_image_in_the_prefix(family):
     (on, cached_on, mllm_on, image_end, length, hybrid), (off, cached_off, *_) = outputs(True), outputs(False)
     assert on == off
     assert cached_off == [0, 0, 0]
-    if hybrid:  # recurrent layers (Qwen3.5, LFM2-VL, d1, Nemotron-H) resume only where a state checkpoint was kept
-        assert name.startswith(("qwen3_5", "lfm2_vl", "d1", "nemotron_h"))
+    if hybrid:  # recurrent layers resume only where a state checkpoint was kept
+        assert name in HYBRID
         # The second prompt branches off the first after the image: no checkpoint there yet.
         assert cached_on[0:2] == [0, 0] and cached_on[2] >= length - 4  # the repeat resumes
         # The image, encoded once, came from the MLLM cache for the second prompt.

@@ -87,6 +87,9 @@ RECURRENT_ARCHITECTURES: dict[str, bool] = {
     "d1": True,  # d1 through mlx-vlm: LFM2-VL's model (typed-decision readouts added), the same layers
     "kimi_linear": False,  # Kimi Delta Attention layers beside MLA ones
     "kimi_k3": False,
+    "clef": True,  # mlx-vlm's CLEF: Qwen3.5's model whole (a subclass), a decision head beside it
+    "indic_ocr": True,  # mlx-vlm's IndicOCR (OCR stage): Qwen3.5's model whole (a subclass)
+    "prism_hadamard_qwen35": True,  # mlx-vlm's Prism Hadamard packs of Qwen3.5: its layers, packed weights
 }
 
 

@@ -100,6 +100,7 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
                         "muse_glimmer", "d1",
                         "mage_vl", "llmjpvl",
                         "molmo2",
+                        "dots_ocr", "clef", "indic_ocr", "prism_hadamard_qwen35",
                         )},
     },
 }

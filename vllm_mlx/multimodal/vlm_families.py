@@ -146,7 +146,10 @@ class Qwen3_5Model(Qwen3VLModel):
       to it through two calls mlx-lm's does not make; ``MlxVlmStateCache`` adds them.
     """
 
-    model_types = ("qwen3_5", "qwen3_5_moe")
+    model_types = ("qwen3_5", "qwen3_5_moe", "clef", "indic_ocr", "prism_hadamard_qwen35")
+    """Qwen3.5's and the packages whose ``Model`` subclasses it unchanged for generation: CLEF
+    (a decision head beside it, never called by generation), IndicOCR's OCR stage, Prism's
+    Hadamard packs (2-bit modules that rotate their inputs, same layers otherwise)."""
     hidden_states = VisionLanguageModel.hidden_states  # no deepstack features to pass on
 
     def language_hidden_states(self, embeds, inputs, cache, position_ids):

@@ -69,6 +69,15 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
 * CLEF: Qwen3.5 whole (mlx-vlm's model subclasses it) with a decision head beside it: Qwen3.5's
   hook and recurrent state. IndicOCR's OCR stage: Qwen3.5 under its own name, the same. Prism's
   Hadamard pack of Qwen3.5: 2-bit layers with their own kernel (rotated inputs), kept quantized.
+* Kimi K2.5: Kimi-VL's MoonViT and DeepSeek-V3 text under mlx-vlm's own processor, which expands
+  ``<|media_pad|>`` at the id level and hands the model the placeholder's id beside the pixels.
+* Kimi K3: MoonViT-3D and a hybrid text model (Kimi delta attention, whose state lives in the
+  engine's state pool, NoPE MLA, MoE, attention residuals mixing earlier layers' outputs).
+* MiMo-V2: Qwen2.5-VL's processor with a tower of its own (attention sinks) and a MiMo-V2-Flash
+  text model: sliding-window (8 tokens) and global layers with attention-sink biases, a MoE.
+* Refused at load, saying why: GLM-5-Next (sparse-attention layers with an indexer's pooled-key
+  cache), ERNIE 4.5 VL (vision experts chosen by token types mlx-vlm's generation never passes),
+  Mistral Large 3 without torch (mlx-vlm leaves it transformers' torch-only PixtralProcessor).
 
 All: one and two images equal mlx-vlm, batched with text-only requests equals solo (chunked
 prefills ending inside images, preemption), prefix cache on equals off with an image in the
@@ -90,6 +99,7 @@ from test_multimodal import mlx_vlm_greedy, picture, run_prompts, tokens
 from vllm_mlx import EngineCore
 from vllm_mlx.core.kv.spec import FullAttentionSpec, SlidingWindowSpec
 from vllm_mlx.executor.attention import UnsupportedModelError
+from vllm_mlx.platform.errors import ModelSourceError
 
 PLACEHOLDER = {
     "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
@@ -123,10 +133,13 @@ PLACEHOLDER = {
     "clef": "<|vision_start|><|image_pad|><|vision_end|>",
     "indic_ocr": "<|vision_start|><|image_pad|><|vision_end|>",
     "prism_hadamard_qwen35": "<|vision_start|><|image_pad|><|vision_end|>",
+    "kimi_k25": "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>",
+    "mimo_v2": "<|vision_start|><|image_pad|><|vision_end|>",
+    "kimi_k3": "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>",
 }
 
 HYBRID = {"qwen3_5", "qwen3_5_moe", "lfm2_vl", "d1", "nemotron_h_nano_omni", "clef", "indic_ocr",
-          "prism_hadamard_qwen35"}
+          "prism_hadamard_qwen35", "kimi_k3"}
 """Families whose text model has recurrent layers (a state pool beside the KV blocks)."""
 
 KV_SCALE = {"molmo2": 8}
@@ -208,7 +221,7 @@ def test_the_prompt_is_expanded_as_mlx_vlm_expands_it(family, engine):
         images = [picture(i, (100, 60)) for i in range(text.count(pad))]
         # The text alone, not in a list, as mlx-vlm's generation passes it (DeepSeek-VL2's processor
         # takes a list as a batch of prompts with one image each).
-        expected = np.asarray(processor(text=text, images=images)["input_ids"])[0].tolist()
+        expected = np.asarray(processor(text=text, images=images)["input_ids"]).reshape(-1).tolist()  # [1, n] or [n]
         assert engine.prepare_prompt(text, images).token_ids == expected, text
     if name == "gemma3":  # "user\n" + "\n\n<start_of_image>" tokenized as one "\n\n\n"
         [three_newlines] = engine.tokenizer.encode("\n\n\n", add_special_tokens=False)
@@ -363,6 +376,22 @@ def test_gemma3_reports_its_sliding_window_and_the_window_matters(tmp_path):
     assert results[8] != results[4096]
 
 
+def test_mistral_large3_without_torch_is_refused_saying_its_processor_needs_it(tmp_path):
+    """mlx-vlm registers its own Pixtral-style processor for ``mistral3`` only: a Mistral Large 3
+    directory (Mistral 3's vision side under a DeepSeek-V3 text model) gets transformers'
+    PixtralProcessor, which needs torch and torchvision; without them neither mlx-vlm nor the
+    engine can load it, and the engine says why."""
+    import importlib.util
+
+    from tiny_vlm_moe_text import build_tiny_mistral_large3
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: transformers' PixtralProcessor loads")
+    model_dir = build_tiny_mistral_large3(tmp_path / "mistral_large3")
+    with pytest.raises(ModelSourceError, match="mistral_large3: PixtralProcessor requires"):
+        EngineCore(model=str(model_dir), num_kv_blocks=32, block_size=4)
+
+
 def test_mistral3_with_a_ministral3_text_model_is_refused_before_loading(tmp_path):
     """mlx-vlm's ministral3 text model scales attention by the first row's position only."""
     from tiny_vlm import build_tiny_mistral3
@@ -404,6 +433,12 @@ def test_mistral3_with_a_ministral3_text_model_is_refused_before_loading(tmp_pat
         ("molmo_point", r"'molmo_point'.*per-request image state.*point predictor"),
         # Molmo's processor ignores placeholders: every image's tokens go before the whole text.
         ("molmo", r"'molmo'.*its processor expands no image placeholder it names"),
+        # GLM-5-Next's delta-net layers talk to their state through calls of mlx-vlm's own (and its
+        # sparse-attention layers keep an indexer's pooled keys beside the latent cache).
+        ("glm5_next", r"its recurrent layers call update_\w+\(\) on their state cache"),
+        # ERNIE 4.5 VL routes image tokens to vision experts by token types that mlx-vlm's generation
+        # never passes: its generation and its own model call disagree.
+        ("ernie4_5_moe_vl", r"send image tokens to experts of their own \(moe_num_experts=\[4, 4\]\)"),
     ],
 )
 def test_a_family_the_generic_path_cannot_drive_is_refused_at_load_saying_why(tmp_path, name, reason):

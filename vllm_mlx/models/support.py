@@ -101,6 +101,7 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
                         "mage_vl", "llmjpvl",
                         "molmo2",
                         "dots_ocr", "clef", "indic_ocr", "prism_hadamard_qwen35",
+                        "kimi_k25", "mimo_v2", "kimi_k3",
                         )},
     },
 }

@@ -14,7 +14,8 @@ paged caches) unless a family hook here knows what the generic path cannot deriv
   image meets its neighbours (markers merged, a space before text).
 
 ``TEXT_MODEL_REFUSALS`` names text models refused whatever the vision side, for what the
-load-time check (one row) cannot see; ``load_vision_language_model`` picks the adapter.
+load-time check (one row) cannot see (as ``_experts_by_token_type`` does ERNIE 4.5 VL's
+per-modality experts); ``load_vision_language_model`` picks the adapter.
 """
 
 from __future__ import annotations
@@ -361,9 +362,26 @@ def refusal(config: dict) -> str | None:
         return family.refusal(config)
     if model_type in ARCHITECTURE_REFUSALS:
         return f"it {ARCHITECTURE_REFUSALS[model_type]}"
+    experts = _experts_by_token_type(config)
+    if experts is not None:
+        return experts
     text_type = (config.get("text_config") or {}).get("model_type")
     reason = TEXT_MODEL_REFUSALS.get(text_type)
     return f"its text model {text_type!r} {reason}" if reason else None
+
+
+def _experts_by_token_type(config: dict) -> str | None:
+    """Why a text model whose MoE keeps separate experts for image tokens is refused (None: it does not).
+
+    ERNIE 4.5 VL (``moe_num_experts`` = [text, vision], flat at the config's root) picks each
+    token's expert group by ``token_type_ids`` that only mlx-vlm's ``Model.__call__`` builds from
+    the ids; its generation, like the generic path, runs the text model on embeddings alone, so
+    image tokens take the text experts there (its logits differ from the model's own call)."""
+    experts = (config.get("text_config") or {}).get("moe_num_experts", config.get("moe_num_experts"))
+    if not (isinstance(experts, list) and len(experts) == 2 and experts[1]):
+        return None
+    return (f"its MoE layers send image tokens to experts of their own (moe_num_experts={experts}), chosen by "
+            "token_type_ids that neither mlx-vlm's generation nor the generic path passes its text model")  # fmt: skip
 
 
 def load_vision_language_model(path: Path, config: dict, trust_remote_code: bool = False) -> VisionLanguageModel:
@@ -395,6 +413,8 @@ def load_vision_language_model(path: Path, config: dict, trust_remote_code: bool
         processor = load_processor(path, add_detokenizer=False, trust_remote_code=trust_remote_code)
     except (ValueError, OSError, KeyError, TypeError) as exc:
         raise ModelSourceError(f"cannot load the vision-language model in {path}: {exc}".splitlines()[0]) from exc
+    except ImportError as exc:  # a processor class whose backend is missing: transformers' torch-only ones
+        raise ModelSourceError(f"cannot load the vision-language model in {path}: {_first_paragraph(exc)}") from exc
     if family is not None:
         return family(model, processor, config, path)
     try:
@@ -403,3 +423,10 @@ def load_vision_language_model(path: Path, config: dict, trust_remote_code: bool
         raise UnsupportedModelError(
             f"vision-language architecture {model_type!r} is not supported by the paged engine: {exc}"
         ) from None
+
+
+def _first_paragraph(exc: Exception) -> str:
+    """The first paragraph of an error's message on one line (transformers' missing-backend errors
+    start with a blank line and name one backend per paragraph)."""
+    paragraphs = [" ".join(part.split()) for part in str(exc).split("\n\n")]
+    return next((part for part in paragraphs if part), type(exc).__name__)

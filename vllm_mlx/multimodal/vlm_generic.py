@@ -65,6 +65,10 @@ POSITION_FEATURES = frozenset({"position_ids", "rope_deltas"})
 TOKEN_FEATURES = frozenset({"per_layer_inputs"})
 """``get_input_embeddings`` outputs with one row per token that the language model takes by name
 beside the embeddings, and that the text-only call gives for text tokens (module doc)."""
+STATE_CALLS = frozenset({"update_window", "update_recurrent"})
+"""Calls some mlx-vlm recurrent layers make on their state cache that mlx-lm's ``ArraysCache`` (and
+the engine's state pool, which implements it) lacks: only Qwen3.5's hook adds them
+(``vlm_families.MlxVlmStateCache``); elsewhere (GLM-5-Next) the check at load refuses them."""
 GRID_KEY = "image_grid_thw"
 """The processor output ``get_rope_index`` reads an image's patch grid from."""
 PROBE_IMAGE_SIZE = (64, 48)
@@ -264,7 +268,7 @@ class GenericVisionModel(VisionLanguageModel):
         if marks:
             what = f"its processor marks an image with the id {marks[0]}, outside the vocabulary"
             raise UnsupportedModelError(SPLICED_BY_THE_MODEL.format(what=what))
-        merged = self._without_metal_refused(self._merged, image)
+        merged = self._refusing_known_failures(self._merged, image)
         self.token_features = self._token_features(merged, image.num_tokens)
         ignored = IGNORED_FEATURES | (POSITION_FEATURES if self.uses_mrope else frozenset()) | set(self.token_features)
         extra = sorted({name for name, value in _fields(merged).items() if value is not None} - ignored)
@@ -286,21 +290,30 @@ class GenericVisionModel(VisionLanguageModel):
                 f"it expands an image inside the model ({features.shape[0]} embeddings for a run of "
                 f"{image.num_tokens} tokens), where the engine needs the processor's expansion"
             )
-        self.split = self._without_metal_refused(LanguageSplit.probe, self.language, self.make_cache, features[None])
+        probe = LanguageSplit.probe
+        self.split = self._refusing_known_failures(probe, self.language, self.make_cache, features[None])
         if mx.array_equal(self._logits_of(features[None]), self._logits_of(mx.zeros_like(features[None]))).item():
             raise UnsupportedModelError("its text model ignores the embeddings it is given, so images cannot reach it")
 
     @staticmethod
-    def _without_metal_refused(call, *args):
-        """``call(*args)``, refusing a model whose code runs Metal-only kernels (mlx-vlm's fused
-        ``mx.fast.metal_kernel``s, with no fallback: Muse Spark's text model) on a backend without
-        Metal, where MLX raises at the first such kernel: mlx-vlm itself cannot run it there."""
+    def _refusing_known_failures(call, *args):
+        """``call(*args)``, refusing a model whose code fails in a way the engine knows: it runs
+        Metal-only kernels (mlx-vlm's fused ``mx.fast.metal_kernel``s, with no fallback: Muse
+        Spark's text model) on a backend without Metal, where mlx-vlm itself cannot run it; its
+        recurrent layers make ``STATE_CALLS`` on their cache (GLM-5-Next's)."""
         try:
             return call(*args)
         except RuntimeError as exc:
             if "metal_kernel" not in str(exc) or mx.metal.is_available():
                 raise
             raise UnsupportedModelError(metal_only_reason()) from None
+        except AttributeError as exc:
+            if exc.name not in STATE_CALLS:
+                raise
+            raise UnsupportedModelError(
+                f"its recurrent layers call {exc.name}() on their state cache, a protocol of mlx-vlm's own that "
+                "the engine's state pool keeps for Qwen3.5 alone"
+            ) from None
 
     def _token_features(self, merged, run_length: int) -> dict[str, tuple[int, ...]]:
         """The ``TOKEN_FEATURES`` the model gives with an image, one row per run token, that its

@@ -12,7 +12,7 @@ def mlx_lm_tokens(path, prompts: list[str] | list[list[int]], max_tokens: int, a
     from vllm_mlx.models.portable_layers import make_portable
 
     model, tokenizer = mlx_lm.load(str(path), adapter_path=str(adapter_path) if adapter_path else None)
-    make_portable(model)  # BitNet's Metal kernel on the CPU: as the engine's model (tested on its own)
+    make_portable(model)  # Metal kernels (BitNet, Muse Spark) on the CPU: as the engine's model (tested on its own)
     return [
         [r.token for r in mlx_lm.stream_generate(model, tokenizer, _ids(tokenizer, p), max_tokens=max_tokens)]
         for p in prompts

@@ -109,9 +109,9 @@ def test_probe_details():
     # stand-in for it (and refused: it fails in mlx-lm's own generation).
     assert probe_text("olmo").detail.startswith("architecture 'olmo' is refused: mlx-lm's OLMo (1) attention")
     assert "hf_olmo" not in sys.modules or importlib.util.find_spec("hf_olmo") is not None  # the stand-in is gone
-    if not mlx_has_metal():  # BitNet's Metal kernel has a portable twin; Muse Spark's fused kernels have not
+    if not mlx_has_metal():  # BitNet's Metal kernel and Muse Spark's fused kernels have portable twins
         assert probe_text("bitnet") == Probe(RUNS, "full attention")
-        assert probe_text("muse_spark").detail.endswith("which this MLX backend has not (probe it on Apple silicon)")
+        assert probe_text("muse_spark") == Probe(RUNS, "sliding window + full attention")
     # A Hadamard-packed 2-bit checkpoint: the override describes one packed layer.
     assert probe_text("prism_hadamard_qwen35") == Probe(RUNS, "recurrent state + full attention")
 

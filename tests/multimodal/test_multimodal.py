@@ -54,7 +54,10 @@ def mlx_vlm_greedy(model_dir, text: str, images: list, max_tokens: int) -> list[
     from mlx_vlm.generate import stream_generate
     from tiny_vlm import drop_text_kwargs_for_images
 
+    from vllm_mlx.models.portable_layers import make_portable
+
     model, processor = load(str(model_dir))
+    make_portable(model)  # Muse Spark's Metal kernels on the CPU: as the engine's model (tested on their own)
     drop_text_kwargs_for_images(processor)  # LLaVA + transformers 5 (a no-op for the others)
     processor.tokenizer.stopping_criteria = lambda token: False
     out = []

@@ -52,7 +52,8 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
   gated attention and soft-capped scaled logits (the whole call, no backbone/head split).
 * d1: LFM2-VL's model under its own type (typed-decision readouts beside it): its short
   convolutions go in the state pool as LFM2-VL's do.
-* Muse Spark: refused at load without Metal (its text model runs fused Metal kernels only).
+* Muse Spark: Muse Glimmer's prompt, its tower on whole images, and a text model of fused Metal
+  kernels, which run as their MLX-ops twins without Metal (``models/portable_kernels.py``).
 * Mage-VL: Mage-ViT (3-D rotary, 2x2 merge) under a plain qwen3 text model with 1-D positions,
   and mlx-vlm's own torch-free processor: the generic path alone.
 * LLM-jp-VL: SigLIP with InternVL's pixel shuffle and a llama text model, expanded by
@@ -88,7 +89,6 @@ from __future__ import annotations
 
 import json
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -126,6 +126,7 @@ PLACEHOLDER = {
     "idefics2": "<image>",
     "muse_glimmer": "<|patch|>",
     "d1": "<image>",
+    "muse_spark": "<|patch|>",
     "mage_vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "llmjpvl": "<image>",
     "molmo2": "<|image|>",
@@ -418,10 +419,6 @@ def test_mistral3_with_a_ministral3_text_model_is_refused_before_loading(tmp_pat
         # Moondream 3's processor puts the one image after the BOS whatever the text says; GOT-OCR's
         # wraps every prompt in a conversation of its own.
         *[(name, "its run is not put where the placeholder stands in a prompt") for name in ("moondream3", "got")],
-        # mlx-vlm's Muse Spark text model runs fused Metal kernels with no fallback: mlx-vlm itself
-        # fails without Metal (on Apple silicon the family is served and this case is skipped).
-        pytest.param("muse_spark", r"Metal-only kernels .* this MLX backend has no Metal",
-                     marks=pytest.mark.skipif(mx.metal.is_available(), reason="Metal: Muse Spark runs")),
         # mlx-vlm's Granite Vision model (LLaVA-NeXT's layout) puts a block of features, and a block
         # of newlines, per image token: more rows than the processor's LLaVA-NeXT count.
         ("granite_vision", r"expands an image inside the model \(\d+ embeddings for a run of \d+ tokens\)"),

@@ -101,7 +101,7 @@ def load_model(source: str | Path, trust_remote_code: bool = False) -> LoadedMod
     except SystemExit as exc:  # an mlx-lm module that exits on import (OLMo's, without ai2-olmo)
         raise ModelSourceError(f"cannot load the model in {path}: mlx-lm's model code exited ({exc.code}); "
                                "it may print what it needs above") from None  # fmt: skip
-    make_portable(model)  # BitNet's Metal kernel, on a backend without Metal
+    make_portable(model)  # BitNet's and Muse Spark's Metal kernels, on a backend without Metal
     return LoadedModel(model, tokenizer, config, path)
 
 

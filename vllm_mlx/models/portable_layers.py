@@ -11,6 +11,10 @@ matrix ``W`` of shape ``[out, in]`` holds values in {-1, 0, 1}, stored plus one 
 the packed ``uint8`` matrix has ``out / 4`` rows, and bits ``2i, 2i+1`` of packed row ``r`` hold
 row ``i * out / 4 + r`` of ``W``. The output is ``x @ W.T``, times ``weight_scale`` (divided by
 it where the layer inverts its scales), accumulated in float32.
+
+Muse Spark's fused kernels (mlx-lm's and mlx-vlm's ``kernels`` packages) are functions, not layers:
+``make_portable`` also routes a model's calls to them to their twins in MLX operations
+(``portable_kernels.route_kernels``, which says how).
 """
 
 from __future__ import annotations
@@ -48,10 +52,18 @@ def _portable_class():
 
 
 def make_portable(model) -> int:
-    """Give ``model``'s Metal-kernel layers their portable twins where MLX has no Metal; the
-    number of layers changed (0 on Metal, or where the model has none)."""
+    """Give ``model``'s Metal-kernel layers and kernel functions their portable twins where MLX has
+    no Metal; the number of layers changed plus kernel names rebound (0 on Metal, or where the
+    model has none)."""
     if mx.metal.is_available():
         return 0
+    from vllm_mlx.models.portable_kernels import route_kernels
+
+    return _make_layers_portable(model) + route_kernels(model)
+
+
+def _make_layers_portable(model) -> int:
+    """BitNet's ``BitLinear`` layers of ``model`` made ``PortableBitLinear``; how many."""
     try:
         from mlx_lm.models.bitlinear_layers import BitLinear
     except ImportError:  # an mlx-lm without BitNet

@@ -75,6 +75,11 @@ PROBE_OVERRIDES: dict[str, dict] = {
     # A string of L (local) and G (global) layers, as EXAONE 4.0's own config writes it.
     # (transformers derives layer_types from the pattern as a number unless they are given, as they are).
     "exaone4": {"sliding_window_pattern": "LLLG", "layer_types": ["sliding_attention"] * 3 + ["full_attention"]},
+    # Muse Spark: transformers checks, when the tokenizer's config loads, that the audio encoder's
+    # output width (8192 by default) is the text model's hidden size. A layer of RoPE theta 0 has
+    # no RoPE (its own kernel, qk_norm): the checkpoint mixes both kinds, so does the probe.
+    "muse_spark": {"audio_config": {"out_hidden_size": 64},
+                   "text_config": {"layer_rope_theta": [10000.0, 10000.0, 10000.0, 0.0]}},
     # A Hadamard-rotated 2-bit pack: one packed layer, its input 512 wide so that a rotation block fits.
     "prism_hadamard_qwen35": {
         "schema_version": 1, "tensor_namespace": "mlx-lm-text", "quantization": {"bits": 2, "group_size": 128,
@@ -220,7 +225,7 @@ def _built_and_run(module, config: dict) -> TinyModel:
     from vllm_mlx.models.portable_layers import make_portable
 
     model = module.Model(module.ModelArgs.from_dict(config))
-    make_portable(model)  # as load_model does: BitNet's Metal kernel, on a backend without Metal
+    make_portable(model)  # as load_model does: Metal kernels (BitNet, Muse Spark), on a backend without Metal
     if _num_parameters(model) <= PROBE_MAX_PARAMETERS:
         make_cache = getattr(model, "make_cache", None)
         mx.eval(model(mx.array([[1]]), cache=make_cache() if make_cache is not None else None))

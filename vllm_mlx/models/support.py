@@ -56,16 +56,16 @@ TEXT, VISION = "mlx-lm", "mlx-vlm"
 # prefix hit (tests/models/test_architecture_sweep.py).
 SWEPT_TEXT = (
     "afm7", "afmoe", "apertus", "baichuan_m1", "bitnet", "bailing_hybrid", "bailing_moe", "bailing_moe_linear",
-    "bailing_moe_v3", "cohere", "cohere2", "dbrx", "deepseek", "deepseek_v2", "deepseek_v32", "dots1",
-    "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "falcon_h1", "gear", "gemma3", "gemma3n", "gemma4",
-    "gemma4_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt2", "gpt_bigcode", "gpt_neox",
-    "gptj", "helium", "hunyuan", "hunyuan_v1_dense", "internlm2", "internlm3", "iquestloopcoder", "jamba",
-    "kimi_k25", "kimi_k3", "kimi_linear", "kimi_vl", "Klear", "laguna", "lfm2-vl", "lfm2_moe", "lille-130m",
-    "llama4", "llama4_text", "longcat_flash", "mamba", "mamba2", "mellum", "mimo", "mimo_v2_flash", "minicpm",
-    "minicpm3", "minimax", "minimax_m3_vl", "ministral3", "mistral3", "mistral4", "mixtral", "muse_glimmer",
-    "nanbeige", "nanochat", "nemotron", "nemotron-nas", "olmo3", "olmo_hybrid", "openelm", "phi3small", "phimoe",
-    "phixtral", "pixtral", "plamo", "plamo2", "plamo3", "prism_hadamard_qwen35", "qwen", "qwen2_vl", "qwen3_5_moe",
-    "qwen3_vl", "qwen3_vl_moe", "rwkv7", "seed_oss", "spark2_5", "step3p5", "talkie", "telechat3", "youtu_llm",
+    "bailing_moe_v3", "cohere", "cohere2", "dbrx", "deepseek", "deepseek_v2", "deepseek_v32", "dots1", "ernie4_5_moe",
+    "exaone", "exaone4", "exaone_moe", "falcon_h1", "gear", "gemma3", "gemma3n", "gemma4", "gemma4_text", "glm",
+    "glm4", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt2", "gpt_bigcode", "gpt_neox", "gptj", "helium",
+    "hunyuan", "hunyuan_v1_dense", "internlm2", "internlm3", "iquestloopcoder", "jamba", "kimi_k25", "kimi_k3",
+    "kimi_linear", "kimi_vl", "Klear", "laguna", "lfm2-vl", "lfm2_moe", "lille-130m", "llama4", "llama4_text",
+    "longcat_flash", "mamba", "mamba2", "mellum", "mimo", "mimo_v2_flash", "minicpm", "minicpm3", "minimax",
+    "minimax_m3_vl", "ministral3", "mistral3", "mistral4", "mixtral", "muse_glimmer", "muse_spark", "nanbeige",
+    "nanochat", "nemotron", "nemotron-nas", "olmo3", "olmo_hybrid", "openelm", "phi3small", "phimoe", "phixtral",
+    "pixtral", "plamo", "plamo2", "plamo3", "prism_hadamard_qwen35", "qwen", "qwen2_vl", "qwen3_5_moe", "qwen3_vl",
+    "qwen3_vl_moe", "rwkv7", "seed_oss", "spark2_5", "step3p5", "talkie", "telechat3", "youtu_llm",
 )  # fmt: skip
 
 # Architecture -> the tiny-model oracle test (pytest node id) that runs it in the engine.
@@ -97,7 +97,7 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
                         "lfm2_vl", "kimi_vl", "llama4", "gemma4",
                         "internvl", "internvl_chat", "nemotron_h_nano_omni",
                         "idefics2",
-                        "muse_glimmer", "d1",
+                        "muse_glimmer", "d1", "muse_spark",
                         "mage_vl", "llmjpvl",
                         "molmo2",
                         "dots_ocr", "clef", "indic_ocr", "prism_hadamard_qwen35",
@@ -196,7 +196,6 @@ def classify_vision(name: str) -> Architecture:
         SPLICED_BY_THE_MODEL,
         TOKEN_FEATURES,
         both_ways_reason,
-        metal_only_reason,
     )
 
     family = next((f for f in FAMILIES if name in f.model_types), None)
@@ -208,8 +207,6 @@ def classify_vision(name: str) -> Architecture:
     why_not = _why_not_a_generator(name, code)
     if why_not is not None:
         return Architecture(name, VISION, NOT_GENERATOR, why_not)
-    if _METAL_ONLY_KERNELS.search(code) and not _has_metal():
-        return Architecture(name, VISION, REFUSED, metal_only_reason())
     embeddings = _method_source(name, "Model", "get_input_embeddings")
     if embeddings is None:
         reason = "its model has no get_input_embeddings, the interface the generic path drives"
@@ -296,17 +293,6 @@ def _feature_fields() -> set[str]:
     except ImportError:  # no vision architectures to classify then
         return set()
     return {field.name for field in dataclasses.fields(InputEmbeddingsFeatures)}
-
-
-_METAL_ONLY_KERNELS = re.compile(r"from\s+(?:\.\.\.|mlx_vlm\.)kernels\s+import")
-"""An import of mlx-vlm's top-level ``kernels`` package: fused ``mx.fast.metal_kernel``s with no
-fallback (unlike ``mlx_vlm.models.kernels``, which falls back to MLX ops without Metal)."""
-
-
-def _has_metal() -> bool:
-    import mlx.core as mx
-
-    return mx.metal.is_available()
 
 
 def _package_code(name: str) -> str:

@@ -402,6 +402,8 @@ def load_vision_language_model(path: Path, config: dict, trust_remote_code: bool
         raise UnsupportedModelError(
             f"vision-language architecture {model_type!r} is not supported by the paged engine: {reason}"
         )
+    from vllm_mlx.models.portable_layers import make_portable
+
     try:
         from mlx_vlm.utils import load_model, load_processor
     except ImportError as exc:
@@ -410,6 +412,7 @@ def load_vision_language_model(path: Path, config: dict, trust_remote_code: bool
         ) from exc
     try:
         model = load_model(path)
+        make_portable(model)  # Metal-only kernels (Muse Spark's) in MLX ops, on a backend without Metal
         processor = load_processor(path, add_detokenizer=False, trust_remote_code=trust_remote_code)
     except (ValueError, OSError, KeyError, TypeError) as exc:
         raise ModelSourceError(f"cannot load the vision-language model in {path}: {exc}".splitlines()[0]) from exc

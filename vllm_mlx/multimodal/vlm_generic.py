@@ -32,8 +32,7 @@ nothing but embeddings, those positions and the cache; ``check`` runs the pipeli
 on a small image and refuses, with the reason, a model that needs more (image tokens attending
 both ways, positions kept as state with no function to compute them, cross-attention states,
 deepstack features, features longer than the run, an image its processor leaves as one mark for
-the model to splice its features in, Metal-only kernels on a backend without Metal). Family hooks
-(``vlm_families.py``) add what differs.
+the model to splice its features in). Family hooks (``vlm_families.py``) add what differs.
 """
 
 from __future__ import annotations
@@ -297,16 +296,10 @@ class GenericVisionModel(VisionLanguageModel):
 
     @staticmethod
     def _refusing_known_failures(call, *args):
-        """``call(*args)``, refusing a model whose code fails in a way the engine knows: it runs
-        Metal-only kernels (mlx-vlm's fused ``mx.fast.metal_kernel``s, with no fallback: Muse
-        Spark's text model) on a backend without Metal, where mlx-vlm itself cannot run it; its
+        """``call(*args)``, refusing a model whose code fails in a way the engine knows: its
         recurrent layers make ``STATE_CALLS`` on their cache (GLM-5-Next's)."""
         try:
             return call(*args)
-        except RuntimeError as exc:
-            if "metal_kernel" not in str(exc) or mx.metal.is_available():
-                raise
-            raise UnsupportedModelError(metal_only_reason()) from None
         except AttributeError as exc:
             if exc.name not in STATE_CALLS:
                 raise
@@ -453,12 +446,6 @@ def _text_ids(processor, text: str) -> list[int]:
     """``text`` tokenized as the processor tokenizes a prompt (special tokens added)."""
     tokenizer = getattr(processor, "tokenizer", processor)
     return list(tokenizer(text)["input_ids"])
-
-
-def metal_only_reason() -> str:
-    """Why a model running Metal-only kernels is refused on a backend without Metal."""
-    return ("it runs Metal-only kernels (mx.fast.metal_kernel, no fallback), and this MLX backend has no Metal: "
-            "serve it on Apple silicon")  # fmt: skip
 
 
 def both_ways_reason(value: object) -> str:

@@ -28,6 +28,7 @@ PAGE = ROOT / "docs" / "models.md"
 
 def test_every_tested_architecture_names_a_test_that_exists():
     nodes = sorted({node for tested in TESTED_ARCHITECTURES.values() for node in tested.values()})
+    nodes += [f"{support.REFUSED_AT_LOAD_TEST}[{name}]" for name in support.REFUSED_AT_LOAD]
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *nodes],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -64,7 +65,9 @@ def test_refusals_name_the_reason():
     assert "cross_attention_states" in mllama.detail
     assert hunyuan_vl.detail.startswith("it keeps multi-axis rotary positions as state on its text model, with no")
     assert siglip.status == NOT_GENERATOR and siglip.detail.startswith("no language model: an image encoder")
-    assert llava_next.status == RUNS and llava_next.detail.startswith("generic path")
+    # Its code reads as the generic path's; a tiny model of it is refused at load (the test is named).
+    assert llava_next.status == REFUSED and llava_next.detail.startswith("mlx-vlm's model and its processor disagree")
+    assert llava_next.detail.endswith(f"`{support.REFUSED_AT_LOAD_TEST}[llava_next]`)")
     assert gemma3n.status == RUNS  # its per_layer_inputs travel with the embeddings (TOKEN_FEATURES)
     assert glm4v.status == SUPPORTED  # positions from its own get_rope_index: tests/multimodal/test_vlm_families.py
 

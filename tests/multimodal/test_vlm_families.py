@@ -405,44 +405,47 @@ def test_mistral3_with_a_ministral3_text_model_is_refused_before_loading(tmp_pat
         EngineCore(model=str(model_dir))
 
 
-@pytest.mark.parametrize(
-    ("name", "reason"),
-    [
-        # mlx-vlm's LLaVA-NeXT model adds a newline row per tile and no unpadding, where its
-        # processor counts the tokens as transformers does: the two disagree on the run's length.
-        ("llava_next", r"expands an image inside the model \(\d+ embeddings for a run of \d+ tokens\)"),
-        # Phi-4-multimodal's processor writes one id (-200, outside the vocabulary) per "<image>" and
-        # the model puts the features in its place; Phi-4-SigLIP's does too, after wrapping any
-        # prompt without "<|im_start|>" in its chat template, so its run is not where the text put it.
-        ("phi4mm", "marks an image with the id -200, outside the vocabulary"),
-        ("phi4_siglip", "its run is not put where the placeholder stands in a prompt"),
-        # Moondream 3's processor puts the one image after the BOS whatever the text says; GOT-OCR's
-        # wraps every prompt in a conversation of its own.
-        *[(name, "its run is not put where the placeholder stands in a prompt") for name in ("moondream3", "got")],
-        # mlx-vlm's Granite Vision model (LLaVA-NeXT's layout) puts a block of features, and a block
-        # of newlines, per image token: more rows than the processor's LLaVA-NeXT count.
-        ("granite_vision", r"expands an image inside the model \(\d+ embeddings for a run of \d+ tokens\)"),
-        # Bunny: mlx-vlm's processor is the tokenizer; its prompt builder inserts -200 for the model to splice.
-        ("llava_bunny", r"processor is a tokenizer alone: mlx-vlm's model splices an image's features in itself"),
-        # FastVLM: the processor marks an image with -200, which the model replaces by its features.
-        ("fastvlm", r"marks an image with the id -200, outside the vocabulary: mlx-vlm's model splices"),
-        # MolmoPoint's point predictor keeps per-request image state on the model between steps.
-        ("molmo_point", r"'molmo_point'.*per-request image state.*point predictor"),
-        # Molmo's processor ignores placeholders: every image's tokens go before the whole text.
-        ("molmo", r"'molmo'.*its processor expands no image placeholder it names"),
-        # GLM-5-Next's delta-net layers talk to their state through calls of mlx-vlm's own (and its
-        # sparse-attention layers keep an indexer's pooled keys beside the latent cache).
-        ("glm5_next", r"its recurrent layers call update_\w+\(\) on their state cache"),
-        # ERNIE 4.5 VL routes image tokens to vision experts by token types that mlx-vlm's generation
-        # never passes: its generation and its own model call disagree.
-        ("ernie4_5_moe_vl", r"send image tokens to experts of their own \(moe_num_experts=\[4, 4\]\)"),
-    ],
-)
-def test_a_family_the_generic_path_cannot_drive_is_refused_at_load_saying_why(tmp_path, name, reason):
+REFUSED_AT_LOAD = {
+    # mlx-vlm's LLaVA-NeXT model adds a newline row per tile and no unpadding, where its
+    # processor counts the tokens as transformers does: the two disagree on the run's length.
+    "llava_next": r"expands an image inside the model \(\d+ embeddings for a run of \d+ tokens\)",
+    # Phi-4-multimodal's processor writes one id (-200, outside the vocabulary) per "<image>" and
+    # the model puts the features in its place; Phi-4-SigLIP's does too, after wrapping any
+    # prompt without "<|im_start|>" in its chat template, so its run is not where the text put it.
+    "phi4mm": "marks an image with the id -200, outside the vocabulary",
+    "phi4_siglip": "its run is not put where the placeholder stands in a prompt",
+    # Moondream 3's processor puts the one image after the BOS whatever the text says; GOT-OCR's
+    # wraps every prompt in a conversation of its own.
+    "moondream3": "its run is not put where the placeholder stands in a prompt",
+    "got": "its run is not put where the placeholder stands in a prompt",
+    # mlx-vlm's Granite Vision model (LLaVA-NeXT's layout) puts a block of features, and a block
+    # of newlines, per image token: more rows than the processor's LLaVA-NeXT count.
+    "granite_vision": r"expands an image inside the model \(\d+ embeddings for a run of \d+ tokens\)",
+    # Bunny: mlx-vlm's processor is the tokenizer; its prompt builder inserts -200 for the model to splice.
+    "llava_bunny": r"processor is a tokenizer alone: mlx-vlm's model splices an image's features in itself",
+    # FastVLM: the processor marks an image with -200, which the model replaces by its features.
+    "fastvlm": r"marks an image with the id -200, outside the vocabulary: mlx-vlm's model splices",
+    # MolmoPoint's point predictor keeps per-request image state on the model between steps.
+    "molmo_point": r"'molmo_point'.*per-request image state.*point predictor",
+    # Molmo's processor ignores placeholders: every image's tokens go before the whole text.
+    "molmo": r"'molmo'.*its processor expands no image placeholder it names",
+    # GLM-5-Next's delta-net layers talk to their state through calls of mlx-vlm's own (and its
+    # sparse-attention layers keep an indexer's pooled keys beside the latent cache).
+    "glm5_next": r"its recurrent layers call update_\w+\(\) on their state cache",
+    # ERNIE 4.5 VL routes image tokens to vision experts by token types that mlx-vlm's generation
+    # never passes: its generation and its own model call disagree.
+    "ernie4_5_moe_vl": r"send image tokens to experts of their own \(moe_num_experts=\[4, 4\]\)",
+}
+"""Families the engine refuses at load, on a tiny model of their own: the message each must say
+(``support.REFUSED_AT_LOAD`` gives the support table the same verdict, naming this test)."""
+
+
+@pytest.mark.parametrize("name", list(REFUSED_AT_LOAD))
+def test_a_family_the_generic_path_cannot_drive_is_refused_at_load_saying_why(tmp_path, name):
     """The check at load runs the generic path on a small image: a family it cannot drive is
     refused with what differs, never served wrong."""
     model_dir = tiny_builder(name)(tmp_path / name)
-    with pytest.raises(UnsupportedModelError, match=reason):
+    with pytest.raises(UnsupportedModelError, match=REFUSED_AT_LOAD[name]):
         EngineCore(model=str(model_dir), num_kv_blocks=32, block_size=4)
 
 

@@ -106,6 +106,27 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
     },
 }
 
+REFUSED_AT_LOAD_TEST = (
+    "tests/multimodal/test_vlm_families.py::test_a_family_the_generic_path_cannot_drive_is_refused_at_load_saying_why"
+)
+# mlx-vlm architectures the engine refuses at load, found on a tiny model of their own (what their
+# code does that the code reader above cannot see): the reason, in a line. The test (its
+# REFUSED_AT_LOAD, by name) holds the engine to it; the table calls them refused, naming the test.
+REFUSED_AT_LOAD: dict[str, str] = {
+    "llava_next": "mlx-vlm's model and its processor disagree on an image's length (a newline row per tile, "
+    "no unpadding in the model)",
+    "granite_vision": "mlx-vlm's model and its processor disagree on an image's length (LLaVA-NeXT's layout)",
+    "phi4_siglip": "its processor wraps any prompt in its chat template and marks an image with the id -200 "
+    "for the model to splice its features in",
+    "moondream3": "its processor puts the one image after the BOS whatever the prompt says",
+    "got": "its processor wraps every prompt in a conversation of its own (one image a prompt)",
+    "molmo": "its processor puts every image before the whole text, whatever the prompt says",
+    "glm5_next": "its delta-net layers talk to their state through calls of mlx-vlm's own, and its "
+    "sparse-attention layers keep an indexer's pooled keys beside the latent cache",
+    "ernie4_5_moe_vl": "its MoE sends image tokens to vision experts chosen by token types that mlx-vlm's "
+    "generation never passes (its generation and its own model call disagree)",
+}
+
 CACHE_FILE = "model_support.json"
 
 
@@ -348,7 +369,12 @@ def classify(
 
 def _with_evidence(row: Architecture) -> Architecture:
     """``supported`` when a test runs a runnable architecture (a tested architecture whose
-    probe could not be built keeps the test's word: the test is the stronger evidence)."""
+    probe could not be built keeps the test's word: the test is the stronger evidence);
+    ``refused`` when a test finds the engine refuses it at load (``REFUSED_AT_LOAD``)."""
+    refused = REFUSED_AT_LOAD.get(row.name) if row.source == VISION and row.status == RUNS else None
+    if refused is not None:
+        detail = f"{refused} (refused at load: `{REFUSED_AT_LOAD_TEST}[{row.name}]`)"
+        return dataclasses.replace(row, status=REFUSED, detail=detail)
     test = TESTED_ARCHITECTURES.get(row.source, {}).get(row.name)
     if test is None or row.status == REFUSED:
         return row

@@ -73,3 +73,27 @@ def test_an_architecture_that_fails_in_mlx_lm_itself_is_refused_at_load(tmp_path
         mlx_lm_tokens(path, PROMPTS[:1], GREEDY.max_tokens)
     with pytest.raises(UnsupportedModelError, match="'olmo' is refused: mlx-lm's OLMo"):
         EngineCore(model=str(path), block_size=4, num_kv_blocks=64)
+
+
+def test_rows_starting_a_sequence_never_share_a_call_with_rows_that_continue_one(tmp_path):
+    """RecurrentGemma's RG-LRU leaves a sequence's first input unscaled when its state is None (a
+    fresh mlx-lm cache), not when it is zeros: a one-token prompt arriving while another request
+    decodes (both rows one token wide, which would share a call) gets a call of its own, and both
+    equal mlx-lm (``attention.FRESH_ROWS_APART``)."""
+    path = build_tiny_architecture(tmp_path / "recurrent_gemma", "recurrent_gemma")
+    prompts = [PROMPTS[1], [33]]
+    expected = mlx_lm_tokens(path, prompts, GREEDY.max_tokens)
+    engine = EngineCore(model=str(path), block_size=4, num_kv_blocks=64)
+    try:
+        first = engine.add_request(prompts[0], GREEDY)
+        final = {}
+        while not engine.step_records or engine.step_records[-1].num_new_tokens != [1]:  # until it decodes
+            final |= {o.request_id: o for o in engine.step() if o.finished}
+        second = engine.add_request(prompts[1], GREEDY)
+        engine.step_records.clear()
+        final |= finish(engine)
+        shared = engine.step_records[0]
+    finally:
+        engine.shutdown()
+    assert [final[i].outputs[0].token_ids for i in (first, second)] == expected
+    assert len(shared.request_ids) == 2 and shared.num_new_tokens == [1, 1] and shared.num_forward_calls == 2

@@ -87,9 +87,19 @@ RECURRENT_ARCHITECTURES: dict[str, bool] = {
     "d1": True,  # d1 through mlx-vlm: LFM2-VL's model (typed-decision readouts added), the same layers
     "kimi_linear": False,  # Kimi Delta Attention layers beside MLA ones
     "kimi_k3": False,
+    "recurrent_gemma": False,
     "clef": True,  # mlx-vlm's CLEF: Qwen3.5's model whole (a subclass), a decision head beside it
     "indic_ocr": True,  # mlx-vlm's IndicOCR (OCR stage): Qwen3.5's model whole (a subclass)
     "prism_hadamard_qwen35": True,  # mlx-vlm's Prism Hadamard packs of Qwen3.5: its layers, packed weights
+}
+
+
+# Recurrent architectures whose code starts a sequence differently when its state is None (what
+# mlx-lm's fresh ArraysCache holds, and what the state pool gives a call whose rows all start)
+# than when it is zeros (what a starting row reads in a call with continuing rows): the runner
+# never puts rows that start a sequence in a call with rows that continue one.
+FRESH_ROWS_APART: dict[str, str] = {
+    "recurrent_gemma": "its RG-LRU leaves a sequence's first input unscaled when its state is None",
 }
 
 
@@ -181,11 +191,6 @@ _WHY_NOT = {
         "DeepSeek-V4.1's LayerCache keeps, per layer, a sliding window, compressed groups of closed "
         "blocks and their index keys: a layout of its own, not pages (a cache held per request "
         "inside the batch could serve it, without prefix caching)"
-    ),
-    "recurrent_gemma": (
-        "Tried against mlx-lm, its RG-LRU layers differ from the third token of a three-token "
-        "prompt, for a cause still unknown (its recurrence also starts a sequence differently when the "
-        "state is None, which a batch of new and continuing rows would have to keep apart)"
     ),
     "longcat_flash_ngram": (
         "Its n-gram embedding keeps the last few token ids as a recurrent state that grows over "

@@ -35,6 +35,7 @@ from vllm_mlx.core.multimodal import ImageInput
 from vllm_mlx.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepRecord
 from vllm_mlx.core.request import Request, SamplingParams
 from vllm_mlx.executor.attention import (
+    FRESH_ROWS_APART,
     ONE_ROW_PER_CALL,
     KVPool,
     MLXAttentionBackend,
@@ -100,6 +101,14 @@ def group_for_padding(scheduled: list[ScheduledRequest], pad: bool = True) -> li
         groups.append([item for run in rows[cut[j] : j] for item in run])
         j = cut[j]
     return groups[::-1]
+
+
+def _fresh_rows_apart(group: list[ScheduledRequest]) -> list[list[ScheduledRequest]]:
+    """``group`` as the calls of its rows that start a sequence and of those that continue one
+    (``FRESH_ROWS_APART``; either may be empty, and is then left out)."""
+    fresh = [s for s in group if s.num_computed_tokens == 0]
+    going = [s for s in group if s.num_computed_tokens != 0]
+    return [part for part in (fresh, going) if part]
 
 
 class SplitModel:
@@ -177,6 +186,7 @@ class MLXModelRunner:
         chunks = chunk_sizes(model)
         # Code that takes one position for the whole batch (a chunk mask built from host ints too).
         self.one_row_per_call = model_type_of(model) in ONE_ROW_PER_CALL or bool(chunks)
+        self.fresh_rows_apart = model_type_of(model) in FRESH_ROWS_APART
         self.attention = MLXAttentionBackend(
             self.pool, self.specs, self.state_pool, self.block_groups, chunks, host_offsets=self.one_row_per_call
         )
@@ -206,6 +216,8 @@ class MLXModelRunner:
         output = ModelRunnerOutput()
         runnable = [s for s in scheduler_output.scheduled if self._images_ready(s, output.errors)]
         groups = [[s] for s in runnable] if self.one_row_per_call else group_for_padding(runnable, self.pads)
+        if self.fresh_rows_apart:
+            groups = [part for group in groups for part in _fresh_rows_apart(group)]
         sampled: list[ScheduledRequest] = []
         picked: list[mx.array] = []
         states: list[StateWrite] = []  # written only if the whole step succeeds

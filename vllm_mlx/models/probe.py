@@ -94,7 +94,9 @@ PROBE_OVERRIDES: dict[str, dict] = {
     # Its sanitize reads lm_head whatever its text model's tie_word_embeddings says.
     "qwen3_vl_moe": {"text_config": {"tie_word_embeddings": False}},
     # Griffin's stack is a list of block kinds (its code cycles through it), recurrent and local attention.
-    "recurrent_gemma": {"block_types": ["recurrent", "recurrent", "attention"], "conv1d_width": 4},
+    # Gemma's soft cap (30): the generic 1.0 squeezes the logits into near-ties that greedy choices flip on.
+    "recurrent_gemma": {"block_types": ["recurrent", "recurrent", "attention"], "conv1d_width": 4,
+                        "logits_soft_cap": 30.0},
     # One block config per layer (each its own attention and FFN sizes), as Nemotron-NAS configs have.
     "nemotron-nas": {"block_configs": [{"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 2.0}}] * 4},
 }  # fmt: skip

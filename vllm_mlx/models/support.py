@@ -65,7 +65,7 @@ SWEPT_TEXT = (
     "minimax_m3_vl", "ministral3", "mistral3", "mistral4", "mixtral", "muse_glimmer", "muse_spark", "nanbeige",
     "nanochat", "nemotron", "nemotron-nas", "olmo3", "olmo_hybrid", "openelm", "phi3small", "phimoe", "phixtral",
     "pixtral", "plamo", "plamo2", "plamo3", "prism_hadamard_qwen35", "qwen", "qwen2_vl", "qwen3_5_moe", "qwen3_vl",
-    "qwen3_vl_moe", "rwkv7", "seed_oss", "spark2_5", "step3p5", "talkie", "telechat3", "youtu_llm",
+    "qwen3_vl_moe", "recurrent_gemma", "rwkv7", "seed_oss", "spark2_5", "step3p5", "talkie", "telechat3", "youtu_llm",
 )  # fmt: skip
 
 # Architecture -> the tiny-model oracle test (pytest node id) that runs it in the engine.

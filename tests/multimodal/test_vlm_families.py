@@ -76,6 +76,8 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
   engine's state pool, NoPE MLA, MoE, attention residuals mixing earlier layers' outputs).
 * MiMo-V2: Qwen2.5-VL's processor with a tower of its own (attention sinks) and a MiMo-V2-Flash
   text model: sliding-window (8 tokens) and global layers with attention-sink biases, a MoE.
+* Refused before loading, saying why (tests/tiny_vlm_positions.py): Falcon OCR and Falcon Perception,
+  whose image blocks attend to themselves both ways (Perception also feeds decoded boxes back in).
 * Refused at load, saying why: GLM-5-Next (sparse-attention layers with an indexer's pooled-key
   cache), ERNIE 4.5 VL (vision experts chosen by token types mlx-vlm's generation never passes),
   Mistral Large 3 without torch (mlx-vlm leaves it transformers' torch-only PixtralProcessor).
@@ -435,6 +437,10 @@ REFUSED_AT_LOAD = {
     # ERNIE 4.5 VL routes image tokens to vision experts by token types that mlx-vlm's generation
     # never passes: its generation and its own model call disagree.
     "ernie4_5_moe_vl": r"send image tokens to experts of their own \(moe_num_experts=\[4, 4\]\)",
+    # Falcon OCR and Falcon Perception: an image's block attends to itself both ways (a mask built from
+    # its start and end markers); Perception also feeds decoded boxes back into its next embeddings.
+    "falcon_ocr": r"'falcon_ocr'.*attend to each other both ways \(the attention mask .* start and end markers",
+    "falcon_perception": r"'falcon_perception'.*attend to each other both ways.*decode steps feed coordinates",
 }
 """Families the engine refuses at load, on a tiny model of their own: the message each must say
 (``support.REFUSED_AT_LOAD`` gives the support table the same verdict, naming this test)."""
@@ -447,6 +453,22 @@ def test_a_family_the_generic_path_cannot_drive_is_refused_at_load_saying_why(tm
     model_dir = tiny_builder(name)(tmp_path / name)
     with pytest.raises(UnsupportedModelError, match=REFUSED_AT_LOAD[name]):
         EngineCore(model=str(model_dir), num_kv_blocks=32, block_size=4)
+
+
+@pytest.mark.parametrize("name", ["falcon_ocr", "falcon_perception"])
+def test_falcon_image_blocks_attend_both_ways_in_mlx_vlm(name):
+    """What the Falcon refusals say, held to mlx-vlm's own masks: the token after an image's start
+    marker sees the image token after it, where a causal prefill would hide it."""
+    import importlib
+
+    import mlx.core as mx
+
+    language = importlib.import_module(f"mlx_vlm.models.{name}.language")
+    make_mask = getattr(language, f"create_{name}_mask")
+    start, image, end, text = 1, 2, 3, 4
+    mask = make_mask(mx.array([text, start, image, image, end, text]), start, end)[0, 0]
+    assert mask[1, 3].item() and mask[2, 3].item()  # inside the block: both ways
+    assert not mask[0, 1].item() and not mask[4, 5].item()  # outside it: causal
 
 
 def test_image_tokens_attending_both_ways_are_refused_at_load(tmp_path):

@@ -339,11 +339,25 @@ TEXT_MODEL_REFUSALS: dict[str, str] = {
 """Text models (``text_config.model_type``) whose vision-language models are refused, and why:
 what the load-time check cannot see because it runs one row."""
 
+FALCON_IMAGE_BLOCK_MASK = (
+    "the attention mask its text model builds from each image's start and end markers lets every token of the "
+    "block see the whole block"
+)
+"""What Falcon OCR's and Falcon Perception's masks do (``create_falcon_*_mask`` in mlx-vlm: ``causal |
+same_image``); mlx-vlm's generation prefills such a prompt whole (``no_chunked_prefill``) to apply it."""
+
 ARCHITECTURE_REFUSALS: dict[str, str] = {
     "molmo_point": "keeps per-request image state on the model between steps: its point predictor extends "
     "the logits over the image's patches, from the prefill's hidden states, and a logit processor follows "
     "the tokens generated so far (mlx-vlm routes its generation through the whole model's call), where the "
     "engine runs the text model alone over a batch",
+    # Both Falcon packages also keep their positions as state (``_position_ids``, ``pos_hw``): the
+    # engine could compute those per request, but not the mask, which is why they are refused.
+    "falcon_ocr": f"lets an image's tokens attend to each other both ways ({FALCON_IMAGE_BLOCK_MASK}), where the "
+    "engine's prefill in the batch is causal",
+    "falcon_perception": f"lets an image's tokens attend to each other both ways ({FALCON_IMAGE_BLOCK_MASK}), where "
+    "the engine's prefill in the batch is causal; and its decode steps feed coordinates and sizes decoded from the "
+    "previous step's hidden state back into the next embedding, per-request state kept on the model",
 }
 """Vision-language architectures (``model_type``) refused whatever their checkpoint, and why:
 what the generic path's check at load cannot see (one call of the pieces, no generation)."""

@@ -387,6 +387,11 @@ def build_tiny_llava(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: 
     return _build_llava_layout(out_dir, tokenizer_dir, seed, "llava", "LlavaForConditionalGeneration")
 
 
+# LLaVA's template with an image part rendered as the bare placeholder (no newline after it), so
+# a prompt without one gets exactly the placeholder the family tests write themselves.
+LLAVA_BARE_IMAGE_CHAT_TEMPLATE = LLAVA_CHAT_TEMPLATE.replace("<image>\n", "<image>")
+
+
 def _build_llava_layout(
     out_dir: Path,
     tokenizer_dir: Path | None,
@@ -398,9 +403,11 @@ def _build_llava_layout(
     preprocessor_extra: dict | None = None,
     processor_extra: dict | None = None,
     processor_class: str = "LlavaProcessor",
+    chat_template: str | None = None,
 ) -> Path:
     """A directory in LLaVA-1.5's layout (llama text model, CLIP tower at 28 px, projector) for
-    mlx-vlm's ``model_type`` package; the ``*_extra`` dicts add or override config keys."""
+    mlx-vlm's ``model_type`` package; the ``*_extra`` dicts add or override config keys;
+    ``chat_template``: LLaVA's unless given."""
     import importlib
 
     family = importlib.import_module(f"mlx_vlm.models.{model_type}")
@@ -429,7 +436,8 @@ def _build_llava_layout(
     model = _instantiate(family, config, seed)
     _save_model(out_dir, model, config)
 
-    _save_tokenizer(out_dir, tok, "</s>", "<pad>", LLAVA_TEXT_CONFIG["max_position_embeddings"], LLAVA_CHAT_TEMPLATE)
+    template = chat_template or LLAVA_CHAT_TEMPLATE
+    _save_tokenizer(out_dir, tok, "</s>", "<pad>", LLAVA_TEXT_CONFIG["max_position_embeddings"], template)
     size = vision["image_size"]
     preprocessor = {
         "image_processor_type": "CLIPImageProcessor",
@@ -469,13 +477,9 @@ def build_tiny_llava_next(out_dir: Path, tokenizer_dir: Path | None = None, *, s
         config_extra={"image_grid_pinpoints": pinpoints},
         preprocessor_extra={"image_processor_type": "LlavaNextImageProcessor", "image_grid_pinpoints": pinpoints,
                             "do_pad": True},
-        processor_class="LlavaNextProcessor",
+        processor_class="LlavaNextProcessor", chat_template=LLAVA_BARE_IMAGE_CHAT_TEMPLATE,
     )  # fmt: skip
 
-
-# LLaVA's template with an image part rendered as the bare placeholder (no newline after it), so
-# a prompt without one gets exactly the placeholder the family tests write themselves.
-LLAVA_BARE_IMAGE_CHAT_TEMPLATE = LLAVA_CHAT_TEMPLATE.replace("<image>\n", "<image>")
 
 # LLaVA-OneVision: a qwen2 text model and a SigLIP tower at 28 px (2x2 patches of 14 px, all
 # kept: 4 tokens per tile); any-resolution tiles up to 56x56 (2x2 tiles), unpadded to the

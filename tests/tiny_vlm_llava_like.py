@@ -204,7 +204,7 @@ def build_tiny_granite_vision(out_dir: Path, tokenizer_dir: Path | None = None, 
         preprocessor_extra={"image_processor_type": "LlavaNextImageProcessor", "image_grid_pinpoints": pinpoints,
                             "do_pad": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]},
         processor_extra={"vision_feature_select_strategy": "full", "num_additional_image_tokens": 0},
-        processor_class="LlavaNextProcessor",
+        processor_class="LlavaNextProcessor", chat_template=LLAVA_BARE_IMAGE_CHAT_TEMPLATE,
     )  # fmt: skip
 
 

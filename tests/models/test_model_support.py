@@ -50,10 +50,10 @@ def test_tested_architectures_probe_as_runnable_and_are_supported():
 
 def test_refusals_name_the_reason():
     """Vision rows are read off mlx-vlm's code: what the generic path cannot pass on is named."""
-    vision = ["florence2", "mllama", "hunyuan_vl", "siglip", "llava_next", "glm4v", "gemma3n", "paligemma"]
+    vision = ["florence2", "mllama", "hunyuan_vl", "siglip", "molmo", "glm4v", "gemma3n", "paligemma", "llava_next"]
     rows = support.classify({TEXT: ["longcat_flash_ngram"], VISION: vision})
     by_name = {row.name: row for row in rows}
-    ngram, florence2, mllama, hunyuan_vl, siglip, llava_next, glm4v, gemma3n, paligemma = (
+    ngram, florence2, mllama, hunyuan_vl, siglip, molmo, glm4v, gemma3n, paligemma, llava_next = (
         by_name[name] for name in ("longcat_flash_ngram", *vision)
     )
     # Its config sets use_bidirectional_attention when a checkpoint leaves it out: image tokens see each other.
@@ -66,10 +66,11 @@ def test_refusals_name_the_reason():
     assert hunyuan_vl.detail.startswith("it keeps multi-axis rotary positions as state on its text model, with no")
     assert siglip.status == NOT_GENERATOR and siglip.detail.startswith("no language model: an image encoder")
     # Its code reads as the generic path's; a tiny model of it is refused at load (the test is named).
-    assert llava_next.status == REFUSED and llava_next.detail.startswith("mlx-vlm's model and its processor disagree")
-    assert llava_next.detail.endswith(f"`{support.REFUSED_AT_LOAD_TEST}[llava_next]`)")
+    assert molmo.status == REFUSED and molmo.detail.startswith("its processor puts every image before the whole")
+    assert molmo.detail.endswith(f"`{support.REFUSED_AT_LOAD_TEST}[molmo]`)")
     assert gemma3n.status == RUNS  # its per_layer_inputs travel with the embeddings (TOKEN_FEATURES)
     assert glm4v.status == SUPPORTED  # positions from its own get_rope_index: tests/multimodal/test_vlm_families.py
+    assert llava_next.status == SUPPORTED  # its model decides an image's length: the engine measures it
 
 
 def test_models_that_generate_no_text_are_told_apart_from_refusals():

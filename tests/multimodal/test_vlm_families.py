@@ -58,9 +58,12 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
   and mlx-vlm's own torch-free processor: the generic path alone.
 * LLM-jp-VL: SigLIP with InternVL's pixel shuffle and a llama text model, expanded by
   transformers' ``LlavaProcessor`` (mlx-vlm ships none for it): the generic path alone.
-* Refused at load, saying why: Granite Vision (mlx-vlm's model and processor disagree on the run,
-  as LLaVA-NeXT's), Bunny and FastVLM (the model splices an image in for one -200 mark), GOT-OCR
-  2.0 (its processor names no placeholder and wraps every prompt in its own conversation).
+* LLaVA-NeXT and Granite Vision (tests/tiny_vlm.py, tests/tiny_vlm_llava_like.py): the model, not
+  the processor, decides an image's length (a tile's features and a block of newlines per image
+  token): the engine's run is the model's rows, measured on the engine thread; one image a prompt
+  (mlx-vlm's model merges the first image's tiles only).
+* Refused at load, saying why: Bunny and FastVLM (the model splices an image in for one -200
+  mark), GOT-OCR 2.0 (its processor names no placeholder and wraps every prompt in its own conversation).
 * Molmo 2: the generic path alone, with the placeholder its processor names
   ``image_placeholder_token``: a low-resolution view and overlapping crops, rows closed by
   ``<im_col>``, features added to the ``<im_patch>`` embeddings; its images are 400+ tokens
@@ -139,6 +142,8 @@ PLACEHOLDER = {
     "kimi_k25": "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>",
     "mimo_v2": "<|vision_start|><|image_pad|><|vision_end|>",
     "kimi_k3": "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>",
+    "llava_next": "<image>",
+    "granite_vision": "<image>",
 }
 
 HYBRID = {"qwen3_5", "qwen3_5_moe", "lfm2_vl", "d1", "nemotron_h_nano_omni", "clef", "indic_ocr",
@@ -149,6 +154,16 @@ KV_SCALE = {"molmo2": 8}
 """Families whose images are hundreds of tokens even in a tiny model (mlx-vlm's ``load`` builds
 Molmo 2's image processor with its defaults: 378 px crops, 424 tokens or more an image): their
 KV pools are this many times larger, so the same prompts fit, and the small pool still preempts."""
+
+
+MODEL_EXPANDS = {"llava_next", "granite_vision"}
+"""Families whose model, not their processor, decides an image's length (``vlm_generic``:
+``expands_in_model``): the engine's prompt is the sequence mlx-vlm's model generates over."""
+
+ONE_IMAGE_A_PROMPT = {"llava_next", "granite_vision"}
+"""Families the engine serves one image a prompt: mlx-vlm's LLaVA-NeXT model merges the first
+image's tiles only and drops what follows its first image token run, so with two images the
+text between them and the second image never reach its text model."""
 
 
 def kv_blocks(name: str, blocks: int) -> int:
@@ -205,6 +220,11 @@ def test_two_images_in_order_equal_mlx_vlm(family, engine):
     name, model_dir = family
     a, b = picture(3), picture(4, (100, 60))
     text = f"First {PLACEHOLDER[name]} then {PLACEHOLDER[name]} compare."
+    if name in ONE_IMAGE_A_PROMPT:  # mlx-vlm's second image never reaches its text model: refused
+        assert mlx_vlm_greedy(model_dir, text, [a, b], 8) == mlx_vlm_greedy(model_dir, text, [a, a], 8)
+        with pytest.raises(ValueError, match="takes 1 image a prompt: mlx-vlm's model merges the first"):
+            engine.prepare_prompt(text, [a, b])
+        return
     expected = mlx_vlm_greedy(model_dir, text, [a, b], max_tokens=8)
     swapped = mlx_vlm_greedy(model_dir, text, [b, a], max_tokens=8)
     assert tokens(run_prompts(engine, [(text, [a, b]), (text, [b, a])])) == [expected, swapped]
@@ -220,15 +240,34 @@ def test_the_prompt_is_expanded_as_mlx_vlm_expands_it(family, engine):
     name, model_dir = family
     _, processor = load(str(model_dir))
     pad = PLACEHOLDER[name]
-    for text in [f"First {pad} then {pad} compare.", f"user\n{pad}\nWhat?", f"A:{pad}{pad}\n\nB", pad]:
+    texts = [f"First {pad} then {pad} compare.", f"user\n{pad}\nWhat?", f"A:{pad}{pad}\n\nB", pad]
+    for text in [t for t in texts if name not in ONE_IMAGE_A_PROMPT or t.count(pad) == 1]:
         images = [picture(i, (100, 60)) for i in range(text.count(pad))]
         # The text alone, not in a list, as mlx-vlm's generation passes it (DeepSeek-VL2's processor
         # takes a list as a batch of prompts with one image each).
         expected = np.asarray(processor(text=text, images=images)["input_ids"]).reshape(-1).tolist()  # [1, n] or [n]
+        if name in MODEL_EXPANDS:
+            expected = model_expanded(model_dir, text, images, expected)
         assert engine.prepare_prompt(text, images).token_ids == expected, text
     if name == "gemma3":  # "user\n" + "\n\n<start_of_image>" tokenized as one "\n\n\n"
         [three_newlines] = engine.tokenizer.encode("\n\n\n", add_special_tokens=False)
         assert three_newlines in engine.prepare_prompt(f"user\n{pad}\nWhat?", [picture(0)]).token_ids
+
+
+def model_expanded(model_dir, text: str, images: list, ids: list[int]) -> list[int]:
+    """The processor's ``ids`` (one image) with the image's run as long as the rows mlx-vlm's model
+    merges for it: the sequence mlx-vlm's generation runs its text model over."""
+    from mlx_vlm import load
+    from mlx_vlm.utils import prepare_inputs
+
+    model, processor = load(str(model_dir))
+    inputs = prepare_inputs(processor, images=images, prompts=text)
+    rest = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
+    rows = model.get_input_embeddings(inputs["input_ids"], inputs["pixel_values"], **rest).inputs_embeds.shape[1]
+    image_token = model.config.image_token_index
+    first = ids.index(image_token)
+    run = len(ids) - first - ids[::-1].index(image_token)
+    return ids[:first] + [image_token] * (rows - len(ids) + run) + ids[first + run :]
 
 
 # -- batching, chunking, preemption -------------------------------------------------------------
@@ -244,6 +283,8 @@ def test_batched_with_text_requests_equals_solo(family):
         ("Short text.", []),
         ("Another look.", [picture(7, (90, 90))]),
     ]
+    if name in ONE_IMAGE_A_PROMPT:
+        prompts[2] = (f"One of them: {pad}.", [picture(5, (100, 60))])
     # Small steps: prefill chunks end inside images; a small pool forces preemption.
     options = {"num_kv_blocks": kv_blocks(name, 30), "max_num_batched_tokens": 12, "enable_prefix_caching": False}
     engine = family_engine(model_dir, **options)
@@ -408,9 +449,6 @@ def test_mistral3_with_a_ministral3_text_model_is_refused_before_loading(tmp_pat
 
 
 REFUSED_AT_LOAD = {
-    # mlx-vlm's LLaVA-NeXT model adds a newline row per tile and no unpadding, where its
-    # processor counts the tokens as transformers does: the two disagree on the run's length.
-    "llava_next": r"expands an image inside the model \(\d+ embeddings for a run of \d+ tokens\)",
     # Phi-4-multimodal's processor writes one id (-200, outside the vocabulary) per "<image>" and
     # the model puts the features in its place; Phi-4-SigLIP's does too, after wrapping any
     # prompt without "<|im_start|>" in its chat template, so its run is not where the text put it.
@@ -420,9 +458,6 @@ REFUSED_AT_LOAD = {
     # wraps every prompt in a conversation of its own.
     "moondream3": "its run is not put where the placeholder stands in a prompt",
     "got": "its run is not put where the placeholder stands in a prompt",
-    # mlx-vlm's Granite Vision model (LLaVA-NeXT's layout) puts a block of features, and a block
-    # of newlines, per image token: more rows than the processor's LLaVA-NeXT count.
-    "granite_vision": r"expands an image inside the model \(\d+ embeddings for a run of \d+ tokens\)",
     # Bunny: mlx-vlm's processor is the tokenizer; its prompt builder inserts -200 for the model to splice.
     "llava_bunny": r"processor is a tokenizer alone: mlx-vlm's model splices an image's features in itself",
     # FastVLM: the processor marks an image with -200, which the model replaces by its features.
@@ -482,3 +517,40 @@ def test_image_tokens_attending_both_ways_are_refused_at_load(tmp_path):
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="attend to each other both ways.*'vision'"):
         EngineCore(model=str(model_dir), num_kv_blocks=32, block_size=4)
+
+
+def test_an_image_the_model_expands_is_measured_on_the_engine_thread(tmp_path):
+    """``prepare_prompt`` runs on the caller's thread; the length of an image the model expands is
+    MLX work, so the engine thread measures it (between steps), and the prompt is the one the
+    engine prepares on its own thread."""
+    import threading
+
+    from tiny_vlm import build_tiny_llava_next
+
+    from vllm_mlx import AsyncEngineCore
+
+    model_dir = build_tiny_llava_next(tmp_path / "llava_next")
+    text, image = PLACEHOLDER["llava_next"] + "What is in the picture?", picture(1, (100, 60))
+    measured_on = []
+    with AsyncEngineCore(model=str(model_dir), num_kv_blocks=96, block_size=4) as engine:
+        vision = engine.engine.vision
+        on_engine_thread = vision.on_engine_thread
+
+        def recording(fn):
+            return on_engine_thread(lambda: (measured_on.append(threading.current_thread().name), fn())[1])
+
+        vision.on_engine_thread = recording
+        prepared = engine.prepare_prompt(text, [image])
+        on_its_thread = engine.call(lambda core: core.prepare_prompt(text, [image]))
+    assert measured_on == ["vllm-mlx-engine", "vllm-mlx-engine"]
+    assert prepared.token_ids == on_its_thread.token_ids
+    assert prepared.mm_input.images[0].num_tokens > len(model_expanded_run(model_dir, image))
+
+
+def model_expanded_run(model_dir, image) -> list[int]:
+    """The processor's run for ``image`` alone (the model's is longer: the test above)."""
+    from mlx_vlm import load
+
+    _, processor = load(str(model_dir))
+    ids = np.asarray(processor(text="<image>", images=[image])["input_ids"]).reshape(-1).tolist()
+    return [token for token in ids if token == processor.tokenizer.convert_tokens_to_ids("<image>")]

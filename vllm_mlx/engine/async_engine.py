@@ -454,6 +454,13 @@ class AsyncEngineCore:
         self._submit(command)
         return command.future.result(timeout)
 
+    def _on_engine_thread(self, fn: Callable[[], object]):
+        """``fn()`` on the engine thread: MLX work a caller's ``prepare_prompt`` needs (the length
+        of an image the model expands, ``vlm_generic``), which no other thread may run."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        return self.call(lambda _engine: fn())
+
     def stats(self) -> EngineStats:
         """The engine's ``stats()``, taken on the engine thread between steps."""
         return self.call(lambda engine: engine.stats())
@@ -552,6 +559,8 @@ class AsyncEngineCore:
             return
         if self.engine.tp_group is not None:
             self.engine.on_rank_lost = self._rank_lost
+        if hasattr(self.engine.vision, "on_engine_thread"):  # images the model expands: measured here
+            self.engine.vision.on_engine_thread = self._on_engine_thread
         self._facts = EngineFacts.of(self.engine)
         self._accepting = True
         self._ready.set()

@@ -102,6 +102,7 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
                         "molmo2",
                         "dots_ocr", "clef", "indic_ocr", "prism_hadamard_qwen35",
                         "kimi_k25", "mimo_v2", "kimi_k3",
+                        "llava_next", "granite_vision",
                         )},
     },
 }
@@ -113,9 +114,6 @@ REFUSED_AT_LOAD_TEST = (
 # code does that the code reader above cannot see): the reason, in a line. The test (its
 # REFUSED_AT_LOAD, by name) holds the engine to it; the table calls them refused, naming the test.
 REFUSED_AT_LOAD: dict[str, str] = {
-    "llava_next": "mlx-vlm's model and its processor disagree on an image's length (a newline row per tile, "
-    "no unpadding in the model)",
-    "granite_vision": "mlx-vlm's model and its processor disagree on an image's length (LLaVA-NeXT's layout)",
     "phi4_siglip": "its processor wraps any prompt in its chat template and marks an image with the id -200 "
     "for the model to splice its features in",
     "moondream3": "its processor puts the one image after the BOS whatever the prompt says",

@@ -27,12 +27,29 @@ adapter, a piece at a time, for rows at different stages of one batch:
   engine thread at the prompt's first step (``positions``), and passed with every call (mlx-vlm
   keeps them as state on the model, which the rows of a batch cannot share).
 
+* images the model expands (``expands_in_model``): where ``get_input_embeddings`` gives an image
+  another number of rows than the processor's run has tokens (LLaVA-NeXT and Granite Vision put a
+  tile's features, and a block of newlines, per image token), the sequence mlx-vlm generates over
+  is the model's, so the engine's is too: the image's run is as long as the model's rows for the
+  processor's run, its rows are those rows, its ids one stand-in token repeated (the image's hash
+  keys the prefix cache, as for every image). The length must be known when the prompt is
+  prepared, on the caller's thread, where no MLX work may run (MLX streams are per thread, and a
+  thread that used MLX must clear them before it ends). Of the ways to know it: (a) MLX's lazy
+  shapes give the length without running the tower, but the models evaluate on the way
+  (``np.where`` over the ids, ``.item()`` of counts), so it is MLX work all the same; (b) a
+  formula per family from the config and the processor's outputs would copy each model's merge
+  and drift from it silently; (c) the measurement runs on the engine thread: ``on_engine_thread``
+  (the engine's thread runs it between steps; direct where the caller is that thread) builds
+  ``get_input_embeddings`` for the processor's run lazily and reads the shape, evaluating only
+  what the model's own code evaluates (the ids), never the tower. (c) it is: exact by
+  construction, general, at the cost of one round trip to the engine thread per image.
+
 This holds where ``get_input_embeddings`` merges position by position and the text model needs
 nothing but embeddings, those positions and the cache; ``check`` runs the pipeline once at load
 on a small image and refuses, with the reason, a model that needs more (image tokens attending
 both ways, positions kept as state with no function to compute them, cross-attention states,
-deepstack features, features longer than the run, an image its processor leaves as one mark for
-the model to splice its features in). Family hooks (``vlm_families.py``) add what differs.
+deepstack features, an image its processor leaves as one mark for the model to splice its
+features in). Family hooks (``vlm_families.py``) add what differs.
 """
 
 from __future__ import annotations
@@ -71,6 +88,8 @@ the engine's state pool, which implements it) lacks: only Qwen3.5's hook adds th
 GRID_KEY = "image_grid_thw"
 """The processor output ``get_rope_index`` reads an image's patch grid from."""
 PROBE_IMAGE_SIZE = (64, 48)
+PROCESSOR_RUN_KEY = "processor_run_ids"
+"""Where an image the model expands keeps the processor's run (``encode`` gives it to the model)."""
 SPLICED_BY_THE_MODEL = (
     "{what}: mlx-vlm's model splices an image's features in itself, in place of one mark, where the engine "
     "needs the processor to expand each image into its run of tokens"
@@ -179,6 +198,13 @@ class GenericVisionModel(VisionLanguageModel):
         self.token_features: dict[str, tuple[int, ...]] = {}
         """Per-token features the model gives beside its embeddings (``TOKEN_FEATURES``), by
         name: each row's shape (``encode`` flattens them after the embedding row)."""
+        self.expands_in_model = False
+        """The model, not the processor, decides an image's length (module doc)."""
+        self.images_per_prompt: int | None = None
+        """At most this many images a prompt (None: any), where the model merges no more right."""
+        self.on_engine_thread = _call_here
+        """Runs a function of MLX work on the engine thread and returns its result (module doc);
+        ``AsyncEngineCore`` installs its own, where ``prepare`` runs on callers' threads."""
         self.check()
 
     # ---- what mlx-vlm's models share ------------------------------------------------------
@@ -236,6 +262,10 @@ class GenericVisionModel(VisionLanguageModel):
         run = self._run.tokens(expanded)
         encoder_inputs = _encoder_inputs(outputs, self._run, len(expanded))
         pixels = next(encoder_inputs.pop(key) for key in PIXEL_KEYS if key in encoder_inputs)
+        if self.expands_in_model:
+            encoder_inputs[PROCESSOR_RUN_KEY] = np.asarray(run)
+            length = self.on_engine_thread(lambda: self._model_rows(run, pixels, encoder_inputs).shape[0])
+            run = [self._run.stand_in] * length
         return ImageInput(self._hash(rgb), rgb, pixels, 0, len(run), token_ids=run, encoder_inputs=encoder_inputs)
 
     def encode(self, image: ImageInput) -> mx.array:
@@ -268,6 +298,11 @@ class GenericVisionModel(VisionLanguageModel):
             what = f"its processor marks an image with the id {marks[0]}, outside the vocabulary"
             raise UnsupportedModelError(SPLICED_BY_THE_MODEL.format(what=what))
         merged = self._refusing_known_failures(self._merged, image)
+        if not self.expands_in_model and _embeds(merged).shape[1] != image.num_tokens:
+            self._expand_in_model()
+            image = self.process(probe, MediaPolicy.operator())
+            merged = self._merged(image)
+            self.images_per_prompt = None if self._merges_each_image_alone(image, merged) else 1
         self.token_features = self._token_features(merged, image.num_tokens)
         ignored = IGNORED_FEATURES | (POSITION_FEATURES if self.uses_mrope else frozenset()) | set(self.token_features)
         extra = sorted({name for name, value in _fields(merged).items() if value is not None} - ignored)
@@ -284,15 +319,47 @@ class GenericVisionModel(VisionLanguageModel):
             raise UnsupportedModelError("it keeps multi-axis rotary positions as state on its text model, with no "
                                         "get_rope_index to compute them per request")  # fmt: skip
         features = _embeds(merged)[0]
-        if features.shape[0] != image.num_tokens:
-            raise UnsupportedModelError(
-                f"it expands an image inside the model ({features.shape[0]} embeddings for a run of "
-                f"{image.num_tokens} tokens), where the engine needs the processor's expansion"
-            )
         probe = LanguageSplit.probe
         self.split = self._refusing_known_failures(probe, self.language, self.make_cache, features[None])
         if mx.array_equal(self._logits_of(features[None]), self._logits_of(mx.zeros_like(features[None]))).item():
             raise UnsupportedModelError("its text model ignores the embeddings it is given, so images cannot reach it")
+
+    def _expand_in_model(self) -> None:
+        """Take each image's length from the model's rows (module doc), where the text model takes
+        nothing per token that the run's stand-in ids would get wrong.
+
+        Raises:
+            UnsupportedModelError: Its text model computes positions from the prompt's ids.
+        """
+        if self.uses_mrope:
+            raise UnsupportedModelError(
+                "it expands an image inside the model, and its text model computes multi-axis positions from "
+                "the processor's run, which the model's longer run of rows has no ids for"
+            )
+        self.expands_in_model = True
+
+    def _merges_each_image_alone(self, image: ImageInput, merged) -> bool:
+        """Whether the model's rows for two images with a token between are each image's own rows
+        around that token's: mlx-vlm's LLaVA-NeXT merges the first image's tiles only and drops
+        what follows its first run, so a prompt of several images has no per-image rows to give."""
+        encoder_inputs = dict(image.encoder_inputs)
+        run = [int(token) for token in encoder_inputs.pop(PROCESSOR_RUN_KEY)]
+        between = max(self._run.stand_in, 0)  # an id of the vocabulary
+        pair = {name: np.concatenate([value, value]) for name, value in encoder_inputs.items()}
+        pixels = np.concatenate([image.pixel_values, image.pixel_values])
+        both = self._model_rows([*run, between, *run], pixels, pair)
+        one = _embeds(merged)[0]
+        expected = mx.concatenate([one, self.embed(mx.array([[between]]))[0].astype(one.dtype), one])
+        return both.shape == expected.shape and mx.allclose(both, expected, atol=1e-5).item()
+
+    def prepare(self, token_ids: list[int], images: list[ImageSource], policy: MediaPolicy):
+        """The base class's, refusing more images than the model merges right in one prompt."""
+        if self.images_per_prompt is not None and len(images) > self.images_per_prompt:
+            raise ValueError(
+                f"this model takes {self.images_per_prompt} image a prompt: mlx-vlm's model merges the first "
+                f"image's features only, so {len(images)} images would not each reach the text model"
+            )
+        return super().prepare(token_ids, images, policy)
 
     @staticmethod
     def _refusing_known_failures(call, *args):
@@ -325,9 +392,19 @@ class GenericVisionModel(VisionLanguageModel):
         return self.split.head(self.split.backbone(inputs, inputs_embeds=embeds, cache=self.make_cache()))
 
     def _merged(self, image: ImageInput):
-        ids = mx.array([image.token_ids])
-        inputs = {name: mx.array(value) for name, value in image.encoder_inputs.items()}
-        return self.model.get_input_embeddings(ids, mx.array(image.pixel_values), mask=mx.ones(ids.shape), **inputs)
+        """``get_input_embeddings`` on the image's run: the processor's, where the model expands it."""
+        encoder_inputs = dict(image.encoder_inputs)
+        run = encoder_inputs.pop(PROCESSOR_RUN_KEY, image.token_ids)
+        return self._merged_run([int(token) for token in run], image.pixel_values, encoder_inputs)
+
+    def _merged_run(self, run: list[int], pixels: np.ndarray, encoder_inputs: dict[str, np.ndarray]):
+        ids = mx.array([run])
+        inputs = {name: mx.array(value) for name, value in encoder_inputs.items() if name != PROCESSOR_RUN_KEY}
+        return self.model.get_input_embeddings(ids, mx.array(pixels), mask=mx.ones(ids.shape), **inputs)
+
+    def _model_rows(self, run: list[int], pixels: np.ndarray, encoder_inputs: dict[str, np.ndarray]) -> mx.array:
+        """The model's rows for the processor's run, unevaluated (their shape is the run's length)."""
+        return _embeds(self._merged_run(run, pixels, encoder_inputs))[0]
 
     def _image_token_id(self) -> int:
         return self._run.stand_in
@@ -338,6 +415,11 @@ class GenericVisionModel(VisionLanguageModel):
         if self._stand_in_text is None:
             return text
         return text.replace(self.image_placeholder_text, self._stand_in_text)
+
+
+def _call_here(fn):
+    """``on_engine_thread`` where the caller is the engine thread (``EngineCore`` used directly)."""
+    return fn()
 
 
 def _placeholder(processor) -> tuple[str, list[int], ImageRun]:

@@ -56,8 +56,12 @@ def test_refusals_name_the_reason():
     ngram, florence2, mllama, hunyuan_vl, siglip, molmo, glm4v, gemma3n, paligemma, llava_next = (
         by_name[name] for name in ("longcat_flash_ngram", *vision)
     )
-    # Its config sets use_bidirectional_attention when a checkpoint leaves it out: image tokens see each other.
-    assert paligemma.status == REFUSED and "attend to each other both ways" in paligemma.detail
+    # Its config sets use_bidirectional_attention=True when a checkpoint leaves it out: the whole prompt
+    # attends both ways (a prefix LM), where the engine keeps image blocks ("vision", Gemma 4) alone.
+    assert paligemma.status == REFUSED and "lets the whole prompt attend both ways" in paligemma.detail
+    # DiffusionGemma denoises a canvas (its config's canvas_length): no token-by-token generation.
+    [diffusion] = support.classify({VISION: ["diffusion_gemma"]})
+    assert diffusion.status == NOT_GENERATOR and diffusion.detail.startswith("a diffusion decoder")
     assert ngram.status == REFUSED and "needs ArraysCache caches" in ngram.detail
     assert "a fixed-size state slot cannot hold" in ngram.detail  # why, for this architecture
     assert all(row.status == REFUSED for row in (florence2, mllama, hunyuan_vl))

@@ -84,6 +84,10 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
 * Refused at load, saying why: GLM-5-Next (sparse-attention layers with an indexer's pooled-key
   cache), ERNIE 4.5 VL (vision experts chosen by token types mlx-vlm's generation never passes),
   Mistral Large 3 without torch (mlx-vlm leaves it transformers' torch-only PixtralProcessor).
+* Gemma 4 with ``use_bidirectional_attention="vision"`` (Gemma 4 unified's default): each block of
+  soft tokens sees itself whole; its span stays in one prefill chunk whatever the budget.
+* Refused, saying why: PaliGemma (``use_bidirectional_attention=True``: the whole prompt both
+  ways, a prefix LM); DiffusionGemma is no token-by-token generator (it denoises a canvas).
 
 All: one and two images equal mlx-vlm, batched with text-only requests equals solo (chunked
 prefills ending inside images, preemption), prefix cache on equals off with an image in the
@@ -506,17 +510,30 @@ def test_falcon_image_blocks_attend_both_ways_in_mlx_vlm(name):
     assert not mask[0, 1].item() and not mask[4, 5].item()  # outside it: causal
 
 
-def test_image_tokens_attending_both_ways_are_refused_at_load(tmp_path):
-    """Gemma 4 (``use_bidirectional_attention="vision"``) and PaliGemma let image tokens see each
-    other both ways in mlx-vlm; the engine's prefill is causal, so it refuses rather than differ."""
+@pytest.mark.parametrize("budget", [None, 3, 2])
+def test_an_image_attending_both_ways_equals_mlx_vlm_when_a_chunk_budget_would_split_it(tmp_path, budget):
+    """Gemma 4 with ``use_bidirectional_attention="vision"``: mlx-vlm overlays each block of soft
+    tokens (4 here, prompt positions 1-4) on its causal mask, so they see each other both ways.
+    The engine's masks do the same, and a budget that would end a prefill chunk inside the block
+    (at 3 or 2 tokens) gets the block whole in one chunk; causal attention answers otherwise."""
     from tiny_vlm import build_tiny_gemma4
 
     model_dir = build_tiny_gemma4(tmp_path / "gemma4")
     config = json.loads((model_dir / "config.json").read_text())
+    text, image = PLACEHOLDER["gemma4"] + "What is in the picture?", picture(1, (90, 90))
+    causal = mlx_vlm_greedy(model_dir, text, [image], max_tokens=8)
     config["text_config"]["use_bidirectional_attention"] = "vision"
     (model_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="attend to each other both ways.*'vision'"):
-        EngineCore(model=str(model_dir), num_kv_blocks=32, block_size=4)
+    expected = mlx_vlm_greedy(model_dir, text, [image], max_tokens=8)
+    options = {} if budget is None else {"max_num_batched_tokens": budget}
+    engine = family_engine(model_dir, num_kv_blocks=64, **options)
+    try:
+        prepared = engine.prepare_prompt(text, [image])
+        [out] = run_prompts(engine, [(text, [image])])
+    finally:
+        engine.shutdown()
+    assert prepared.mm_input.both_ways == [(1, 5)]  # the soft tokens, not the markers around them
+    assert out.outputs[0].token_ids == expected != causal
 
 
 def test_an_image_the_model_expands_is_measured_on_the_engine_thread(tmp_path):

@@ -69,6 +69,13 @@ class MultiModalInput:
     """``[3, num_prompt_tokens]`` multi-axis positions, or None for 1-D rotary models."""
     rope_delta: int = 0
     """Position of token ``i`` past the prompt is ``i + rope_delta`` (on every axis)."""
+    both_ways: list[tuple[int, int]] = field(default_factory=list)
+    """Spans ``[start, end)`` of prompt positions whose tokens attend to each other both ways
+    (``use_bidirectional_attention``: an image's soft tokens in Gemma 4, PaliGemma's whole prompt):
+    a query in a span also sees the keys up to its end. Invariants the engine keeps: a prefill
+    chunk never ends inside a span (``whole_spans``), and a prefix-cache hit never ends inside one
+    (``resumable_blocks``: the whole span is recomputed); a span is an image's run (its blocks'
+    hashes carry the image's) or starts at 0, so a block hit before a span was computed causally."""
 
     def block_extra_keys(self, block_index: int, block_size: int) -> tuple:
         """Hashes, in order, of the images whose placeholders overlap block ``block_index``."""
@@ -94,6 +101,30 @@ class MultiModalInput:
             if lo < hi:
                 found.append((image, lo, hi))
         return found
+
+    def split_span(self, position: int) -> tuple[int, int] | None:
+        """The both-ways span that ``position`` cuts in two (start < position < end), if any."""
+        return next(((s, e) for s, e in self.both_ways if s < position < e), None)
+
+    def whole_spans(self, start: int, count: int) -> int:
+        """``count`` tokens from ``start``, moved so the chunk does not end inside a both-ways
+        span: back to the span's start where the chunk holds tokens before it, else on to its
+        end (past the step's budget: the span's queries must see all its keys in one call)."""
+        span = self.split_span(start + count)
+        if span is None:
+            return count
+        return span[0] - start if span[0] > start else span[1] - start
+
+    def resumable_blocks(self, num_blocks: int, block_size: int) -> int:
+        """The most of ``num_blocks`` leading cached blocks a hit may take: none may end inside a
+        both-ways span (its queries would need keys the hit's end cuts off; the span is recomputed)."""
+        while num_blocks and self.split_span(num_blocks * block_size) is not None:
+            num_blocks -= 1
+        return num_blocks
+
+    def spans_in(self, start: int, count: int) -> list[tuple[int, int]]:
+        """The both-ways spans that overlap tokens ``[start, start + count)``."""
+        return [(s, e) for s, e in self.both_ways if s < start + count and e > start]
 
     def done_with_images(self, num_computed: int) -> bool:
         """True once every placeholder is in the KV cache: no image feature is needed again

@@ -247,6 +247,9 @@ class RowSpec:
     state_read_slot: int | None = None  # where the state is read from, when not state_slot
     checkpoint_slot: int | None = None  # a checkpoint slot the final state is also written to
     block_tables: list[list[int]] | None = None
+    both_ways: list[tuple[int, int]] = field(default_factory=list)
+    """Spans ``[start, end)`` of positions whose tokens attend to each other both ways
+    (``MultiModalInput.both_ways``): a query in one also sees the span's later keys."""
 
     @property
     def context_len(self) -> int:
@@ -314,6 +317,7 @@ class BatchLayout:
     num_new: int  # T: new tokens of the longest row
     groups: list[GroupSlots]  # per block group
     offsets: mx.array | int  # (B,) num_computed as an MLX array: RoPE offsets (one row: maybe a host int)
+    both_ways: list[list[tuple[int, int]]] = field(default_factory=list)  # per row: RowSpec.both_ways
     _views: dict = field(default_factory=dict, init=False, repr=False)
     _masks: dict = field(default_factory=dict, init=False, repr=False)
 
@@ -330,6 +334,7 @@ class BatchLayout:
             num_new=num_new,
             groups=[_group_slots(rows, block_size, group, num_new) for group in range(num_groups)],
             offsets=int(computed[0]) if host_offset else mx.array(computed),
+            both_ways=[r.both_ways for r in rows],
         )
 
     def key_start(self, window: int | None) -> np.ndarray:
@@ -353,7 +358,8 @@ class BatchLayout:
 
     def mask(self, keys_window: int | None, window: int | None) -> mx.array:
         """``(B, 1, T, L)`` visibility over the keys a layer with ``keys_window`` reads: causal,
-        not padding, and within the last ``window`` positions (None: no limit)."""
+        not padding, and within the last ``window`` positions (None: no limit); a query inside
+        a both-ways span also sees the span's keys (window or not, as mlx-vlm's overlay)."""
         return self._mask_and_ranges(keys_window, window)[0]
 
     def key_ranges(self, mask: mx.array) -> KeyRanges | None:
@@ -374,9 +380,19 @@ class BatchLayout:
             visible = (k <= q) & (k < self.context_len[:, None, None])
             if window is not None:
                 visible &= k > q - window
+            self._see_spans_whole(visible, query_pos, key_pos)
             visible[:, :, 0] |= ~visible.any(axis=-1)  # padded queries: no empty softmax row
             built = self._masks[(keys_window, window)] = (mx.array(visible[:, None, :, :]), KeyRanges.of(visible))
         return built
+
+    def _see_spans_whole(self, visible: np.ndarray, query_pos: np.ndarray, key_pos: np.ndarray) -> None:
+        """Let each query inside a both-ways span see every key of the span this call gathers
+        (the scheduler keeps a span's tokens in one chunk, so its later keys are all here)."""
+        for row, spans in enumerate(self.both_ways):
+            for start, end in spans:
+                in_query = (query_pos[row] >= start) & (query_pos[row] < end)
+                in_key = (key_pos[row] >= start) & (key_pos[row] < min(end, self.context_len[row]))
+                visible[row] |= in_query[:, None] & in_key[None, :]
 
 
 def _group_slots(rows: list[RowSpec], block_size: int, group: int, num_new: int) -> GroupSlots:

@@ -475,4 +475,11 @@ def row_spec(item: ScheduledRequest) -> RowSpec:
         state_read_slot=item.state_read_slot,
         checkpoint_slot=item.checkpoint_slot,
         block_tables=item.block_tables,
+        both_ways=_both_ways(item),
     )
+
+
+def _both_ways(item: ScheduledRequest) -> list[tuple[int, int]]:
+    """The both-ways spans (``MultiModalInput.both_ways``) this step's tokens of ``item`` touch."""
+    mm = item.request.mm_input
+    return [] if mm is None else mm.spans_in(item.num_computed_tokens, item.num_new_tokens)

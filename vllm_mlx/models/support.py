@@ -214,6 +214,7 @@ def classify_vision(name: str) -> Architecture:
         POSITION_FEATURES,
         SPLICED_BY_THE_MODEL,
         TOKEN_FEATURES,
+        VISION_BLOCKS,
         both_ways_reason,
     )
 
@@ -235,7 +236,7 @@ def classify_vision(name: str) -> Architecture:
         what = f"its image mark is the id {mark}, outside the vocabulary"
         return Architecture(name, VISION, REFUSED, SPLICED_BY_THE_MODEL.format(what=what))
     both_ways = _bidirectional_by_default(name, code)
-    if both_ways:
+    if both_ways and both_ways != VISION_BLOCKS:  # image blocks both ways are served; a whole prompt is not
         return Architecture(name, VISION, REFUSED, both_ways_reason(both_ways))
     rope_index = _defines_method(name, "get_rope_index")
     ignored = IGNORED_FEATURES | TOKEN_FEATURES | (POSITION_FEATURES if rope_index else frozenset())
@@ -261,12 +262,26 @@ def _why_not_a_generator(name: str, code: str) -> str | None:
     A package whose code has no ``language_model`` is a vision model alone (SigLIP's encoder,
     RF-DETR's and RT-DETR's detectors, SAM 3's segmenters, a decision head); an embedding or
     late-interaction retrieval model (``*embedding*``, ColPali's ``col*``) has a language model
-    but returns vectors."""
+    but returns vectors; a diffusion decoder (DiffusionGemma) generates, but a canvas at a time."""
     if _EMBEDDER_NAME.search(name):
         return "an embedding (retrieval) model: it returns vectors, not text"
     if "language_model" not in code:
         return "no language model: an image encoder, detector, segmenter or classifier"
+    if _DIFFUSION_CANVAS in _config_fields(name):
+        return ("a diffusion decoder (its config's canvas_length): mlx-vlm fills a masked canvas of tokens "
+                "in denoising steps, not one token after another")  # fmt: skip
     return None
+
+
+_DIFFUSION_CANVAS = "canvas_length"
+"""A ``ModelConfig`` field of mlx-vlm's diffusion decoders (DiffusionGemma): its generation reads
+it as the length of the canvas it denoises (``generate.diffusion._has_engine_diffusion_config``)."""
+
+
+def _config_fields(package: str) -> set[str]:
+    """The field names of the package's ``ModelConfig`` dataclass (none where it has none)."""
+    config = getattr(_package_module(package), "ModelConfig", None)
+    return {f.name for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else set()
 
 
 def _bidirectional_by_default(package: str, code: str) -> object:

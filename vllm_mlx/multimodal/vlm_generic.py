@@ -22,6 +22,11 @@ adapter, a piece at a time, for rows at different stages of one batch:
   computed from each token's id with the image's tokens as padding), travels as the embeddings
   do: the run's rows are kept with them (``encode`` appends them, flattened), the text's come
   from the text-only call, and the language model gets the whole batch's by name.
+* both ways: a text model whose image blocks attend to themselves both ways
+  (``use_bidirectional_attention="vision"``: Gemma 4; mlx-vlm overlays each block of vision
+  tokens on its causal mask) gets each block's span in the prompt's ``MultiModalInput.both_ways``:
+  the engine's masks let a query in a span see all its keys, the scheduler keeps a span in one
+  prefill chunk, and a prefix-cache hit never ends inside one.
 * positions: a text model with multi-axis rotary positions that it computes itself
   (``get_rope_index``: Qwen2-VL, GLM-4.1V, ...) gets them per prompt from that function, on the
   engine thread at the prompt's first step (``positions``), and passed with every call (mlx-vlm
@@ -46,7 +51,7 @@ adapter, a piece at a time, for rows at different stages of one batch:
 
 This holds where ``get_input_embeddings`` merges position by position and the text model needs
 nothing but embeddings, those positions and the cache; ``check`` runs the pipeline once at load
-on a small image and refuses, with the reason, a model that needs more (image tokens attending
+on a small image and refuses, with the reason, a model that needs more (a whole prompt attending
 both ways, positions kept as state with no function to compute them, cross-attention states,
 deepstack features, an image its processor leaves as one mark for the model to splice its
 features in). Family hooks (``vlm_families.py``) add what differs.
@@ -59,7 +64,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from vllm_mlx.core.multimodal import ImageInput
+from vllm_mlx.core.multimodal import ImageInput, MultiModalInput
 from vllm_mlx.executor.attention import UnsupportedModelError
 from vllm_mlx.multimodal.images import ImageSource, load_image
 from vllm_mlx.multimodal.media_policy import MediaPolicy
@@ -85,6 +90,11 @@ STATE_CALLS = frozenset({"update_window", "update_recurrent"})
 """Calls some mlx-vlm recurrent layers make on their state cache that mlx-lm's ``ArraysCache`` (and
 the engine's state pool, which implements it) lacks: only Qwen3.5's hook adds them
 (``vlm_families.MlxVlmStateCache``); elsewhere (GLM-5-Next) the check at load refuses them."""
+VISION_BLOCKS = "vision"
+"""``use_bidirectional_attention`` for Gemma 4's rule: each block of vision tokens sees itself whole."""
+TOKEN_TYPES_KEY = "mm_token_type_ids"
+VISION_TOKEN_TYPES = (1, 2)
+"""Gemma 4's processor's token types of image and video soft tokens (mlx-vlm's overlay takes these)."""
 GRID_KEY = "image_grid_thw"
 """The processor output ``get_rope_index`` reads an image's patch grid from."""
 PROBE_IMAGE_SIZE = (64, 48)
@@ -287,9 +297,9 @@ class GenericVisionModel(VisionLanguageModel):
         """
         from PIL import Image
 
-        both_ways = _bidirectional_attention(self.model)
-        if both_ways:
-            raise UnsupportedModelError(both_ways_reason(both_ways))
+        self.both_ways = _bidirectional_attention(self.model)
+        if self.both_ways not in (None, False, VISION_BLOCKS):
+            raise UnsupportedModelError(both_ways_reason(self.both_ways))
         probe = Image.new("RGB", PROBE_IMAGE_SIZE, (96, 160, 32))
         image = self.process(probe, MediaPolicy.operator())
         # A negative id (FastVLM's -200) is no token: a mark where the model splices features in.
@@ -408,6 +418,27 @@ class GenericVisionModel(VisionLanguageModel):
 
     def _image_token_id(self) -> int:
         return self._run.stand_in
+
+    def multimodal_input(self, num_tokens: int, images: list[ImageInput]) -> MultiModalInput:
+        """The base class's, with the spans whose tokens attend both ways (``_both_ways_spans``)."""
+        mm = super().multimodal_input(num_tokens, images)
+        mm.both_ways = self._both_ways_spans(num_tokens, images)
+        return mm
+
+    def _both_ways_spans(self, num_tokens: int, images: list[ImageInput]) -> list[tuple[int, int]]:
+        """mlx-vlm's ``"vision"`` rule (Gemma 4): each contiguous block of an image's vision tokens
+        (``mm_token_type_ids`` 1 or 2; the run's stand-in tokens where the processor gives none)
+        sees itself whole, on top of the causal mask; its markers stay causal."""
+        if self.both_ways != VISION_BLOCKS:
+            return []
+        spans = []
+        for image in images:
+            types = image.encoder_inputs.get(TOKEN_TYPES_KEY)
+            vision = np.isin(types[0], VISION_TOKEN_TYPES) if types is not None else None
+            if vision is None or vision.shape != (image.num_tokens,):
+                vision = np.asarray(image.token_ids) == self._run.stand_in
+            spans += [(image.offset + s, image.offset + e) for s, e in _true_runs(vision)]
+        return spans
 
     def prompt_text(self, text: str) -> str:
         """``text`` with the stand-in token's text for each placeholder of several tokens
@@ -530,10 +561,19 @@ def _text_ids(processor, text: str) -> list[int]:
     return list(tokenizer(text)["input_ids"])
 
 
+def _true_runs(flags: np.ndarray) -> list[tuple[int, int]]:
+    """``[start, end)`` of each run of True in ``flags``."""
+    edges = np.diff(np.concatenate([[0], flags.astype(np.int8), [0]]))
+    return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
+
+
 def both_ways_reason(value: object) -> str:
-    """Why a text model whose image tokens attend both ways (``use_bidirectional_attention``) is refused."""
-    return (f"its text model lets image tokens attend to each other both ways (use_bidirectional_attention="
-            f"{value!r}), where the engine's prefill in the batch is causal")  # fmt: skip
+    """Why a text model whose tokens attend both ways by a rule other than ``"vision"``'s image
+    blocks is refused: PaliGemma's ``True`` leaves its whole one-pass prefill unmasked (a prefix
+    LM, text-only prompts included), where the engine keeps both-ways spans for image blocks."""
+    return (f"its text model lets the whole prompt attend both ways (use_bidirectional_attention={value!r}: a "
+            "prefix LM, text-only prompts too), where the engine attends both ways only within an image's "
+            "block of tokens")  # fmt: skip
 
 
 def _bidirectional_attention(model) -> object:

@@ -192,6 +192,8 @@ class BlockAwarePrefixCache(PrefixCacheManager):
         if not self.enabled:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if request.mm_input is not None:  # a hit never ends inside tokens that attend both ways
+            max_blocks = request.mm_input.resumable_blocks(max_blocks, self.block_size)
         hashes = self.request_hashes(request)[:max_blocks]
         hits = self.kv_cache.get_computed_blocks(request.request_id, hashes)
         state = self.kv_cache.state

@@ -239,7 +239,7 @@ class Scheduler:
             request = self.running[i]
             start = request.num_computed_tokens
             num_new = self._chunk(request.num_tokens - start, start, budget)
-            num_new = self.kv.cut_at_checkpoint(request, start, num_new)
+            num_new = self._whole_spans(request, start, self.kv.cut_at_checkpoint(request, start, num_new))
             spec = self._spec_tokens(request, num_new, budget - self._charge(num_new, start))
             if spec and not self.kv.allocate_slots(request, start + num_new + len(spec)):
                 spec = request.spec_token_ids = []  # no room to verify: decode plainly
@@ -268,6 +268,13 @@ class Scheduler:
         ``budget`` (at least 1 while any is left)."""
         return self.prefill_cost.fit(budget, position, remaining)
 
+    @staticmethod
+    def _whole_spans(request: Request, start: int, num_new: int) -> int:
+        """The chunk moved so it does not end inside a span of tokens that attend both ways
+        (``MultiModalInput.whole_spans``: an image whole, even past the budget)."""
+        mm = request.mm_input
+        return num_new if mm is None or not mm.both_ways else mm.whole_spans(start, num_new)
+
     def _charge(self, num_new: int, position: int) -> int:
         """Budget units of a row: one for a single token (a decode), else the chunk's cost."""
         return 1 if num_new == 1 else self.prefill_cost.cost(num_new, position)
@@ -294,6 +301,7 @@ class Scheduler:
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = self.kv.cut_at_checkpoint(request, num_hit, self._chunk(num_new, num_hit, budget))
+            num_new = self._whole_spans(request, num_hit, num_new)
             if not self.kv.allocate_slots(request, num_hit + num_new, hits):
                 break
             self.waiting.pop(request)

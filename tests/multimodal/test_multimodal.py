@@ -22,7 +22,6 @@ from PIL import Image
 
 from factories import png_bytes
 from vllm_mlx import LLM, EngineCore, SamplingParams
-from vllm_mlx.executor.attention import UnsupportedModelError
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -291,9 +290,12 @@ def test_placeholder_count_must_match_the_images(qwen):
         qwen.add_request(f"{pad}{pad}One image only.", GREEDY, images=[picture(0)])
 
 
-def test_what_the_generic_path_cannot_drive_is_refused_at_load_with_what_it_needs(tmp_path):
+def test_the_generic_path_takes_deepstack_features_beside_the_embeddings(tmp_path):
     """Qwen3-VL through the generic adapter (not its family hook): its embeddings come with
-    deepstack features the text model needs beside them, and the check at load says so."""
+    deepstack features (a list of rows at the image tokens) and the image-token mask, which the
+    generic path now passes on (``vlm_generic.VISUAL_FEATURES``; Cohere Compass's oracle tests run
+    it). Deepstack in a form it cannot pass on is refused: tests/multimodal/test_vlm_families.py's
+    ``REFUSED_AT_LOAD["granite4_vision"]``."""
     from mlx_vlm.utils import load_model, load_processor
     from tiny_vlm import build_tiny_qwen3_vl
 
@@ -302,8 +304,9 @@ def test_what_the_generic_path_cannot_drive_is_refused_at_load_with_what_it_need
     model_dir = build_tiny_qwen3_vl(tmp_path / "qwen3_vl")
     config = json.loads((model_dir / "config.json").read_text())
     model, processor = load_model(model_dir), load_processor(model_dir, add_detokenizer=False)
-    with pytest.raises(UnsupportedModelError, match="come with deepstack_visual_embeds, visual_pos_masks, which"):
-        GenericVisionModel(model, processor, config, model_dir)
+    generic = GenericVisionModel(model, processor, config, model_dir)
+    depth = len(config["vision_config"]["deepstack_visual_indexes"])
+    assert (generic.deepstack_layers, generic.deepstack_width) == (depth, config["text_config"]["hidden_size"])
 
 
 # -- front doors -------------------------------------------------------------------------------

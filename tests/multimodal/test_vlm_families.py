@@ -88,6 +88,12 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
   soft tokens sees itself whole; its span stays in one prefill chunk whatever the budget.
 * Refused, saying why: PaliGemma (``use_bidirectional_attention=True``: the whole prompt both
   ways, a prefix LM); DiffusionGemma is no token-by-token generator (it denoises a canvas).
+* Cohere Compass (tests/tiny_vlm_deepstack.py): the generic path with image-token features:
+  ``visual_pos_masks`` and deepstack rows (vision blocks 0 and 1, added after text layers 0 and 1)
+  travel with the image's rows and reach the text model by name, the mask over the step's tokens
+  and each layer's rows at its image tokens; multi-axis positions from its ``get_rope_index``.
+* Refused at load, saying why: Granite 4 Vision (deepstack features as whole-prompt arrays its
+  text model slices at one cache offset for the batch), Zaya1-VL (CCA state in a CacheList).
 
 All: one and two images equal mlx-vlm, batched with text-only requests equals solo (chunked
 prefills ending inside images, preemption), prefix cache on equals off with an image in the
@@ -148,6 +154,7 @@ PLACEHOLDER = {
     "kimi_k3": "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>",
     "llava_next": "<image>",
     "granite_vision": "<image>",
+    "cohere_compass": "<|VISION_START|><|IMAGE_PAD|><|VISION_END|>",
 }
 
 HYBRID = {"qwen3_5", "qwen3_5_moe", "lfm2_vl", "d1", "nemotron_h_nano_omni", "clef", "indic_ocr",
@@ -480,6 +487,12 @@ REFUSED_AT_LOAD = {
     # its start and end markers); Perception also feeds decoded boxes back into its next embeddings.
     "falcon_ocr": r"'falcon_ocr'.*attend to each other both ways \(the attention mask .* start and end markers",
     "falcon_perception": r"'falcon_perception'.*attend to each other both ways.*decode steps feed coordinates",
+    # Granite 4 Vision's deepstack features are whole-prompt arrays (a row per prompt token) that its
+    # text model slices at the cache's offset, one for the batch: rows at other offsets cannot share them.
+    "granite4_vision": r"deepstack features as whole-prompt arrays \(\(2, \d+, 64\)\).*different offsets",
+    # Zaya1-VL's image-token mask passes; its CCA layers keep a convolution and the previous hidden
+    # state in a CacheList beside the KV, a recurrent state no oracle test has checked in the state pool.
+    "zaya1_vl": r"'zaya1_vl' needs CacheList caches",
 }
 """Families the engine refuses at load, on a tiny model of their own: the message each must say
 (``support.REFUSED_AT_LOAD`` gives the support table the same verdict, naming this test)."""

@@ -103,6 +103,7 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
                         "dots_ocr", "clef", "indic_ocr", "prism_hadamard_qwen35",
                         "kimi_k25", "mimo_v2", "kimi_k3",
                         "llava_next", "granite_vision",
+                        "cohere_compass",
                         )},
     },
 }
@@ -123,6 +124,10 @@ REFUSED_AT_LOAD: dict[str, str] = {
     "sparse-attention layers keep an indexer's pooled keys beside the latent cache",
     "ernie4_5_moe_vl": "its MoE sends image tokens to vision experts chosen by token types that mlx-vlm's "
     "generation never passes (its generation and its own model call disagree)",
+    "granite4_vision": "its deepstack features are whole-prompt arrays its text model slices at the cache's "
+    "offset, one for the batch, where rows of the engine's batch are at different offsets",
+    "zaya1_vl": "its CCA layers keep a convolution and the previous hidden state in a CacheList beside the KV, "
+    "recurrent state the engine's state pool keeps only for architectures checked against an oracle",
 }
 
 CACHE_FILE = "model_support.json"
@@ -205,9 +210,10 @@ def classify_vision(name: str) -> Architecture:
     ``get_input_embeddings``, where images are marked by a negative id the model splices its features
     in for (``_negative_image_mark``), where the embeddings come with what the text model needs beside
     them (the fields the generic path's check at load refuses; positions are not among them where
-    the text model has a ``get_rope_index``), or where it keeps multi-axis positions as state on
-    its text model with no ``get_rope_index``; runs otherwise, and the check at load confirms it
-    on the real model."""
+    the text model has a ``get_rope_index``, nor the image-token mask and deepstack rows, which
+    the generic path passes on in the forms the check at load accepts), or where it keeps
+    multi-axis positions as state on its text model with no ``get_rope_index``; runs otherwise,
+    and the check at load confirms it on the real model."""
     from vllm_mlx.multimodal.vlm_families import ARCHITECTURE_REFUSALS, FAMILIES
     from vllm_mlx.multimodal.vlm_generic import (
         IGNORED_FEATURES,
@@ -215,6 +221,7 @@ def classify_vision(name: str) -> Architecture:
         SPLICED_BY_THE_MODEL,
         TOKEN_FEATURES,
         VISION_BLOCKS,
+        VISUAL_FEATURES,
         both_ways_reason,
     )
 
@@ -239,7 +246,8 @@ def classify_vision(name: str) -> Architecture:
     if both_ways and both_ways != VISION_BLOCKS:  # image blocks both ways are served; a whole prompt is not
         return Architecture(name, VISION, REFUSED, both_ways_reason(both_ways))
     rope_index = _defines_method(name, "get_rope_index")
-    ignored = IGNORED_FEATURES | TOKEN_FEATURES | (POSITION_FEATURES if rope_index else frozenset())
+    ignored = IGNORED_FEATURES | TOKEN_FEATURES | VISUAL_FEATURES
+    ignored |= POSITION_FEATURES if rope_index else frozenset()
     fields = sorted(set(_keywords(embeddings, "InputEmbeddingsFeatures")) & _feature_fields() - ignored)
     if fields:
         reason = (f"its image embeddings come with {', '.join(fields)}, which its text model needs beside them "

@@ -27,6 +27,15 @@ adapter, a piece at a time, for rows at different stages of one batch:
   tokens on its causal mask) gets each block's span in the prompt's ``MultiModalInput.both_ways``:
   the engine's masks let a query in a span see all its keys, the scheduler keeps a span in one
   prefill chunk, and a prefix-cache hit never ends inside one.
+* image-token features: what ``get_input_embeddings`` returns for the image tokens alone
+  (``VISUAL_FEATURES``): ``visual_pos_masks``, True at the image's feature tokens (not its
+  markers), and ``deepstack_visual_embeds``, per text layer that takes them the rows to add at
+  those tokens (Cohere Compass; Zaya1-VL's vision LoRA and MiniMax-M3-VL take the mask alone).
+  ``encode`` appends them to the run's rows (a flag, then each layer's row, zeros at markers);
+  ``hidden_states`` gives the text model, by name, the mask over the step's tokens and each
+  layer's rows at its True positions in flat order (batch row, then position), as Qwen3-VL's
+  hook does. A model that takes them as whole-prompt arrays it slices at the cache's offset
+  (Granite 4 Vision) is refused: rows of a batch are at different offsets.
 * positions: a text model with multi-axis rotary positions that it computes itself
   (``get_rope_index``: Qwen2-VL, GLM-4.1V, ...) gets them per prompt from that function, on the
   engine thread at the prompt's first step (``positions``), and passed with every call (mlx-vlm
@@ -53,8 +62,9 @@ This holds where ``get_input_embeddings`` merges position by position and the te
 nothing but embeddings, those positions and the cache; ``check`` runs the pipeline once at load
 on a small image and refuses, with the reason, a model that needs more (a whole prompt attending
 both ways, positions kept as state with no function to compute them, cross-attention states,
-deepstack features, an image its processor leaves as one mark for the model to splice its
-features in). Family hooks (``vlm_families.py``) add what differs.
+deepstack features in a form rows of a batch cannot share or that the text model uses only at
+offset 0, an image its processor leaves as one mark for the model to splice its features in).
+Family hooks (``vlm_families.py``) add what differs.
 """
 
 from __future__ import annotations
@@ -86,6 +96,15 @@ POSITION_FEATURES = frozenset({"position_ids", "rope_deltas"})
 TOKEN_FEATURES = frozenset({"per_layer_inputs"})
 """``get_input_embeddings`` outputs with one row per token that the language model takes by name
 beside the embeddings, and that the text-only call gives for text tokens (module doc)."""
+VISUAL_MASK, DEEPSTACK = "visual_pos_masks", "deepstack_visual_embeds"
+VISUAL_FEATURES = frozenset({VISUAL_MASK, DEEPSTACK})
+"""``get_input_embeddings`` outputs about the image tokens alone, which the language model takes by
+name (module doc): the mask, and the deepstack rows at its True positions."""
+WHOLE_PROMPT_DEEPSTACK = (
+    "its text model takes deepstack features as whole-prompt arrays ({shape}) and slices each step's out at "
+    "the cache's offset, one offset for the batch, where rows of the engine's batch are at different offsets"
+)
+"""Why Granite 4 Vision's form of deepstack features (one row per prompt token) is refused."""
 STATE_CALLS = frozenset({"update_window", "update_recurrent"})
 """Calls some mlx-vlm recurrent layers make on their state cache that mlx-lm's ``ArraysCache`` (and
 the engine's state pool, which implements it) lacks: only Qwen3.5's hook adds them
@@ -162,16 +181,18 @@ class LanguageSplit:
         self.head = head
 
     @classmethod
-    def probe(cls, language, make_cache, embeds: mx.array) -> LanguageSplit:
+    def probe(cls, language, make_cache, embeds: mx.array, **features) -> LanguageSplit:
+        """``features``: what the text model takes by name beside the embeddings (a backbone
+        that does not take them by those names, Zaya1-VL's, leaves the whole call)."""
         inputs = mx.zeros(embeds.shape[:2], dtype=mx.int32)
-        whole = _logits(language(inputs, inputs_embeds=embeds, cache=make_cache()))
+        whole = _logits(language(inputs, inputs_embeds=embeds, cache=make_cache(), **features))
         backbone = getattr(language, "model", None)
         head = getattr(language, "lm_head", None)
         if head is None:
             head = getattr(getattr(backbone, "embed_tokens", None), "as_linear", None)
         if callable(backbone) and head is not None:
             try:
-                split = head(backbone(inputs, inputs_embeds=embeds, cache=make_cache()))
+                split = head(backbone(inputs, inputs_embeds=embeds, cache=make_cache(), **features))
                 if split.shape == whole.shape and mx.array_equal(split, whole).item():
                     return cls(backbone, head)
             except Exception:  # another signature or structure: the whole call it is
@@ -215,6 +236,10 @@ class GenericVisionModel(VisionLanguageModel):
         self.on_engine_thread = _call_here
         """Runs a function of MLX work on the engine thread and returns its result (module doc);
         ``AsyncEngineCore`` installs its own, where ``prepare`` runs on callers' threads."""
+        self.deepstack_layers: int | None = None
+        """With image-token features (``VISUAL_FEATURES``): how many text layers take deepstack
+        rows (0: the mask alone); None without. ``encode`` puts them last: a flag, then the rows."""
+        self.deepstack_width = 0
         self.check()
 
     # ---- what mlx-vlm's models share ------------------------------------------------------
@@ -229,8 +254,9 @@ class GenericVisionModel(VisionLanguageModel):
 
     def hidden_states(self, inputs, cache, position_ids, images):
         """The base class's, with the per-token features: text rows from the text-only call,
-        the images' rows (after the embedding in ``images.features``) over their positions."""
-        if not self.token_features:
+        the images' rows (after the embedding in ``images.features``) over their positions; and
+        the image-token features of the step's image rows (``_visual_inputs``)."""
+        if not self.token_features and self.deepstack_layers is None:
             return super().hidden_states(inputs, cache, position_ids, images)
         merged = self.model.get_input_embeddings(inputs, None)
         text = _fields(merged)
@@ -241,7 +267,24 @@ class GenericVisionModel(VisionLanguageModel):
             for name, shape in self.token_features.items():
                 flat = features[name].reshape(*features[name].shape[:2], -1)
                 features[name] = images.scatter(flat, rows[name]).reshape(*flat.shape[:2], *shape)
+            if self.deepstack_layers is not None:
+                features.update(self._visual_inputs(images, rows[_VISUAL]))
         return self.language_hidden_states(embeds, inputs, cache, position_ids, **features)
+
+    def _visual_inputs(self, images, rows: mx.array) -> dict:
+        """The mask over the step's tokens (True where a row's flag is) and each deepstack layer's
+        rows at its True positions, in flat order (``images.index`` ascends); {} where the step
+        holds no image token (markers only: nothing to add, no LoRA to apply)."""
+        flags = np.array(rows[:, 0].astype(mx.float32)) > 0.5
+        if not flags.any():
+            return {}
+        mask = np.zeros(images.batch * images.width, dtype=bool)
+        mask[np.asarray(images.index)[flags]] = True
+        inputs = {VISUAL_MASK: mx.array(mask.reshape(images.batch, images.width))}
+        if self.deepstack_layers:
+            picked = rows[mx.array(np.flatnonzero(flags))][:, 1:]
+            inputs[DEEPSTACK] = mx.split(picked, self.deepstack_layers, axis=-1)
+        return inputs
 
     def language_hidden_states(self, embeds, inputs, cache, position_ids, **features):
         extra = {"position_ids": position_ids} if position_ids is not None else {}
@@ -251,8 +294,13 @@ class GenericVisionModel(VisionLanguageModel):
         """``encode``'s rows back into the embedding and each per-token feature (flattened)."""
         widths = [rows.shape[-1] - sum(int(np.prod(s)) for s in self.token_features.values())]
         widths += [int(np.prod(shape)) for shape in self.token_features.values()]
+        names = [_EMBEDDING, *self.token_features]
+        if self.deepstack_layers is not None:
+            visual = 1 + self.deepstack_layers * self.deepstack_width
+            widths = [widths[0] - visual, *widths[1:], visual]
+            names.append(_VISUAL)
         parts = mx.split(rows, list(np.cumsum(widths)[:-1]), axis=-1)
-        return dict(zip([_EMBEDDING, *self.token_features], parts))
+        return dict(zip(names, parts))
 
     def positions(self, token_ids: list[int], images: list[ImageInput]) -> tuple[np.ndarray, int]:
         """``(positions [3, len(token_ids)], rope_delta)``: the text model's own multi-axis
@@ -282,7 +330,22 @@ class GenericVisionModel(VisionLanguageModel):
         merged = self._merged(image)
         fields = _fields(merged)
         rows = [_embeds(merged)[0], *(fields[name][0].reshape(image.num_tokens, -1) for name in self.token_features)]
+        if self.deepstack_layers is not None:
+            rows.append(self._visual_rows(fields, image.num_tokens))
         return rows[0] if len(rows) == 1 else mx.concatenate([r.astype(rows[0].dtype) for r in rows], axis=-1)
+
+    def _visual_rows(self, fields: dict, run_length: int) -> mx.array:
+        """``[run_length, 1 + layers * width]``: per run token its flag (1 at an image token) and
+        each deepstack layer's row there (zeros at markers, which the mask leaves out)."""
+        mask = fields[VISUAL_MASK].reshape(run_length)
+        flag = mask.astype(mx.float32)[:, None]
+        layers = _deepstack_layers(fields.get(DEEPSTACK))
+        if not layers:
+            return flag
+        # The k-th image token's rows go to its run position (cumsum - 1 counts the ones before).
+        order = mx.maximum(mx.cumsum(mask.astype(mx.int32)) - 1, 0)
+        deepstack = [mx.where(mask[:, None], layer[order], 0) for layer in layers]
+        return mx.concatenate([flag, *(d.astype(mx.float32) for d in deepstack)], axis=-1)
 
     def image_tokens(self, image: ImageInput) -> list[int]:
         return list(image.token_ids)
@@ -314,7 +377,10 @@ class GenericVisionModel(VisionLanguageModel):
             merged = self._merged(image)
             self.images_per_prompt = None if self._merges_each_image_alone(image, merged) else 1
         self.token_features = self._token_features(merged, image.num_tokens)
+        self._check_visual_features(_fields(merged), image.num_tokens)
+        visual = VISUAL_FEATURES if self.deepstack_layers is not None else frozenset()
         ignored = IGNORED_FEATURES | (POSITION_FEATURES if self.uses_mrope else frozenset()) | set(self.token_features)
+        ignored |= visual
         extra = sorted({name for name, value in _fields(merged).items() if value is not None} - ignored)
         if extra:
             raise UnsupportedModelError(
@@ -329,10 +395,14 @@ class GenericVisionModel(VisionLanguageModel):
             raise UnsupportedModelError("it keeps multi-axis rotary positions as state on its text model, with no "
                                         "get_rope_index to compute them per request")  # fmt: skip
         features = _embeds(merged)[0]
-        probe = LanguageSplit.probe
-        self.split = self._refusing_known_failures(probe, self.language, self.make_cache, features[None])
+        visual_inputs = self._run_visual_inputs(image)
+        self.split = self._refusing_known_failures(
+            LanguageSplit.probe, self.language, self.make_cache, features[None], **visual_inputs
+        )
         if mx.array_equal(self._logits_of(features[None]), self._logits_of(mx.zeros_like(features[None]))).item():
             raise UnsupportedModelError("its text model ignores the embeddings it is given, so images cannot reach it")
+        if DEEPSTACK in visual_inputs:
+            self._check_deepstack_reaches(features[None], visual_inputs)
 
     def _expand_in_model(self) -> None:
         """Take each image's length from the model's rows (module doc), where the text model takes
@@ -372,11 +442,11 @@ class GenericVisionModel(VisionLanguageModel):
         return super().prepare(token_ids, images, policy)
 
     @staticmethod
-    def _refusing_known_failures(call, *args):
-        """``call(*args)``, refusing a model whose code fails in a way the engine knows: its
-        recurrent layers make ``STATE_CALLS`` on their cache (GLM-5-Next's)."""
+    def _refusing_known_failures(call, *args, **kwargs):
+        """``call(*args, **kwargs)``, refusing a model whose code fails in a way the engine knows:
+        its recurrent layers make ``STATE_CALLS`` on their cache (GLM-5-Next's)."""
         try:
-            return call(*args)
+            return call(*args, **kwargs)
         except AttributeError as exc:
             if exc.name not in STATE_CALLS:
                 raise
@@ -397,9 +467,57 @@ class GenericVisionModel(VisionLanguageModel):
             if value.shape[:2] == (1, run_length) and text.get(name) is not None
         }  # fmt: skip
 
-    def _logits_of(self, embeds: mx.array) -> mx.array:
+    def _check_visual_features(self, fields: dict, run_length: int) -> None:
+        """Set ``deepstack_layers`` where the model gives image-token features in a form the
+        batch can give its text model (module doc); leave it None where it gives none.
+
+        Raises:
+            UnsupportedModelError: Deepstack features without a mask, or as whole-prompt arrays.
+        """
+        mask, deepstack = fields.get(VISUAL_MASK), fields.get(DEEPSTACK)
+        if mask is None or mask.shape != (1, run_length):
+            return  # none, or not one per run token: the check's list of extra features names them
+        layers = _deepstack_layers(deepstack)
+        if layers is None:
+            raise UnsupportedModelError(WHOLE_PROMPT_DEEPSTACK.format(shape=tuple(deepstack.shape)))
+        count = int(mask.astype(mx.int32).sum().item())
+        if any(layer.shape[0] != count for layer in layers):
+            return  # rows that do not match the mask's image tokens: left to the list of extra features
+        self.deepstack_layers = len(layers)
+        self.deepstack_width = layers[0].shape[-1] if layers else 0
+
+    def _run_visual_inputs(self, image: ImageInput) -> dict:
+        """The image-token features of one image's run as a one-row step gives them."""
+        if self.deepstack_layers is None:
+            return {}
+        rows = self._split_rows(self.encode(image))[_VISUAL]
+        from vllm_mlx.multimodal.vlm_models import ImageRows
+
+        return self._visual_inputs(ImageRows(list(range(image.num_tokens)), rows, 1, image.num_tokens), rows)
+
+    def _check_deepstack_reaches(self, embeds: mx.array, visual_inputs: dict) -> None:
+        """Refuse a text model that uses deepstack rows only in a prompt's first call (cache at
+        offset 0): the engine's chunked prefill and prefix reuse give them later too.
+
+        Raises:
+            UnsupportedModelError: The rows change nothing past offset 0.
+        """
+        zeros = {**visual_inputs, DEEPSTACK: [mx.zeros_like(layer) for layer in visual_inputs[DEEPSTACK]]}
+        outputs = []
+        for inputs in (visual_inputs, zeros):
+            cache = self.make_cache()
+            self._logits_of(embeds[:, :1], cache)  # one token first: the cache past offset 0
+            outputs.append(self._logits_of(embeds, cache, **inputs))
+        if mx.array_equal(*outputs).item():
+            raise UnsupportedModelError(
+                "its text model adds deepstack features only in a prompt's first forward call (cache at offset 0), "
+                "where the engine's chunked prefill and prefix cache need them in any call"
+            )
+
+    def _logits_of(self, embeds: mx.array, cache: list | None = None, **features) -> mx.array:
         inputs = mx.zeros(embeds.shape[:2], dtype=mx.int32)
-        return self.split.head(self.split.backbone(inputs, inputs_embeds=embeds, cache=self.make_cache()))
+        cache = self.make_cache() if cache is None else cache
+        return self.split.head(self.split.backbone(inputs, inputs_embeds=embeds, cache=cache, **features))
 
     def _merged(self, image: ImageInput):
         """``get_input_embeddings`` on the image's run: the processor's, where the model expands it."""
@@ -584,6 +702,21 @@ def _bidirectional_attention(model) -> object:
 
 
 _EMBEDDING = "inputs_embeds"
+_VISUAL = "image-token features"
+"""``_split_rows``'s name for the flag and deepstack columns ``encode`` appends (``_visual_rows``)."""
+
+
+def _deepstack_layers(value) -> list[mx.array] | None:
+    """Deepstack features as one ``[image tokens, width]`` array per text layer ([] where there
+    are none): a list (Qwen3-VL's form), or one inside mlx-vlm's ``DeepstackVisualFeatures``
+    (Cohere Compass's ``.embeddings``). None for another form: one row per prompt token
+    (Granite 4 Vision's ``[layers, tokens, width]``)."""
+    if value is None:
+        return []
+    value = getattr(value, "embeddings", value)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, mx.array) and v.ndim == 2 for v in value):
+        return list(value)
+    return None
 
 
 def _embeds(merged) -> mx.array:

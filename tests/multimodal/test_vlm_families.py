@@ -94,6 +94,12 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
   and each layer's rows at its image tokens; multi-axis positions from its ``get_rope_index``.
 * Refused at load, saying why: Granite 4 Vision (deepstack features as whole-prompt arrays its
   text model slices at one cache offset for the batch), Zaya1-VL (CCA state in a CacheList).
+* MiniCPM-o (tests/tiny_vlm_minicpm.py): a resampler's queries per image and Qwen3-VL's text
+  model on plain 1-D positions (the model's own, kept as state: the engine counts tokens), under
+  a processor that gives ``tgt_sizes`` for grids and ``image_bound`` in its prompt's coordinates.
+* MiniCPM-V 4.6: crops after a thumbnail, Qwen3.5's hybrid text model (recurrent state in the
+  state pool) on 1-D positions, images numbered in the prompt (``<image_id>k</image_id>``, text
+  written before each run). MiniCPM-V 4.7: the same with "canvas" positions from the crop grids.
 
 All: one and two images equal mlx-vlm, batched with text-only requests equals solo (chunked
 prefills ending inside images, preemption), prefix cache on equals off with an image in the
@@ -155,10 +161,14 @@ PLACEHOLDER = {
     "llava_next": "<image>",
     "granite_vision": "<image>",
     "cohere_compass": "<|VISION_START|><|IMAGE_PAD|><|VISION_END|>",
+    "minicpmo": "<image>",
+    "minicpmv4_6": "<|image_pad|>",
+    "minicpmv4_7": "<|image_pad|>",
 }
 
 HYBRID = {"qwen3_5", "qwen3_5_moe", "lfm2_vl", "d1", "nemotron_h_nano_omni", "clef", "indic_ocr",
-          "prism_hadamard_qwen35", "kimi_k3"}
+          "prism_hadamard_qwen35", "kimi_k3",
+          "minicpmv4_6", "minicpmv4_7"}
 """Families whose text model has recurrent layers (a state pool beside the KV blocks)."""
 
 KV_SCALE = {"molmo2": 8}

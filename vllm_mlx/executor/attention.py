@@ -67,7 +67,7 @@ RECURRENT_ARCHITECTURES: dict[str, bool] = {
     "qwen3_5": True,
     "qwen3_5_moe": True,  # qwen3_5's layers with MoE MLPs (mlx-lm's text model and mlx-vlm's VLM)
     "qwen3_next": True,
-    "prism_hadamard_qwen35": True,  # qwen3_5's layers, some of them 2-bit with a Hadamard rotation
+    "prism_hadamard_qwen35": True,  # qwen3_5's layers, some 2-bit with a Hadamard rotation (mlx-lm and mlx-vlm)
     "granitemoehybrid": True,
     "nemotron_h": False,
     "mamba": False,
@@ -90,7 +90,8 @@ RECURRENT_ARCHITECTURES: dict[str, bool] = {
     "recurrent_gemma": False,
     "clef": True,  # mlx-vlm's CLEF: Qwen3.5's model whole (a subclass), a decision head beside it
     "indic_ocr": True,  # mlx-vlm's IndicOCR (OCR stage): Qwen3.5's model whole (a subclass)
-    "prism_hadamard_qwen35": True,  # mlx-vlm's Prism Hadamard packs of Qwen3.5: its layers, packed weights
+    "minicpmv4_6": True,  # MiniCPM-V 4.6 through mlx-vlm: Qwen3.5's text model (its layers)
+    "minicpmv4_7": True,  # MiniCPM-V 4.7 through mlx-vlm: Qwen3.5's (or Qwen3.5-MoE's) text model
 }
 
 

@@ -104,6 +104,7 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
                         "kimi_k25", "mimo_v2", "kimi_k3",
                         "llava_next", "granite_vision",
                         "cohere_compass",
+                        "minicpmo", "minicpmv4_6", "minicpmv4_7",
                         )},
     },
 }

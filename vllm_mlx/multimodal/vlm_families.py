@@ -29,7 +29,7 @@ from vllm_mlx.core.multimodal import ImageInput, MultiModalInput, mrope_position
 from vllm_mlx.executor.attention import UnsupportedModelError
 from vllm_mlx.multimodal.images import ImageSource, load_image
 from vllm_mlx.multimodal.media_policy import MediaPolicy
-from vllm_mlx.multimodal.vlm_generic import GenericVisionModel
+from vllm_mlx.multimodal.vlm_generic import PROMPT_POSITION_KEYS, GenericVisionModel
 from vllm_mlx.multimodal.vlm_models import VisionLanguageModel
 from vllm_mlx.platform.errors import ModelSourceError
 
@@ -39,6 +39,8 @@ __all__ = [
     "TEXT_MODEL_REFUSALS",
     "Gemma3Model",
     "Idefics2Model",
+    "MiniCPMV47Model",
+    "MiniCPMVModel",
     "Qwen2VLModel",
     "Qwen3VLModel",
     "Qwen3_5Model",
@@ -318,6 +320,84 @@ class Idefics2Model(GenericVisionModel):
         return self.tokenizer.decode([self.marker_id, token_id])[len(marker) :]
 
 
+class MiniCPMVModel(GenericVisionModel):
+    """MiniCPM-V 4.6 and 4.7: the generic path over Qwen3.5's hybrid text model, whose mlx-vlm
+    delta-net layers talk to their state cache through ``MlxVlmStateCache``'s calls (as in
+    ``Qwen3_5Model``); the generic path refuses those calls elsewhere (GLM-5-Next's), so the
+    wrapping is this family's. The rest is generic: positions one per token
+    (``GenericVisionModel.sequential_positions``), ``image_bound`` moved to the run.
+
+    Image ids (``use_image_id``, on in MiniCPM-V's processor by default): the processor writes
+    ``<image_id>k</image_id>`` before the ``k``-th image of a prompt, so one image's expansion
+    alone always says 0. Those tokens are text (embedded as such, outside ``image_bound``): here
+    they are cut off the run (which then is the same wherever the image stands, as the MLLM
+    cache needs) and written before each image with its number (``image_frame_at``).
+    """
+
+    model_types = ("minicpmv4_6",)
+
+    def process(self, source: ImageSource, policy: MediaPolicy) -> ImageInput:
+        image = super().process(source, policy)
+        numbered = len(self._image_id(0))
+        if numbered and list(image.token_ids[:numbered]) == self._image_id(0):
+            image.token_ids, image.num_tokens = image.token_ids[numbered:], image.num_tokens - numbered
+            # Positions in the run move with it: mlx-vlm writes features at image_bound unchecked.
+            image.encoder_inputs = {name: value - numbered if name in PROMPT_POSITION_KEYS else value
+                                    for name, value in image.encoder_inputs.items()}  # fmt: skip
+        return image
+
+    def image_frame_at(self, index: int) -> tuple[list[int], list[int]]:
+        return self._image_id(index), []
+
+    def _image_id(self, index: int) -> list[int]:
+        """The processor's ``<image_id>index</image_id>`` tokens ([] where it numbers no images)."""
+        return list(self.processor._build_image_id_ids(index))
+
+    def language_hidden_states(self, embeds, inputs, cache, position_ids, **features):
+        return super().language_hidden_states(embeds, inputs, _state_caches(self.layers, cache), position_ids,
+                                              **features)  # fmt: skip
+
+    def probe_cache(self) -> list:
+        return _state_caches(self.layers, self.make_cache())
+
+
+class MiniCPMV47Model(MiniCPMVModel):
+    """MiniCPM-V 4.7: 4.6's path with "canvas" positions. Each image's thumbnail and crops are laid
+    on one 3-D canvas whose size comes from the crop grids (``tgt_sizes``), and the text after it
+    resumes past the canvas. mlx-vlm computes them inside ``get_input_embeddings`` over the whole
+    prompt; its text model's ``get_rope_index`` refuses image tokens (it has no grids). Here
+    ``positions`` runs the same computation (mlx-vlm's ``CanvasRoPE``) over the prompt with its
+    images' grids in order, on the engine thread at the prompt's first step."""
+
+    model_types = ("minicpmv4_7",)
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        """The token embeddings, which ``get_input_embeddings`` starts from: called without
+        pixels on a step with image tokens it refuses (no grids), where the image's rows follow."""
+        return self.language.model.embed_tokens(inputs)
+
+    def _grid_free_positions(self, merged, image: ImageInput) -> bool:
+        return "tgt_sizes" in image.encoder_inputs  # the canvas needs the crop grids (``positions``)
+
+    def positions(self, token_ids: list[int], images: list[ImageInput]) -> tuple[np.ndarray, int]:
+        from mlx_vlm.models.minicpmv4_7.rope import CanvasRoPE
+
+        config = self.model.config
+        ids = np.array([token_ids])
+        kinds = np.where(ids == config.image_token_id, 1, np.where(ids == config.video_token_id, 2, 0))
+        grids = [np.asarray(image.encoder_inputs["tgt_sizes"]).reshape(-1, 2) for image in images]
+        positions, deltas = CanvasRoPE(config).get_rope_index(
+            ids, mm_token_type_ids=kinds, target_sizes=np.concatenate(grids) if grids else np.zeros((0, 2), np.int32),
+            target_sizes_videos=np.zeros((0, 2), np.int32), downsample_mode=config.downsample_mode,
+        )  # fmt: skip
+        return positions[:, 0, :].astype(np.int64), int(deltas[0, 0])
+
+
+def _state_caches(layers, caches: list) -> list:
+    """``caches`` with each delta-net layer's (``is_linear``) wrapped in ``MlxVlmStateCache``."""
+    return [MlxVlmStateCache(c) if getattr(layer, "is_linear", False) else c for layer, c in zip(layers, caches)]
+
+
 def _newline_run(tokens: list[int], newline_text, *, from_end: bool) -> int:
     """How many tokens at the end (or start) of ``tokens`` are newlines only."""
     count = 0
@@ -328,7 +408,8 @@ def _newline_run(tokens: list[int], newline_text, *, from_end: bool) -> int:
     return count
 
 
-FAMILIES: tuple[type[VisionLanguageModel], ...] = (Qwen3VLModel, Qwen3_5Model, Gemma3Model, Idefics2Model)
+FAMILIES: tuple[type[VisionLanguageModel], ...] = (Qwen3VLModel, Qwen3_5Model, Gemma3Model, Idefics2Model,
+                                                   MiniCPMVModel, MiniCPMV47Model)  # fmt: skip
 """The hooks: families whose prompt or positions the generic path cannot derive."""
 
 TEXT_MODEL_REFUSALS: dict[str, str] = {

@@ -116,6 +116,10 @@ VISION_TOKEN_TYPES = (1, 2)
 """Gemma 4's processor's token types of image and video soft tokens (mlx-vlm's overlay takes these)."""
 GRID_KEY = "image_grid_thw"
 """The processor output ``get_rope_index`` reads an image's patch grid from."""
+PROMPT_POSITION_KEYS = frozenset({"image_bound"})
+"""Processor outputs whose values are positions in the processor's prompt (MiniCPM's ``image_bound``:
+where each image's features go): ``_encoder_inputs`` moves them to the run's coordinates, as
+``encode`` gives the model the run alone."""
 PROBE_IMAGE_SIZE = (64, 48)
 PROCESSOR_RUN_KEY = "processor_run_ids"
 """Where an image the model expands keeps the processor's run (``encode`` gives it to the model)."""
@@ -225,6 +229,9 @@ class GenericVisionModel(VisionLanguageModel):
         # computed per request, on the engine thread, and passed with every call).
         self.rope_index = getattr(self.language, "get_rope_index", None)
         self.uses_mrope = self.rope_index is not None
+        self.sequential_positions = False
+        """The model's own positions count every token, image tokens included, one each
+        (``_grid_free_positions``): ``positions`` is then the token index on all three axes."""
         self.split: LanguageSplit | None = None
         self.token_features: dict[str, tuple[int, ...]] = {}
         """Per-token features the model gives beside its embeddings (``TOKEN_FEATURES``), by
@@ -305,6 +312,8 @@ class GenericVisionModel(VisionLanguageModel):
     def positions(self, token_ids: list[int], images: list[ImageInput]) -> tuple[np.ndarray, int]:
         """``(positions [3, len(token_ids)], rope_delta)``: the text model's own multi-axis
         positions for a prompt (``get_rope_index`` on its ids and its images' grids); engine thread."""
+        if self.sequential_positions:
+            return np.broadcast_to(np.arange(len(token_ids)), (3, len(token_ids))).astype(np.int64), 0
         grids = [image.encoder_inputs[GRID_KEY] for image in images]
         grid = mx.array(np.concatenate(grids).astype(np.int32)) if grids else None
         positions, delta = self.rope_index(mx.array([token_ids]), image_grid_thw=grid)
@@ -370,6 +379,9 @@ class GenericVisionModel(VisionLanguageModel):
         if marks:
             what = f"its processor marks an image with the id {marks[0]}, outside the vocabulary"
             raise UnsupportedModelError(SPLICED_BY_THE_MODEL.format(what=what))
+        outside = _positions_outside_the_run(image)
+        if outside:  # mlx-vlm's MiniCPM models write features there unchecked: refuse, never corrupt memory
+            raise UnsupportedModelError(f"its processor's {outside} points outside the image's run of tokens")
         merged = self._refusing_known_failures(self._merged, image)
         if not self.expands_in_model and _embeds(merged).shape[1] != image.num_tokens:
             self._expand_in_model()
@@ -387,7 +399,7 @@ class GenericVisionModel(VisionLanguageModel):
                 f"its image embeddings come with {', '.join(extra)}, which its text model needs beside them "
                 "(the generic path passes embeddings and the cache only)"
             )
-        if self.uses_mrope and GRID_KEY not in image.encoder_inputs:
+        if self.uses_mrope and GRID_KEY not in image.encoder_inputs and not self._grid_free_positions(merged, image):
             raise UnsupportedModelError(
                 f"its text model computes multi-axis positions, but its processor gives no {GRID_KEY}"
             )
@@ -397,7 +409,7 @@ class GenericVisionModel(VisionLanguageModel):
         features = _embeds(merged)[0]
         visual_inputs = self._run_visual_inputs(image)
         self.split = self._refusing_known_failures(
-            LanguageSplit.probe, self.language, self.make_cache, features[None], **visual_inputs
+            LanguageSplit.probe, self.language, self.probe_cache, features[None], **visual_inputs
         )
         if mx.array_equal(self._logits_of(features[None]), self._logits_of(mx.zeros_like(features[None]))).item():
             raise UnsupportedModelError("its text model ignores the embeddings it is given, so images cannot reach it")
@@ -440,6 +452,21 @@ class GenericVisionModel(VisionLanguageModel):
                 f"image's features only, so {len(images)} images would not each reach the text model"
             )
         return super().prepare(token_ids, images, policy)
+
+    def _grid_free_positions(self, merged, image: ImageInput) -> bool:
+        """Whether the positions the model sets itself for an image's run (returned, or kept as
+        state on its text model) are plain 1-D ones, the same on all three axes: MiniCPM-o and
+        MiniCPM-V 4.6 count an image token as one text position under Qwen3-VL's and Qwen3.5's
+        text models, so ``positions`` needs no grid (it counts tokens; ``sequential_positions``)."""
+        own = _fields(merged).get("position_ids")
+        if own is None:
+            own = getattr(self.language, "_position_ids", None)
+        if own is None:
+            return False
+        own = _three_axes(own)
+        plain = np.broadcast_to(np.arange(image.num_tokens), (3, 1, image.num_tokens))
+        self.sequential_positions = own.shape == plain.shape and bool(np.array_equal(own, plain))
+        return self.sequential_positions
 
     @staticmethod
     def _refusing_known_failures(call, *args, **kwargs):
@@ -505,7 +532,7 @@ class GenericVisionModel(VisionLanguageModel):
         zeros = {**visual_inputs, DEEPSTACK: [mx.zeros_like(layer) for layer in visual_inputs[DEEPSTACK]]}
         outputs = []
         for inputs in (visual_inputs, zeros):
-            cache = self.make_cache()
+            cache = self.probe_cache()
             self._logits_of(embeds[:, :1], cache)  # one token first: the cache past offset 0
             outputs.append(self._logits_of(embeds, cache, **inputs))
         if mx.array_equal(*outputs).item():
@@ -516,8 +543,13 @@ class GenericVisionModel(VisionLanguageModel):
 
     def _logits_of(self, embeds: mx.array, cache: list | None = None, **features) -> mx.array:
         inputs = mx.zeros(embeds.shape[:2], dtype=mx.int32)
-        cache = self.make_cache() if cache is None else cache
+        cache = self.probe_cache() if cache is None else cache
         return self.split.head(self.split.backbone(inputs, inputs_embeds=embeds, cache=cache, **features))
+
+    def probe_cache(self) -> list:
+        """The caches ``check`` runs the text model over: ``make_cache``'s, as a hook's
+        ``language_hidden_states`` would pass them (MiniCPM-V's wraps its recurrent ones)."""
+        return self.make_cache()
 
     def _merged(self, image: ImageInput):
         """``get_input_embeddings`` on the image's run: the processor's, where the model expands it."""
@@ -669,8 +701,25 @@ def _encoder_inputs(outputs, run: ImageRun, length: int) -> dict[str, np.ndarray
             continue
         if array.shape == (1, length):
             array = array[:, run.prefix : length - run.suffix]
+        if name in PROMPT_POSITION_KEYS:
+            array = array - run.prefix
         inputs[name] = array
     return inputs
+
+
+def _positions_outside_the_run(image: ImageInput) -> str | None:
+    """The first ``PROMPT_POSITION_KEYS`` output of ``image`` with a position outside its run (None: none)."""
+    for name in sorted(PROMPT_POSITION_KEYS & set(image.encoder_inputs)):
+        positions = image.encoder_inputs[name]
+        if np.any((positions < 0) | (positions > image.num_tokens)):
+            return name
+    return None
+
+
+def _three_axes(positions) -> np.ndarray:
+    """``[3, batch, length]`` positions: 1-D ones (``[batch, length]``) on all three axes."""
+    positions = np.array(positions)
+    return np.broadcast_to(positions, (3, *positions.shape)) if positions.ndim == 2 else positions
 
 
 def _text_ids(processor, text: str) -> list[int]:

@@ -204,7 +204,7 @@ class VisionLanguageModel:
                 if len(images) == 1:
                     raise
                 raise ImageInputError(f"image {index + 1} of {len(images)}: {exc}") from None
-            before, after = self.image_frame()
+            before, after = self.image_frame_at(index)
             self._extend(expanded, token_ids[cursor:slot])
             self._extend(expanded, before)
             image.offset = len(expanded)
@@ -223,6 +223,11 @@ class VisionLanguageModel:
     def image_frame(self) -> tuple[list[int], list[int]]:
         """Tokens the expansion puts before and after an image's run of feature tokens."""
         return [], []
+
+    def image_frame_at(self, index: int) -> tuple[list[int], list[int]]:
+        """The frame of the prompt's ``index``-th image (from 0): ``image_frame`` for most families;
+        MiniCPM-V's processor numbers the images of a prompt in text before each one."""
+        return self.image_frame()
 
     def image_tokens(self, image: ImageInput) -> list[int]:
         """The ``image.num_tokens`` token ids whose embeddings ``encode``'s rows replace."""

@@ -11,10 +11,10 @@ relative of it), saved as directories that mlx-vlm loads offline. Same recipe as
 * :func:`build_tiny_paddleocr_vl`: PaddleOCR-VL: mlx-vlm's own image processor (14 px patches,
   no temporal depth), a SigLIP-like tower with interpolated learned positions, and an ERNIE text
   model with Qwen2-VL's multi-axis rotary from its ``get_rope_index``; text width 1024 (mlx-vlm's
-  projector hard-codes that output width; heads and MLP stay narrow). Not registered in
-  test_vlm_families.py: mlx-vlm's image processor takes a prompt's images as one stack (two of
-  different sizes raise, two of one size become one grid of two frames), so its generation, the
-  oracle, fails for two images; one image passes.
+  projector hard-codes that output width; heads and MLP stay narrow). One image a prompt
+  (test_vlm_families.py's ``ONE_IMAGE``): mlx-vlm's image processor takes a prompt's images as
+  one stack (two of different sizes raise, two of one size become one grid of two frames), so
+  its generation, the oracle, fails for two images, and the engine refuses a prompt of two.
 * :func:`build_tiny_clef`: CLEF: tiny_vlm's Qwen3.5 (hybrid delta-net text model) under CLEF's
   name, with its decision head (loaded, never called by generation).
 * :func:`build_tiny_indic_ocr`: IndicOCR's OCR stage: the same Qwen3.5 under its name.

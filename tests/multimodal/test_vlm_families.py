@@ -101,9 +101,24 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
   state pool) on 1-D positions, images numbered in the prompt (``<image_id>k</image_id>``, text
   written before each run). MiniCPM-V 4.7: the same with "canvas" positions from the crop grids.
 
-All: one and two images equal mlx-vlm, batched with text-only requests equals solo (chunked
-prefills ending inside images, preemption), prefix cache on equals off with an image in the
-cached prefix, and the MLLM cache runs the encoder once for an image seen twice.
+* PaddleOCR-VL (tests/tiny_vlm_qwen_like.py): a SigLIP-like tower with interpolated positions and
+  an ERNIE text model with Qwen2-VL's multi-axis positions (``get_rope_index``); one image a prompt
+  (``ONE_IMAGE``): its processor fails on two, so the engine refuses a prompt of two, alone.
+* Qwen3-Omni-MoE (tests/tiny_vlm_qwen_rest.py): the thinker (talker off) under a config that nests
+  its vision tower (``thinker_config``): Qwen3-VL's tower, deepstack residuals that the thinker's
+  ``get_input_embeddings`` gives one row per token (zeros at text tokens), which travel as
+  per-token features, and a MoE text model with ``get_rope_index``. Audio is no input here.
+* Step 3.7: a perception-encoder tower (2-D rotary, layer scale, two stride-2 convolutions) on
+  every image at 728 px (mlx-vlm's processor, fixed: 171 tokens an image, so its pools are
+  larger), and a Step 3.5 text model: a sliding-window layer with fewer heads and half-rotary
+  heads, a global layer with a sigmoid-routed MoE, head-wise gates. One image a prompt
+  (``ONE_IMAGE``): its processor puts all of a prompt's images at its one ``<im_patch>``.
+* Refused at load, saying why: Qwen4-Exp (tests/tiny_vlm_qwen_rest.py: delta-net layers with
+  n-gram PLE and sparse-attention layers whose indexer keeps pooled keys in a cache of its own).
+
+All: one and two images (one for ``ONE_IMAGE``) equal mlx-vlm, batched with text-only requests
+equals solo (chunked prefills ending inside images, preemption), prefix cache on equals off with an
+image in the cached prefix, and the MLLM cache runs the encoder once for an image seen twice.
 """
 
 from __future__ import annotations
@@ -164,6 +179,9 @@ PLACEHOLDER = {
     "minicpmo": "<image>",
     "minicpmv4_6": "<|image_pad|>",
     "minicpmv4_7": "<|image_pad|>",
+    "paddleocr_vl": "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>",
+    "qwen3_omni_moe": "<|vision_start|><|image_pad|><|vision_end|>",
+    "step3p7": "<im_patch>",
 }
 
 HYBRID = {"qwen3_5", "qwen3_5_moe", "lfm2_vl", "d1", "nemotron_h_nano_omni", "clef", "indic_ocr",
@@ -171,9 +189,10 @@ HYBRID = {"qwen3_5", "qwen3_5_moe", "lfm2_vl", "d1", "nemotron_h_nano_omni", "cl
           "minicpmv4_6", "minicpmv4_7"}
 """Families whose text model has recurrent layers (a state pool beside the KV blocks)."""
 
-KV_SCALE = {"molmo2": 8}
+KV_SCALE = {"molmo2": 8, "step3p7": 2}
 """Families whose images are hundreds of tokens even in a tiny model (mlx-vlm's ``load`` builds
-Molmo 2's image processor with its defaults: 378 px crops, 424 tokens or more an image): their
+Molmo 2's image processor with its defaults: 378 px crops, 424 tokens or more an image; Step
+3.7's processor resizes every image to 728 px, 171 tokens): their
 KV pools are this many times larger, so the same prompts fit, and the small pool still preempts."""
 
 
@@ -181,10 +200,17 @@ MODEL_EXPANDS = {"llava_next", "granite_vision"}
 """Families whose model, not their processor, decides an image's length (``vlm_generic``:
 ``expands_in_model``): the engine's prompt is the sequence mlx-vlm's model generates over."""
 
-ONE_IMAGE_A_PROMPT = {"llava_next", "granite_vision"}
-"""Families the engine serves one image a prompt: mlx-vlm's LLaVA-NeXT model merges the first
-image's tiles only and drops what follows its first image token run, so with two images the
-text between them and the second image never reach its text model."""
+ONE_IMAGE = {
+    # mlx-vlm's LLaVA-NeXT model merges the first image's tiles only and drops what follows its
+    # first image token run: the text between two images and the second never reach its text model.
+    "llava_next": "mlx-vlm's model merges the first image's features only",
+    "granite_vision": "mlx-vlm's model merges the first image's features only",
+    "paddleocr_vl": "fails on two",  # its processor stacks a prompt's images as one array
+    "step3p7": "fails on two",  # its processor puts all of a prompt's images at its one <im_patch>
+}
+"""Families the engine serves one image a prompt (the reason its refusal gives): mlx-vlm's own
+generation (the oracle) cannot take two either. A prompt of two is refused, that request alone,
+and their batched test uses one image a prompt."""
 
 
 def kv_blocks(name: str, blocks: int) -> int:
@@ -241,9 +267,10 @@ def test_two_images_in_order_equal_mlx_vlm(family, engine):
     name, model_dir = family
     a, b = picture(3), picture(4, (100, 60))
     text = f"First {PLACEHOLDER[name]} then {PLACEHOLDER[name]} compare."
-    if name in ONE_IMAGE_A_PROMPT:  # mlx-vlm's second image never reaches its text model: refused
-        assert mlx_vlm_greedy(model_dir, text, [a, b], 8) == mlx_vlm_greedy(model_dir, text, [a, a], 8)
-        with pytest.raises(ValueError, match="takes 1 image a prompt: mlx-vlm's model merges the first"):
+    if name in ONE_IMAGE:
+        if name in MODEL_EXPANDS:  # mlx-vlm's second image never reaches its text model
+            assert mlx_vlm_greedy(model_dir, text, [a, b], 8) == mlx_vlm_greedy(model_dir, text, [a, a], 8)
+        with pytest.raises(ValueError, match=rf"at most 1 image\(s\) per prompt \(.*{ONE_IMAGE[name]}.*has 2"):
             engine.prepare_prompt(text, [a, b])
         return
     expected = mlx_vlm_greedy(model_dir, text, [a, b], max_tokens=8)
@@ -262,8 +289,12 @@ def test_the_prompt_is_expanded_as_mlx_vlm_expands_it(family, engine):
     _, processor = load(str(model_dir))
     pad = PLACEHOLDER[name]
     texts = [f"First {pad} then {pad} compare.", f"user\n{pad}\nWhat?", f"A:{pad}{pad}\n\nB", pad]
-    for text in [t for t in texts if name not in ONE_IMAGE_A_PROMPT or t.count(pad) == 1]:
+    for text in texts:
         images = [picture(i, (100, 60)) for i in range(text.count(pad))]
+        if name in ONE_IMAGE and len(images) > 1:  # refused, that request alone, saying why
+            with pytest.raises(ValueError, match=r"at most 1 image\(s\) per prompt .*has 2"):
+                engine.prepare_prompt(text, images)
+            continue
         # The text alone, not in a list, as mlx-vlm's generation passes it (DeepSeek-VL2's processor
         # takes a list as a batch of prompts with one image each).
         expected = np.asarray(processor(text=text, images=images)["input_ids"]).reshape(-1).tolist()  # [1, n] or [n]
@@ -300,12 +331,12 @@ def test_batched_with_text_requests_equals_solo(family):
     prompts = [
         ("Describe the image.", [picture(4)]),
         ("Plain text, no image at all, long enough to pass the window.", []),
-        (f"Two of them: {pad} and {pad}.", [picture(5, (100, 60)), picture(6)]),
+        (f"Two of them: {pad} and {pad}.", [picture(5, (100, 60)), picture(6)])
+        if name not in ONE_IMAGE
+        else (f"One of them: {pad}.", [picture(5, (100, 60))]),
         ("Short text.", []),
         ("Another look.", [picture(7, (90, 90))]),
     ]
-    if name in ONE_IMAGE_A_PROMPT:
-        prompts[2] = (f"One of them: {pad}.", [picture(5, (100, 60))])
     # Small steps: prefill chunks end inside images; a small pool forces preemption.
     options = {"num_kv_blocks": kv_blocks(name, 30), "max_num_batched_tokens": 12, "enable_prefix_caching": False}
     engine = family_engine(model_dir, **options)
@@ -391,6 +422,23 @@ def test_qwen3_vl_deepstack_features_reach_the_text_model(tmp_path):
     with_deepstack = mlx_vlm_greedy(model_dir, text, [image], max_tokens=8)
     model, processor = load(str(model_dir))
     model.vision_tower.deepstack_visual_indexes = []  # the tower then returns no deepstack features
+    processor.tokenizer.stopping_criteria = lambda token: False
+    steps = stream_generate(model, processor, text, image=[image], max_tokens=8, temperature=0.0)
+    assert [s.token for s in steps][:8] != with_deepstack
+
+
+def test_qwen3_omni_deepstack_features_reach_the_text_model(tmp_path):
+    """Qwen3-Omni's thinker gives its deepstack residuals per token (``TOKEN_FEATURES``): the
+    oracle without them answers differently, so equality above needs them to reach the text model."""
+    from mlx_vlm import load
+    from mlx_vlm.generate import stream_generate
+    from tiny_vlm_qwen_rest import build_tiny_qwen3_omni_moe
+
+    model_dir = build_tiny_qwen3_omni_moe(tmp_path / "qwen3_omni_moe")
+    text, image = PLACEHOLDER["qwen3_omni_moe"] + "What is in the picture?", picture(1, (100, 60))
+    with_deepstack = mlx_vlm_greedy(model_dir, text, [image], max_tokens=8)
+    model, processor = load(str(model_dir))
+    model.thinker.vision_tower.deepstack_visual_indexes = []  # the thinker then adds zeros
     processor.tokenizer.stopping_criteria = lambda token: False
     steps = stream_generate(model, processor, text, image=[image], max_tokens=8, temperature=0.0)
     assert [s.token for s in steps][:8] != with_deepstack
@@ -503,6 +551,10 @@ REFUSED_AT_LOAD = {
     # Zaya1-VL's image-token mask passes; its CCA layers keep a convolution and the previous hidden
     # state in a CacheList beside the KV, a recurrent state no oracle test has checked in the state pool.
     "zaya1_vl": r"'zaya1_vl' needs CacheList caches",
+    # Qwen4-Exp: Qwen3.5's delta-net layers (mlx-vlm's own state calls; its n-gram PLE keeps the last
+    # ids there too) beside sparse-attention (QSA) layers whose indexer keeps pooled keys in a cache
+    # kind of its own (QSAKVCache), which the engine does not page: the state calls are met first.
+    "qwen4_exp": r"'qwen4_exp'.*its recurrent layers call update_\w+\(\) on their state cache",
 }
 """Families the engine refuses at load, on a tiny model of their own: the message each must say
 (``support.REFUSED_AT_LOAD`` gives the support table the same verdict, naming this test)."""

@@ -512,14 +512,16 @@ class EngineCore:
 
         Raises:
             ValueError: A token id outside the vocabulary; images for a text-only model; more
-                images than the policy's ``max_images_per_prompt`` (checked before any is
-                loaded); a placeholder count that differs from the number of images.
+                images than the policy's ``max_images_per_prompt`` or than the model takes
+                (checked before any is loaded); a placeholder count that differs from the number
+                of images.
         """
         return self.input_processor.prepare_prompt(prompt, images, media_policy=media_policy)
 
     def check_images(self, images: Sequence[ImageSource]) -> None:
-        """Raise ``ValueError`` if there are images and the model is text-only (before a chat
-        template, which may not accept image parts at all, sees them)."""
+        """Raise ``ValueError`` if there are images and the model is text-only, or more of them than
+        the model takes a prompt (before a chat template, which may not accept image parts at all,
+        sees them)."""
         self.input_processor.check_images(images)
 
     def _admit(self, group_id: str, requests: list[Request]) -> None:

@@ -217,10 +217,12 @@ class InputProcessor:
         return self.encode(tokenized)[1]
 
     def check_images(self, images: Sequence[ImageSource]) -> None:
-        """Raise ``ValueError`` if there are images and the model is text-only (before a chat
-        template, which may not accept image parts at all, sees them)."""
+        """Raise ``ValueError`` if there are images and the model is text-only, or more of them than
+        the model takes (before a chat template, which may not accept image parts at all, sees them)."""
         if images and self.vision is None:
             raise ValueError("this model is text-only; image inputs need a vision-language model")
+        if images:  # a family that takes fewer images a prompt than the policy allows (PaddleOCR-VL: one)
+            self.vision.check_image_count(len(images))
 
     def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """A text prompt's text and token ids, or (None, the ids) after checking their range."""

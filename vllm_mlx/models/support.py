@@ -105,6 +105,8 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
                         "llava_next", "granite_vision",
                         "cohere_compass",
                         "minicpmo", "minicpmv4_6", "minicpmv4_7",
+                        "paddleocr_vl",
+                        "qwen3_omni_moe", "step3p7",
                         )},
     },
 }
@@ -129,6 +131,9 @@ REFUSED_AT_LOAD: dict[str, str] = {
     "offset, one for the batch, where rows of the engine's batch are at different offsets",
     "zaya1_vl": "its CCA layers keep a convolution and the previous hidden state in a CacheList beside the KV, "
     "recurrent state the engine's state pool keeps only for architectures checked against an oracle",
+    "qwen4_exp": "its sparse-attention (QSA) layers keep an indexer's pooled keys in a cache of their own, "
+    "which the engine does not page, and its delta-net layers (n-gram per-layer embeddings beside them) talk "
+    "to their state through calls of mlx-vlm's own",
 }
 
 CACHE_FILE = "model_support.json"

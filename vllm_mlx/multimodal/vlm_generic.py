@@ -93,9 +93,12 @@ the masks too (the text model builds its causal masks from the cache)."""
 POSITION_FEATURES = frozenset({"position_ids", "rope_deltas"})
 """``get_input_embeddings`` outputs the engine recomputes per request where the text model has a
 ``get_rope_index`` (its positions for the whole prompt, which one image's run cannot give)."""
-TOKEN_FEATURES = frozenset({"per_layer_inputs"})
+TOKEN_FEATURES = frozenset({"per_layer_inputs", "deepstack_visual_embeds"})
 """``get_input_embeddings`` outputs with one row per token that the language model takes by name
-beside the embeddings, and that the text-only call gives for text tokens (module doc)."""
+beside the embeddings, and that the text-only call gives for text tokens (module doc): Gemma's
+per-layer inputs; Qwen3-Omni's deepstack residuals (``[batch, tokens, layers, hidden]``, zeros at
+text tokens, added to the first layers' hidden states). Only where they come one row per token
+(Qwen3-VL's and Cohere Compass's come per image token, with a mask: ``VISUAL_FEATURES``)."""
 VISUAL_MASK, DEEPSTACK = "visual_pos_masks", "deepstack_visual_embeds"
 VISUAL_FEATURES = frozenset({VISUAL_MASK, DEEPSTACK})
 """``get_input_embeddings`` outputs about the image tokens alone, which the language model takes by
@@ -105,6 +108,10 @@ WHOLE_PROMPT_DEEPSTACK = (
     "the cache's offset, one offset for the batch, where rows of the engine's batch are at different offsets"
 )
 """Why Granite 4 Vision's form of deepstack features (one row per prompt token) is refused."""
+TOKEN_FEATURE_MASKS = {VISUAL_MASK: DEEPSTACK}
+"""Masks of where a per-token feature is non-zero, by the feature: nothing the text model needs
+once that feature comes one row per token with zeros elsewhere (Qwen3-Omni's thinker adds its
+deepstack rows at every position and leaves the mask unused); any other way, the check refuses them."""
 STATE_CALLS = frozenset({"update_window", "update_recurrent"})
 """Calls some mlx-vlm recurrent layers make on their state cache that mlx-lm's ``ArraysCache`` (and
 the engine's state pool, which implements it) lacks: only Qwen3.5's hook adds them
@@ -238,8 +245,6 @@ class GenericVisionModel(VisionLanguageModel):
         name: each row's shape (``encode`` flattens them after the embedding row)."""
         self.expands_in_model = False
         """The model, not the processor, decides an image's length (module doc)."""
-        self.images_per_prompt: int | None = None
-        """At most this many images a prompt (None: any), where the model merges no more right."""
         self.on_engine_thread = _call_here
         """Runs a function of MLX work on the engine thread and returns its result (module doc);
         ``AsyncEngineCore`` installs its own, where ``prepare`` runs on callers' threads."""
@@ -387,12 +392,15 @@ class GenericVisionModel(VisionLanguageModel):
             self._expand_in_model()
             image = self.process(probe, MediaPolicy.operator())
             merged = self._merged(image)
-            self.images_per_prompt = None if self._merges_each_image_alone(image, merged) else 1
+            if not self._merges_each_image_alone(image, merged):
+                self.max_images_per_prompt = 1
+                self.images_limit_reason = "mlx-vlm's model merges the first image's features only"
         self.token_features = self._token_features(merged, image.num_tokens)
         self._check_visual_features(_fields(merged), image.num_tokens)
         visual = VISUAL_FEATURES if self.deepstack_layers is not None else frozenset()
         ignored = IGNORED_FEATURES | (POSITION_FEATURES if self.uses_mrope else frozenset()) | set(self.token_features)
         ignored |= visual
+        ignored |= {mask for mask, feature in TOKEN_FEATURE_MASKS.items() if feature in self.token_features}
         extra = sorted({name for name, value in _fields(merged).items() if value is not None} - ignored)
         if extra:
             raise UnsupportedModelError(
@@ -415,6 +423,9 @@ class GenericVisionModel(VisionLanguageModel):
             raise UnsupportedModelError("its text model ignores the embeddings it is given, so images cannot reach it")
         if DEEPSTACK in visual_inputs:
             self._check_deepstack_reaches(features[None], visual_inputs)
+        if self.max_images_per_prompt is None:
+            self.images_limit_reason = _fails_on_two_images(self.processor, self.image_placeholder_text)
+            self.max_images_per_prompt = 1 if self.images_limit_reason else None
 
     def _expand_in_model(self) -> None:
         """Take each image's length from the model's rows (module doc), where the text model takes
@@ -443,15 +454,6 @@ class GenericVisionModel(VisionLanguageModel):
         one = _embeds(merged)[0]
         expected = mx.concatenate([one, self.embed(mx.array([[between]]))[0].astype(one.dtype), one])
         return both.shape == expected.shape and mx.allclose(both, expected, atol=1e-5).item()
-
-    def prepare(self, token_ids: list[int], images: list[ImageSource], policy: MediaPolicy):
-        """The base class's, refusing more images than the model merges right in one prompt."""
-        if self.images_per_prompt is not None and len(images) > self.images_per_prompt:
-            raise ValueError(
-                f"this model takes {self.images_per_prompt} image a prompt: mlx-vlm's model merges the first "
-                f"image's features only, so {len(images)} images would not each reach the text model"
-            )
-        return super().prepare(token_ids, images, policy)
 
     def _grid_free_positions(self, merged, image: ImageInput) -> bool:
         """Whether the positions the model sets itself for an image's run (returned, or kept as
@@ -485,7 +487,9 @@ class GenericVisionModel(VisionLanguageModel):
     def _token_features(self, merged, run_length: int) -> dict[str, tuple[int, ...]]:
         """The ``TOKEN_FEATURES`` the model gives with an image, one row per run token, that its
         text-only call gives too (so text tokens have theirs): name -> a row's shape."""
-        given = {name: value for name, value in _fields(merged).items() if name in TOKEN_FEATURES and value is not None}
+        # Arrays only: Qwen3-VL's deepstack features come as a list, one array per layer (its hook's).
+        fields = _fields(merged).items()
+        given = {name: value for name, value in fields if name in TOKEN_FEATURES and isinstance(value, mx.array)}
         if not given:
             return {}
         text = _fields(self.model.get_input_embeddings(mx.array([[0]]), None))
@@ -502,6 +506,8 @@ class GenericVisionModel(VisionLanguageModel):
             UnsupportedModelError: Deepstack features without a mask, or as whole-prompt arrays.
         """
         mask, deepstack = fields.get(VISUAL_MASK), fields.get(DEEPSTACK)
+        if DEEPSTACK in self.token_features:  # one row per token (Qwen3-Omni's): per-token features
+            return
         if mask is None or mask.shape != (1, run_length):
             return  # none, or not one per run token: the check's list of extra features names them
         layers = _deepstack_layers(deepstack)
@@ -635,6 +641,23 @@ def _placeholder(processor) -> tuple[str, list[int], ImageRun]:
 
 def _expanded_ids(processor, text: str, image) -> list[int]:
     return np.asarray(processor(text=[text], images=[image], return_tensors="np")["input_ids"])[0].tolist()
+
+
+def _fails_on_two_images(processor, text: str) -> str:
+    """Why the processor cannot take two images in one prompt ("" where it can): PaddleOCR-VL's
+    stacks a prompt's images as one array (two sizes raise, one size becomes one grid of two
+    frames, whose second placeholder then finds no grid). mlx-vlm's own generation fails the same
+    way, so such a model takes one image a prompt (``VisionLanguageModel.max_images_per_prompt``).
+    The two probe images differ in size, as a prompt's images may."""
+    from PIL import Image
+
+    width, height = PROBE_IMAGE_SIZE
+    images = [Image.new("RGB", (width, height)), Image.new("RGB", (height, width))]
+    try:
+        processor(text=[text + text], images=images, return_tensors="np")
+    except Exception as exc:  # noqa: BLE001 -- any failure: the processor cannot take the pair
+        return f"its processor, {type(processor).__name__}, fails on two: {exc}".splitlines()[0]
+    return ""
 
 
 IN_PLACE_HEAD, IN_PLACE_TAIL = "Look:", " Then."

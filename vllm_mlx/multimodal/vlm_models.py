@@ -37,8 +37,12 @@ __all__ = ["ImageRows", "VisionLanguageModel", "is_vision_language_config"]
 
 
 def is_vision_language_config(config: dict) -> bool:
-    """True for a model directory mlx-vlm should load (it has a vision tower)."""
-    return "vision_config" in config
+    """True for a model directory mlx-vlm should load (it has a vision tower): at the config's
+    root, or in a sub-model's config (Qwen3-Omni's ``thinker_config``, whose model mlx-vlm loads
+    whole and whose ``get_input_embeddings`` delegates to that sub-model)."""
+    if "vision_config" in config:
+        return True
+    return any(isinstance(value, dict) and "vision_config" in value for value in config.values())
 
 
 @dataclass
@@ -96,6 +100,11 @@ class VisionLanguageModel:
     placeholder_token_id: int
     """The token that stands for a whole image in a prompt before expansion (for most families
     ``image_token_id`` itself; Gemma 3's ``<start_of_image>``)."""
+    max_images_per_prompt: int | None = None
+    """Most images one prompt may carry for this model (None: no limit of its own); a request with
+    more is refused alone (``check_image_count``), never served with images the model cannot place."""
+    images_limit_reason: str = ""
+    """Why the model takes no more than ``max_images_per_prompt`` images, for the refusal."""
 
     def __init__(self, model, processor, config: dict, path: Path) -> None:
         self.model = model
@@ -174,6 +183,15 @@ class VisionLanguageModel:
         return head(hidden) if head is not None else self.language.model.embed_tokens.as_linear(hidden)
 
     # ---- prompts ---------------------------------------------------------------------------
+
+    def check_image_count(self, count: int) -> None:
+        """Raise ``ValueError`` if a prompt with ``count`` images is more than the model takes."""
+        limit = self.max_images_per_prompt
+        if limit is not None and count > limit:
+            raise ValueError(
+                f"this model takes at most {limit} image(s) per prompt ({self.images_limit_reason}); "
+                f"this one has {count}: send the images in separate requests"
+            )
 
     @property
     def tokenizer(self):

@@ -10,10 +10,9 @@ directories that mlx-vlm loads offline; the helpers are tests/tiny_vlm.py's.
   embeddings there), and returns the pixels under ``images`` and an ``images_seq_mask`` over the
   whole prompt, BOS included. A 100x60 picture: 2x1 tiles, 6 tokens.
 
-  Not registered in the family tests: mlx-vlm's own greedy generation of it (the oracle) is not
-  deterministic on MLX's CPU backend (the same prompt and image give another third token in about
-  one run of three, even with the processor's lazy outputs evaluated), while the engine's output
-  is stable and equals the oracle's majority answer.
+  mlx-vlm's model reads ``images_spatial_crop`` out of bounds for an image of several tiles
+  (``vlm_families.DeepseekVL2Model``): the engine pads it in bounds, and so does the oracle
+  (:func:`spatial_crops_in_bounds`), else its answer changes from run to run.
 """
 
 from __future__ import annotations
@@ -120,3 +119,29 @@ def build_tiny_deepseek_vl_v2(out_dir: Path, tokenizer_dir: Path | None = None, 
     }
     _write_json(out_dir / "processor_config.json", processor)
     return out_dir
+
+
+def spatial_crops_in_bounds(model) -> None:
+    """Make mlx-vlm's DeepSeek-VL2 read ``images_spatial_crop`` in bounds (a no-op for other models).
+
+    Its ``get_input_embeddings`` walks ``images_spatial_crop[b][j]`` for ``j`` up to the pixels'
+    tile count and stops at the first zero row; the processor gives one row per image, so for an
+    image of several tiles it reads past the array, whatever memory follows (MLX indexes without
+    bounds checks): the image is dropped in about one call of two on the CPU backend. Zero rows
+    up to the tile count (the processor's own batch padding) give what it computes when that
+    memory happens to be zeros, every time."""
+    import mlx.core as mx
+
+    if getattr(model.config, "model_type", None) != "deepseek_vl_v2":
+        return
+    embeddings = model.get_input_embeddings
+
+    def in_bounds(input_ids=None, pixel_values=None, images_spatial_crop=None, **kwargs):
+        if pixel_values is not None and images_spatial_crop is not None:
+            missing = pixel_values.shape[1] - images_spatial_crop.shape[1]
+            if missing > 0:
+                padding = mx.zeros((images_spatial_crop.shape[0], missing, 2), dtype=images_spatial_crop.dtype)
+                images_spatial_crop = mx.concatenate([images_spatial_crop, padding], axis=1)
+        return embeddings(input_ids, pixel_values, images_spatial_crop=images_spatial_crop, **kwargs)
+
+    model.get_input_embeddings = in_bounds

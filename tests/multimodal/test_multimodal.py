@@ -52,12 +52,14 @@ def mlx_vlm_greedy(model_dir, text: str, images: list, max_tokens: int) -> list[
     from mlx_vlm import load
     from mlx_vlm.generate import stream_generate
     from tiny_vlm import drop_text_kwargs_for_images
+    from tiny_vlm_deepseek import spatial_crops_in_bounds
 
     from vllm_mlx.models.portable_layers import make_portable
 
     model, processor = load(str(model_dir))
     make_portable(model)  # Muse Spark's Metal kernels on the CPU: as the engine's model (tested on their own)
     drop_text_kwargs_for_images(processor)  # LLaVA + transformers 5 (a no-op for the others)
+    spatial_crops_in_bounds(model)  # DeepSeek-VL2 reads past its per-image rows (a no-op for the others)
     processor.tokenizer.stopping_criteria = lambda token: False
     out = []
     for step in stream_generate(model, processor, text, image=images, max_tokens=max_tokens, temperature=0.0):

@@ -116,6 +116,13 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
 * Refused at load, saying why: Qwen4-Exp (tests/tiny_vlm_qwen_rest.py: delta-net layers with
   n-gram PLE and sparse-attention layers whose indexer keeps pooled keys in a cache of its own).
 
+* DeepSeek-VL2 (tests/tiny_vlm_deepseek.py): SigLIP tiles plus a global view, each row closed by
+  a learned newline, a learned view separator, and a DeepSeek-V2 text model (latent attention, a
+  MoE); its hook pads the per-image tile counts, which mlx-vlm's model reads past (so does the
+  oracle: else mlx-vlm drops the image in about one run of two).
+* Refused at load, saying why: Janus (``multi_modality``, tests/tiny_vlm_deepseek_ocr.py: mlx-vlm's
+  load gives its tokenizer alone, and the model splices an image's tokens and features in itself).
+
 All: one and two images (one for ``ONE_IMAGE``) equal mlx-vlm, batched with text-only requests
 equals solo (chunked prefills ending inside images, preemption), prefix cache on equals off with an
 image in the cached prefix, and the MLLM cache runs the encoder once for an image seen twice.
@@ -182,6 +189,7 @@ PLACEHOLDER = {
     "paddleocr_vl": "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>",
     "qwen3_omni_moe": "<|vision_start|><|image_pad|><|vision_end|>",
     "step3p7": "<im_patch>",
+    "deepseek_vl_v2": "<image>",
 }
 
 HYBRID = {"qwen3_5", "qwen3_5_moe", "lfm2_vl", "d1", "nemotron_h_nano_omni", "clef", "indic_ocr",
@@ -555,6 +563,9 @@ REFUSED_AT_LOAD = {
     # ids there too) beside sparse-attention (QSA) layers whose indexer keeps pooled keys in a cache
     # kind of its own (QSAKVCache), which the engine does not page: the state calls are met first.
     "qwen4_exp": r"'qwen4_exp'.*its recurrent layers call update_\w+\(\) on their state cache",
+    # Janus: mlx-vlm registers no processor class for it (load gives the tokenizer, with the image
+    # processor attached), and its model inserts num_image_tokens image tokens for each mark itself.
+    "multi_modality": r"'multi_modality'.*processor is a tokenizer alone: mlx-vlm's model splices",
 }
 """Families the engine refuses at load, on a tiny model of their own: the message each must say
 (``support.REFUSED_AT_LOAD`` gives the support table the same verdict, naming this test)."""

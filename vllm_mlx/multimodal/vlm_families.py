@@ -11,7 +11,9 @@ paged caches) unless a family hook here knows what the generic path cannot deriv
 * ``Gemma3Model``: the newlines framing an image merge with the prompt's own (Gemma's tokenizer
   has single tokens for runs of newlines), so the expansion is re-tokenized where they meet;
 * ``Idefics2Model``: the generic path, with the processor's rewriting of the text where an
-  image meets its neighbours (markers merged, a space before text).
+  image meets its neighbours (markers merged, a space before text);
+* ``DeepseekVL2Model``: the generic path, with the processor's per-image tile counts padded so
+  mlx-vlm's model reads them in bounds.
 
 ``TEXT_MODEL_REFUSALS`` names text models refused whatever the vision side, for what the
 load-time check (one row) cannot see (as ``_experts_by_token_type`` does ERNIE 4.5 VL's
@@ -37,6 +39,7 @@ __all__ = [
     "ARCHITECTURE_REFUSALS",
     "FAMILIES",
     "TEXT_MODEL_REFUSALS",
+    "DeepseekVL2Model",
     "Gemma3Model",
     "Idefics2Model",
     "MiniCPMV47Model",
@@ -398,6 +401,36 @@ def _state_caches(layers, caches: list) -> list:
     return [MlxVlmStateCache(c) if getattr(layer, "is_linear", False) else c for layer, c in zip(layers, caches)]
 
 
+class DeepseekVL2Model(GenericVisionModel):
+    """DeepSeek-VL2: the generic path, with the image's ``images_spatial_crop`` padded in bounds.
+
+    mlx-vlm's ``get_input_embeddings`` reads ``images_spatial_crop[b][j]`` (one row per image)
+    for ``j`` up to the pixels' tile count, stopping at the first zero row, which the processor's
+    batch padding supplies. For one image of ``n`` tiles the rows past the first do not exist, and
+    MLX indexes without bounds checks: it reads whatever memory follows, and a non-zero row there
+    adds phantom tiles or empties the tile slice, dropping the image (about one call in two on the
+    CPU backend). Zero rows up to the tile count, as that padding gives, keep every read in bounds
+    and stop the walk after the image.
+    """
+
+    model_types = ("deepseek_vl_v2",)
+
+    def process(self, source: ImageSource, policy: MediaPolicy) -> ImageInput:
+        image = super().process(source, policy)
+        image.encoder_inputs = pad_spatial_crops(image.encoder_inputs, image.pixel_values.shape[1])
+        return image
+
+
+def pad_spatial_crops(encoder_inputs: dict[str, np.ndarray], tiles: int) -> dict[str, np.ndarray]:
+    """``encoder_inputs`` with ``images_spatial_crop`` (``[batch, images, 2]``) padded with zero
+    rows to ``tiles`` images (``DeepseekVL2Model``)."""
+    crops = encoder_inputs.get("images_spatial_crop")
+    if crops is None or crops.shape[1] >= tiles:
+        return encoder_inputs
+    padding = np.zeros((crops.shape[0], tiles - crops.shape[1], crops.shape[2]), dtype=crops.dtype)
+    return {**encoder_inputs, "images_spatial_crop": np.concatenate([crops, padding], axis=1)}
+
+
 def _newline_run(tokens: list[int], newline_text, *, from_end: bool) -> int:
     """How many tokens at the end (or start) of ``tokens`` are newlines only."""
     count = 0
@@ -408,8 +441,15 @@ def _newline_run(tokens: list[int], newline_text, *, from_end: bool) -> int:
     return count
 
 
-FAMILIES: tuple[type[VisionLanguageModel], ...] = (Qwen3VLModel, Qwen3_5Model, Gemma3Model, Idefics2Model,
-                                                   MiniCPMVModel, MiniCPMV47Model)  # fmt: skip
+FAMILIES: tuple[type[VisionLanguageModel], ...] = (
+    Qwen3VLModel,
+    Qwen3_5Model,
+    Gemma3Model,
+    Idefics2Model,
+    MiniCPMVModel,
+    MiniCPMV47Model,
+    DeepseekVL2Model,
+)
 """The hooks: families whose prompt or positions the generic path cannot derive."""
 
 TEXT_MODEL_REFUSALS: dict[str, str] = {

@@ -120,6 +120,14 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
   a learned newline, a learned view separator, and a DeepSeek-V2 text model (latent attention, a
   MoE); its hook pads the per-image tile counts, which mlx-vlm's model reads past (so does the
   oracle: else mlx-vlm drops the image in about one run of two).
+
+* Gemma 4 unified (tests/tiny_vlm_unified_minimax.py): an encoder-free vision embedder (48 px patches,
+  a dense layer, learned 2-D positions) and Gemma 4's text model with image blocks both ways
+  (``use_bidirectional_attention="vision"``, its default) and keys as values in its global layer;
+  its images are up to 280 tokens even in a tiny model (mlx-vlm's ``load`` builds its image processor
+  with its defaults), so its pools are larger.
+* Refused at load, saying why: MiniMax-M3-VL (its sparse-attention layers keep the indexer's keys in
+  a cache kind of mlx-vlm's own, ``MiniMaxM3KVCache``, which the engine does not page).
 * Refused at load, saying why: Janus (``multi_modality``, tests/tiny_vlm_deepseek_ocr.py: mlx-vlm's
   load gives its tokenizer alone, and the model splices an image's tokens and features in itself).
 
@@ -145,6 +153,7 @@ from vllm_mlx.executor.attention import UnsupportedModelError
 from vllm_mlx.platform.errors import ModelSourceError
 
 PLACEHOLDER = {
+    "gemma4_unified": "<|image|>",
     "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "qwen3_vl_moe": "<|vision_start|><|image_pad|><|vision_end|>",
     "qwen3_5": "<|vision_start|><|image_pad|><|vision_end|>",
@@ -197,10 +206,11 @@ HYBRID = {"qwen3_5", "qwen3_5_moe", "lfm2_vl", "d1", "nemotron_h_nano_omni", "cl
           "minicpmv4_6", "minicpmv4_7"}
 """Families whose text model has recurrent layers (a state pool beside the KV blocks)."""
 
-KV_SCALE = {"molmo2": 8, "step3p7": 2}
+KV_SCALE = {"molmo2": 8, "step3p7": 2, "gemma4_unified": 5}
 """Families whose images are hundreds of tokens even in a tiny model (mlx-vlm's ``load`` builds
 Molmo 2's image processor with its defaults: 378 px crops, 424 tokens or more an image; Step
-3.7's processor resizes every image to 728 px, 171 tokens): their
+3.7's processor resizes every image to 728 px, 171 tokens; Gemma 4 unified's, built with its
+defaults too, up to 280 tokens, 531 for the batched test's two images): their
 KV pools are this many times larger, so the same prompts fit, and the small pool still preempts."""
 
 
@@ -566,6 +576,10 @@ REFUSED_AT_LOAD = {
     # Janus: mlx-vlm registers no processor class for it (load gives the tokenizer, with the image
     # processor attached), and its model inserts num_image_tokens image tokens for each mark itself.
     "multi_modality": r"'multi_modality'.*processor is a tokenizer alone: mlx-vlm's model splices",
+    # MiniMax-M3-VL: its sparse-attention layers (every layer after the first three in its config's own
+    # layout) keep the indexer's keys beside the KV in MiniMaxM3KVCache, a cache class of mlx-vlm's own
+    # (not a CacheList of plain caches, as mlx-lm's MiniMax-M3 keeps them), which the engine does not page.
+    "minimax_m3_vl": r"'minimax_m3_vl' needs MiniMaxM3KVCache caches",
 }
 """Families the engine refuses at load, on a tiny model of their own: the message each must say
 (``support.REFUSED_AT_LOAD`` gives the support table the same verdict, naming this test)."""

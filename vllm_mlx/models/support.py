@@ -108,6 +108,7 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
                         "paddleocr_vl",
                         "qwen3_omni_moe", "step3p7",
                         "deepseek_vl_v2",
+                        "gemma4_unified",
                         )},
     },
 }
@@ -135,6 +136,8 @@ REFUSED_AT_LOAD: dict[str, str] = {
     "qwen4_exp": "its sparse-attention (QSA) layers keep an indexer's pooled keys in a cache of their own, "
     "which the engine does not page, and its delta-net layers (n-gram per-layer embeddings beside them) talk "
     "to their state through calls of mlx-vlm's own",
+    "minimax_m3_vl": "its sparse-attention layers keep the indexer's keys in MiniMaxM3KVCache, a cache class of "
+    "mlx-vlm's own, which the engine does not page",
     "multi_modality": "mlx-vlm loads its tokenizer alone (no processor class of its own is registered) and its "
     "model splices an image's tokens and features in for each mark",
 }

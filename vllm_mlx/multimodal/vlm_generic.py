@@ -654,7 +654,8 @@ def _fails_on_two_images(processor, text: str) -> str:
     width, height = PROBE_IMAGE_SIZE
     images = [Image.new("RGB", (width, height)), Image.new("RGB", (height, width))]
     try:
-        processor(text=[text + text], images=images, return_tensors="np")
+        # The text alone, as mlx-vlm's generation passes it (DeepSeek-VL2's takes a list as a batch).
+        processor(text=text + text, images=images, return_tensors="np")
     except Exception as exc:  # noqa: BLE001 -- any failure: the processor cannot take the pair
         return f"its processor, {type(processor).__name__}, fails on two: {exc}".splitlines()[0]
     return ""

@@ -79,8 +79,12 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
   engine's state pool, NoPE MLA, MoE, attention residuals mixing earlier layers' outputs).
 * MiMo-V2: Qwen2.5-VL's processor with a tower of its own (attention sinks) and a MiMo-V2-Flash
   text model: sliding-window (8 tokens) and global layers with attention-sink biases, a MoE.
-* Refused before loading, saying why (tests/tiny_vlm_positions.py): Falcon OCR and Falcon Perception,
-  whose image blocks attend to themselves both ways (Perception also feeds decoded boxes back in).
+* Falcon OCR (tests/tiny_vlm_falcon.py): patches projected straight to the text width; its processor
+  writes the whole prompt (one image, then the instruction of the OCR category the text names), its
+  1-D positions stand still over an image's run, beside 2-D positions of the patches (a per-token
+  feature, zero at text), and its image blocks attend to themselves both ways (one prefill chunk each).
+* Refused before loading, saying why (tests/tiny_vlm_falcon.py): Falcon Perception (its decode steps
+  feed decoded boxes back into the next embedding).
 * Refused at load, saying why: GLM-5-Next (sparse-attention layers with an indexer's pooled-key
   cache), ERNIE 4.5 VL (vision experts chosen by token types mlx-vlm's generation never passes),
   Mistral Large 3 without torch (mlx-vlm leaves it transformers' torch-only PixtralProcessor).
@@ -199,6 +203,7 @@ PLACEHOLDER = {
     "qwen3_omni_moe": "<|vision_start|><|image_pad|><|vision_end|>",
     "step3p7": "<im_patch>",
     "deepseek_vl_v2": "<image>",
+    "falcon_ocr": "<|image|>",
 }
 
 HYBRID = {"qwen3_5", "qwen3_5_moe", "lfm2_vl", "d1", "nemotron_h_nano_omni", "clef", "indic_ocr",
@@ -225,10 +230,17 @@ ONE_IMAGE = {
     "granite_vision": "mlx-vlm's model merges the first image's features only",
     "paddleocr_vl": "fails on two",  # its processor stacks a prompt's images as one array
     "step3p7": "fails on two",  # its processor puts all of a prompt's images at its one <im_patch>
+    "falcon_ocr": "writes the prompt itself, with one image",  # and expands the first image only
 }
 """Families the engine serves one image a prompt (the reason its refusal gives): mlx-vlm's own
 generation (the oracle) cannot take two either. A prompt of two is refused, that request alone,
 and their batched test uses one image a prompt."""
+
+
+PROMPT_WRITTEN_BY_PROCESSOR = {"falcon_ocr"}
+"""Families whose processor writes the whole prompt itself (Falcon OCR's: the image, then the instruction
+of the OCR category the text names): two prompts with the same image and other words are the same prompt,
+so only a test with the prefix cache off sees the MLLM cache serve the second."""
 
 
 def kv_blocks(name: str, blocks: int) -> int:
@@ -410,11 +422,13 @@ def test_prefix_cache_on_equals_off_with_an_image_in_the_prefix(family):
 def test_the_mllm_cache_encodes_an_image_seen_twice_once(family):
     name, model_dir = family
     image = picture(9)
-    # Different text before the image each time: no KV prefix reaches it.
+    # Different text before the image each time: no KV prefix reaches it (nor any, where the
+    # processor writes the prompt: the prefix cache is off).
     prompts = [(f"{n} {PLACEHOLDER[name]} Describe.", [image]) for n in ("One", "Two")]
+    options = {"enable_prefix_caching": False} if name in PROMPT_WRITTEN_BY_PROCESSOR else {}
 
     def outputs(enabled: bool):
-        engine = family_engine(model_dir, num_kv_blocks=kv_blocks(name, 96), enable_mllm_cache=enabled)
+        engine = family_engine(model_dir, num_kv_blocks=kv_blocks(name, 96), enable_mllm_cache=enabled, **options)
         try:
             return [tokens(run_prompts(engine, [p]))[0] for p in prompts], engine.get_stats()["mllm"]
         finally:
@@ -559,10 +573,9 @@ REFUSED_AT_LOAD = {
     # ERNIE 4.5 VL routes image tokens to vision experts by token types that mlx-vlm's generation
     # never passes: its generation and its own model call disagree.
     "ernie4_5_moe_vl": r"send image tokens to experts of their own \(moe_num_experts=\[4, 4\]\)",
-    # Falcon OCR and Falcon Perception: an image's block attends to itself both ways (a mask built from
-    # its start and end markers); Perception also feeds decoded boxes back into its next embeddings.
-    "falcon_ocr": r"'falcon_ocr'.*attend to each other both ways \(the attention mask .* start and end markers",
-    "falcon_perception": r"'falcon_perception'.*attend to each other both ways.*decode steps feed coordinates",
+    # Falcon Perception: Falcon OCR's layout, positions and mask (served), but its decode steps feed boxes
+    # decoded from the previous step's hidden state back into the next embedding (state on its text model).
+    "falcon_perception": r"'falcon_perception'.*decode steps feed coordinates and sizes decoded",
     # Granite 4 Vision's deepstack features are whole-prompt arrays (a row per prompt token) that its
     # text model slices at the cache's offset, one for the batch: rows at other offsets cannot share them.
     "granite4_vision": r"deepstack features as whole-prompt arrays \(\(2, \d+, 64\)\).*different offsets",
@@ -596,8 +609,9 @@ def test_a_family_the_generic_path_cannot_drive_is_refused_at_load_saying_why(tm
 
 @pytest.mark.parametrize("name", ["falcon_ocr", "falcon_perception"])
 def test_falcon_image_blocks_attend_both_ways_in_mlx_vlm(name):
-    """What the Falcon refusals say, held to mlx-vlm's own masks: the token after an image's start
-    marker sees the image token after it, where a causal prefill would hide it."""
+    """What Falcon OCR's both-ways spans serve (and Falcon Perception's mask does too), held to
+    mlx-vlm's own masks: the token after an image's start marker sees the image token after it, where
+    a causal prefill would hide it."""
     import importlib
 
     import mlx.core as mx
@@ -608,6 +622,55 @@ def test_falcon_image_blocks_attend_both_ways_in_mlx_vlm(name):
     mask = make_mask(mx.array([text, start, image, image, end, text]), start, end)[0, 0]
     assert mask[1, 3].item() and mask[2, 3].item()  # inside the block: both ways
     assert not mask[0, 1].item() and not mask[4, 5].item()  # outside it: causal
+
+
+@pytest.mark.parametrize("budget", [None, 3])
+def test_falcon_ocr_image_blocks_both_ways_equal_mlx_vlm_when_a_chunk_budget_would_split_them(tmp_path, budget):
+    """Falcon OCR: the engine's both-ways spans add to causal attention exactly what mlx-vlm's mask
+    (``create_falcon_ocr_mask`` over the prepared prompt) adds; a budget of 3 would end prefill chunks
+    inside the block, which goes whole into one; the tokens equal mlx-vlm's, and the first differs from
+    what mlx-vlm's text model gives the same prompt without its mask (causal)."""
+    import mlx.core as mx
+    from mlx_vlm.models.falcon_ocr.language import create_falcon_ocr_mask
+    from tiny_vlm_falcon import build_tiny_falcon_ocr
+
+    model_dir = build_tiny_falcon_ocr(tmp_path / "falcon_ocr", seed=8)  # its mask changes the first token
+    config = json.loads((model_dir / "config.json").read_text())
+    text, image = PLACEHOLDER["falcon_ocr"] + "What is in the picture?", picture(1, (100, 60))
+    expected = mlx_vlm_greedy(model_dir, text, [image], max_tokens=8)
+    options = {} if budget is None else {"max_num_batched_tokens": budget}
+    engine = family_engine(model_dir, num_kv_blocks=64, **options)
+    try:
+        prepared = engine.prepare_prompt(text, [image])
+        [out] = run_prompts(engine, [(text, [image])])
+    finally:
+        engine.shutdown()
+    ids = mx.array(prepared.token_ids)
+    mlx_vlm_mask = np.array(create_falcon_ocr_mask(ids, config["image_cls_token_id"], config["img_end_id"])[0, 0])
+    engine_mask = np.tri(len(prepared.token_ids), dtype=bool)
+    for start, end in prepared.mm_input.both_ways:
+        engine_mask[start:end, start:end] = True
+    assert prepared.mm_input.both_ways == [(0, 11)]  # <|image_cls|>, 4 registers, 2x3 patches; not <|image_end|>
+    assert np.array_equal(engine_mask, mlx_vlm_mask)
+    assert out.outputs[0].token_ids == expected
+    assert expected[0] != first_token_without_the_mask(model_dir, text, image)
+
+
+def first_token_without_the_mask(model_dir, text: str, image) -> int:
+    """mlx-vlm's text model on its own prompt inputs, all but the image-block mask (``attention_mask_4d``):
+    causal attention over caches, as a text model without that mask runs."""
+    from mlx_vlm import load
+    from mlx_vlm.models.cache import KVCache
+    from mlx_vlm.utils import prepare_inputs
+
+    model, processor = load(str(model_dir))
+    inputs = prepare_inputs(processor, images=[image], prompts=text)
+    rest = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
+    merged = model.get_input_embeddings(inputs["input_ids"], inputs["pixel_values"], **rest).to_dict()
+    features = {k: v for k, v in merged.items() if v is not None and k not in ("inputs_embeds", "attention_mask_4d")}
+    caches = [KVCache() for _ in model.layers]
+    logits = model.language_model(inputs["input_ids"], inputs_embeds=merged["inputs_embeds"], cache=caches, **features)
+    return int(logits.logits[0, -1].argmax().item())
 
 
 @pytest.mark.parametrize("budget", [None, 3, 2])

@@ -109,6 +109,7 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
                         "qwen3_omni_moe", "step3p7",
                         "deepseek_vl_v2",
                         "gemma4_unified",
+                        "falcon_ocr",
                         )},
     },
 }

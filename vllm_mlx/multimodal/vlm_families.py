@@ -13,7 +13,9 @@ paged caches) unless a family hook here knows what the generic path cannot deriv
 * ``Idefics2Model``: the generic path, with the processor's rewriting of the text where an
   image meets its neighbours (markers merged, a space before text);
 * ``DeepseekVL2Model``: the generic path, with the processor's per-image tile counts padded so
-  mlx-vlm's model reads them in bounds.
+  mlx-vlm's model reads them in bounds;
+* ``FalconOCRModel``: the generic path, with the prompt its processor writes itself, its 1-D
+  positions (still over an image's run) and the image blocks its mask lets attend both ways.
 
 ``TEXT_MODEL_REFUSALS`` names text models refused whatever the vision side, for what the
 load-time check (one row) cannot see (as ``_experts_by_token_type`` does ERNIE 4.5 VL's
@@ -31,7 +33,15 @@ from vllm_mlx.core.multimodal import ImageInput, MultiModalInput, mrope_position
 from vllm_mlx.executor.attention import UnsupportedModelError
 from vllm_mlx.multimodal.images import ImageSource, load_image
 from vllm_mlx.multimodal.media_policy import MediaPolicy
-from vllm_mlx.multimodal.vlm_generic import PROMPT_POSITION_KEYS, GenericVisionModel
+from vllm_mlx.multimodal.vlm_generic import (
+    PROBE_IMAGE_SIZE,
+    PROMPT_POSITION_KEYS,
+    GenericVisionModel,
+    ImageRun,
+    _expanded_ids,
+    _text_ids,
+    _true_runs,
+)
 from vllm_mlx.multimodal.vlm_models import VisionLanguageModel
 from vllm_mlx.platform.errors import ModelSourceError
 
@@ -40,6 +50,7 @@ __all__ = [
     "FAMILIES",
     "TEXT_MODEL_REFUSALS",
     "DeepseekVL2Model",
+    "FalconOCRModel",
     "Gemma3Model",
     "Idefics2Model",
     "MiniCPMV47Model",
@@ -431,6 +442,73 @@ def pad_spatial_crops(encoder_inputs: dict[str, np.ndarray], tiles: int) -> dict
     return {**encoder_inputs, "images_spatial_crop": np.concatenate([crops, padding], axis=1)}
 
 
+class FalconOCRModel(GenericVisionModel):
+    """Falcon OCR: the generic path (patches projected straight to the text width, no tower; its 2-D
+    "golden" positions ``pos_hw`` travel as a per-token feature, zero at text: ``ZERO_AT_TEXT``), with
+    what its processor and text model do that the generic path cannot read off:
+
+    * Prompt: its processor writes the whole prompt itself, ``make_ocr_prompt(text)``: one image, then
+      the instruction of the OCR category the text names (the plain one for any other text). So does
+      ``prompt_text`` (the package's own function), and the image's run is what the processor puts
+      where that prompt's image token stands.
+    * Positions: 1-D, one for the whole run from ``<|image_cls|>`` to ``<|image_end|>``, the text after
+      it one past (its ``get_rope_index``, which mlx-vlm keeps as state): computed per request on the
+      engine thread (``positions``) and given to the text model as ``[batch, tokens]``.
+    * Attention: its mask (``create_falcon_ocr_mask``: ``causal | same_image``) lets a block, from
+      ``<|image_cls|>`` up to ``<|image_end|>`` (not included), attend to itself both ways: each
+      image's block is a both-ways span (``_both_ways_spans``).
+    """
+
+    model_types = ("falcon_ocr",)
+
+    def __init__(self, model, processor, config: dict, path) -> None:
+        # The processor's prompt holds one image (with two it expands the first only).
+        self.max_images_per_prompt = 1
+        self.images_limit_reason = "its processor writes the prompt itself, with one image"
+        super().__init__(model, processor, config, path)
+
+    def _find_placeholder(self, processor) -> tuple[str, list[int], ImageRun]:
+        """``<|image|>`` (the image token of ``make_ocr_prompt``), the ids of the prompt the processor
+        writes for it, and the run the processor puts at it: the two prompts share the instruction."""
+        from PIL import Image
+
+        text = processor.tokenizer.convert_ids_to_tokens(processor.img_id)
+        plain = _text_ids(processor, self.prompt_text(text))
+        expanded = _expanded_ids(processor, text, Image.new("RGB", PROBE_IMAGE_SIZE))
+        return text, plain, ImageRun.of(plain, expanded)
+
+    def prompt_text(self, text: str) -> str:
+        from mlx_vlm.models.falcon_ocr.processing_falcon_ocr import make_ocr_prompt
+
+        return make_ocr_prompt(text)
+
+    def _grid_free_positions(self, merged, image: ImageInput) -> bool:
+        return True  # ``positions`` reads the prompt's ids alone
+
+    def positions(self, token_ids: list[int], images: list[ImageInput]) -> tuple[np.ndarray, int]:
+        """Its text model's own 1-D positions (``get_rope_index``), on all three axes; engine thread.
+        Only the positions are evaluated (the mask it also builds stays an unevaluated graph)."""
+        position_ids, _, delta, _ = self.language.get_rope_index(mx.array([token_ids]))
+        positions = np.array(position_ids).astype(np.int64)
+        return np.broadcast_to(positions, (3, positions.shape[0])).copy(), int(delta)
+
+    def language_hidden_states(self, embeds, inputs, cache, position_ids, **features):
+        # Its text model reads [batch, tokens] positions (a [3, batch, tokens] array it would flatten).
+        one_axis = position_ids[0] if position_ids is not None else None
+        return super().language_hidden_states(embeds, inputs, cache, one_axis, **features)
+
+    def _both_ways_spans(self, num_tokens: int, images: list[ImageInput]) -> list[tuple[int, int]]:
+        """Each image's block as ``create_falcon_ocr_mask`` sees it in the image's run: from a start
+        marker (``image_cls_token_id``) up to the next end marker (``img_end_id``), not included."""
+        config = self.model.config
+        spans = []
+        for image in images:
+            ids = np.asarray(image.token_ids)
+            opened = np.cumsum(ids == config.image_cls_token_id) - np.cumsum(ids == config.img_end_id)
+            spans += [(image.offset + s, image.offset + e) for s, e in _true_runs(opened > 0)]
+        return spans
+
+
 def _newline_run(tokens: list[int], newline_text, *, from_end: bool) -> int:
     """How many tokens at the end (or start) of ``tokens`` are newlines only."""
     count = 0
@@ -449,6 +527,7 @@ FAMILIES: tuple[type[VisionLanguageModel], ...] = (
     MiniCPMVModel,
     MiniCPMV47Model,
     DeepseekVL2Model,
+    FalconOCRModel,
 )
 """The hooks: families whose prompt or positions the generic path cannot derive."""
 
@@ -460,25 +539,14 @@ TEXT_MODEL_REFUSALS: dict[str, str] = {
 """Text models (``text_config.model_type``) whose vision-language models are refused, and why:
 what the load-time check cannot see because it runs one row."""
 
-FALCON_IMAGE_BLOCK_MASK = (
-    "the attention mask its text model builds from each image's start and end markers lets every token of the "
-    "block see the whole block"
-)
-"""What Falcon OCR's and Falcon Perception's masks do (``create_falcon_*_mask`` in mlx-vlm: ``causal |
-same_image``); mlx-vlm's generation prefills such a prompt whole (``no_chunked_prefill``) to apply it."""
-
 ARCHITECTURE_REFUSALS: dict[str, str] = {
     "molmo_point": "keeps per-request image state on the model between steps: its point predictor extends "
     "the logits over the image's patches, from the prefill's hidden states, and a logit processor follows "
     "the tokens generated so far (mlx-vlm routes its generation through the whole model's call), where the "
     "engine runs the text model alone over a batch",
-    # Both Falcon packages also keep their positions as state (``_position_ids``, ``pos_hw``): the
-    # engine could compute those per request, but not the mask, which is why they are refused.
-    "falcon_ocr": f"lets an image's tokens attend to each other both ways ({FALCON_IMAGE_BLOCK_MASK}), where the "
-    "engine's prefill in the batch is causal",
-    "falcon_perception": f"lets an image's tokens attend to each other both ways ({FALCON_IMAGE_BLOCK_MASK}), where "
-    "the engine's prefill in the batch is causal; and its decode steps feed coordinates and sizes decoded from the "
-    "previous step's hidden state back into the next embedding, per-request state kept on the model",
+    # Falcon OCR's layout, positions and mask (served: ``FalconOCRModel``), and what no batch can share:
+    "falcon_perception": "its decode steps feed coordinates and sizes decoded from the previous step's hidden "
+    "state back into the next embedding (per-request state kept on its text model, _pending_coord_xy)",
 }
 """Vision-language architectures (``model_type``) refused whatever their checkpoint, and why:
 what the generic path's check at load cannot see (one call of the pieces, no generation)."""

@@ -19,9 +19,11 @@ adapter, a piece at a time, for rows at different stages of one batch:
 
 * per-token features: what ``get_input_embeddings`` returns beside the embeddings, one row per
   token, for text alone too (``TOKEN_FEATURES``: Gemma 3n's and Gemma 4's ``per_layer_inputs``,
-  computed from each token's id with the image's tokens as padding), travels as the embeddings
-  do: the run's rows are kept with them (``encode`` appends them, flattened), the text's come
-  from the text-only call, and the language model gets the whole batch's by name.
+  computed from each token's id with the image's tokens as padding; Falcon OCR's 2-D positions
+  ``pos_hw``, which the text-only call omits: zeros there, ``ZERO_AT_TEXT``), travels as the
+  embeddings do: the run's rows are kept with them (``encode`` appends them, flattened, at the
+  widest dtype of the parts), the text's come from the text-only call, and the language model gets
+  the whole batch's by name.
 * both ways: a text model whose image blocks attend to themselves both ways
   (``use_bidirectional_attention="vision"``: Gemma 4; mlx-vlm overlays each block of vision
   tokens on its causal mask) gets each block's span in the prompt's ``MultiModalInput.both_ways``:
@@ -93,12 +95,17 @@ the masks too (the text model builds its causal masks from the cache)."""
 POSITION_FEATURES = frozenset({"position_ids", "rope_deltas"})
 """``get_input_embeddings`` outputs the engine recomputes per request where the text model has a
 ``get_rope_index`` (its positions for the whole prompt, which one image's run cannot give)."""
-TOKEN_FEATURES = frozenset({"per_layer_inputs", "deepstack_visual_embeds"})
+TOKEN_FEATURES = frozenset({"per_layer_inputs", "deepstack_visual_embeds", "pos_hw"})
 """``get_input_embeddings`` outputs with one row per token that the language model takes by name
 beside the embeddings, and that the text-only call gives for text tokens (module doc): Gemma's
 per-layer inputs; Qwen3-Omni's deepstack residuals (``[batch, tokens, layers, hidden]``, zeros at
-text tokens, added to the first layers' hidden states). Only where they come one row per token
-(Qwen3-VL's and Cohere Compass's come per image token, with a mask: ``VISUAL_FEATURES``)."""
+text tokens, added to the first layers' hidden states); Falcon OCR's 2-D positions (``ZERO_AT_TEXT``).
+Only where they come one row per token (Qwen3-VL's and Cohere Compass's come per image token, with
+a mask: ``VISUAL_FEATURES``)."""
+ZERO_AT_TEXT = frozenset({"pos_hw"})
+"""``TOKEN_FEATURES`` the text-only call omits, whose value at a text token is zero: Falcon OCR's 2-D
+"golden" positions (mlx-vlm's ``compute_pos_hw`` gives 0, 0 to every token but an image's patches,
+and its rotation at 0 is the identity, which is what its decode steps, given none, apply)."""
 VISUAL_MASK, DEEPSTACK = "visual_pos_masks", "deepstack_visual_embeds"
 VISUAL_FEATURES = frozenset({VISUAL_MASK, DEEPSTACK})
 """``get_input_embeddings`` outputs about the image tokens alone, which the language model takes by
@@ -225,7 +232,7 @@ class GenericVisionModel(VisionLanguageModel):
     """
 
     def __init__(self, model, processor, config: dict, path) -> None:
-        self.image_placeholder_text, self._plain_ids, self._run = _placeholder(processor)
+        self.image_placeholder_text, self._plain_ids, self._run = self._find_placeholder(processor)
         several = len(self._run.placeholder(self._plain_ids)) > 1
         self._stand_in_text = (
             _stand_in_text(processor, self.image_placeholder_text, self._run.stand_in) if several else None
@@ -254,6 +261,11 @@ class GenericVisionModel(VisionLanguageModel):
         self.deepstack_width = 0
         self.check()
 
+    def _find_placeholder(self, processor) -> tuple[str, list[int], ImageRun]:
+        """The placeholder text, its ids and the image's run against them (``_placeholder``); a
+        hook's own where its processor writes the prompt itself (Falcon OCR's)."""
+        return _placeholder(processor)
+
     # ---- what mlx-vlm's models share ------------------------------------------------------
 
     @property
@@ -272,7 +284,9 @@ class GenericVisionModel(VisionLanguageModel):
             return super().hidden_states(inputs, cache, position_ids, images)
         merged = self.model.get_input_embeddings(inputs, None)
         text = _fields(merged)
-        embeds, features = _embeds(merged), {name: text[name] for name in self.token_features}
+        embeds = _embeds(merged)
+        features = {name: _text_feature(text, name, embeds.shape[:2], shape)
+                    for name, shape in self.token_features.items()}  # fmt: skip
         if images is not None:
             rows = self._split_rows(images.features)
             embeds = images.scatter(embeds, rows.pop(_EMBEDDING))
@@ -346,7 +360,12 @@ class GenericVisionModel(VisionLanguageModel):
         rows = [_embeds(merged)[0], *(fields[name][0].reshape(image.num_tokens, -1) for name in self.token_features)]
         if self.deepstack_layers is not None:
             rows.append(self._visual_rows(fields, image.num_tokens))
-        return rows[0] if len(rows) == 1 else mx.concatenate([r.astype(rows[0].dtype) for r in rows], axis=-1)
+        if len(rows) == 1:
+            return rows[0]
+        # The widest dtype of the parts: float32 positions (Falcon's pos_hw) next to bfloat16
+        # embeddings must not be rounded; the embeddings widen exactly (``scatter`` narrows them back).
+        dtype = mx.float32 if any(r.dtype == mx.float32 for r in rows) else rows[0].dtype
+        return mx.concatenate([r.astype(dtype) for r in rows], axis=-1)
 
     def _visual_rows(self, fields: dict, run_length: int) -> mx.array:
         """``[run_length, 1 + layers * width]``: per run token its flag (1 at an image token) and
@@ -495,7 +514,7 @@ class GenericVisionModel(VisionLanguageModel):
         text = _fields(self.model.get_input_embeddings(mx.array([[0]]), None))
         return {
             name: tuple(value.shape[2:]) for name, value in given.items()
-            if value.shape[:2] == (1, run_length) and text.get(name) is not None
+            if value.shape[:2] == (1, run_length) and (text.get(name) is not None or name in ZERO_AT_TEXT)
         }  # fmt: skip
 
     def _check_visual_features(self, fields: dict, run_length: int) -> None:
@@ -790,6 +809,12 @@ def _deepstack_layers(value) -> list[mx.array] | None:
     if isinstance(value, (list, tuple)) and all(isinstance(v, mx.array) and v.ndim == 2 for v in value):
         return list(value)
     return None
+
+
+def _text_feature(text: dict, name: str, batch_shape: tuple[int, ...], shape: tuple[int, ...]) -> mx.array:
+    """A per-token feature of the text-only call (``text``): its own, or zeros (``ZERO_AT_TEXT``)."""
+    value = text.get(name)
+    return value if value is not None else mx.zeros((*batch_shape, *shape), dtype=mx.float32)
 
 
 def _embeds(merged) -> mx.array:

@@ -20,8 +20,9 @@ tokenizer with the family's special tokens, and the processor files mlx-vlm's ``
   tokenizer alone as its processor; its prompt builder splits at ``<image>`` and inserts
   ``image_token_index`` (-200), which the model replaces by the image's features itself.
 * :func:`build_tiny_fastvlm`: FastVLM (FastViTHD, whose sizes are constants in mlx-vlm: the one
-  builder here that is not tiny, ~125M tower weights in float16). Refused at load: its processor
-  marks an image with the id -200 and the model splices the features in, as Bunny's.
+  builder here that is not tiny, ~125M tower weights in float16, its convolutions scaled so an
+  image's features depend on it): its processor marks an image with the id -200, which the model
+  replaces by the image's 4 features (an image the model expands, served as LLaVA-NeXT's).
 * :func:`build_tiny_got`: GOT-OCR 2.0 (a SAM-style tower at the fixed 1024 px of mlx-vlm's
   processor: 256 image tokens; a flat qwen2 config). Refused at load: its processor names no
   placeholder (it expands ``<image>`` and wraps every prompt in GOT's own conversation).
@@ -264,7 +265,7 @@ def build_tiny_fastvlm(out_dir: Path, tokenizer_dir: Path | None = None, *, seed
     """A random-weight FastVLM directory (module doc): a tiny qwen2 text model at the config's root,
     mlx-vlm's FastViTHD tower at 128 px (2x2 features) and its own processor. The tower's widths
     and depths are class constants of mlx-vlm's ``VisionConfig``, not read from a config, so it
-    keeps its real size (~125M weights, saved as float16 and unscaled: never run, as refused)."""
+    keeps its real size (~125M weights, saved as float16; ``_fastvlm_scaled``)."""
     import mlx.core as mx
 
     from mlx_vlm.models import fastvlm
@@ -288,11 +289,31 @@ def build_tiny_fastvlm(out_dir: Path, tokenizer_dir: Path | None = None, *, seed
     }
     model = _instantiate(fastvlm, config, seed)
     model.set_dtype(mx.float16)
-    _save_model(out_dir, model, config, scale=1.0)
+    _save_model(out_dir, _fastvlm_scaled(model), config, scale=1.0)
     _save_tokenizer(out_dir, tok, "</s>", "<pad>", 4096, LLAVA_BARE_IMAGE_CHAT_TEMPLATE)
     preprocessor = {"size": {"shortest_edge": size}, "crop_size": {"height": size, "width": size}}
     _write_json(out_dir / "preprocessor_config.json", preprocessor)
     return out_dir
+
+
+FASTVIT_CONV_SCALE = 1.8
+"""FastViTHD's convolutions at their random init shrink the signal ~10x a stage, so all images give
+the same features; at x1.8 an image's features depend on it and stay small (x1.9 already grows them
+~100x, x2 ~10^5: the stages compound)."""
+
+
+def _fastvlm_scaled(model):
+    """FastVLM's weights scaled as ``_save_weights`` would (its 2-D ones x4, for peaked logits),
+    but its tower's convolutions by ``FASTVIT_CONV_SCALE`` and its tower's linear layers as they are."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    def scaled(name: str, value):
+        if name.startswith("vision_tower."):
+            return value * FASTVIT_CONV_SCALE if value.ndim == 4 else value
+        return value * 4.0 if value.ndim == 2 else value
+
+    model.update(tree_unflatten([(k, scaled(k, v)) for k, v in tree_flatten(model.parameters())]))
+    return model
 
 
 GOT_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<imgpad>"]

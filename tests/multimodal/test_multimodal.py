@@ -60,7 +60,8 @@ def mlx_vlm_greedy(model_dir, text: str, images: list, max_tokens: int) -> list[
     make_portable(model)  # Muse Spark's Metal kernels on the CPU: as the engine's model (tested on their own)
     drop_text_kwargs_for_images(processor)  # LLaVA + transformers 5 (a no-op for the others)
     spatial_crops_in_bounds(model)  # DeepSeek-VL2 reads past its per-image rows (a no-op for the others)
-    processor.tokenizer.stopping_criteria = lambda token: False
+    # Bunny's and Janus's processor is the tokenizer itself (mlx-vlm's prepare_inputs builds their prompts).
+    getattr(processor, "tokenizer", processor).stopping_criteria = lambda token: False
     out = []
     for step in stream_generate(model, processor, text, image=images, max_tokens=max_tokens, temperature=0.0):
         out.append(step.token)

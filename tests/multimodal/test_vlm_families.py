@@ -42,8 +42,11 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
 * Nemotron 3 Nano Omni: RADIO at the image's own size (16 px patches, shuffled 2x2), framed by
   ``<img>`` / ``</img>``, and a Nemotron-H hybrid text model (a Mamba-2 layer, whose state lives
   in the state pool with rows never right-padded, and an attention layer).
-* Refused at load, saying why: Phi-4-SigLIP and Phi-4-multimodal (one out-of-vocabulary id per
-  image, expanded inside the model), Moondream 3 (the image always after the BOS, no placeholder).
+* Phi-4-multimodal and Bunny: the processor (Bunny's: mlx-vlm's prompt builder) leaves one mark
+  (-200, outside the vocabulary) per image and the model splices the image's rows in: served as an
+  image the model expands, its run written as an in-vocabulary stand-in; Bunny one image a prompt.
+* Refused at load, saying why: Phi-4-SigLIP (its processor wraps the prompt in its chat template),
+  Moondream 3 (the image always after the BOS, no placeholder).
 * Idefics2 (a perceiver resampler to 4 latents per image): its processor rewrites the text
   around an image (two images' markers merge into one, a space goes between a closing marker
   and the text after it), which the family hook applies where the pieces meet.
@@ -62,8 +65,8 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
   the processor, decides an image's length (a tile's features and a block of newlines per image
   token): the engine's run is the model's rows, measured on the engine thread; one image a prompt
   (mlx-vlm's model merges the first image's tiles only).
-* Refused at load, saying why: Bunny and FastVLM (the model splices an image in for one -200
-  mark), GOT-OCR 2.0 (its processor names no placeholder and wraps every prompt in its own conversation).
+* Refused at load, saying why: GOT-OCR 2.0 (its processor names no placeholder and wraps every
+  prompt in its own conversation).
 * Molmo 2: the generic path alone, with the placeholder its processor names
   ``image_placeholder_token``: a low-resolution view and overlapping crops, rows closed by
   ``<im_col>``, features added to the ``<im_patch>`` embeddings; its images are 400+ tokens
@@ -132,8 +135,6 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
   with its defaults), so its pools are larger.
 * Refused at load, saying why: MiniMax-M3-VL (its sparse-attention layers keep the indexer's keys in
   a cache kind of mlx-vlm's own, ``MiniMaxM3KVCache``, which the engine does not page).
-* Refused at load, saying why: Janus (``multi_modality``, tests/tiny_vlm_deepseek_ocr.py: mlx-vlm's
-  load gives its tokenizer alone, and the model splices an image's tokens and features in itself).
 
 All: one and two images (one for ``ONE_IMAGE``) equal mlx-vlm, batched with text-only requests
 equals solo (chunked prefills ending inside images, preemption), prefix cache on equals off with an
@@ -204,6 +205,8 @@ PLACEHOLDER = {
     "step3p7": "<im_patch>",
     "deepseek_vl_v2": "<image>",
     "falcon_ocr": "<|image|>",
+    "phi4mm": "<image>",
+    "llava_bunny": "<image>",
 }
 
 HYBRID = {"qwen3_5", "qwen3_5_moe", "lfm2_vl", "d1", "nemotron_h_nano_omni", "clef", "indic_ocr",
@@ -211,15 +214,16 @@ HYBRID = {"qwen3_5", "qwen3_5_moe", "lfm2_vl", "d1", "nemotron_h_nano_omni", "cl
           "minicpmv4_6", "minicpmv4_7"}
 """Families whose text model has recurrent layers (a state pool beside the KV blocks)."""
 
-KV_SCALE = {"molmo2": 8, "step3p7": 2, "gemma4_unified": 5}
+KV_SCALE = {"molmo2": 8, "step3p7": 2, "gemma4_unified": 5, "llava_bunny": 7}
 """Families whose images are hundreds of tokens even in a tiny model (mlx-vlm's ``load`` builds
 Molmo 2's image processor with its defaults: 378 px crops, 424 tokens or more an image; Step
 3.7's processor resizes every image to 728 px, 171 tokens; Gemma 4 unified's, built with its
-defaults too, up to 280 tokens, 531 for the batched test's two images): their
+defaults too, up to 280 tokens, 531 for the batched test's two images; mlx-vlm's Bunny asserts
+729 features an image): their
 KV pools are this many times larger, so the same prompts fit, and the small pool still preempts."""
 
 
-MODEL_EXPANDS = {"llava_next", "granite_vision"}
+MODEL_EXPANDS = {"llava_next", "granite_vision", "phi4mm", "llava_bunny"}
 """Families whose model, not their processor, decides an image's length (``vlm_generic``:
 ``expands_in_model``): the engine's prompt is the sequence mlx-vlm's model generates over."""
 
@@ -231,6 +235,9 @@ ONE_IMAGE = {
     "paddleocr_vl": "fails on two",  # its processor stacks a prompt's images as one array
     "step3p7": "fails on two",  # its processor puts all of a prompt's images at its one <im_patch>
     "falcon_ocr": "writes the prompt itself, with one image",  # and expands the first image only
+    # mlx-vlm builds Bunny's prompt itself, keeping the text up to a second <image> only, and its
+    # model splices the first image's features alone.
+    "llava_bunny": "mlx-vlm's model merges the first image's features only",
 }
 """Families the engine serves one image a prompt (the reason its refusal gives): mlx-vlm's own
 generation (the oracle) cannot take two either. A prompt of two is refused, that request alone,
@@ -327,29 +334,51 @@ def test_the_prompt_is_expanded_as_mlx_vlm_expands_it(family, engine):
             continue
         # The text alone, not in a list, as mlx-vlm's generation passes it (DeepSeek-VL2's processor
         # takes a list as a batch of prompts with one image each).
-        expected = np.asarray(processor(text=text, images=images)["input_ids"]).reshape(-1).tolist()  # [1, n] or [n]
+        expected = processor_ids(model_dir, processor, text, images)
         if name in MODEL_EXPANDS:
-            expected = model_expanded(model_dir, text, images, expected)
+            expected = model_expanded(model_dir, text, images, expected, engine.vision.image_token_id)
         assert engine.prepare_prompt(text, images).token_ids == expected, text
     if name == "gemma3":  # "user\n" + "\n\n<start_of_image>" tokenized as one "\n\n\n"
         [three_newlines] = engine.tokenizer.encode("\n\n\n", add_special_tokens=False)
         assert three_newlines in engine.prepare_prompt(f"user\n{pad}\nWhat?", [picture(0)]).token_ids
 
 
-def model_expanded(model_dir, text: str, images: list, ids: list[int]) -> list[int]:
-    """The processor's ``ids`` (one image) with the image's run as long as the rows mlx-vlm's model
-    merges for it: the sequence mlx-vlm's generation runs its text model over."""
+def processor_ids(model_dir, processor, text: str, images: list) -> list[int]:
+    """The prompt's ids as mlx-vlm's processor gives them, or, where mlx-vlm's ``load`` gives a
+    tokenizer alone (Bunny), as mlx-vlm's ``prepare_inputs`` builds them (it inserts the mark)."""
+    from mlx_vlm.utils import load_config, prepare_inputs
+
+    if getattr(processor, "tokenizer", None) is not None:
+        return np.asarray(processor(text=text, images=images)["input_ids"]).reshape(-1).tolist()  # [1, n] or [n]
+    mark = load_config(model_dir).get("image_token_index")
+    inputs = prepare_inputs(processor, images=images, prompts=text, image_token_index=mark)
+    return np.array(inputs["input_ids"])[0].tolist()
+
+
+def model_expanded(model_dir, text: str, images: list, ids: list[int], stand_in: int) -> list[int]:
+    """The processor's ``ids`` with each image's run as long as the rows mlx-vlm's model merges for
+    it: the sequence mlx-vlm's generation runs its text model over. One image: its run (first to last
+    image token) takes the model's rows for the prompt; a mark outside the vocabulary (-200, one per
+    image) takes the model's rows for that image alone, written as the engine's ``stand_in``."""
     from mlx_vlm import load
     from mlx_vlm.utils import prepare_inputs
 
     model, processor = load(str(model_dir))
-    inputs = prepare_inputs(processor, images=images, prompts=text)
-    rest = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
-    rows = model.get_input_embeddings(inputs["input_ids"], inputs["pixel_values"], **rest).inputs_embeds.shape[1]
     image_token = model.config.image_token_index
+
+    def rows(prompt: str, pictures: list) -> int:
+        inputs = prepare_inputs(processor, images=pictures, prompts=prompt, image_token_index=image_token)
+        rest = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
+        merged = model.get_input_embeddings(inputs["input_ids"], inputs["pixel_values"], **rest)
+        return merged.inputs_embeds.shape[1] - inputs["input_ids"].shape[1]  # rows the model adds
+
+    if image_token < 0:
+        marks = iter(images)  # each mark's rows: the image alone under the placeholder these families share
+        return [t for token in ids for t in ([stand_in] * (1 + rows("<image>", [next(marks)]))
+                                              if token == image_token else [token])]  # fmt: skip
     first = ids.index(image_token)
     run = len(ids) - first - ids[::-1].index(image_token)
-    return ids[:first] + [image_token] * (rows - len(ids) + run) + ids[first + run :]
+    return ids[:first] + [image_token] * (rows(text, images) + run) + ids[first + run :]
 
 
 # -- batching, chunking, preemption -------------------------------------------------------------
@@ -550,19 +579,13 @@ def test_mistral3_with_a_ministral3_text_model_is_refused_before_loading(tmp_pat
 
 
 REFUSED_AT_LOAD = {
-    # Phi-4-multimodal's processor writes one id (-200, outside the vocabulary) per "<image>" and
-    # the model puts the features in its place; Phi-4-SigLIP's does too, after wrapping any
-    # prompt without "<|im_start|>" in its chat template, so its run is not where the text put it.
-    "phi4mm": "marks an image with the id -200, outside the vocabulary",
+    # Phi-4-SigLIP's processor writes one id (-200, outside the vocabulary) per "<image>" after
+    # wrapping any prompt without "<|im_start|>" in its chat template, so its run is not where the text put it.
     "phi4_siglip": "its run is not put where the placeholder stands in a prompt",
     # Moondream 3's processor puts the one image after the BOS whatever the text says; GOT-OCR's
     # wraps every prompt in a conversation of its own.
     "moondream3": "its run is not put where the placeholder stands in a prompt",
     "got": "its run is not put where the placeholder stands in a prompt",
-    # Bunny: mlx-vlm's processor is the tokenizer; its prompt builder inserts -200 for the model to splice.
-    "llava_bunny": r"processor is a tokenizer alone: mlx-vlm's model splices an image's features in itself",
-    # FastVLM: the processor marks an image with -200, which the model replaces by its features.
-    "fastvlm": r"marks an image with the id -200, outside the vocabulary: mlx-vlm's model splices",
     # MolmoPoint's point predictor keeps per-request image state on the model between steps.
     "molmo_point": r"'molmo_point'.*per-request image state.*point predictor",
     # Molmo's processor ignores placeholders: every image's tokens go before the whole text.
@@ -586,9 +609,6 @@ REFUSED_AT_LOAD = {
     # ids there too) beside sparse-attention (QSA) layers whose indexer keeps pooled keys in a cache
     # kind of its own (QSAKVCache), which the engine does not page: the state calls are met first.
     "qwen4_exp": r"'qwen4_exp'.*its recurrent layers call update_\w+\(\) on their state cache",
-    # Janus: mlx-vlm registers no processor class for it (load gives the tokenizer, with the image
-    # processor attached), and its model inserts num_image_tokens image tokens for each mark itself.
-    "multi_modality": r"'multi_modality'.*processor is a tokenizer alone: mlx-vlm's model splices",
     # MiniMax-M3-VL: its sparse-attention layers (every layer after the first three in its config's own
     # layout) keep the indexer's keys beside the KV in MiniMaxM3KVCache, a cache class of mlx-vlm's own
     # (not a CacheList of plain caches, as mlx-lm's MiniMax-M3 keeps them), which the engine does not page.

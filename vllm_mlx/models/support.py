@@ -110,6 +110,7 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
                         "deepseek_vl_v2",
                         "gemma4_unified",
                         "falcon_ocr",
+                        "phi4mm", "llava_bunny",
                         )},
     },
 }
@@ -139,8 +140,6 @@ REFUSED_AT_LOAD: dict[str, str] = {
     "to their state through calls of mlx-vlm's own",
     "minimax_m3_vl": "its sparse-attention layers keep the indexer's keys in MiniMaxM3KVCache, a cache class of "
     "mlx-vlm's own, which the engine does not page",
-    "multi_modality": "mlx-vlm loads its tokenizer alone (no processor class of its own is registered) and its "
-    "model splices an image's tokens and features in for each mark",
 }
 
 CACHE_FILE = "model_support.json"
@@ -231,7 +230,6 @@ def classify_vision(name: str) -> Architecture:
     from vllm_mlx.multimodal.vlm_generic import (
         IGNORED_FEATURES,
         POSITION_FEATURES,
-        SPLICED_BY_THE_MODEL,
         TOKEN_FEATURES,
         VISION_BLOCKS,
         VISUAL_FEATURES,
@@ -251,10 +249,8 @@ def classify_vision(name: str) -> Architecture:
     if embeddings is None:
         reason = "its model has no get_input_embeddings, the interface the generic path drives"
         return Architecture(name, VISION, REFUSED, reason)
-    mark = _negative_image_mark(name)
-    if mark is not None:
-        what = f"its image mark is the id {mark}, outside the vocabulary"
-        return Architecture(name, VISION, REFUSED, SPLICED_BY_THE_MODEL.format(what=what))
+    # A negative image mark (_negative_image_mark: LLaVA's -200) is served as an image the model
+    # expands (vlm_generic's expands_in_model); the check at load refuses a model that splices nothing.
     both_ways = _bidirectional_by_default(name, code)
     if both_ways and both_ways != VISION_BLOCKS:  # image blocks both ways are served; a whole prompt is not
         return Architecture(name, VISION, REFUSED, both_ways_reason(both_ways))

@@ -617,6 +617,8 @@ def load_vision_language_model(path: Path, config: dict, trust_remote_code: bool
         model = load_model(path)
         make_portable(model)  # Metal-only kernels (Muse Spark's) in MLX ops, on a backend without Metal
         processor = load_processor(path, add_detokenizer=False, trust_remote_code=trust_remote_code)
+        if getattr(processor, "tokenizer", None) is None:  # a tokenizer alone (Bunny, Janus): mlx-vlm's
+            _attach_image_processor(processor, path)  # load attaches the package's image processor to it
     except (ValueError, OSError, KeyError, TypeError) as exc:
         raise ModelSourceError(f"cannot load the vision-language model in {path}: {exc}".splitlines()[0]) from exc
     except ImportError as exc:  # a processor class whose backend is missing: transformers' torch-only ones
@@ -629,6 +631,16 @@ def load_vision_language_model(path: Path, config: dict, trust_remote_code: bool
         raise UnsupportedModelError(
             f"vision-language architecture {model_type!r} is not supported by the paged engine: {exc}"
         ) from None
+
+
+def _attach_image_processor(tokenizer, path: Path) -> None:
+    """The model package's own image processor on ``tokenizer``, as mlx-vlm's ``load`` attaches it
+    (its ``prepare_inputs`` then builds the prompt itself: ``vlm_generic.SplicingPromptBuilder``)."""
+    from mlx_vlm.utils import load_image_processor
+
+    image_processor = load_image_processor(path)
+    if image_processor is not None:
+        tokenizer.image_processor = image_processor
 
 
 def _first_paragraph(exc: Exception) -> str:

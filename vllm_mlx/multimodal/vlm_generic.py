@@ -71,7 +71,7 @@ Family hooks (``vlm_families.py``) add what differs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import numpy as np
@@ -189,6 +189,65 @@ class ImageRun:
         return expanded[self.prefix : len(expanded) - self.suffix]
 
 
+class SplicingPromptBuilder:
+    """mlx-vlm's prompt builder as a processor, for a model whose ``load`` gives the tokenizer alone
+    with the model's own image processor attached (Bunny, Janus: ``prepare_inputs`` builds their
+    prompts itself): the text split at ``<image>``, each piece tokenized as a prompt (a tokenizer
+    that adds a BOS adds it to every piece, as mlx-vlm's does), the model's ``image_token_index``
+    between the first two pieces, the image processor's pixels stacked. mlx-vlm keeps the first two
+    pieces only (a second image drops the text after it), so a second image is refused here: the
+    check at load then serves one image a prompt (``_fails_on_two_images``)."""
+
+    image_token = "<image>"
+
+    def __init__(self, tokenizer, image_processor, mark: int) -> None:
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.mark = mark
+
+    @classmethod
+    def around(cls, model, processor):
+        """``processor``, or the builder around it where mlx-vlm builds the prompt itself."""
+        from mlx_vlm.models.base import BaseImageProcessor
+
+        image_processor = getattr(processor, "image_processor", None)
+        mark = getattr(getattr(model, "config", None), "image_token_index", None)
+        if getattr(processor, "tokenizer", None) is not None or not isinstance(image_processor, BaseImageProcessor):
+            return processor
+        return processor if mark is None else cls(processor, image_processor, mark)
+
+    def __call__(self, text, images, return_tensors="np"):
+        [prompt] = text
+        pieces = prompt.split(self.image_token)
+        if len(pieces) != 2 or len(images) != 1:
+            raise ValueError("mlx-vlm's prompt builder places one image a prompt (it drops the text after a second)")
+        ids = [*self.tokenizer(pieces[0])["input_ids"], self.mark, *self.tokenizer(pieces[1])["input_ids"]]
+        pixels = np.stack(self.image_processor.preprocess(images=[image.convert("RGB") for image in images]))
+        return {"input_ids": np.array([ids]), "pixel_values": pixels}
+
+
+def _stand_in_for_a_mark(processor, mark: int) -> int:
+    """The token that stands for an image whose processor marks it with a negative id (``mark``,
+    LLaVA's -200: no token) where its placeholder text is several tokens: the id of the processor's
+    or the tokenizer's ``image_token`` where that is one token, else the tokenizer's pad token (a
+    token prompts do not write; one that does gets a placeholder too many, refused by count). The
+    run's rows are the model's whatever the id, and the image's hash keys the prefix cache.
+
+    Raises:
+        UnsupportedModelError: The tokenizer has neither.
+    """
+    tokenizer = processor.tokenizer
+    for owner in (processor, tokenizer):
+        text = getattr(owner, "image_token", None)
+        ids = tokenizer.encode(text, add_special_tokens=False) if isinstance(text, str) and text else []
+        if len(ids) == 1:
+            return ids[0]
+    if isinstance(getattr(tokenizer, "pad_token_id", None), int):
+        return tokenizer.pad_token_id
+    raise UnsupportedModelError(f"its processor marks an image with the id {mark}, and its tokenizer has no "
+                                "image or pad token to stand for it in a prompt")  # fmt: skip
+
+
 class LanguageSplit:
     """A language model as backbone (hidden states) and head (logits), where that split gives
     exactly the logits of the model's own call; else the call itself, whose logits the runner
@@ -232,7 +291,10 @@ class GenericVisionModel(VisionLanguageModel):
     """
 
     def __init__(self, model, processor, config: dict, path) -> None:
+        processor = SplicingPromptBuilder.around(model, processor)
         self.image_placeholder_text, self._plain_ids, self._run = self._find_placeholder(processor)
+        if self._run.stand_in < 0:  # the processor's mark (-200) is no token: the run needs one that is
+            self._run = replace(self._run, stand_in=_stand_in_for_a_mark(processor, self._run.stand_in))
         several = len(self._run.placeholder(self._plain_ids)) > 1
         self._stand_in_text = (
             _stand_in_text(processor, self.image_placeholder_text, self._run.stand_in) if several else None
@@ -398,16 +460,17 @@ class GenericVisionModel(VisionLanguageModel):
             raise UnsupportedModelError(both_ways_reason(self.both_ways))
         probe = Image.new("RGB", PROBE_IMAGE_SIZE, (96, 160, 32))
         image = self.process(probe, MediaPolicy.operator())
-        # A negative id (FastVLM's -200) is no token: a mark where the model splices features in.
+        # A negative id (FastVLM's -200) is no token: a mark the model splices an image's rows in for,
+        # served as an image the model expands (its run's ids in-vocabulary stand-ins, module doc).
         marks = sorted({token for token in image.token_ids if token < 0})
-        if marks:
-            what = f"its processor marks an image with the id {marks[0]}, outside the vocabulary"
-            raise UnsupportedModelError(SPLICED_BY_THE_MODEL.format(what=what))
         outside = _positions_outside_the_run(image)
         if outside:  # mlx-vlm's MiniCPM models write features there unchecked: refuse, never corrupt memory
             raise UnsupportedModelError(f"its processor's {outside} points outside the image's run of tokens")
         merged = self._refusing_known_failures(self._merged, image)
-        if not self.expands_in_model and _embeds(merged).shape[1] != image.num_tokens:
+        if marks and not self._splices_the_image(image, merged):
+            what = f"its processor marks an image with the id {marks[0]}, outside the vocabulary, and its model"
+            raise UnsupportedModelError(f"{what} splices no image features in for it")
+        if not self.expands_in_model and (marks or _embeds(merged).shape[1] != image.num_tokens):
             self._expand_in_model()
             image = self.process(probe, MediaPolicy.operator())
             merged = self._merged(image)
@@ -459,6 +522,15 @@ class GenericVisionModel(VisionLanguageModel):
                 "the processor's run, which the model's longer run of rows has no ids for"
             )
         self.expands_in_model = True
+
+    def _splices_the_image(self, image: ImageInput, merged) -> bool:
+        """Whether the model's rows for a run with a negative mark depend on the image (another
+        image, the pixels negated, gives other rows): features spliced in, not the mark's lookup."""
+        encoder_inputs = {k: v for k, v in image.encoder_inputs.items() if k != PROCESSOR_RUN_KEY}
+        run = [int(token) for token in image.encoder_inputs.get(PROCESSOR_RUN_KEY, image.token_ids)]
+        other = self._model_rows(run, -np.asarray(image.pixel_values), encoder_inputs)
+        rows = _embeds(merged)[0]
+        return other.shape != rows.shape or not mx.allclose(other, rows, atol=1e-6).item()
 
     def _merges_each_image_alone(self, image: ImageInput, merged) -> bool:
         """Whether the model's rows for two images with a token between are each image's own rows
@@ -585,7 +657,9 @@ class GenericVisionModel(VisionLanguageModel):
     def _merged_run(self, run: list[int], pixels: np.ndarray, encoder_inputs: dict[str, np.ndarray]):
         ids = mx.array([run])
         inputs = {name: mx.array(value) for name, value in encoder_inputs.items() if name != PROCESSOR_RUN_KEY}
-        return self.model.get_input_embeddings(ids, mx.array(pixels), mask=mx.ones(ids.shape), **inputs)
+        # An integer mask, as mlx-vlm's prepare_inputs gives: FastVLM slices the ids by its sums.
+        mask = mx.ones(ids.shape, dtype=mx.int32)
+        return self.model.get_input_embeddings(ids, mx.array(pixels), mask=mask, **inputs)
 
     def _model_rows(self, run: list[int], pixels: np.ndarray, encoder_inputs: dict[str, np.ndarray]) -> mx.array:
         """The model's rows for the processor's run, unevaluated (their shape is the run's length)."""
@@ -638,8 +712,7 @@ def _placeholder(processor) -> tuple[str, list[int], ImageRun]:
     """
     from PIL import Image
 
-    tokenizer = getattr(processor, "tokenizer", None)
-    if tokenizer is None:  # mlx-vlm's load gave the tokenizer alone (Bunny): nothing expands an image
+    if getattr(processor, "tokenizer", None) is None:  # a tokenizer alone with no image processor
         raise UnsupportedModelError(SPLICED_BY_THE_MODEL.format(what="its processor is a tokenizer alone"))
     probe = Image.new("RGB", PROBE_IMAGE_SIZE)
     failures = []

@@ -136,6 +136,18 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
 * Refused at load, saying why: MiniMax-M3-VL (its sparse-attention layers keep the indexer's keys in
   a cache kind of mlx-vlm's own, ``MiniMaxM3KVCache``, which the engine does not page).
 
+* LocateAnything (tests/tiny_vlm_misc.py): MoonViT and a Qwen2 text model under a processor
+  that expands numbered ``<image-N>`` placeholders, not its ``image_token``: a hook names the
+  placeholder and writes the run's token for each numbered one.
+* Inkling (tests/tiny_vlm_misc.py): a patchifier without attention, one token a 40 px tile, and
+  a text model without rotary positions (a banded relative-bias mask and log-scaled queries
+  placed from the number of keys the cache returns: one row a forward call), with short
+  convolutions whose states sit in the state pool beside each layer's KV (a ``CacheList``).
+* Refused at load, saying why (tests/tiny_vlm_misc.py): PLaMo 2 VL (its processor names no
+  placeholder and puts every image at the start of a fixed instruction template of its own), and,
+  from its config before anything loads, Moondream 2 (Moondream 3's processor, its tokenizer
+  always fetched from the hub).
+
 All: one and two images (one for ``ONE_IMAGE``) equal mlx-vlm, batched with text-only requests
 equals solo (chunked prefills ending inside images, preemption), prefix cache on equals off with an
 image in the cached prefix, and the MLLM cache runs the encoder once for an image seen twice.
@@ -207,11 +219,12 @@ PLACEHOLDER = {
     "falcon_ocr": "<|image|>",
     "phi4mm": "<image>",
     "llava_bunny": "<image>",
+    "locateanything": "<image-1>",
+    "inkling": "<|content_image|><|unused_200054|>",
 }
 
 HYBRID = {"qwen3_5", "qwen3_5_moe", "lfm2_vl", "d1", "nemotron_h_nano_omni", "clef", "indic_ocr",
-          "prism_hadamard_qwen35", "kimi_k3",
-          "minicpmv4_6", "minicpmv4_7"}
+          "prism_hadamard_qwen35", "kimi_k3", "minicpmv4_6", "minicpmv4_7", "inkling"}
 """Families whose text model has recurrent layers (a state pool beside the KV blocks)."""
 
 KV_SCALE = {"molmo2": 8, "step3p7": 2, "gemma4_unified": 5, "llava_bunny": 7}
@@ -613,6 +626,9 @@ REFUSED_AT_LOAD = {
     # layout) keep the indexer's keys beside the KV in MiniMaxM3KVCache, a cache class of mlx-vlm's own
     # (not a CacheList of plain caches, as mlx-lm's MiniMax-M3 keeps them), which the engine does not page.
     "minimax_m3_vl": r"'minimax_m3_vl' needs MiniMaxM3KVCache caches",
+    # PLaMo 2 VL's processor names no placeholder: it writes the prompt into a fixed instruction
+    # template with every image at the start (a placeholder in the text is counted as an extra image).
+    "plamo2vl": r"'plamo2vl'.*names none, and puts an image's tokens into a prompt that has no placeholder",
 }
 """Families the engine refuses at load, on a tiny model of their own: the message each must say
 (``support.REFUSED_AT_LOAD`` gives the support table the same verdict, naming this test)."""
@@ -754,3 +770,58 @@ def model_expanded_run(model_dir, image) -> list[int]:
     _, processor = load(str(model_dir))
     ids = np.asarray(processor(text="<image>", images=[image])["input_ids"]).reshape(-1).tolist()
     return [token for token in ids if token == processor.tokenizer.convert_tokens_to_ids("<image>")]
+
+
+def test_moondream2_is_refused_before_its_processor_reaches_for_the_hub(tmp_path):
+    """mlx-vlm's Moondream2Processor is Moondream 3's (which puts the one image after the BOS,
+    refused above) with the tokenizer always fetched from the hub (``moondream/starmie-v1``):
+    the engine refuses it from its config, at once, rather than after a minute of retries offline."""
+    import time
+
+    from tiny_vlm_misc import build_tiny_moondream2
+
+    model_dir = build_tiny_moondream2(tmp_path / "moondream2")
+    start = time.perf_counter()
+    with pytest.raises(UnsupportedModelError, match="'moondream2'.*Moondream 3's processor.*after the BOS"):
+        EngineCore(model=str(model_dir), num_kv_blocks=32, block_size=4)
+    assert time.perf_counter() - start < 5
+
+
+def test_locateanything_numbered_placeholders_are_expanded_as_its_processor_expands_them(tmp_path):
+    """Its processor expands every ``<image-N>`` (numbers ignored, images in order): so does the
+    engine, whichever numbers a prompt uses, and greedy tokens equal mlx-vlm's."""
+    from mlx_vlm import load
+    from tiny_vlm_misc import build_tiny_locateanything
+
+    model_dir = build_tiny_locateanything(tmp_path / "locateanything")
+    _, processor = load(str(model_dir))
+    a, b = picture(3), picture(4, (100, 60))
+    text = "First <image-1> then <image-2> compare."
+    expected_ids = np.asarray(processor(text=text, images=[a, b])["input_ids"]).reshape(-1).tolist()
+    engine = family_engine(model_dir, num_kv_blocks=96)
+    try:
+        assert engine.prepare_prompt(text, [a, b]).token_ids == expected_ids
+        assert tokens(run_prompts(engine, [(text, [a, b])])) == [mlx_vlm_greedy(model_dir, text, [a, b], 8)]
+    finally:
+        engine.shutdown()
+
+
+def test_jina_vlm_rows_at_different_positions_take_a_call_each_and_equal_mlx_vlm(tmp_path):
+    """Jina VLM's rotary positions start at ``offset.max()`` for every row of a call, so rows take
+    a call each (``ONE_ROW_PER_CALL``): an image prompt batched with a text one equals both solo and
+    mlx-vlm. (Not a family above: mlx-vlm's own generation fails on two images in one prompt, its
+    processor stacking them as a batch of prompts; and its processor's 378 px crops make every
+    image 400+ tokens.)"""
+    from tiny_vlm_misc import build_tiny_jina_vlm
+
+    model_dir = build_tiny_jina_vlm(tmp_path / "jina_vlm")
+    image = picture(1, (100, 60))
+    prompts = [("<|image|>What is in the picture?", [image]), ("A plain text prompt, no image.", [])]
+    engine = family_engine(model_dir, num_kv_blocks=240, enable_prefix_caching=False)  # images of 400+ tokens
+    try:
+        solo = [tokens(run_prompts(engine, [p]))[0] for p in prompts]
+        batched = tokens(run_prompts(engine, prompts))
+    finally:
+        engine.shutdown()
+    assert batched == solo
+    assert solo[0] == mlx_vlm_greedy(model_dir, *prompts[0], max_tokens=8)

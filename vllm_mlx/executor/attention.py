@@ -87,6 +87,9 @@ RECURRENT_ARCHITECTURES: dict[str, bool] = {
     "d1": True,  # d1 through mlx-vlm: LFM2-VL's model (typed-decision readouts added), the same layers
     "kimi_linear": False,  # Kimi Delta Attention layers beside MLA ones
     "kimi_k3": False,
+    # mlx-vlm's Inkling: a CacheList layer, short-convolution states (keys, values, both residual
+    # branches) beside the KV; never padded: its attention takes one row a call (ONE_ROW_PER_CALL).
+    "inkling": False,
     "recurrent_gemma": False,
     "clef": True,  # mlx-vlm's CLEF: Qwen3.5's model whole (a subclass), a decision head beside it
     "indic_ocr": True,  # mlx-vlm's IndicOCR (OCR stage): Qwen3.5's model whole (a subclass)
@@ -111,6 +114,10 @@ FRESH_ROWS_APART: dict[str, str] = {
 ONE_ROW_PER_CALL: dict[str, str] = {
     "gpt_bigcode": "its positions are np.arange(cache[0].offset, ...), one start for every row",
     "phi3small": "its block-sparse attention builds one block mask for every row, from one offset",
+    # mlx-vlm's Jina VLM ("jvlm" in its checkpoints' config, "jina_vlm" its package).
+    **dict.fromkeys(("jvlm", "jina_vlm"), "its rotary positions start at offset.max().item(), one start for every row"),
+    "inkling": "its queries' positions are S - L from the S keys its cache returns (relative-bias mask, log "
+    "scaling): one start for every row, right only where the row's keys are exactly its own",
 }
 
 

@@ -33,6 +33,7 @@ import argparse
 import dataclasses
 import hashlib
 import importlib
+import importlib.util
 import inspect
 import json
 import os
@@ -111,6 +112,7 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
                         "gemma4_unified",
                         "falcon_ocr",
                         "phi4mm", "llava_bunny",
+                        "locateanything", "inkling",
                         )},
     },
 }
@@ -140,6 +142,28 @@ REFUSED_AT_LOAD: dict[str, str] = {
     "to their state through calls of mlx-vlm's own",
     "minimax_m3_vl": "its sparse-attention layers keep the indexer's keys in MiniMaxM3KVCache, a cache class of "
     "mlx-vlm's own, which the engine does not page",
+    "plamo2vl": "its processor names no image placeholder: it writes the prompt into a fixed instruction template "
+    "with every image at its start, whatever the prompt says",
+}
+
+# mlx-vlm architectures whose processor no model directory of ours can hold, so no tiny model loads
+# here: where it comes from instead. The table keeps them runs-untested with this reason (what the
+# engine does with a real checkpoint: its check at load decides, or ModelSourceError names what failed).
+PROCESSOR_ELSEWHERE: dict[str, str] = {
+    "youtu_vl": "mlx-vlm ships no processor for it: the checkpoint's own remote code is its processor (loaded "
+    "with --trust-remote-code, then the check at load decides); without that code the engine raises "
+    "ModelSourceError at load (transformers finds no processing class)",
+}
+
+# mlx-vlm architectures whose processor needs a package that may be missing: (package, why). Without
+# it the engine raises ModelSourceError at load saying so, which the named test holds it to.
+PROCESSOR_NEEDS: dict[str, tuple[str, str, str]] = {
+    "mistral_large3": (
+        "torchvision",
+        "mlx-vlm leaves it transformers' PixtralProcessor, which needs torch and torchvision",
+        "tests/multimodal/test_vlm_families.py::"
+        "test_mistral_large3_without_torch_is_refused_saying_its_processor_needs_it",
+    ),
 }
 
 CACHE_FILE = "model_support.json"
@@ -401,6 +425,11 @@ def _with_evidence(row: Architecture) -> Architecture:
     """``supported`` when a test runs a runnable architecture (a tested architecture whose
     probe could not be built keeps the test's word: the test is the stronger evidence);
     ``refused`` when a test finds the engine refuses it at load (``REFUSED_AT_LOAD``)."""
+    if row.source == VISION and row.status == RUNS and row.name in PROCESSOR_ELSEWHERE:
+        return dataclasses.replace(row, detail=PROCESSOR_ELSEWHERE[row.name])
+    missing = _missing_processor_package(row)
+    if missing is not None:
+        return dataclasses.replace(row, status=REFUSED, detail=missing)
     refused = REFUSED_AT_LOAD.get(row.name) if row.source == VISION and row.status == RUNS else None
     if refused is not None:
         detail = f"{refused} (refused at load: `{REFUSED_AT_LOAD_TEST}[{row.name}]`)"
@@ -409,6 +438,16 @@ def _with_evidence(row: Architecture) -> Architecture:
     if test is None or row.status == REFUSED:
         return row
     return dataclasses.replace(row, status=SUPPORTED, test=test)
+
+
+def _missing_processor_package(row: Architecture) -> str | None:
+    """Why ``row``'s processor cannot load in this environment (``PROCESSOR_NEEDS``: a package
+    missing here), naming the test that holds the engine's ModelSourceError to it; None otherwise."""
+    need = PROCESSOR_NEEDS.get(row.name) if row.source == VISION and row.status == RUNS else None
+    if need is None or importlib.util.find_spec(need[0]) is not None:
+        return None
+    package, why, test = need
+    return f"{why}; {package} is not installed here: ModelSourceError at load, saying so (`{test}`)"
 
 
 # -- the cached full table -----------------------------------------------------------------------
@@ -420,7 +459,8 @@ def installed_versions() -> dict[str, str]:
     from vllm_mlx.platform.cpu_backend import describe_backend
 
     versions = {}
-    for package in ("mlx", "mlx-lm", "mlx-vlm"):
+    needed = sorted({need[0] for need in PROCESSOR_NEEDS.values()})  # a processor's package: installed or not
+    for package in ("mlx", "mlx-lm", "mlx-vlm", *needed):
         try:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:

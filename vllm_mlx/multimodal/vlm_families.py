@@ -24,6 +24,7 @@ per-modality experts); ``load_vision_language_model`` picks the adapter.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -53,6 +54,7 @@ __all__ = [
     "FalconOCRModel",
     "Gemma3Model",
     "Idefics2Model",
+    "LocateAnythingModel",
     "MiniCPMV47Model",
     "MiniCPMVModel",
     "Qwen2VLModel",
@@ -519,6 +521,25 @@ def _newline_run(tokens: list[int], newline_text, *, from_end: bool) -> int:
     return count
 
 
+class LocateAnythingModel(GenericVisionModel):
+    """LocateAnything: the generic path with numbered placeholders.
+
+    Its processor expands ``<image-N>`` (the number ignored: the images are taken in order) to
+    ``<img> <IMG_CONTEXT> x n </img>``, and refuses a prompt without as many of them as images:
+    its ``image_token`` (``<IMG_CONTEXT>``) is what the run repeats, not a placeholder, and no
+    attribute names the numbered one. So ``<image-1>`` is the placeholder, and every ``<image-N>``
+    of a prompt becomes the run's token before tokenizing, as the processor replaces each."""
+
+    model_types = ("locateanything",)
+    placeholder_texts = ("<image-1>",)
+    NUMBERED_PLACEHOLDER = re.compile(r"<image-\d+>")  # the processor's own pattern
+
+    def prompt_text(self, text: str) -> str:
+        if self._stand_in_text is None:  # a tokenizer with "<image-1>" as one token: no such checkpoint
+            return text
+        return self.NUMBERED_PLACEHOLDER.sub(self._stand_in_text, text)
+
+
 FAMILIES: tuple[type[VisionLanguageModel], ...] = (
     Qwen3VLModel,
     Qwen3_5Model,
@@ -528,6 +549,7 @@ FAMILIES: tuple[type[VisionLanguageModel], ...] = (
     MiniCPMV47Model,
     DeepseekVL2Model,
     FalconOCRModel,
+    LocateAnythingModel,
 )
 """The hooks: families whose prompt or positions the generic path cannot derive."""
 
@@ -547,6 +569,10 @@ ARCHITECTURE_REFUSALS: dict[str, str] = {
     # Falcon OCR's layout, positions and mask (served: ``FalconOCRModel``), and what no batch can share:
     "falcon_perception": "its decode steps feed coordinates and sizes decoded from the previous step's hidden "
     "state back into the next embedding (per-request state kept on its text model, _pending_coord_xy)",
+    # Refused before loading: its processor would first try the hub for a tokenizer (a minute of
+    # retries offline) only to meet the refusal Moondream 3's processor gets at the check at load.
+    "moondream2": "has Moondream 3's processor (mlx-vlm's Moondream2Processor changes only where the tokenizer "
+    "comes from: moondream/starmie-v1 on the hub), which puts the one image after the BOS whatever the prompt says",
 }
 """Vision-language architectures (``model_type``) refused whatever their checkpoint, and why:
 what the generic path's check at load cannot see (one call of the pieces, no generation)."""

@@ -290,6 +290,10 @@ class GenericVisionModel(VisionLanguageModel):
     (``InputProcessor.image_text``).
     """
 
+    placeholder_texts: tuple[str, ...] = ()
+    """Placeholders a family hook knows its processor expands, tried before the ones it names
+    (``_candidate_texts``): LocateAnything's numbered ``<image-N>``, which no attribute names."""
+
     def __init__(self, model, processor, config: dict, path) -> None:
         processor = SplicingPromptBuilder.around(model, processor)
         self.image_placeholder_text, self._plain_ids, self._run = self._find_placeholder(processor)
@@ -326,7 +330,7 @@ class GenericVisionModel(VisionLanguageModel):
     def _find_placeholder(self, processor) -> tuple[str, list[int], ImageRun]:
         """The placeholder text, its ids and the image's run against them (``_placeholder``); a
         hook's own where its processor writes the prompt itself (Falcon OCR's)."""
-        return _placeholder(processor)
+        return _placeholder(processor, self.placeholder_texts)
 
     # ---- what mlx-vlm's models share ------------------------------------------------------
 
@@ -702,10 +706,10 @@ def _call_here(fn):
     return fn()
 
 
-def _placeholder(processor) -> tuple[str, list[int], ImageRun]:
+def _placeholder(processor, known: tuple[str, ...] = ()) -> tuple[str, list[int], ImageRun]:
     """The text that stands for one image (the first the processor expands of
-    ``_candidate_texts`` where it stands in a prompt), its ids, and where the processor puts an
-    image's run against them.
+    ``known`` then ``_candidate_texts`` where it stands in a prompt), its ids, and where the
+    processor puts an image's run against them.
 
     Raises:
         UnsupportedModelError: The processor expands none of them.
@@ -716,7 +720,7 @@ def _placeholder(processor) -> tuple[str, list[int], ImageRun]:
         raise UnsupportedModelError(SPLICED_BY_THE_MODEL.format(what="its processor is a tokenizer alone"))
     probe = Image.new("RGB", PROBE_IMAGE_SIZE)
     failures = []
-    for text in _candidate_texts(processor):
+    for text in dict.fromkeys([*known, *_candidate_texts(processor)]):
         try:
             expanded = _expanded_ids(processor, text, probe)
             plain = _text_ids(processor, text)
@@ -726,9 +730,28 @@ def _placeholder(processor) -> tuple[str, list[int], ImageRun]:
             failures.append(f"{text!r}: its run is not put where the placeholder stands in a prompt")
         except Exception as exc:  # noqa: BLE001 -- a processor refuses a text its own way
             failures.append(f"{text!r}: {exc}".splitlines()[0])
+    if not failures and _places_images_itself(processor, probe):
+        failures.append(PLACES_IMAGES_ITSELF)
     raise UnsupportedModelError(
         "its processor expands no image placeholder it names" + (f" ({'; '.join(failures)})" if failures else "")
     )
+
+
+PLACES_IMAGES_ITSELF = (
+    "it names none, and puts an image's tokens into a prompt that has no placeholder, where it chooses"
+)
+"""Why a processor that names no placeholder is refused, where it places images itself (PLaMo 2 VL's
+writes every image at the start of a fixed instruction template): the engine places an image's run
+where the prompt names it, so it cannot follow such a processor."""
+
+
+def _places_images_itself(processor, image) -> bool:
+    """Whether the processor expands an image for a prompt with no placeholder (more ids than the
+    text alone), which tells a user why no placeholder of theirs can work."""
+    try:
+        return len(_expanded_ids(processor, IN_PLACE_HEAD, image)) > len(_text_ids(processor, IN_PLACE_HEAD))
+    except Exception:  # noqa: BLE001 -- a processor that wants a placeholder refuses a text without one
+        return False
 
 
 def _expanded_ids(processor, text: str, image) -> list[int]:

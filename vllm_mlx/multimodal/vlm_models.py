@@ -138,24 +138,15 @@ class VisionLanguageModel:
         ``attention.layer_specs`` reads the kind of each (full attention, sliding window,
         anything else refused). mlx-vlm has its own ``KVCache``/``RotatingKVCache`` classes;
         they are mapped to mlx-lm's here, so the runner needs no second vocabulary (and so is
-        mlx-vlm's ``ArraysCache``: recurrent state, checked by the config's ``model_type``).
+        mlx-vlm's ``ArraysCache``: recurrent state, checked by the config's ``model_type``, and its
+        ``CacheList``, member by member: Inkling's short-convolution state beside the KV).
         """
-        from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+        from mlx_lm.models.cache import KVCache
 
         make = getattr(self.language, "make_cache", None)
         if make is None:
             return [KVCache() for _ in self.layers]
-        caches = []
-        for cache in make():
-            kind = type(cache).__name__
-            if kind == "KVCache":
-                cache = KVCache()
-            elif kind == "RotatingKVCache" and cache.keep == 0:
-                cache = RotatingKVCache(max_size=cache.max_size, keep=0)
-            elif kind == "ArraysCache":
-                cache = ArraysCache(len(cache.cache))
-            caches.append(cache)  # any other kind is left as it is: layer_specs names it
-        return caches
+        return [_as_mlx_lm_cache(cache) for cache in make()]
 
     def __call__(self, inputs: mx.array, cache: list) -> mx.array:
         """Text only, over ``make_cache()``'s caches: ``state_pool.probe_state_layout`` runs a
@@ -294,3 +285,20 @@ def _preprocessor_settings(path: Path) -> Any:
     """The image processor's config as plain data ({} when the directory has none)."""
     file = path / "preprocessor_config.json"
     return json.loads(file.read_text()) if file.is_file() else {}
+
+
+def _as_mlx_lm_cache(cache):
+    """mlx-vlm's cache kinds as mlx-lm's (``make_cache``); any other kind is left as it is, for
+    ``layer_specs`` to name."""
+    from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+
+    kind = type(cache).__name__
+    if kind == "KVCache":
+        return KVCache()
+    if kind == "RotatingKVCache" and cache.keep == 0:
+        return RotatingKVCache(max_size=cache.max_size, keep=0)
+    if kind == "ArraysCache":
+        return ArraysCache(len(cache.cache))
+    if kind == "CacheList":
+        return CacheList(*(_as_mlx_lm_cache(member) for member in cache.caches))
+    return cache

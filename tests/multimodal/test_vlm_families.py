@@ -617,7 +617,7 @@ REFUSED_AT_LOAD = {
     "granite4_vision": r"deepstack features as whole-prompt arrays \(\(2, \d+, 64\)\).*different offsets",
     # Zaya1-VL's image-token mask passes; its CCA layers keep a convolution and the previous hidden
     # state in a CacheList beside the KV, a recurrent state no oracle test has checked in the state pool.
-    "zaya1_vl": r"'zaya1_vl' needs CacheList caches",
+    "zaya1_vl": r"'zaya1_vl'.*keeps, in each CCA layer, a convolution state and the previous hidden state",
     # Qwen4-Exp: Qwen3.5's delta-net layers (mlx-vlm's own state calls; its n-gram PLE keeps the last
     # ids there too) beside sparse-attention (QSA) layers whose indexer keeps pooled keys in a cache
     # kind of its own (QSAKVCache), which the engine does not page: the state calls are met first.

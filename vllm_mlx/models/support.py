@@ -135,8 +135,6 @@ REFUSED_AT_LOAD: dict[str, str] = {
     "generation never passes (its generation and its own model call disagree)",
     "granite4_vision": "its deepstack features are whole-prompt arrays its text model slices at the cache's "
     "offset, one for the batch, where rows of the engine's batch are at different offsets",
-    "zaya1_vl": "its CCA layers keep a convolution and the previous hidden state in a CacheList beside the KV, "
-    "recurrent state the engine's state pool keeps only for architectures checked against an oracle",
     "qwen4_exp": "its sparse-attention (QSA) layers keep an indexer's pooled keys in a cache of their own, "
     "which the engine does not page, and its delta-net layers (n-gram per-layer embeddings beside them) talk "
     "to their state through calls of mlx-vlm's own",

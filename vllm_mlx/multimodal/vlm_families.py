@@ -569,6 +569,10 @@ ARCHITECTURE_REFUSALS: dict[str, str] = {
     # Falcon OCR's layout, positions and mask (served: ``FalconOCRModel``), and what no batch can share:
     "falcon_perception": "its decode steps feed coordinates and sizes decoded from the previous step's hidden "
     "state back into the next embedding (per-request state kept on its text model, _pending_coord_xy)",
+    # No oracle either: mlx-vlm 0.7.10's own prefill calls its text model with ``inputs=``, which it does not
+    # take (TypeError) for any prompt of more than one token.
+    "zaya1_vl": "keeps, in each CCA layer, a convolution state and the previous hidden state in a CacheList beside "
+    "the KV, a recurrent state no oracle test has checked in the engine's state pool",
     # Refused before loading: its processor would first try the hub for a tokenizer (a minute of
     # retries offline) only to meet the refusal Moondream 3's processor gets at the check at load.
     "moondream2": "has Moondream 3's processor (mlx-vlm's Moondream2Processor changes only where the tokenizer "

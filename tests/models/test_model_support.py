@@ -64,10 +64,11 @@ def test_refusals_name_the_reason():
     assert diffusion.status == NOT_GENERATOR and diffusion.detail.startswith("a diffusion decoder")
     assert ngram.status == REFUSED and "needs ArraysCache caches" in ngram.detail
     assert "a fixed-size state slot cannot hold" in ngram.detail  # why, for this architecture
-    assert all(row.status == REFUSED for row in (florence2, mllama, hunyuan_vl))
+    assert all(row.status == REFUSED for row in (florence2, mllama))
     assert florence2.detail.startswith("its image embeddings come with decoder_inputs_embeds, which its text model")
     assert "cross_attention_states" in mllama.detail
-    assert hunyuan_vl.detail.startswith("it keeps multi-axis rotary positions as state on its text model, with no")
+    # Its positions are kept as state on its text model: its family hook passes its processor's with every call.
+    assert hunyuan_vl.status == SUPPORTED and hunyuan_vl.test.endswith("test_one_image_equals_mlx_vlm[hunyuan_vl]")
     assert siglip.status == NOT_GENERATOR and siglip.detail.startswith("no language model: an image encoder")
     # Its code reads as the generic path's; a tiny model of it is refused at load (the test is named).
     assert molmo.status == REFUSED and molmo.detail.startswith("its processor puts every image before the whole")

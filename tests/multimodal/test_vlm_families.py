@@ -148,6 +148,12 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
   from its config before anything loads, Moondream 2 (Moondream 3's processor, its tokenizer
   always fetched from the hub).
 
+* Hunyuan-VL (tests/tiny_vlm_hunyuan.py): its family hook passes the processor's 4-axis rotary
+  positions (base, w, h, t; grid values inside each image) with every call and takes mlx-vlm's
+  4-axis path at every offset (mlx-vlm's attention takes it only at offset 0); an image is 274+
+  tokens (512x512 px at least), so its pools are larger. One image a prompt (``ONE_IMAGE``):
+  mlx-vlm's tower attends across a prompt's images, where the engine encodes each alone.
+
 All: one and two images (one for ``ONE_IMAGE``) equal mlx-vlm, batched with text-only requests
 equals solo (chunked prefills ending inside images, preemption), prefix cache on equals off with an
 image in the cached prefix, and the MLLM cache runs the encoder once for an image seen twice.
@@ -221,19 +227,20 @@ PLACEHOLDER = {
     "llava_bunny": "<image>",
     "locateanything": "<image-1>",
     "inkling": "<|content_image|><|unused_200054|>",
+    "hunyuan_vl": "<hy_im_start><hy_image><hy_im_end>",
 }
 
 HYBRID = {"qwen3_5", "qwen3_5_moe", "lfm2_vl", "d1", "nemotron_h_nano_omni", "clef", "indic_ocr",
           "prism_hadamard_qwen35", "kimi_k3", "minicpmv4_6", "minicpmv4_7", "inkling"}
 """Families whose text model has recurrent layers (a state pool beside the KV blocks)."""
 
-KV_SCALE = {"molmo2": 8, "step3p7": 2, "gemma4_unified": 5, "llava_bunny": 7}
+KV_SCALE = {"molmo2": 8, "step3p7": 2, "gemma4_unified": 5, "llava_bunny": 7, "hunyuan_vl": 3}
 """Families whose images are hundreds of tokens even in a tiny model (mlx-vlm's ``load`` builds
 Molmo 2's image processor with its defaults: 378 px crops, 424 tokens or more an image; Step
 3.7's processor resizes every image to 728 px, 171 tokens; Gemma 4 unified's, built with its
 defaults too, up to 280 tokens, 531 for the batched test's two images; mlx-vlm's Bunny asserts
-729 features an image): their
-KV pools are this many times larger, so the same prompts fit, and the small pool still preempts."""
+729 features an image; Hunyuan-VL's processor resizes to 512x512 px or more, 274 tokens or more):
+their KV pools are this many times larger, so the same prompts fit, and the small pool still preempts."""
 
 
 MODEL_EXPANDS = {"llava_next", "granite_vision", "phi4mm", "llava_bunny"}
@@ -251,6 +258,9 @@ ONE_IMAGE = {
     # mlx-vlm builds Bunny's prompt itself, keeping the text up to a second <image> only, and its
     # model splices the first image's features alone.
     "llava_bunny": "mlx-vlm's model merges the first image's features only",
+    # mlx-vlm's tower runs one attention over all of a prompt's patches: the oracle takes two images,
+    # but each one's features depend on the other, where the engine encodes (and caches) each alone.
+    "hunyuan_vl": "tower attends across a prompt's images",
 }
 """Families the engine serves one image a prompt (the reason its refusal gives): mlx-vlm's own
 generation (the oracle) cannot take two either. A prompt of two is refused, that request alone,

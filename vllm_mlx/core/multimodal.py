@@ -83,9 +83,11 @@ class MultiModalInput:
         return tuple(im.image_hash for im in self.images if im.offset < end and im.end > start)
 
     def position_ids(self, start: int, count: int) -> np.ndarray:
-        """``[3, count]`` positions of tokens ``start .. start + count - 1``."""
+        """``[axes, count]`` positions of tokens ``start .. start + count - 1`` (``axes``: the prompt's,
+        3 for Qwen2-VL's layout, 4 for Hunyuan-VL's; past the prompt every axis is the same)."""
         index = np.arange(start, start + count, dtype=np.int64)
-        out = np.broadcast_to(index + self.rope_delta, (3, count)).copy()
+        axes = self.positions.shape[0] if self.positions is not None else 3
+        out = np.broadcast_to(index + self.rope_delta, (axes, count)).copy()
         if self.positions is not None:
             in_prompt = index < self.positions.shape[1]
             out[:, in_prompt] = self.positions[:, index[in_prompt]]

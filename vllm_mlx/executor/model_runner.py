@@ -378,9 +378,10 @@ class MLXModelRunner:
         return self.vision.hidden_states(inputs, caches, positions, images)
 
     def _position_ids(self, group: list[ScheduledRequest], width: int) -> mx.array:
-        """``[3, B, T]`` multi-axis rotary positions (padding positions are never seen). A prompt
-        whose positions the model computes itself (``positions``) gets them at its first step."""
-        positions = np.zeros((3, len(group), width), dtype=np.int32)
+        """``[axes, B, T]`` multi-axis rotary positions (padding positions are never seen). A prompt
+        whose positions the model computes itself (``positions``) gets them at its first step.
+        ``axes``: the model's (``position_axes``: 3 for Qwen2-VL's layout, 4 for Hunyuan-VL's)."""
+        positions = np.zeros((self.vision.position_axes, len(group), width), dtype=np.int32)
         for row, item in enumerate(group):
             start, count = item.num_computed_tokens, item.num_new_tokens
             mm = item.request.mm_input

@@ -113,6 +113,7 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
                         "falcon_ocr",
                         "phi4mm", "llava_bunny",
                         "locateanything", "inkling",
+                        "hunyuan_vl",
                         )},
     },
 }

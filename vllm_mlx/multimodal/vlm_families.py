@@ -16,6 +16,8 @@ paged caches) unless a family hook here knows what the generic path cannot deriv
   mlx-vlm's model reads them in bounds;
 * ``FalconOCRModel``: the generic path, with the prompt its processor writes itself, its 1-D
   positions (still over an image's run) and the image blocks its mask lets attend both ways.
+* ``HunyuanVLModel``: the generic path, with 4-axis rotary positions from its processor, applied
+  at any cache offset (mlx-vlm applies them only where the batch's one offset is 0).
 
 ``TEXT_MODEL_REFUSALS`` names text models refused whatever the vision side, for what the
 load-time check (one row) cannot see (as ``_experts_by_token_type`` does ERNIE 4.5 VL's
@@ -42,6 +44,11 @@ from vllm_mlx.multimodal.vlm_generic import (
     _expanded_ids,
     _text_ids,
     _true_runs,
+    GRID_KEY,
+    PROBE_IMAGE_SIZE,
+    PROMPT_POSITION_KEYS,
+    GenericVisionModel,
+    LanguageSplit,
 )
 from vllm_mlx.multimodal.vlm_models import VisionLanguageModel
 from vllm_mlx.platform.errors import ModelSourceError
@@ -53,6 +60,7 @@ __all__ = [
     "DeepseekVL2Model",
     "FalconOCRModel",
     "Gemma3Model",
+    "HunyuanVLModel",
     "Idefics2Model",
     "LocateAnythingModel",
     "MiniCPMV47Model",
@@ -509,6 +517,167 @@ class FalconOCRModel(GenericVisionModel):
             opened = np.cumsum(ids == config.image_cls_token_id) - np.cumsum(ids == config.img_end_id)
             spans += [(image.offset + s, image.offset + e) for s, e in _true_runs(opened > 0)]
         return spans
+XD_POSITIONS_KEY = "position_ids"
+"""Hunyuan-VL's processor output of 4-axis positions (``[1, 4, prompt tokens]``)."""
+TOWER_MIXES_IMAGES = (
+    "mlx-vlm's vision tower attends across a prompt's images, so each image's features depend on the others, "
+    "where the engine encodes and caches each image alone"
+)
+"""Why Hunyuan-VL takes one image a prompt (``HunyuanVLModel._tower_mixes_images``)."""
+
+
+class HunyuanVLModel(GenericVisionModel):
+    """Hunyuan-VL: the generic path, with its 4-axis rotary positions (xdrope: base, w, h, t) passed
+    with every call and applied at any cache offset.
+
+    * Positions: its processor's (mlx-vlm keeps them as state on the text model, ``_position_ids``):
+      each token's index on every axis, except inside an image's run, where every token but the
+      first and last (the tower's begin and end features) takes the image's own grid values on the
+      w, h and t axes, the same wherever the image stands. ``process`` keeps the image's, cut to its
+      run; ``positions`` lays them over the token index. Delta 0: a generated token's position is
+      its index, as mlx-vlm's decode has it.
+    * Rotary at any offset: mlx-vlm's attention applies the 4-axis rotary only where the cache's
+      offset (one scalar for the batch) is 0, its prefill, and 1-D rotary from the offset after.
+      Rows of the engine's batch are at different offsets and an image may fall in any prefill
+      chunk, so every call here takes the 4-axis path (``XdRopeTextModel``). Where all four axes are
+      equal (text, generated tokens) it is the 1-D rotary exactly: same table rows, same formula.
+    """
+
+    model_types = ("hunyuan_vl",)
+    position_axes = 4
+
+    def check(self) -> None:
+        """The generic check, and one image a prompt where the tower mixes a prompt's images."""
+        self.uses_mrope = True  # the generic __init__ sets it from get_rope_index, which Hunyuan-VL lacks
+        for layer in self.layers:
+            layer.self_attn.rotary_emb = WholeRotaryTable(layer.self_attn.rotary_emb)
+        super().check()
+        if self.max_images_per_prompt is None and self._tower_mixes_images():
+            self.max_images_per_prompt = 1
+            self.images_limit_reason = TOWER_MIXES_IMAGES
+
+    def _tower_mixes_images(self) -> bool:
+        """Whether two images' rows from one ``get_input_embeddings`` call differ from each image's
+        alone: mlx-vlm's tower runs one attention over all of a call's patches, no mask between images."""
+        from PIL import Image
+
+        width, height = PROBE_IMAGE_SIZE
+        probes = [Image.new("RGB", (width, height), (96, 160, 32)), Image.new("RGB", (height, width), (32, 96, 160))]
+        images = [self.process(probe, MediaPolicy.operator()) for probe in probes]
+        alone = mx.concatenate([self.encode(image) for image in images])
+        ids = mx.array([[token for image in images for token in image.token_ids]])
+        pixels = mx.array(np.concatenate([image.pixel_values for image in images]))
+        grids = mx.array(np.concatenate([image.encoder_inputs[GRID_KEY] for image in images]))
+        # The runs' positions (else the model computes them with a function of its own that takes one image).
+        positions = mx.array(np.concatenate([image.encoder_inputs[XD_POSITIONS_KEY] for image in images], axis=2))
+        joint = self.model.get_input_embeddings(ids, pixels, image_grid_thw=grids, position_ids=positions)
+        joint = joint.inputs_embeds[0]
+        return not mx.allclose(joint, alone, atol=1e-5).item()
+
+    def process(self, source: ImageSource, policy: MediaPolicy) -> ImageInput:
+        image = super().process(source, policy)
+        own = image.encoder_inputs[XD_POSITIONS_KEY]  # [1, 4, the placeholder's expansion]
+        start = self._run.prefix
+        image.encoder_inputs[XD_POSITIONS_KEY] = own[:, :, start : start + image.num_tokens]
+        return image
+
+    def positions(self, token_ids: list[int], images: list[ImageInput]) -> tuple[np.ndarray, int]:
+        positions = np.broadcast_to(np.arange(len(token_ids)), (self.position_axes, len(token_ids))).copy()
+        for image in images:
+            own = np.asarray(image.encoder_inputs[XD_POSITIONS_KEY])[0]
+            grid = own != own[:1]  # where an axis leaves the base (the token's index): the image's grid
+            span = positions[:, image.offset : image.end]
+            span[grid] = own[grid]
+        return positions.astype(np.int64), 0
+
+    def probe_split(self, embeds: mx.array, **features) -> LanguageSplit:
+        """``XdRopeTextModel`` and the head, checked against mlx-vlm's own call over the check's image
+        (its prefill: a fresh cache, the image's positions as the state ``get_input_embeddings`` left).
+
+        Raises:
+            UnsupportedModelError: The two disagree.
+        """
+        language = self.language
+        head = getattr(language, "lm_head", None)
+        head = language.model.embed_tokens.as_linear if head is None else head  # tied embeddings
+        split = LanguageSplit(XdRopeTextModel(language.model, self.layers, self.position_axes), head)
+        inputs = mx.zeros(embeds.shape[:2], dtype=mx.int32)
+        positions = language._position_ids  # [1, 4, run]: the processor's, for the check's image
+        whole = language(inputs, inputs_embeds=embeds, cache=self.make_cache()).logits
+        ours = head(split.backbone(inputs, inputs_embeds=embeds, cache=self.make_cache(),
+                                   position_ids=positions.transpose(1, 0, 2)))  # fmt: skip
+        if not mx.allclose(whole, ours, atol=1e-5).item():
+            raise UnsupportedModelError(
+                "its 4-axis rotary positions, applied at every offset, differ from its own prefill"
+            )
+        return split
+
+
+class XdRopeTextModel:
+    """Hunyuan-VL's text model (mlx-vlm's ``HunyuanModel``) on its 4-axis rotary path in every call.
+
+    Its attention takes that path only where ``cache_position_offset(cache)`` is 0, so the layers get
+    their caches behind ``AtOffsetZero`` views; the mask is built from the real caches first (each
+    row's offset, the paged layout), and each layer's rotary table is grown to the call's largest
+    position (``WholeRotaryTable``: mlx-vlm would slice it to the offset, 0 here, plus the call's
+    tokens). ``position_ids``: the runner's ``[4, B, T]``; None (the check's text-only calls): each
+    row's offset onwards on every axis, the 1-D positions.
+    """
+
+    def __init__(self, text_model, layers, axes: int) -> None:
+        self.text_model = text_model
+        self.tables = [layer.self_attn.rotary_emb for layer in layers]
+        self.axes = axes
+
+    def __call__(self, inputs, inputs_embeds=None, cache=None, position_ids=None, **_):
+        from mlx_vlm.models.base import create_attention_mask
+
+        embeds = self.text_model.embed_tokens(inputs) if inputs_embeds is None else inputs_embeds
+        batch, length = embeds.shape[:2]
+        if position_ids is None:
+            offset = cache[0].offset if cache is not None else 0
+            rows = mx.array(offset).reshape(-1, 1) + mx.arange(length)
+            position_ids = mx.broadcast_to(rows[:, None, :], (batch, self.axes, length))
+        else:
+            position_ids = position_ids.transpose(1, 0, 2)  # mlx-vlm's [B, 4, T]
+        largest = int(position_ids.max().item()) + 1
+        for table in self.tables:
+            table.reserve(largest)
+        mask = create_attention_mask(embeds, cache) if cache is not None else None
+        views = [AtOffsetZero(c) for c in cache] if cache is not None else None
+        return self.text_model(inputs, inputs_embeds=embeds, mask=mask, cache=views, position_ids=position_ids)
+
+
+class AtOffsetZero:
+    """A layer's cache whose ``offset`` reads 0 (``XdRopeTextModel``); the rest is the cache's own."""
+
+    offset = 0
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+
+    def __getattr__(self, name: str):
+        return getattr(self.cache, name)
+
+
+class WholeRotaryTable:
+    """A Hunyuan-VL layer's rotary table (mlx-vlm's ``HunyuanRotaryEmbedding``) given whole, at least
+    ``reserve``'s length: mlx-vlm slices it to the cache's offset plus the call's tokens, where the
+    engine's calls read it at positions past that (``XdRopeTextModel``). Table rows are the same
+    whatever its length (each from its own position), so a 4-axis call (offset 0) reads the same values
+    as mlx-vlm's; its 1-D path (``cos[-L:]`` at an offset) would not, and no call here takes it: the
+    model instance is the engine's alone, and its every call goes through ``XdRopeTextModel``."""
+
+    def __init__(self, table) -> None:
+        self.table = table
+        self.length = 0
+
+    def reserve(self, length: int) -> None:
+        self.length = max(self.length, length)
+
+    def __call__(self, x: mx.array, seq_len: int) -> tuple[mx.array, mx.array]:
+        self.table._update_cache(max(seq_len, self.length), x.dtype)
+        return self.table._cos_cached, self.table._sin_cached
 
 
 def _newline_run(tokens: list[int], newline_text, *, from_end: bool) -> int:
@@ -550,6 +719,7 @@ FAMILIES: tuple[type[VisionLanguageModel], ...] = (
     DeepseekVL2Model,
     FalconOCRModel,
     LocateAnythingModel,
+    HunyuanVLModel,
 )
 """The hooks: families whose prompt or positions the generic path cannot derive."""
 

@@ -497,14 +497,14 @@ class GenericVisionModel(VisionLanguageModel):
             raise UnsupportedModelError(
                 f"its text model computes multi-axis positions, but its processor gives no {GRID_KEY}"
             )
-        if self.rope_index is None and any(hasattr(self.language, name) for name in ("_position_ids", "_rope_deltas")):
+        # Positions kept as state are refused unless computed per request: by get_rope_index, or by a
+        # hook that sets ``uses_mrope`` and its own ``positions`` (Hunyuan-VL's, from its processor).
+        if not self.uses_mrope and any(hasattr(self.language, name) for name in ("_position_ids", "_rope_deltas")):
             raise UnsupportedModelError("it keeps multi-axis rotary positions as state on its text model, with no "
                                         "get_rope_index to compute them per request")  # fmt: skip
         features = _embeds(merged)[0]
         visual_inputs = self._run_visual_inputs(image)
-        self.split = self._refusing_known_failures(
-            LanguageSplit.probe, self.language, self.probe_cache, features[None], **visual_inputs
-        )
+        self.split = self._refusing_known_failures(self.probe_split, features[None], **visual_inputs)
         if mx.array_equal(self._logits_of(features[None]), self._logits_of(mx.zeros_like(features[None]))).item():
             raise UnsupportedModelError("its text model ignores the embeddings it is given, so images cannot reach it")
         if DEEPSTACK in visual_inputs:
@@ -641,6 +641,11 @@ class GenericVisionModel(VisionLanguageModel):
                 "its text model adds deepstack features only in a prompt's first forward call (cache at offset 0), "
                 "where the engine's chunked prefill and prefix cache need them in any call"
             )
+
+    def probe_split(self, embeds: mx.array, **features) -> LanguageSplit:
+        """The text model as backbone and head (``LanguageSplit.probe`` on the check's image rows);
+        a hook whose text model needs another call (Hunyuan-VL's) gives its own."""
+        return LanguageSplit.probe(self.language, self.probe_cache, embeds, **features)
 
     def _logits_of(self, embeds: mx.array, cache: list | None = None, **features) -> mx.array:
         inputs = mx.zeros(embeds.shape[:2], dtype=mx.int32)

@@ -93,6 +93,9 @@ class VisionLanguageModel:
 
     model_types: ClassVar[tuple[str, ...]] = ()
     uses_mrope: ClassVar[bool] = False
+    position_axes: ClassVar[int] = 3
+    """Axes of ``uses_mrope`` positions (``positions``' first dimension): Qwen2-VL's t, h, w; 4 for
+    Hunyuan-VL's base, w, h, t."""
     image_placeholder_text: ClassVar[str] = ""
     """What one image looks like in a prompt written without the chat template."""
     image_token_id: int
@@ -252,7 +255,7 @@ class VisionLanguageModel:
         return MultiModalInput(images)
 
     def positions(self, token_ids: list[int], images: list[ImageInput]) -> tuple[np.ndarray, int]:
-        """``(positions [3, len(token_ids)], rope_delta)`` of a prompt whose ``multimodal_input``
+        """``(positions [position_axes, len(token_ids)], rope_delta)`` of a prompt whose ``multimodal_input``
         left them None (``uses_mrope`` models that compute them with MLX: the engine thread
         asks at the prompt's first step)."""
         raise NotImplementedError

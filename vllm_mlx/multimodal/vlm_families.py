@@ -737,7 +737,7 @@ ARCHITECTURE_REFUSALS: dict[str, str] = {
     "the tokens generated so far (mlx-vlm routes its generation through the whole model's call), where the "
     "engine runs the text model alone over a batch",
     # Falcon OCR's layout, positions and mask (served: ``FalconOCRModel``), and what no batch can share:
-    "falcon_perception": "its decode steps feed coordinates and sizes decoded from the previous step's hidden "
+    "falcon_perception": "lets its decode steps feed coordinates and sizes decoded from the previous step's hidden "
     "state back into the next embedding (per-request state kept on its text model, _pending_coord_xy)",
     # No oracle either: mlx-vlm 0.7.10's own prefill calls its text model with ``inputs=``, which it does not
     # take (TypeError) for any prompt of more than one token.

@@ -146,6 +146,38 @@ def _patch_image_processor(kind: str, processor: str, vision: dict, pixels: tupl
     }
 
 
+HALF = [0.5, 0.5, 0.5]
+
+
+def qwen_vision_ids(ids: dict[str, int]) -> dict[str, int]:
+    """The config's ids of the Qwen-VL vision tokens (``QWEN_SPECIAL_TOKENS``), from ``ids``
+    (token -> id)."""
+    return {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }
+
+
+def square_image_processor(kind: str, size: int, *, resample: int = 3, **extra) -> dict:
+    """The ``preprocessor_config.json`` of an image processor that resizes every image to
+    ``size`` x ``size`` and normalizes it to [-1, 1] (SigLIP's, Idefics2's, ...): ``extra`` adds
+    or overrides keys (``processor_class``, ``do_pad``, ...)."""
+    return {
+        "image_processor_type": kind,
+        "do_resize": True,
+        "size": {"height": size, "width": size},
+        "resample": resample,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": HALF,
+        "image_std": HALF,
+        **extra,
+    }
+
+
 # The standalone tokenizer's alphabet: tab, newline and printable ASCII, one token per character.
 CHARS = ["\t", "\n", *map(chr, range(32, 127))]
 

@@ -33,7 +33,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from tiny_vlm import (
+    qwen_vision_ids,
     LLAVA_BARE_IMAGE_CHAT_TEMPLATE,
+    square_image_processor,
     TINY_SIGLIP_VISION_CONFIG,
     _build_llava_layout,
     LLAVA_SPECIAL_TOKENS,
@@ -97,10 +99,7 @@ def build_tiny_mage_vl(out_dir: Path, tokenizer_dir: Path | None = None, *, seed
         "text_config": {**MAGE_VL_TEXT_CONFIG, "vocab_size": vocab_size},
         "vision_config": dict(MAGE_VL_VISION_CONFIG),
         "vocab_size": vocab_size,
-        "image_token_id": ids["<|image_pad|>"],
-        "video_token_id": ids["<|video_pad|>"],
-        "vision_start_token_id": ids["<|vision_start|>"],
-        "vision_end_token_id": ids["<|vision_end|>"],
+        **qwen_vision_ids(ids),
         "eos_token_id": ids["<|im_end|>"],
         "tie_word_embeddings": True,
     }
@@ -155,20 +154,9 @@ def build_tiny_llmjpvl(out_dir: Path, tokenizer_dir: Path | None = None, *, seed
     model = _instantiate(llmjpvl, config, seed)
     _save_model(out_dir, model, config)
     _save_tokenizer(out_dir, tok, "</s>", "<pad>", 4096, LLAVA_BARE_IMAGE_CHAT_TEMPLATE)
-    size = vision["image_size"]
-    preprocessor = {
-        "image_processor_type": "SiglipImageProcessor",
-        "processor_class": "LlavaProcessor",
-        "do_convert_rgb": True,
-        "do_resize": True,
-        "size": {"height": size, "width": size},
-        "resample": 3,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-    }
+    preprocessor = square_image_processor(
+        "SiglipImageProcessor", vision["image_size"], processor_class="LlavaProcessor", do_convert_rgb=True
+    )
     _write_json(out_dir / "preprocessor_config.json", preprocessor)
     processor_config = {
         "processor_class": "LlavaProcessor",
@@ -245,18 +233,7 @@ def build_tiny_llava_bunny(out_dir: Path, tokenizer_dir: Path | None = None, *, 
     model = _instantiate(llava_bunny, config, seed)
     _save_model(out_dir, model, config)
     _save_tokenizer(out_dir, tok, "</s>", "<pad>", 4096, LLAVA_BARE_IMAGE_CHAT_TEMPLATE)
-    size = vision["image_size"]
-    preprocessor = {
-        "image_processor_type": "SiglipImageProcessor",
-        "do_resize": True,
-        "size": {"height": size, "width": size},
-        "resample": 3,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-    }
+    preprocessor = square_image_processor("SiglipImageProcessor", vision["image_size"])
     _write_json(out_dir / "preprocessor_config.json", preprocessor)
     return out_dir
 

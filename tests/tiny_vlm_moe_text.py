@@ -37,6 +37,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tiny_vlm import (
+    qwen_vision_ids,
     CHARS,
     DEEPSEEK_V3_TINY_TEXT_CONFIG,
     GLM4V_CHAT_TEMPLATE,
@@ -194,10 +195,7 @@ def build_tiny_mimo_v2(out_dir: Path, tokenizer_dir: Path | None = None, *, seed
         "text_config": {**MIMO_V2_TEXT_CONFIG, "vocab_size": vocab_size},
         "vision_config": dict(MIMO_V2_VISION_CONFIG),
         "vocab_size": vocab_size,
-        "image_token_id": ids["<|image_pad|>"],
-        "video_token_id": ids["<|video_pad|>"],
-        "vision_start_token_id": ids["<|vision_start|>"],
-        "vision_end_token_id": ids["<|vision_end|>"],
+        **qwen_vision_ids(ids),
         "eos_token_id": ids["<|im_end|>"],
     }
     model = _instantiate(mimo_v2, config, seed)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tiny_vlm import _instantiate, _make_tokenizer, _save_model, _save_tokenizer, _write_json
+from tiny_vlm import _instantiate, _make_tokenizer, _save_model, _save_tokenizer, _write_json, square_image_processor
 
 IDEFICS2_SPECIAL_TOKENS = ["<pad>", "<end_of_utterance>", "<fake_token_around_image>", "<image>"]
 
@@ -98,22 +98,10 @@ def build_tiny_idefics2(out_dir: Path, tokenizer_dir: Path | None = None, *, see
     model = _instantiate(idefics2, config, seed)
     _save_model(out_dir, model, config)
     _save_tokenizer(out_dir, tok, "<end_of_utterance>", "<pad>", 4096, IDEFICS2_CHAT_TEMPLATE)
-    tile = IDEFICS2_VISION_CONFIG["image_size"]
-    preprocessor = {
-        "image_processor_type": "Idefics2ImageProcessor",
-        "processor_class": "Idefics2Processor",
-        "do_convert_rgb": True,
-        "do_resize": True,
-        "size": {"height": tile, "width": tile},
-        "do_image_splitting": False,
-        "resample": 2,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "do_pad": True,
-    }
+    preprocessor = square_image_processor(
+        "Idefics2ImageProcessor", IDEFICS2_VISION_CONFIG["image_size"], resample=2,
+        processor_class="Idefics2Processor", do_convert_rgb=True, do_image_splitting=False, do_pad=True,
+    )  # fmt: skip
     _write_json(out_dir / "preprocessor_config.json", preprocessor)
     latents = IDEFICS2_PERCEIVER_CONFIG["resampler_n_latents"]
     _write_json(out_dir / "processor_config.json", {"processor_class": "Idefics2Processor", "image_seq_len": latents})

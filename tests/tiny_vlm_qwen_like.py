@@ -29,6 +29,7 @@ import importlib
 from pathlib import Path
 
 from tiny_vlm import (
+    qwen_vision_ids,
     CHARS,
     QWEN2_VL_CHAT_TEMPLATE,
     QWEN2_VL_MAX_PIXELS,
@@ -233,10 +234,7 @@ def _build_qwen3_5_like(
         "text_config": text,
         "vision_config": {**vision, "model_type": "qwen3_5"},
         "vocab_size": vocab_size,
-        "image_token_id": ids["<|image_pad|>"],
-        "video_token_id": ids["<|video_pad|>"],
-        "vision_start_token_id": ids["<|vision_start|>"],
-        "vision_end_token_id": ids["<|vision_end|>"],
+        **qwen_vision_ids(ids),
         "eos_token_id": ids["<|im_end|>"],
         "tie_word_embeddings": True,
         **extra,

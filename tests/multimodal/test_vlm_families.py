@@ -638,7 +638,7 @@ REFUSED_AT_LOAD = {
     "minimax_m3_vl": r"'minimax_m3_vl' needs MiniMaxM3KVCache caches",
     # PLaMo 2 VL's processor names no placeholder: it writes the prompt into a fixed instruction
     # template with every image at the start (a placeholder in the text is counted as an extra image).
-    "plamo2vl": r"'plamo2vl'.*names none, and puts an image's tokens into a prompt that has no placeholder",
+    "plamo2vl": r"'plamo2vl'.*it puts an image's tokens into a prompt that has no placeholder",
 }
 """Families the engine refuses at load, on a tiny model of their own: the message each must say
 (``support.REFUSED_AT_LOAD`` gives the support table the same verdict, naming this test)."""

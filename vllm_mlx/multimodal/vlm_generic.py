@@ -735,16 +735,14 @@ def _placeholder(processor, known: tuple[str, ...] = ()) -> tuple[str, list[int]
             failures.append(f"{text!r}: its run is not put where the placeholder stands in a prompt")
         except Exception as exc:  # noqa: BLE001 -- a processor refuses a text its own way
             failures.append(f"{text!r}: {exc}".splitlines()[0])
-    if not failures and _places_images_itself(processor, probe):
+    if _places_images_itself(processor, probe):
         failures.append(PLACES_IMAGES_ITSELF)
     raise UnsupportedModelError(
         "its processor expands no image placeholder it names" + (f" ({'; '.join(failures)})" if failures else "")
     )
 
 
-PLACES_IMAGES_ITSELF = (
-    "it names none, and puts an image's tokens into a prompt that has no placeholder, where it chooses"
-)
+PLACES_IMAGES_ITSELF = "it puts an image's tokens into a prompt that has no placeholder, where it chooses"
 """Why a processor that names no placeholder is refused, where it places images itself (PLaMo 2 VL's
 writes every image at the start of a fixed instruction template): the engine places an image's run
 where the prompt names it, so it cannot follow such a processor."""
@@ -799,22 +797,20 @@ def _expands_in_place(processor, text: str, run: list[int], image) -> bool:
     return any(after[i : i + len(run)] == run for i in range(len(after) - len(run) + 1))
 
 
+CONVENTIONAL_PLACEHOLDERS = ("<image>",)
+"""Placeholders tried where the processor names none that it expands: the text LLaVA-style chat
+templates write for an image (InternVL-Chat's processor replaces it, and names nothing)."""
+
+
 def _candidate_texts(processor):
     """The processor's ``image_token``, its ``boi_token``, its ``image_placeholder_token`` (Molmo
-    2's ``<|image|>``), the tokenizer's ``image_token``; then (only rendered if those fail) what
-    the chat template writes for an image, stripped: InternVL's processor names no placeholder, it
-    replaces the text ``<image>`` its template writes."""
-    from vllm_mlx.engine.chat import template_image_text
-
+    2's ``<|image|>``), the tokenizer's ``image_token``; then ``CONVENTIONAL_PLACEHOLDERS``. (Not
+    the chat template's own image text: rendering it is the engine's, in its guarded workers.)"""
     tokenizer = getattr(processor, "tokenizer", None)
     owners = ((processor, "image_token"), (processor, "boi_token"), (processor, "image_placeholder_token"),
               (tokenizer, "image_token"))  # fmt: skip
     candidates = [getattr(owner, name, None) for owner, name in owners]
-    named = list(dict.fromkeys(c for c in candidates if isinstance(c, str) and c))
-    yield from named
-    template = (template_image_text(tokenizer) or "").strip() if tokenizer is not None else ""
-    if template and template not in named:
-        yield template
+    yield from dict.fromkeys([*(c for c in candidates if isinstance(c, str) and c), *CONVENTIONAL_PLACEHOLDERS])
 
 
 def _stand_in_text(processor, placeholder_text: str, stand_in: int) -> str:

@@ -17,7 +17,8 @@ os.environ.setdefault("VLLM_MLX_KV_DISK", "off")
 # the slowest files go first and the short ones fill in at the end: longest-first keeps one worker
 # from finishing a slow file alone while the other idles. Stale figures only cost wall time.
 FILE_SECONDS = {
-    "test_vlm_families.py": 200, "test_tensor_parallel_failures.py": 176, "test_docs.py": 143, "test_distributed_serve.py": 121,
+    "test_vlm_families.py": 200,
+    "test_tensor_parallel_failures.py": 176, "test_docs.py": 143, "test_distributed_serve.py": 121,
     "test_recurrent.py": 89, "test_jupyter_browser.py": 69, "test_jupyter_notebooks.py": 105,
     "test_tensor_parallel.py": 43, "test_cpu_backend.py": 41, "test_sliding_window.py": 39,
     "test_async_engine.py": 38, "test_vllm_plugin.py": 38, "test_ring_formation.py": 34,

@@ -604,6 +604,8 @@ def test_mistral3_with_a_ministral3_text_model_is_refused_before_loading(tmp_pat
 REFUSED_AT_LOAD = {
     # Phi-4-SigLIP's processor writes one id (-200, outside the vocabulary) per "<image>" after
     # wrapping any prompt without "<|im_start|>" in its chat template, so its run is not where the text put it.
+    # (mlx-vlm 0.7.10 never installs that processor: its load gives the tokenizer alone, and its generation
+    # gives the same tokens with or without an image, so no oracle could hold a served image prompt.)
     "phi4_siglip": "its run is not put where the placeholder stands in a prompt",
     # Moondream 3's processor puts the one image after the BOS whatever the text says; GOT-OCR's
     # wraps every prompt in a conversation of its own.

@@ -125,8 +125,10 @@ REFUSED_AT_LOAD_TEST = (
 # code does that the code reader above cannot see): the reason, in a line. The test (its
 # REFUSED_AT_LOAD, by name) holds the engine to it; the table calls them refused, naming the test.
 REFUSED_AT_LOAD: dict[str, str] = {
-    "phi4_siglip": "its processor wraps any prompt in its chat template and marks an image with the id -200 "
-    "for the model to splice its features in",
+    # mlx-vlm 0.7.10 never imports processing_phi4_siglip.py (its processor patch), so its load gives the
+    # tokenizer alone and its own generation drops the images: no oracle for an image prompt.
+    "phi4_siglip": "mlx-vlm loads no image processor for it (its Phi4SigLipProcessor is never installed), so "
+    "mlx-vlm's own generation ignores images; its processor would also wrap any prompt in its chat template",
     "moondream3": "its processor puts the one image after the BOS whatever the prompt says",
     "got": "its processor wraps every prompt in a conversation of its own (one image a prompt)",
     "molmo": "its processor puts every image before the whole text, whatever the prompt says",

@@ -5,8 +5,8 @@ that mlx-vlm loads offline; the helpers are tests/tiny_vlm.py's and tests/tiny_v
   a 384 px image: 16 features an image), an MLP aligner and a llama text model. mlx-vlm
   ships no processor class that transformers can find for it, so ``load`` gives the tokenizer
   with the model's image processor attached, and the model inserts ``num_image_tokens`` image
-  tokens itself for each ``<image>`` mark (``add_image_token``): refused at load, the features
-  are spliced in by the model.
+  tokens itself for each ``<image>`` mark (``add_image_token``): served as an image the model
+  expands, the prompt built as mlx-vlm's ``prepare_inputs`` builds it (a BOS on each text piece).
 """
 
 from __future__ import annotations

@@ -153,6 +153,11 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
   4-axis path at every offset (mlx-vlm's attention takes it only at offset 0); an image is 274+
   tokens (512x512 px at least), so its pools are larger. One image a prompt (``ONE_IMAGE``):
   mlx-vlm's tower attends across a prompt's images, where the engine encodes each alone.
+* Janus (``multi_modality``, tests/tiny_vlm_deepseek_ocr.py): mlx-vlm's ``load`` gives a tokenizer
+  alone, so the engine builds the prompt as mlx-vlm's ``prepare_inputs`` does (``SplicingPromptBuilder``:
+  a BOS on the text after the image); its model expands the one ``<image>`` token to 16 image
+  tokens (``MODEL_EXPANDS``), and that BOS keeps its own id after them. One image a prompt
+  (``ONE_IMAGE``): mlx-vlm's model splices every image's features at the first mark.
 
 All: one and two images (one for ``ONE_IMAGE``) equal mlx-vlm, batched with text-only requests
 equals solo (chunked prefills ending inside images, preemption), prefix cache on equals off with an
@@ -225,6 +230,7 @@ PLACEHOLDER = {
     "falcon_ocr": "<|image|>",
     "phi4mm": "<image>",
     "llava_bunny": "<image>",
+    "multi_modality": "<image>",
     "locateanything": "<image-1>",
     "inkling": "<|content_image|><|unused_200054|>",
     "hunyuan_vl": "<hy_im_start><hy_image><hy_im_end>",
@@ -243,7 +249,7 @@ defaults too, up to 280 tokens, 531 for the batched test's two images; mlx-vlm's
 their KV pools are this many times larger, so the same prompts fit, and the small pool still preempts."""
 
 
-MODEL_EXPANDS = {"llava_next", "granite_vision", "phi4mm", "llava_bunny"}
+MODEL_EXPANDS = {"llava_next", "granite_vision", "phi4mm", "llava_bunny", "multi_modality"}
 """Families whose model, not their processor, decides an image's length (``vlm_generic``:
 ``expands_in_model``): the engine's prompt is the sequence mlx-vlm's model generates over."""
 
@@ -261,10 +267,17 @@ ONE_IMAGE = {
     # mlx-vlm's tower runs one attention over all of a prompt's patches: the oracle takes two images,
     # but each one's features depend on the other, where the engine encodes (and caches) each alone.
     "hunyuan_vl": "tower attends across a prompt's images",
+    # mlx-vlm builds Janus's prompt itself, as Bunny's, keeping the text up to a second <image> only.
+    "multi_modality": "mlx-vlm's model merges the first image's features only",
 }
 """Families the engine serves one image a prompt (the reason its refusal gives): mlx-vlm's own
 generation (the oracle) cannot take two either. A prompt of two is refused, that request alone,
 and their batched test uses one image a prompt."""
+
+SECOND_IMAGE_SPLICED_AFTER_FIRST = {"multi_modality"}
+"""Of ``ONE_IMAGE``: mlx-vlm's model (Janus's) splices every image's features at the first mark, one
+after another, and its prompt builder drops the text after the second: the second image reaches its
+text model, but not where the prompt puts it."""
 
 
 PROMPT_WRITTEN_BY_PROCESSOR = {"falcon_ocr"}
@@ -328,7 +341,9 @@ def test_two_images_in_order_equal_mlx_vlm(family, engine):
     a, b = picture(3), picture(4, (100, 60))
     text = f"First {PLACEHOLDER[name]} then {PLACEHOLDER[name]} compare."
     if name in ONE_IMAGE:
-        if name in MODEL_EXPANDS:  # mlx-vlm's second image never reaches its text model
+        if name in SECOND_IMAGE_SPLICED_AFTER_FIRST:  # it reaches the text model, in the wrong place
+            assert mlx_vlm_greedy(model_dir, text, [a, b], 8) != mlx_vlm_greedy(model_dir, text, [a, a], 8)
+        elif name in MODEL_EXPANDS:  # mlx-vlm's second image never reaches its text model
             assert mlx_vlm_greedy(model_dir, text, [a, b], 8) == mlx_vlm_greedy(model_dir, text, [a, a], 8)
         with pytest.raises(ValueError, match=rf"at most 1 image\(s\) per prompt \(.*{ONE_IMAGE[name]}.*has 2"):
             engine.prepare_prompt(text, [a, b])

@@ -114,6 +114,7 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
                         "phi4mm", "llava_bunny",
                         "locateanything", "inkling",
                         "hunyuan_vl",
+                        "multi_modality",
                         )},
     },
 }
@@ -163,8 +164,6 @@ WHY_UNTESTED: dict[str, str] = {
     "config says; one 336 px crop takes minutes on a CPU",
     "fastvlm": "loads through the generic path (its -200 mark served as an image the model expands); with its "
     "full-size FastViTHD tower (125M parameters) two of its family tests differ from mlx-vlm, cause not found yet",
-    "multi_modality": "loads through mlx-vlm's prompt builder (one image a prompt); its oracle test's ids differ "
-    "from mlx-vlm's (a BOS mlx-vlm adds after the image's mark), so it is not held to mlx-vlm yet",
     "jina_vlm": "runs one row a call (its rotary positions start at one offset for the batch); mlx-vlm's own "
     "generation fails on two images, and its processor forces 378 px crops (435+ tokens an image)",
 }

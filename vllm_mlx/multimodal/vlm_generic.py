@@ -48,13 +48,14 @@ adapter, a piece at a time, for rows at different stages of one batch:
   tile's features, and a block of newlines, per image token), the sequence mlx-vlm generates over
   is the model's, so the engine's is too: the image's run is as long as the model's rows for the
   processor's run, its rows are those rows, its ids one stand-in token repeated (the image's hash
-  keys the prefix cache, as for every image). The length must be known when the prompt is
-  prepared, on the caller's thread, where no MLX work may run (MLX streams are per thread, and a
-  thread that used MLX must clear them before it ends). Of the ways to know it: (a) MLX's lazy
-  shapes give the length without running the tower, but the models evaluate on the way
-  (``np.where`` over the ids, ``.item()`` of counts), so it is MLX work all the same; (b) a
-  formula per family from the config and the processor's outputs would copy each model's merge
-  and drift from it silently; (c) the measurement runs on the engine thread: ``on_engine_thread``
+  keys the prefix cache, as for every image), but for text tokens at the processor run's ends,
+  which keep their ids as the model keeps their rows (Janus's BOS after the image: ``_model_run_ids``).
+  The length must be known when the prompt is prepared, on the caller's thread, where no MLX work
+  may run (MLX streams are per thread, and a thread that used MLX must clear them before it ends).
+  Of the ways to know it: (a) MLX's lazy shapes give the length without running the tower, but
+  the models evaluate on the way (``np.where`` over the ids, ``.item()`` of counts), so it is MLX
+  work all the same; (b) a formula per family from the config and the processor's outputs would
+  copy each model's merge and drift from it silently; (c) the measurement runs on the engine thread: ``on_engine_thread``
   (the engine's thread runs it between steps; direct where the caller is that thread) builds
   ``get_input_embeddings`` for the processor's run lazily and reads the shape, evaluating only
   what the model's own code evaluates (the ids), never the tower. (c) it is: exact by
@@ -417,7 +418,7 @@ class GenericVisionModel(VisionLanguageModel):
         if self.expands_in_model:
             encoder_inputs[PROCESSOR_RUN_KEY] = np.asarray(run)
             length = self.on_engine_thread(lambda: self._model_rows(run, pixels, encoder_inputs).shape[0])
-            run = [self._run.stand_in] * length
+            run = _model_run_ids(run, length, self._run.stand_in)
         return ImageInput(self._hash(rgb), rgb, pixels, 0, len(run), token_ids=run, encoder_inputs=encoder_inputs)
 
     def encode(self, image: ImageInput) -> mx.array:
@@ -755,6 +756,21 @@ def _places_images_itself(processor, image) -> bool:
         return len(_expanded_ids(processor, IN_PLACE_HEAD, image)) > len(_text_ids(processor, IN_PLACE_HEAD))
     except Exception:  # noqa: BLE001 -- a processor that wants a placeholder refuses a text without one
         return False
+
+
+def _model_run_ids(run: list[int], length: int, stand_in: int) -> list[int]:
+    """The ids of an image's run of ``length`` rows that the model expands from the processor's
+    ``run``: the stand-in for the image's rows, with the text tokens at the run's ends (neither the
+    stand-in nor a negative mark) kept as themselves, for the model leaves them its own rows there.
+    Why: mlx-vlm's prompt builder (Janus's) tokenizes the text after an image as a prompt, with a
+    BOS, so the run of ``<image>`` alone ends with that BOS; mlx-vlm's ids there are the model's
+    image tokens, then the BOS (``add_image_token``), and so are the engine's."""
+    is_text = [token >= 0 and token != stand_in for token in run]
+    lead = next((i for i, text in enumerate(is_text) if not text), len(run))
+    trail = next((i for i, text in enumerate(reversed(is_text)) if not text), 0)
+    if lead + trail >= len(run):  # no image token in it: the model's rows stand in whole
+        return [stand_in] * length
+    return [*run[:lead], *[stand_in] * (length - lead - trail), *run[len(run) - trail :]]
 
 
 def _expanded_ids(processor, text: str, image) -> list[int]:

@@ -45,6 +45,10 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
 * Phi-4-multimodal and Bunny: the processor (Bunny's: mlx-vlm's prompt builder) leaves one mark
   (-200, outside the vocabulary) per image and the model splices the image's rows in: served as an
   image the model expands, its run written as an in-vocabulary stand-in; Bunny one image a prompt.
+* FastVLM (tests/tiny_vlm_llava_like.py): its processor leaves a -200 mark per image, served as an
+  image the model expands; mlx-vlm builds its FastViTHD tower at full size (~125M weights, ~20 s to
+  load; its family tests run with ``VLLM_MLX_SLOW_TESTS=1`` only: ``SLOW``). One image a prompt
+  (``ONE_IMAGE``): mlx-vlm's model puts a second image one token late.
 * Refused at load, saying why: Phi-4-SigLIP (its processor wraps the prompt in its chat template),
   Moondream 3 (the image always after the BOS, no placeholder).
 * Idefics2 (a perceiver resampler to 4 latents per image): its processor rewrites the text
@@ -167,6 +171,7 @@ image in the cached prefix, and the MLLM cache runs the encoder once for an imag
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -236,6 +241,12 @@ PLACEHOLDER = {
     "hunyuan_vl": "<hy_im_start><hy_image><hy_im_end>",
 }
 
+SLOW = {"fastvlm": "<image>"}
+"""Families whose tiny model is not tiny (mlx-vlm builds FastVLM's tower at full size: ~3 minutes of
+family tests on 2 CPU cores): in ``PLACEHOLDER``, so tested, only with ``VLLM_MLX_SLOW_TESTS=1``."""
+if os.environ.get("VLLM_MLX_SLOW_TESTS") == "1":
+    PLACEHOLDER |= SLOW
+
 HYBRID = {"qwen3_5", "qwen3_5_moe", "lfm2_vl", "d1", "nemotron_h_nano_omni", "clef", "indic_ocr",
           "prism_hadamard_qwen35", "kimi_k3", "minicpmv4_6", "minicpmv4_7", "inkling"}
 """Families whose text model has recurrent layers (a state pool beside the KV blocks)."""
@@ -249,7 +260,7 @@ defaults too, up to 280 tokens, 531 for the batched test's two images; mlx-vlm's
 their KV pools are this many times larger, so the same prompts fit, and the small pool still preempts."""
 
 
-MODEL_EXPANDS = {"llava_next", "granite_vision", "phi4mm", "llava_bunny", "multi_modality"}
+MODEL_EXPANDS = {"llava_next", "granite_vision", "phi4mm", "llava_bunny", "multi_modality", "fastvlm"}
 """Families whose model, not their processor, decides an image's length (``vlm_generic``:
 ``expands_in_model``): the engine's prompt is the sequence mlx-vlm's model generates over."""
 
@@ -269,6 +280,9 @@ ONE_IMAGE = {
     "hunyuan_vl": "tower attends across a prompt's images",
     # mlx-vlm builds Janus's prompt itself, as Bunny's, keeping the text up to a second <image> only.
     "multi_modality": "mlx-vlm's model merges the first image's features only",
+    # mlx-vlm's FastVLM splits the text between images at the marks' indices in the prompt, not in the
+    # text without them: each image after the first lands one token late (the engine's probe at load).
+    "fastvlm": "places an image after the first off its run",
 }
 """Families the engine serves one image a prompt (the reason its refusal gives): mlx-vlm's own
 generation (the oracle) cannot take two either. A prompt of two is refused, that request alone,
@@ -344,6 +358,7 @@ def test_two_images_in_order_equal_mlx_vlm(family, engine):
         if name in SECOND_IMAGE_SPLICED_AFTER_FIRST:  # it reaches the text model, in the wrong place
             assert mlx_vlm_greedy(model_dir, text, [a, b], 8) != mlx_vlm_greedy(model_dir, text, [a, a], 8)
         elif name in MODEL_EXPANDS:  # mlx-vlm's second image never reaches its text model
+        if "first image's features only" in ONE_IMAGE[name]:  # mlx-vlm's second image never reaches its text model
             assert mlx_vlm_greedy(model_dir, text, [a, b], 8) == mlx_vlm_greedy(model_dir, text, [a, a], 8)
         with pytest.raises(ValueError, match=rf"at most 1 image\(s\) per prompt \(.*{ONE_IMAGE[name]}.*has 2"):
             engine.prepare_prompt(text, [a, b])

@@ -162,8 +162,9 @@ WHY_UNTESTED: dict[str, str] = {
     "config says; its text side (per-layer inputs, KV sharing) is tested as Gemma 4's and mlx-lm's gemma3n",
     "phi3_v": "no tiny model: mlx-vlm builds its CLIP ViT-L/14-336 tower at full size (309M parameters) whatever the "
     "config says; one 336 px crop takes minutes on a CPU",
-    "fastvlm": "loads through the generic path (its -200 mark served as an image the model expands); with its "
-    "full-size FastViTHD tower (125M parameters) two of its family tests differ from mlx-vlm, cause not found yet",
+    "fastvlm": "held to mlx-vlm by its family tests only with VLLM_MLX_SLOW_TESTS=1: mlx-vlm builds its FastViTHD "
+    "tower at full size (125M parameters) whatever the config says, ~3 minutes of tests on 2 CPU cores; one image a "
+    "prompt (mlx-vlm's model places a second image one token late)",
     "jina_vlm": "runs one row a call (its rotary positions start at one offset for the batch); mlx-vlm's own "
     "generation fails on two images, and its processor forces 378 px crops (435+ tokens an image)",
 }

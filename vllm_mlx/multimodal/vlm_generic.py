@@ -479,9 +479,10 @@ class GenericVisionModel(VisionLanguageModel):
             self._expand_in_model()
             image = self.process(probe, MediaPolicy.operator())
             merged = self._merged(image)
-            if not self._merges_each_image_alone(image, merged):
+            why_not = self._why_images_do_not_merge_alone(image, merged)
+            if why_not:
                 self.max_images_per_prompt = 1
-                self.images_limit_reason = "mlx-vlm's model merges the first image's features only"
+                self.images_limit_reason = why_not
         self.token_features = self._token_features(merged, image.num_tokens)
         self._check_visual_features(_fields(merged), image.num_tokens)
         visual = VISUAL_FEATURES if self.deepstack_layers is not None else frozenset()
@@ -537,18 +538,32 @@ class GenericVisionModel(VisionLanguageModel):
         rows = _embeds(merged)[0]
         return other.shape != rows.shape or not mx.allclose(other, rows, atol=1e-6).item()
 
-    def _merges_each_image_alone(self, image: ImageInput, merged) -> bool:
-        """Whether the model's rows for two images with a token between are each image's own rows
-        around that token's: mlx-vlm's LLaVA-NeXT merges the first image's tiles only and drops
-        what follows its first run, so a prompt of several images has no per-image rows to give."""
+    def _why_images_do_not_merge_alone(self, image: ImageInput, merged) -> str:
+        """Why the model's rows for two images are not each image's own rows where its run stands
+        ("" where they are). mlx-vlm's LLaVA-NeXT merges the first image's tiles only and drops what
+        follows its first run; mlx-vlm's FastVLM splits the text between images at the marks' indices
+        in the prompt, not in the text without them, so each image after the first lands one token
+        late per image before it: seen only with text after the second image, hence the second probe."""
+        if not self._merges_each_image_alone(image, merged, around=False):
+            return "mlx-vlm's model merges the first image's features only"
+        if not self._merges_each_image_alone(image, merged, around=True):
+            return "mlx-vlm's model places an image after the first off its run"
+        return ""
+
+    def _merges_each_image_alone(self, image: ImageInput, merged, *, around: bool) -> bool:
+        """Whether the model's rows for two images with a token between (and, ``around``, one
+        before and one after) are each image's own rows around those tokens' own rows."""
         encoder_inputs = dict(image.encoder_inputs)
         run = [int(token) for token in encoder_inputs.pop(PROCESSOR_RUN_KEY)]
         between = max(self._run.stand_in, 0)  # an id of the vocabulary
         pair = {name: np.concatenate([value, value]) for name, value in encoder_inputs.items()}
         pixels = np.concatenate([image.pixel_values, image.pixel_values])
-        both = self._model_rows([*run, between, *run], pixels, pair)
+        edge = [between] if around else []
+        both = self._model_rows([*edge, *run, between, *run, *edge], pixels, pair)
         one = _embeds(merged)[0]
-        expected = mx.concatenate([one, self.embed(mx.array([[between]]))[0].astype(one.dtype), one])
+        text = self.embed(mx.array([[between]]))[0].astype(one.dtype)
+        edge_rows = [text] if around else []
+        expected = mx.concatenate([*edge_rows, one, text, one, *edge_rows])
         return both.shape == expected.shape and mx.allclose(both, expected, atol=1e-5).item()
 
     def _grid_free_positions(self, merged, image: ImageInput) -> bool:

@@ -37,20 +37,14 @@ from vllm_mlx.executor.attention import UnsupportedModelError
 from vllm_mlx.multimodal.images import ImageSource, load_image
 from vllm_mlx.multimodal.media_policy import MediaPolicy
 from vllm_mlx.multimodal.vlm_generic import (
-    PROBE_IMAGE_SIZE,
-    PROMPT_POSITION_KEYS,
-    GenericVisionModel,
-    ImageRun,
-    _expanded_ids,
-    _text_ids,
-    _true_runs,
     GRID_KEY,
-    PROBE_IMAGE_SIZE,
     PROMPT_POSITION_KEYS,
     GenericVisionModel,
     LanguageSplit,
+    true_runs,
 )
 from vllm_mlx.multimodal.vlm_models import VisionLanguageModel
+from vllm_mlx.multimodal.vlm_placeholder import PROBE_IMAGE_SIZE, ImageRun, expanded_ids, text_ids
 from vllm_mlx.platform.errors import ModelSourceError
 
 __all__ = [
@@ -483,8 +477,8 @@ class FalconOCRModel(GenericVisionModel):
         from PIL import Image
 
         text = processor.tokenizer.convert_ids_to_tokens(processor.img_id)
-        plain = _text_ids(processor, self.prompt_text(text))
-        expanded = _expanded_ids(processor, text, Image.new("RGB", PROBE_IMAGE_SIZE))
+        plain = text_ids(processor, self.prompt_text(text))
+        expanded = expanded_ids(processor, text, Image.new("RGB", PROBE_IMAGE_SIZE))
         return text, plain, ImageRun.of(plain, expanded)
 
     def prompt_text(self, text: str) -> str:
@@ -515,7 +509,7 @@ class FalconOCRModel(GenericVisionModel):
         for image in images:
             ids = np.asarray(image.token_ids)
             opened = np.cumsum(ids == config.image_cls_token_id) - np.cumsum(ids == config.img_end_id)
-            spans += [(image.offset + s, image.offset + e) for s, e in _true_runs(opened > 0)]
+            spans += [(image.offset + s, image.offset + e) for s, e in true_runs(opened > 0)]
         return spans
 XD_POSITIONS_KEY = "position_ids"
 """Hunyuan-VL's processor output of 4-axis positions (``[1, 4, prompt tokens]``)."""

@@ -49,7 +49,7 @@ adapter, a piece at a time, for rows at different stages of one batch:
   is the model's, so the engine's is too: the image's run is as long as the model's rows for the
   processor's run, its rows are those rows, its ids one stand-in token repeated (the image's hash
   keys the prefix cache, as for every image), but for text tokens at the processor run's ends,
-  which keep their ids as the model keeps their rows (Janus's BOS after the image: ``_model_run_ids``).
+  which keep their ids as the model keeps their rows (Janus's BOS after the image: ``model_run_ids``).
   The length must be known when the prompt is prepared, on the caller's thread, where no MLX work
   may run (MLX streams are per thread, and a thread that used MLX must clear them before it ends).
   Of the ways to know it: (a) MLX's lazy shapes give the length without running the tower, but
@@ -72,7 +72,7 @@ Family hooks (``vlm_families.py``) add what differs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -82,6 +82,16 @@ from vllm_mlx.executor.attention import UnsupportedModelError
 from vllm_mlx.multimodal.images import ImageSource, load_image
 from vllm_mlx.multimodal.media_policy import MediaPolicy
 from vllm_mlx.multimodal.vlm_models import VisionLanguageModel
+from vllm_mlx.multimodal.vlm_placeholder import (
+    PROBE_IMAGE_SIZE,
+    ImageRun,
+    SplicingPromptBuilder,
+    fails_on_two_images,
+    find_placeholder,
+    model_run_ids,
+    stand_in_for_a_mark,
+    stand_in_text,
+)
 
 __all__ = ["GenericVisionModel", "ImageRun", "LanguageSplit"]
 
@@ -135,118 +145,8 @@ PROMPT_POSITION_KEYS = frozenset({"image_bound"})
 """Processor outputs whose values are positions in the processor's prompt (MiniCPM's ``image_bound``:
 where each image's features go): ``_encoder_inputs`` moves them to the run's coordinates, as
 ``encode`` gives the model the run alone."""
-PROBE_IMAGE_SIZE = (64, 48)
 PROCESSOR_RUN_KEY = "processor_run_ids"
 """Where an image the model expands keeps the processor's run (``encode`` gives it to the model)."""
-SPLICED_BY_THE_MODEL = (
-    "{what}: mlx-vlm's model splices an image's features in itself, in place of one mark, where the engine "
-    "needs the processor to expand each image into its run of tokens"
-)
-"""Why a model whose processor does not expand images (LLaVA-style ``image_token_index`` marks) is refused."""
-
-
-@dataclass(frozen=True)
-class ImageRun:
-    """Where the processor's expansion of one image stands against the placeholder's own ids."""
-
-    prefix: int
-    """Tokens the two share at the start (a BOS the tokenizer adds)."""
-    suffix: int
-    """Tokens they share at the end."""
-    stand_in: int
-    """The one token that stands for the placeholder in a tokenized prompt: the placeholder
-    itself, or, where the placeholder is text of several tokens (InternVL's ``<image>``, no token
-    of its tokenizer), the token its run repeats (``<IMG_CONTEXT>``): ``prompt_text`` writes it
-    in the placeholder's stead before tokenizing, as the processor replaces the text."""
-
-    @classmethod
-    def of(cls, plain: list[int], expanded: list[int]) -> ImageRun:
-        """The run of ``expanded`` that replaces the placeholder tokens of ``plain``: the shared
-        start and end, leaving at least one token of ``plain`` between them (a run that repeats
-        the placeholder, ``<image>`` -> ``<image> x n``, must not eat it into the prefix).
-
-        Raises:
-            ValueError: ``plain`` has no token between what it shares with ``expanded``.
-        """
-        limit = min(len(plain), len(expanded))
-        prefix = 0
-        while prefix < limit and plain[prefix] == expanded[prefix]:
-            prefix += 1
-        suffix = 0
-        while suffix < limit - prefix and plain[-1 - suffix] == expanded[-1 - suffix]:
-            suffix += 1
-        prefix = min(prefix, len(plain) - 1 - suffix)
-        if prefix < 0:
-            raise ValueError("the image placeholder has no token of its own")
-        placeholder = plain[prefix : len(plain) - suffix]
-        run = expanded[prefix : len(expanded) - suffix]
-        stand_in = placeholder[0] if len(placeholder) == 1 else max(run, key=run.count)
-        return cls(prefix, suffix, stand_in)
-
-    def placeholder(self, plain: list[int]) -> list[int]:
-        return plain[self.prefix : len(plain) - self.suffix]
-
-    def tokens(self, expanded: list[int]) -> list[int]:
-        return expanded[self.prefix : len(expanded) - self.suffix]
-
-
-class SplicingPromptBuilder:
-    """mlx-vlm's prompt builder as a processor, for a model whose ``load`` gives the tokenizer alone
-    with the model's own image processor attached (Bunny, Janus: ``prepare_inputs`` builds their
-    prompts itself): the text split at ``<image>``, each piece tokenized as a prompt (a tokenizer
-    that adds a BOS adds it to every piece, as mlx-vlm's does), the model's ``image_token_index``
-    between the first two pieces, the image processor's pixels stacked. mlx-vlm keeps the first two
-    pieces only (a second image drops the text after it), so a second image is refused here: the
-    check at load then serves one image a prompt (``_fails_on_two_images``)."""
-
-    image_token = "<image>"
-
-    def __init__(self, tokenizer, image_processor, mark: int) -> None:
-        self.tokenizer = tokenizer
-        self.image_processor = image_processor
-        self.mark = mark
-
-    @classmethod
-    def around(cls, model, processor):
-        """``processor``, or the builder around it where mlx-vlm builds the prompt itself."""
-        from mlx_vlm.models.base import BaseImageProcessor
-
-        image_processor = getattr(processor, "image_processor", None)
-        mark = getattr(getattr(model, "config", None), "image_token_index", None)
-        if getattr(processor, "tokenizer", None) is not None or not isinstance(image_processor, BaseImageProcessor):
-            return processor
-        return processor if mark is None else cls(processor, image_processor, mark)
-
-    def __call__(self, text, images, return_tensors="np"):
-        [prompt] = text
-        pieces = prompt.split(self.image_token)
-        if len(pieces) != 2 or len(images) != 1:
-            raise ValueError("mlx-vlm's prompt builder places one image a prompt (it drops the text after a second)")
-        ids = [*self.tokenizer(pieces[0])["input_ids"], self.mark, *self.tokenizer(pieces[1])["input_ids"]]
-        pixels = np.stack(self.image_processor.preprocess(images=[image.convert("RGB") for image in images]))
-        return {"input_ids": np.array([ids]), "pixel_values": pixels}
-
-
-def _stand_in_for_a_mark(processor, mark: int) -> int:
-    """The token that stands for an image whose processor marks it with a negative id (``mark``,
-    LLaVA's -200: no token) where its placeholder text is several tokens: the id of the processor's
-    or the tokenizer's ``image_token`` where that is one token, else the tokenizer's pad token (a
-    token prompts do not write; one that does gets a placeholder too many, refused by count). The
-    run's rows are the model's whatever the id, and the image's hash keys the prefix cache.
-
-    Raises:
-        UnsupportedModelError: The tokenizer has neither.
-    """
-    tokenizer = processor.tokenizer
-    for owner in (processor, tokenizer):
-        text = getattr(owner, "image_token", None)
-        ids = tokenizer.encode(text, add_special_tokens=False) if isinstance(text, str) and text else []
-        if len(ids) == 1:
-            return ids[0]
-    if isinstance(getattr(tokenizer, "pad_token_id", None), int):
-        return tokenizer.pad_token_id
-    raise UnsupportedModelError(f"its processor marks an image with the id {mark}, and its tokenizer has no "
-                                "image or pad token to stand for it in a prompt")  # fmt: skip
 
 
 class LanguageSplit:
@@ -286,7 +186,7 @@ def _logits(output) -> mx.array:
 class GenericVisionModel(VisionLanguageModel):
     """An mlx-vlm model through ``get_input_embeddings`` and its language model (module doc).
 
-    ``image_placeholder_text`` is what the processor expands for one image (``_placeholder``);
+    ``image_placeholder_text`` is what the processor expands for one image (``find_placeholder``);
     a bare prompt gets what the chat template writes for an image part where that holds it
     (``InputProcessor.image_text``).
     """
@@ -299,10 +199,10 @@ class GenericVisionModel(VisionLanguageModel):
         processor = SplicingPromptBuilder.around(model, processor)
         self.image_placeholder_text, self._plain_ids, self._run = self._find_placeholder(processor)
         if self._run.stand_in < 0:  # the processor's mark (-200) is no token: the run needs one that is
-            self._run = replace(self._run, stand_in=_stand_in_for_a_mark(processor, self._run.stand_in))
+            self._run = replace(self._run, stand_in=stand_in_for_a_mark(processor, self._run.stand_in))
         several = len(self._run.placeholder(self._plain_ids)) > 1
         self._stand_in_text = (
-            _stand_in_text(processor, self.image_placeholder_text, self._run.stand_in) if several else None
+            stand_in_text(processor, self.image_placeholder_text, self._run.stand_in) if several else None
         )
         super().__init__(model, processor, config, path)
         # Multi-axis rotary positions, where the text model computes them itself from the prompt
@@ -329,9 +229,9 @@ class GenericVisionModel(VisionLanguageModel):
         self.check()
 
     def _find_placeholder(self, processor) -> tuple[str, list[int], ImageRun]:
-        """The placeholder text, its ids and the image's run against them (``_placeholder``); a
+        """The placeholder text, its ids and the image's run against them (``find_placeholder``); a
         hook's own where its processor writes the prompt itself (Falcon OCR's)."""
-        return _placeholder(processor, self.placeholder_texts)
+        return find_placeholder(processor, self.placeholder_texts)
 
     # ---- what mlx-vlm's models share ------------------------------------------------------
 
@@ -418,7 +318,7 @@ class GenericVisionModel(VisionLanguageModel):
         if self.expands_in_model:
             encoder_inputs[PROCESSOR_RUN_KEY] = np.asarray(run)
             length = self.on_engine_thread(lambda: self._model_rows(run, pixels, encoder_inputs).shape[0])
-            run = _model_run_ids(run, length, self._run.stand_in)
+            run = model_run_ids(run, length, self._run.stand_in)
         return ImageInput(self._hash(rgb), rgb, pixels, 0, len(run), token_ids=run, encoder_inputs=encoder_inputs)
 
     def encode(self, image: ImageInput) -> mx.array:
@@ -512,7 +412,7 @@ class GenericVisionModel(VisionLanguageModel):
         if DEEPSTACK in visual_inputs:
             self._check_deepstack_reaches(features[None], visual_inputs)
         if self.max_images_per_prompt is None:
-            self.images_limit_reason = _fails_on_two_images(self.processor, self.image_placeholder_text)
+            self.images_limit_reason = fails_on_two_images(self.processor, self.image_placeholder_text)
             self.max_images_per_prompt = 1 if self.images_limit_reason else None
 
     def _expand_in_model(self) -> None:
@@ -711,7 +611,7 @@ class GenericVisionModel(VisionLanguageModel):
             vision = np.isin(types[0], VISION_TOKEN_TYPES) if types is not None else None
             if vision is None or vision.shape != (image.num_tokens,):
                 vision = np.asarray(image.token_ids) == self._run.stand_in
-            spans += [(image.offset + s, image.offset + e) for s, e in _true_runs(vision)]
+            spans += [(image.offset + s, image.offset + e) for s, e in true_runs(vision)]
         return spans
 
     def prompt_text(self, text: str) -> str:
@@ -725,139 +625,6 @@ class GenericVisionModel(VisionLanguageModel):
 def _call_here(fn):
     """``on_engine_thread`` where the caller is the engine thread (``EngineCore`` used directly)."""
     return fn()
-
-
-def _placeholder(processor, known: tuple[str, ...] = ()) -> tuple[str, list[int], ImageRun]:
-    """The text that stands for one image (the first the processor expands of
-    ``known`` then ``_candidate_texts`` where it stands in a prompt), its ids, and where the
-    processor puts an image's run against them.
-
-    Raises:
-        UnsupportedModelError: The processor expands none of them.
-    """
-    from PIL import Image
-
-    if getattr(processor, "tokenizer", None) is None:  # a tokenizer alone with no image processor
-        raise UnsupportedModelError(SPLICED_BY_THE_MODEL.format(what="its processor is a tokenizer alone"))
-    probe = Image.new("RGB", PROBE_IMAGE_SIZE)
-    failures = []
-    for text in dict.fromkeys([*known, *_candidate_texts(processor)]):
-        try:
-            expanded = _expanded_ids(processor, text, probe)
-            plain = _text_ids(processor, text)
-            run = ImageRun.of(plain, expanded)
-            if _expands_in_place(processor, text, run.tokens(expanded), probe):
-                return text, plain, run
-            failures.append(f"{text!r}: its run is not put where the placeholder stands in a prompt")
-        except Exception as exc:  # noqa: BLE001 -- a processor refuses a text its own way
-            failures.append(f"{text!r}: {exc}".splitlines()[0])
-    if _places_images_itself(processor, probe):
-        failures.append(PLACES_IMAGES_ITSELF)
-    raise UnsupportedModelError(
-        "its processor expands no image placeholder it names" + (f" ({'; '.join(failures)})" if failures else "")
-    )
-
-
-PLACES_IMAGES_ITSELF = "it puts an image's tokens into a prompt that has no placeholder, where it chooses"
-"""Why a processor that names no placeholder is refused, where it places images itself (PLaMo 2 VL's
-writes every image at the start of a fixed instruction template): the engine places an image's run
-where the prompt names it, so it cannot follow such a processor."""
-
-
-def _places_images_itself(processor, image) -> bool:
-    """Whether the processor expands an image for a prompt with no placeholder (more ids than the
-    text alone), which tells a user why no placeholder of theirs can work."""
-    try:
-        return len(_expanded_ids(processor, IN_PLACE_HEAD, image)) > len(_text_ids(processor, IN_PLACE_HEAD))
-    except Exception:  # noqa: BLE001 -- a processor that wants a placeholder refuses a text without one
-        return False
-
-
-def _model_run_ids(run: list[int], length: int, stand_in: int) -> list[int]:
-    """The ids of an image's run of ``length`` rows that the model expands from the processor's
-    ``run``: the stand-in for the image's rows, with the text tokens at the run's ends (neither the
-    stand-in nor a negative mark) kept as themselves, for the model leaves them its own rows there.
-    Why: mlx-vlm's prompt builder (Janus's) tokenizes the text after an image as a prompt, with a
-    BOS, so the run of ``<image>`` alone ends with that BOS; mlx-vlm's ids there are the model's
-    image tokens, then the BOS (``add_image_token``), and so are the engine's."""
-    is_text = [token >= 0 and token != stand_in for token in run]
-    lead = next((i for i, text in enumerate(is_text) if not text), len(run))
-    trail = next((i for i, text in enumerate(reversed(is_text)) if not text), 0)
-    if lead + trail >= len(run):  # no image token in it: the model's rows stand in whole
-        return [stand_in] * length
-    return [*run[:lead], *[stand_in] * (length - lead - trail), *run[len(run) - trail :]]
-
-
-def _expanded_ids(processor, text: str, image) -> list[int]:
-    return np.asarray(processor(text=[text], images=[image], return_tensors="np")["input_ids"])[0].tolist()
-
-
-def _fails_on_two_images(processor, text: str) -> str:
-    """Why the processor cannot take two images in one prompt ("" where it can): PaddleOCR-VL's
-    stacks a prompt's images as one array (two sizes raise, one size becomes one grid of two
-    frames, whose second placeholder then finds no grid). mlx-vlm's own generation fails the same
-    way, so such a model takes one image a prompt (``VisionLanguageModel.max_images_per_prompt``).
-    The two probe images differ in size, as a prompt's images may."""
-    from PIL import Image
-
-    width, height = PROBE_IMAGE_SIZE
-    images = [Image.new("RGB", (width, height)), Image.new("RGB", (height, width))]
-    try:
-        # The text alone, as mlx-vlm's generation passes it (DeepSeek-VL2's takes a list as a batch).
-        processor(text=text + text, images=images, return_tensors="np")
-    except Exception as exc:  # noqa: BLE001 -- any failure: the processor cannot take the pair
-        return f"its processor, {type(processor).__name__}, fails on two: {exc}".splitlines()[0]
-    return ""
-
-
-IN_PLACE_HEAD, IN_PLACE_TAIL = "Look:", " Then."
-"""The text around a placeholder in ``_expands_in_place``'s prompt."""
-
-
-def _expands_in_place(processor, text: str, run: list[int], image) -> bool:
-    """Whether the processor puts an image's run where its placeholder stands in a longer prompt:
-    the text before it kept (all but its last token, which a tokenizer may merge with what
-    follows) and the run whole after it. A processor that moves every image to the front
-    (Moondream 3's, Molmo's) or wraps the prompt in a conversation of its own (GOT-OCR's) does not:
-    the engine places an image's run where the prompt names it."""
-    expanded = _expanded_ids(processor, IN_PLACE_HEAD + text + IN_PLACE_TAIL, image)
-    kept = _text_ids(processor, IN_PLACE_HEAD)[:-1]
-    if expanded[: len(kept)] != kept:
-        return False
-    after = expanded[len(kept) :]
-    return any(after[i : i + len(run)] == run for i in range(len(after) - len(run) + 1))
-
-
-CONVENTIONAL_PLACEHOLDERS = ("<image>",)
-"""Placeholders tried where the processor names none that it expands: the text LLaVA-style chat
-templates write for an image (InternVL-Chat's processor replaces it, and names nothing)."""
-
-
-def _candidate_texts(processor):
-    """The processor's ``image_token``, its ``boi_token``, its ``image_placeholder_token`` (Molmo
-    2's ``<|image|>``), the tokenizer's ``image_token``; then ``CONVENTIONAL_PLACEHOLDERS``. (Not
-    the chat template's own image text: rendering it is the engine's, in its guarded workers.)"""
-    tokenizer = getattr(processor, "tokenizer", None)
-    owners = ((processor, "image_token"), (processor, "boi_token"), (processor, "image_placeholder_token"),
-              (tokenizer, "image_token"))  # fmt: skip
-    candidates = [getattr(owner, name, None) for owner, name in owners]
-    yield from dict.fromkeys([*(c for c in candidates if isinstance(c, str) and c), *CONVENTIONAL_PLACEHOLDERS])
-
-
-def _stand_in_text(processor, placeholder_text: str, stand_in: int) -> str:
-    """The text of the token that stands for a placeholder of several tokens (``ImageRun``).
-
-    Raises:
-        UnsupportedModelError: That token's text does not tokenize back to it alone.
-    """
-    tokenizer = getattr(processor, "tokenizer", processor)
-    text = tokenizer.convert_ids_to_tokens(stand_in)
-    if tokenizer.encode(text, add_special_tokens=False) != [stand_in]:
-        raise UnsupportedModelError(
-            f"its image placeholder {placeholder_text!r} is several tokens, and the token of its run "
-            f"({text!r}) cannot stand for it in a tokenized prompt"
-        )
-    return text
 
 
 def _encoder_inputs(outputs, run: ImageRun, length: int) -> dict[str, np.ndarray]:
@@ -893,13 +660,7 @@ def _three_axes(positions) -> np.ndarray:
     return np.broadcast_to(positions, (3, *positions.shape)) if positions.ndim == 2 else positions
 
 
-def _text_ids(processor, text: str) -> list[int]:
-    """``text`` tokenized as the processor tokenizes a prompt (special tokens added)."""
-    tokenizer = getattr(processor, "tokenizer", processor)
-    return list(tokenizer(text)["input_ids"])
-
-
-def _true_runs(flags: np.ndarray) -> list[tuple[int, int]]:
+def true_runs(flags: np.ndarray) -> list[tuple[int, int]]:
     """``[start, end)`` of each run of True in ``flags``."""
     edges = np.diff(np.concatenate([[0], flags.astype(np.int8), [0]]))
     return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))

@@ -47,6 +47,7 @@ EXTRA_OF_MODULE = {
     "vllm_mlx.multimodal.vlm_families": "vlm",
     "vllm_mlx.multimodal.vlm_generic": "vlm",
     "vllm_mlx.multimodal.vlm_models": "vlm",
+    "vllm_mlx.multimodal.vlm_placeholder": "vlm",
     "vllm_mlx.plugin": "vllm",
     "vllm_mlx.vllm_platform": "vllm",  # the seed's faces of the plugin
     "vllm_mlx.worker": "vllm",

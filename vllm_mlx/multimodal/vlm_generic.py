@@ -55,11 +55,11 @@ adapter, a piece at a time, for rows at different stages of one batch:
   Of the ways to know it: (a) MLX's lazy shapes give the length without running the tower, but
   the models evaluate on the way (``np.where`` over the ids, ``.item()`` of counts), so it is MLX
   work all the same; (b) a formula per family from the config and the processor's outputs would
-  copy each model's merge and drift from it silently; (c) the measurement runs on the engine thread: ``on_engine_thread``
-  (the engine's thread runs it between steps; direct where the caller is that thread) builds
-  ``get_input_embeddings`` for the processor's run lazily and reads the shape, evaluating only
-  what the model's own code evaluates (the ids), never the tower. (c) it is: exact by
-  construction, general, at the cost of one round trip to the engine thread per image.
+  copy each model's merge and drift from it silently; (c) the measurement runs on the engine
+  thread: ``on_engine_thread`` (the engine's thread runs it between steps; direct where the caller
+  is that thread) builds ``get_input_embeddings`` for the processor's run lazily and reads the
+  shape, evaluating only what the model's own code evaluates (the ids), never the tower. (c) it
+  is: exact by construction, general, at the cost of one round trip to the engine thread per image.
 
 This holds where ``get_input_embeddings`` merges position by position and the text model needs
 nothing but embeddings, those positions and the cache; ``check`` runs the pipeline once at load

@@ -257,8 +257,7 @@ def _text_row(name: str, worker: ProbeWorker) -> Architecture:
 def classify_vision(name: str) -> Architecture:
     """A family hook takes the architecture (runs), or the generic path does (``vlm_generic.py``),
     read off the package's installed code: refused where its model has no
-    ``get_input_embeddings``, where images are marked by a negative id the model splices its features
-    in for (``_negative_image_mark``), where the embeddings come with what the text model needs beside
+    ``get_input_embeddings``, where the embeddings come with what the text model needs beside
     them (the fields the generic path's check at load refuses; positions are not among them where
     the text model has a ``get_rope_index``, nor the image-token mask and deepstack rows, which
     the generic path passes on in the forms the check at load accepts), or where it keeps
@@ -287,8 +286,6 @@ def classify_vision(name: str) -> Architecture:
     if embeddings is None:
         reason = "its model has no get_input_embeddings, the interface the generic path drives"
         return Architecture(name, VISION, REFUSED, reason)
-    # A negative image mark (_negative_image_mark: LLaVA's -200) is served as an image the model
-    # expands (vlm_generic's expands_in_model); the check at load refuses a model that splices nothing.
     both_ways = _bidirectional_by_default(name, code)
     if both_ways and both_ways != VISION_BLOCKS:  # image blocks both ways are served; a whole prompt is not
         return Architecture(name, VISION, REFUSED, both_ways_reason(both_ways))
@@ -349,16 +346,6 @@ def _bidirectional_by_default(package: str, code: str) -> object:
     fields = {f.name: f for f in dataclasses.fields(text_config)} if dataclasses.is_dataclass(text_config) else {}
     field = fields.get("use_bidirectional_attention")
     return field.default if field is not None and field.default is not dataclasses.MISSING else None
-
-
-def _negative_image_mark(package: str) -> int | None:
-    """The package's ``ModelConfig`` default ``image_token_index`` where it is negative (LLaVA's
-    -200 in Bunny, FastVLM, Phi-4-MM: a mark the prompt builder splices into the ids, which the
-    model replaces by an image's features itself); None otherwise."""
-    config = getattr(_package_module(package), "ModelConfig", None)
-    fields = {f.name: f for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else {}
-    default = getattr(fields.get("image_token_index"), "default", None)
-    return default if isinstance(default, int) and default < 0 else None
 
 
 def _defines_method(package: str, method: str) -> bool:

@@ -9,11 +9,6 @@ from ties), each with mlx-vlm's own processor:
   rotary positions from its ``get_rope_index``. ``<|IMAGE_PAD|>`` expands to one pad per merged
   patch (no markers of its own: the template frames it with ``<|VISION_START|>`` / ``<|VISION_END|>``,
   which ``get_rope_index`` reads); a 100x60 picture is 6 tokens.
-* :func:`build_tiny_granite4_vision`: Granite 4 Vision (LLaVA-NeXT's tiles and processor, a SigLIP
-  tower whose layers feed window Q-Former projectors, one per granite text layer they are added
-  to): its deepstack features come as whole-prompt arrays, one row per prompt token, which its
-  text model slices at the cache's offset: refused at load (rows of a batch are at different
-  offsets).
 * :func:`build_tiny_zaya1_vl`: Zaya1-VL (Qwen2.5-VL's tower, a flat text config with CCA attention,
   whose convolution state and previous hidden state sit in a ``CacheList`` beside the KV, a vision
   LoRA applied where ``visual_pos_masks`` is True, MoE MLPs): its image-token mask passes the check,
@@ -29,7 +24,6 @@ from tiny_vlm import (
     QWEN2_5_VL_VISION_CONFIG,
     QWEN2_VL_CHAT_TEMPLATE,
     QWEN_SPECIAL_TOKENS,
-    _build_llava_layout,
     _instantiate,
     _make_tokenizer,
     _patch_image_processor,
@@ -38,7 +32,7 @@ from tiny_vlm import (
     _write_json,
 )
 
-__all__ = ["build_tiny_cohere_compass", "build_tiny_granite4_vision", "build_tiny_zaya1_vl"]
+__all__ = ["build_tiny_cohere_compass", "build_tiny_zaya1_vl"]
 
 
 def _frame_chat_template(image_text: str, start: str, end: str) -> str:
@@ -122,57 +116,6 @@ def build_tiny_cohere_compass(out_dir: Path, tokenizer_dir: Path | None = None, 
                     "min_pixels": 64 * 64, "max_pixels": 128 * 128}  # fmt: skip
     _write_json(out_dir / "preprocessor_config.json", preprocessor)
     return out_dir
-
-
-# -- Granite 4 Vision --------------------------------------------------------------------------------
-
-# SigLIP at 32 px in 8 px patches (a 4x4 grid): the Q-Former projectors need a width of 64 (64 per
-# head) and pool 4x4 windows to 2x2 queries ("2/4"): 4 tokens a tile.
-GRANITE4_VISION_VISION_CONFIG = {
-    "model_type": "siglip_vision_model",
-    "hidden_size": 64,
-    "intermediate_size": 64,
-    "num_attention_heads": 2,
-    "num_hidden_layers": 1,
-    "image_size": 32,
-    "patch_size": 8,
-    "num_channels": 3,
-    "layer_norm_eps": 1e-6,
-}
-GRANITE4_VISION_TEXT_CONFIG = {
-    "model_type": "granite",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 4096,
-}
-
-
-def build_tiny_granite4_vision(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
-    """A tiny random-weight Granite 4 Vision directory (module doc): deepstack from vision layers 0
-    and 1 into text layers 0 and 1, no spatial sampling; tiles of 32 px up to 2x2."""
-    from tiny_vlm import LLAVA_SPECIAL_TOKENS
-
-    vision = dict(GRANITE4_VISION_VISION_CONFIG)
-    tile = vision["image_size"]
-    pinpoints = [[tile, tile], [tile, 2 * tile], [2 * tile, tile], [2 * tile, 2 * tile]]
-    vocab_size = _make_tokenizer(tokenizer_dir, LLAVA_SPECIAL_TOKENS).get_vocab_size(with_added_tokens=True)
-    return _build_llava_layout(
-        out_dir, tokenizer_dir, seed, "granite4_vision", "Granite4VisionForConditionalGeneration",
-        config_extra={"text_config": {**GRANITE4_VISION_TEXT_CONFIG, "vocab_size": vocab_size},
-                      "vision_config": vision, "image_grid_pinpoints": pinpoints,
-                      "vision_feature_select_strategy": "full", "downsample_rate": "2/4",
-                      "deepstack_layer_map": [[0, 0], [1, 1]], "use_spatial_sampling": False},
-        preprocessor_extra={"image_processor_type": "LlavaNextImageProcessor", "image_grid_pinpoints": pinpoints,
-                            "size": {"shortest_edge": tile}, "crop_size": {"height": tile, "width": tile},
-                            "do_pad": True, "patch_size": vision["patch_size"],
-                            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]},
-        processor_extra={"vision_feature_select_strategy": "full", "num_additional_image_tokens": 0,
-                         "patch_size": vision["patch_size"], "downsample_rate": "2/4"},
-        processor_class="Granite4VisionProcessor",
-    )  # fmt: skip
 
 
 # -- Zaya1-VL ------------------------------------------------------------------------------------

@@ -19,10 +19,6 @@ tokenizer with the family's special tokens, and the processor files mlx-vlm's ``
   a qwen2-sized tiny text model at the config's root). Refused at load: mlx-vlm gives the
   tokenizer alone as its processor; its prompt builder splits at ``<image>`` and inserts
   ``image_token_index`` (-200), which the model replaces by the image's features itself.
-* :func:`build_tiny_fastvlm`: FastVLM (FastViTHD, whose sizes are constants in mlx-vlm: the one
-  builder here that is not tiny, ~125M tower weights in float16, its convolutions scaled so an
-  image's features depend on it): its processor marks an image with the id -200, which the model
-  replaces by the image's 4 features (an image the model expands, served as LLaVA-NeXT's).
 * :func:`build_tiny_got`: GOT-OCR 2.0 (a SAM-style tower at the fixed 1024 px of mlx-vlm's
   processor: 256 image tokens; a flat qwen2 config). Refused at load: its processor names no
   placeholder (it expands ``<image>`` and wraps every prompt in GOT's own conversation).
@@ -33,23 +29,23 @@ from __future__ import annotations
 from pathlib import Path
 
 from tiny_vlm import (
-    qwen_vision_ids,
     LLAVA_BARE_IMAGE_CHAT_TEMPLATE,
-    square_image_processor,
-    TINY_SIGLIP_VISION_CONFIG,
-    _build_llava_layout,
     LLAVA_SPECIAL_TOKENS,
     LLAVA_TEXT_CONFIG,
     QWEN2_VL_CHAT_TEMPLATE,
     QWEN3_VL_MAX_PIXELS,
     QWEN3_VL_MIN_PIXELS,
     QWEN_SPECIAL_TOKENS,
+    TINY_SIGLIP_VISION_CONFIG,
+    _build_llava_layout,
     _instantiate,
     _make_tokenizer,
     _patch_image_processor,
     _save_model,
     _save_tokenizer,
     _write_json,
+    qwen_vision_ids,
+    square_image_processor,
 )
 
 # Mage-VL's text model: stock qwen3 (q/k RMSNorm, 1-D rotary positions); two layers.
@@ -236,61 +232,6 @@ def build_tiny_llava_bunny(out_dir: Path, tokenizer_dir: Path | None = None, *, 
     preprocessor = square_image_processor("SiglipImageProcessor", vision["image_size"])
     _write_json(out_dir / "preprocessor_config.json", preprocessor)
     return out_dir
-
-
-def build_tiny_fastvlm(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
-    """A random-weight FastVLM directory (module doc): a tiny qwen2 text model at the config's root,
-    mlx-vlm's FastViTHD tower at 128 px (2x2 features) and its own processor. The tower's widths
-    and depths are class constants of mlx-vlm's ``VisionConfig``, not read from a config, so it
-    keeps its real size (~125M weights, saved as float16; ``_fastvlm_scaled``)."""
-    import mlx.core as mx
-
-    from mlx_vlm.models import fastvlm
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok = _make_tokenizer(tokenizer_dir, LLAVA_SPECIAL_TOKENS)
-    ids = {t: tok.token_to_id(t) for t in LLAVA_SPECIAL_TOKENS}
-    vocab_size = tok.get_vocab_size(with_added_tokens=True)
-    size = 128  # the tower downsamples 64x: 2x2 features
-    config = {
-        "model_type": "fastvlm",
-        "architectures": ["LlavaQwen2ForCausalLM"],
-        **{k: v for k, v in LLAVA_TEXT_CONFIG.items() if k != "model_type"},
-        "vocab_size": vocab_size,
-        "vision_config": {"image_size": size},
-        "mm_hidden_size": 3072,  # FastViTHD's output width
-        "mm_projector_type": "mlp2x_gelu",
-        "image_token_index": -200,  # FastVLM's: spliced into the ids by the processor, not a token
-        "eos_token_id": ids["</s>"],
-    }
-    model = _instantiate(fastvlm, config, seed)
-    model.set_dtype(mx.float16)
-    _save_model(out_dir, _fastvlm_scaled(model), config, scale=1.0)
-    _save_tokenizer(out_dir, tok, "</s>", "<pad>", 4096, LLAVA_BARE_IMAGE_CHAT_TEMPLATE)
-    preprocessor = {"size": {"shortest_edge": size}, "crop_size": {"height": size, "width": size}}
-    _write_json(out_dir / "preprocessor_config.json", preprocessor)
-    return out_dir
-
-
-FASTVIT_CONV_SCALE = 1.8
-"""FastViTHD's convolutions at their random init shrink the signal ~10x a stage, so all images give
-the same features; at x1.8 an image's features depend on it and stay small (x1.9 already grows them
-~100x, x2 ~10^5: the stages compound)."""
-
-
-def _fastvlm_scaled(model):
-    """FastVLM's weights scaled as ``_save_weights`` would (its 2-D ones x4, for peaked logits),
-    but its tower's convolutions by ``FASTVIT_CONV_SCALE`` and its tower's linear layers as they are."""
-    from mlx.utils import tree_flatten, tree_unflatten
-
-    def scaled(name: str, value):
-        if name.startswith("vision_tower."):
-            return value * FASTVIT_CONV_SCALE if value.ndim == 4 else value
-        return value * 4.0 if value.ndim == 2 else value
-
-    model.update(tree_unflatten([(k, scaled(k, v)) for k, v in tree_flatten(model.parameters())]))
-    return model
 
 
 GOT_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<imgpad>"]

@@ -3,11 +3,6 @@
 Built as tests/tiny_vlm.py builds its families (its helpers, weights scaled x4 so greedy logits
 are far from ties), each with mlx-vlm's own processor class:
 
-* :func:`build_tiny_plamo2vl`: PLaMo 2 VL (SigLIP tiles with a thumbnail, a PLaMo 2 hybrid text
-  model of Mamba and attention layers). Its processor has a tokenizer of its own (a JSON-lines
-  vocabulary, written here character by character with the 256 byte tokens it insists on), and
-  it writes the prompt into a fixed Japanese instruction template with every image's tokens at
-  the start of the instruction, whatever the text says: the engine refuses it at load.
 * :func:`build_tiny_locateanything`: LocateAnything (Kimi-VL's MoonViT at the image's own size,
   2x2 merge, a Qwen2 text model). Its processor expands numbered ``<image-N>`` placeholders (the
   number ignored: images in order) to ``<img> <IMG_CONTEXT> x n </img>``, never its own
@@ -20,11 +15,6 @@ are far from ties), each with mlx-vlm's own processor class:
   states sit beside the KV cache in a ``CacheList``, and a sigmoid-routed MoE). Its attention
   takes query positions from the number of keys its cache returns, one start for the whole call.
   A 100x60 picture is 2 rows of 3 tiles: 6 tokens.
-* :func:`build_tiny_jina_vlm`: Jina VLM (``jvlm``: a SigLIP-style tower on 378 px crops, 2x2
-  attention pooling, a Qwen3-style text model with extra embeddings past the vocabulary). Its
-  processor ignores the directory's config: 378 px crops (at least 424 tokens an image, columns
-  closed by ``<im_col>``) and the real model's token ids (151665-151668, ``<|image|>`` 151940),
-  so the vocabulary is pinned at its real size (as dots.ocr's) and the KV pools are larger.
 * :func:`build_tiny_moondream2`: Moondream 2 (a SigLIP-style tower on 378 px crops, a Phi text
   model), weights and config only: mlx-vlm's processor for it always fetches its tokenizer from the
   hub, and the engine refuses the architecture from its config before any processor loads.
@@ -32,13 +22,10 @@ are far from ties), each with mlx-vlm's own processor class:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tiny_vlm import (
     CHARS,
-    CLIP_MEAN,
-    CLIP_STD,
     _instantiate,
     _make_tokenizer,
     _save_model,
@@ -46,14 +33,11 @@ from tiny_vlm import (
     _write_json,
 )
 from tiny_vlm_others import _simple_chat_template
-from tiny_vlm_qwen_like import _pinned_tokenizer
 
 __all__ = [
     "build_tiny_inkling",
-    "build_tiny_jina_vlm",
     "build_tiny_locateanything",
     "build_tiny_moondream2",
-    "build_tiny_plamo2vl",
 ]
 
 
@@ -70,62 +54,6 @@ def _plamo2_vocabulary(special_tokens: list[str]) -> list[list]:
     rows += [[f"<0x{byte:02X}>", 0.0, "BYTE"] for byte in range(256)]
     rows += [[ch, -1.0] for ch in CHARS]
     return rows
-
-
-def build_tiny_plamo2vl(out_dir: Path, *, seed: int = 0) -> Path:
-    """A tiny random-weight PLaMo 2 VL directory (module doc): text hidden 32 (a Mamba layer and an
-    attention layer), a 1-layer SigLIP of width 32 on 28 px tiles, 1 token a tile."""
-    from mlx_vlm.models import plamo2vl
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    vocabulary = _plamo2_vocabulary(PLAMO2VL_SPECIAL_TOKENS)
-    (out_dir / "tokenizer.jsonl").write_text("".join(json.dumps(row) + "\n" for row in vocabulary))
-    ids = {row[0]: i for i, row in enumerate(vocabulary)}
-    vision = {
-        "model_type": "siglip_vision_model",
-        "hidden_size": 32,
-        "num_hidden_layers": 1,
-        "intermediate_size": 64,
-        "num_attention_heads": 2,
-        "patch_size": 14,
-        "image_size": 28,
-        "image_token_id": ids["<plamo:image>"],
-        "image_feature_size": 32,
-        "image_proj_hidden_size": 32,
-    }
-    text = {
-        "model_type": "plamo2",
-        "hidden_size": 32,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "hidden_size_per_head": 16,
-        "mamba_d_state": 8,
-        "mamba_d_conv": 4,
-        "mamba_num_heads": 2,
-        "mamba_step": 2,
-        "mamba_chunk_size": 16,
-        "intermediate_size": 64,
-        "vocab_size": len(vocabulary),
-        "attention_window_size": 64,
-        "max_position_embeddings": 256,
-    }
-    config = {"model_type": "plamo2vl", "text_config": text, "vision_config": vision,
-              "image_token_index": ids["<plamo:image>"], "eos_token_id": [ids["<|plamo:bos|>"]]}  # fmt: skip
-    _save_model(out_dir, _instantiate(plamo2vl, config, seed), config)
-    _write_json(out_dir / "tokenizer_config.json", {
-        "tokenizer_class": "Plamo2Tokenizer", "unk_token": "<|plamo:unk|>", "bos_token": "<|plamo:bos|>",
-        "eos_token": "<|plamo:bos|>", "pad_token": "<|plamo:pad|>", "add_bos_token": True, "add_eos_token": False,
-        "additional_special_tokens": PLAMO2VL_SPECIAL_TOKENS[3:], "model_max_length": 512,
-    })  # fmt: skip
-    # SigLIP's processor with PLaMo's tiling settings: 28 px tiles, downsampled 2x2 to one token.
-    _write_json(out_dir / "preprocessor_config.json", {
-        "image_processor_type": "SiglipImageProcessor", "processor_class": "Plamo2VLProcessor",
-        "do_resize": True, "size": {"height": 28, "width": 28}, "do_rescale": True, "rescale_factor": 1 / 255,
-        "do_normalize": True, "image_mean": CLIP_MEAN, "image_std": CLIP_STD, "patch_size": 14,
-        "max_image_width": 56, "max_image_height": 56, "downsample_ratio": 0.5, "tile_context_length": 64,
-    })  # fmt: skip
-    return out_dir
 
 
 # -- Moondream 2 --------------------------------------------------------------------------------
@@ -243,73 +171,4 @@ def build_tiny_inkling(out_dir: Path, *, seed: int = 0) -> Path:
     _save_model(out_dir, model, config)
     template = _simple_chat_template("<|content_image|><|unused_200054|>", "<|im_start|>", "<|im_end|>\n")
     _save_tokenizer(out_dir, tok, "<|im_end|>", "<|endoftext|>", 4096, template)
-    return out_dir
-
-
-# -- Jina VLM -----------------------------------------------------------------------------------
-
-JINA_VLM_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<im_patch>", "<im_start>", "<im_end>",
-                           "<im_col>", "<|image|>"]  # fmt: skip
-# The ids mlx-vlm's image processor and processor write, whatever the directory says: the image
-# markers in the base vocabulary (151936), "<|image|>" among the 128 extra embeddings after it.
-JINA_VLM_PINNED = {"<im_patch>": 151665, "<im_start>": 151666, "<im_end>": 151667, "<im_col>": 151668,
-                   "<|image|>": 151940}  # fmt: skip
-JINA_VLM_VOCAB, JINA_VLM_EXTRA_VOCAB = 151936, 128
-
-
-def build_tiny_jina_vlm(out_dir: Path, *, seed: int = 0) -> Path:
-    """A tiny random-weight Jina VLM directory (module doc): text hidden 32, 2 layers; a 1-layer
-    tower of width 32 whose last layer feeds the connector. Embeddings random (zeros at init)."""
-    import mlx.core as mx
-    from mlx_vlm.models import jina_vlm
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok = _pinned_tokenizer(JINA_VLM_SPECIAL_TOKENS, JINA_VLM_PINNED)
-    ids = {t: tok.token_to_id(t) for t in JINA_VLM_SPECIAL_TOKENS}
-    # Each size twice: the checkpoint's nested keys (ModelConfig.from_dict) and the dataclass's flat
-    # ones (mlx-vlm's load then rebuilds each sub-config from the flat keys alone).
-    vision = {
-        "hidden_size": 32,
-        "n_layers": 1,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "head_dim": 16,
-        "intermediate_size": 64,
-        "patch_size": 14,
-        "input_size": [378, 378],
-        "vit_layers": [-1],
-        "output_size": 32,
-        "connector_hidden_size": 64,
-        "block_config": {"attn_config": {"n_heads": 2, "head_dim": 16}, "ffn_config": {"size": 64}},
-        "vl_connector_config": {"pooling_h": 2, "pooling_w": 2, "mlp_projector_config": {"size": 64}},
-    }
-    text = {"hidden_size": 32, "n_layers": 2, "num_hidden_layers": 2, "num_attention_heads": 2,
-            "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64, "vocab_size": JINA_VLM_VOCAB,
-            "additional_vocab_size": JINA_VLM_EXTRA_VOCAB,
-            "block_config": {"attn_config": {"n_heads": 2, "n_kv_heads": 1, "head_dim": 16},
-                             "ffn_config": {"size": 64}}}  # fmt: skip
-    eos = ids["<|im_end|>"]
-    config = {
-        "model_type": "jvlm",
-        "text_config": text,
-        "vision_config": vision,
-        "vocab_size": JINA_VLM_VOCAB,
-        "image_token_index": ids["<|image|>"],
-        "bos_token_id": eos,
-        "eos_token_id": eos,
-        "pad_token_id": eos,
-    }
-    model = _instantiate(jina_vlm, config, seed)
-    embedding = model.language_model.embedding  # zeros at init: every token would look alike
-    embedding.embedding = mx.random.normal(embedding.embedding.shape) * 0.25
-    embedding.new_embedding = mx.random.normal(embedding.new_embedding.shape) * 0.25
-    _save_model(out_dir, model, config)
-    _save_tokenizer(
-        out_dir,
-        tok,
-        "<|im_end|>",
-        "<|endoftext|>",
-        8192,
-        _simple_chat_template("<|image|>", "<|im_start|>", "<|im_end|>\n"),
-    )
     return out_dir

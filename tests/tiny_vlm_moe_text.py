@@ -24,12 +24,6 @@ mlx-vlm loads offline. Helpers and conventions are tests/tiny_vlm.py's.
   linear (delta) attention layer, a DeepSeek sparse-attention layer (NoPE MLA with a top-k
   indexer), hyper-connections (the hidden state kept as several streams), a MoE. Refused at
   load: the engine does not page the indexer's pooled keys.
-* :func:`build_tiny_ernie4_5_moe_vl`: ERNIE 4.5 VL: a DFN-RoPE tower with a resampler (2x2
-  spatial and 2-frame temporal merge), a text model with 3-D rotary positions
-  (``get_rope_index``) and a MoE with separate text and vision experts, chosen per token by
-  ``token_type_ids``; mlx-vlm's processor has its own SentencePiece tokenizer (trained here,
-  one piece per character, ``tokenizer.model``). Refused: mlx-vlm's generation never passes the
-  token types, so its image tokens take the text experts (unlike its own ``Model.__call__``).
 """
 
 from __future__ import annotations
@@ -327,71 +321,6 @@ def build_tiny_glm5_next(out_dir: Path, tokenizer_dir: Path | None = None, *, se
     _save_tokenizer(out_dir, tok, "<|endoftext|>", "<|endoftext|>", 4096, GLM4V_CHAT_TEMPLATE, extra)
     image = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "min_image_tokens": 4, "max_image_tokens": 16}
     _write_json(out_dir / "processor_config.json", {"image_processor": image, "video_processor": image})
-    return out_dir
-
-
-ERNIE_SPECIAL_TOKENS = [
-    "<|begin_of_sentence|>", "<|end_of_sentence|>", "<mask:1>", "<mask:7>", "<|IMAGE_START|>", "<|IMAGE_END|>",
-    "<|IMAGE_PLACEHOLDER|>", "<|VIDEO_START|>", "<|VIDEO_END|>", "<|image@placeholder|>",
-]  # fmt: skip
-
-# ERNIE 4.5 VL's template shape: "User: <|IMAGE_START|><|image@placeholder|><|IMAGE_END|>Describe\nAssistant: ".
-ERNIE_IMAGE = "<|IMAGE_START|><|image@placeholder|><|IMAGE_END|>"
-ERNIE_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ 'User: ' if message['role'] == 'user' else 'Assistant: ' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}" + ERNIE_IMAGE +
-    "{% elif 'text' in part %}{{ part['text'] }}"
-    "{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
-    "{% if add_generation_prompt %}Assistant: {% endif %}"
-)
-
-# ERNIE 4.5 VL's text model (flat at the config's root): layer 0 dense, layer 1 a MoE of 4 text
-# and 4 vision experts (2 per token); head_dim 16: 8 rotary frequencies, (h, w, t) = 3, 3, 2.
-ERNIE_TEXT_CONFIG = {
-    "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "num_hidden_layers": 2, "head_dim": 16, "rope_theta": 10000.0, "max_position_embeddings": 4096,
-    "moe_num_experts": [4, 4], "moe_layer_start_index": 1, "moe_layer_end_index": 1,
-    "moe_intermediate_size": [32, 32], "moe_k": 2, "mrope_section": [3, 3, 2], "freq_allocation": 2,
-}  # fmt: skip
-
-
-def build_tiny_ernie4_5_moe_vl(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
-    """A tiny random-weight ERNIE 4.5 VL directory (``ERNIE_TEXT_CONFIG``, a one-block tower of
-    width 32; mlx-vlm's image processor at its defaults: 56x56 px and up, 28 px per token).
-    ``tokenizer_dir`` is not used: the family's tokenizer is SentencePiece's."""
-    from mlx_vlm.models import ernie4_5_moe_vl
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    pieces = _save_char_sentencepiece(out_dir / "tokenizer.model", ERNIE_SPECIAL_TOKENS)
-    ids = {t: pieces.index(t) for t in ERNIE_SPECIAL_TOKENS}
-    vision = {"model_type": "DFNRope_vision_transformer", "depth": 1, "embed_dim": 32, "hidden_size": 32,
-              "num_heads": 2, "mlp_ratio": 2.0, "patch_size": 14, "spatial_merge_size": 2}  # fmt: skip
-    config = {
-        "model_type": "ernie4_5_moe_vl",
-        "architectures": ["Ernie4_5_VLMoeForConditionalGeneration"],
-        **ERNIE_TEXT_CONFIG,
-        "vocab_size": len(pieces),
-        "vision_config": vision,
-        "pixel_hidden_size": 32,
-        "im_patch_id": ids["<|IMAGE_PLACEHOLDER|>"],
-        "image_start_token_id": ids["<|IMAGE_START|>"],
-        "image_end_token_id": ids["<|IMAGE_END|>"],
-        "video_start_token_id": ids["<|VIDEO_START|>"],
-        "video_end_token_id": ids["<|VIDEO_END|>"],
-        "eos_token_id": [pieces.index("</s>")],
-    }
-    model = _instantiate(ernie4_5_moe_vl, config, seed)
-    _save_model(out_dir, model, config)
-    tokenizer_config = {
-        "tokenizer_class": "Ernie4_5_VLTokenizer", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<unk>",
-        "unk_token": "<unk>", "model_max_length": 4096, "chat_template": ERNIE_CHAT_TEMPLATE,
-        "additional_special_tokens": ERNIE_SPECIAL_TOKENS,
-    }  # fmt: skip
-    _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
-    _write_json(out_dir / "processor_config.json", {"spatial_conv_size": 2, "temporal_conv_size": 2})
     return out_dir
 
 

@@ -50,15 +50,15 @@ def test_tested_architectures_probe_as_runnable_and_are_supported():
 
 def test_refusals_name_the_reason():
     """Vision rows are read off mlx-vlm's code: what the generic path cannot pass on is named."""
-    vision = ["florence2", "mllama", "hunyuan_vl", "siglip", "molmo", "glm4v", "gemma3n", "paligemma", "llava_next"]
+    vision = ["florence2", "mllama", "hunyuan_vl", "siglip", "phi4_siglip", "glm4v", "gemma3n", "paligemma", "llava_next"]
     rows = support.classify({TEXT: ["longcat_flash_ngram"], VISION: vision})
     by_name = {row.name: row for row in rows}
-    ngram, florence2, mllama, hunyuan_vl, siglip, molmo, glm4v, gemma3n, paligemma, llava_next = (
+    ngram, florence2, mllama, hunyuan_vl, siglip, phi4_siglip, glm4v, gemma3n, paligemma, llava_next = (
         by_name[name] for name in ("longcat_flash_ngram", *vision)
     )
     # Its config sets use_bidirectional_attention=True when a checkpoint leaves it out: the whole prompt
-    # attends both ways (a prefix LM), where the engine keeps image blocks ("vision", Gemma 4) alone.
-    assert paligemma.status == REFUSED and "lets the whole prompt attend both ways" in paligemma.detail
+    # attends both ways (a prefix LM), one span the engine keeps whole; its hook writes its processor's prompt.
+    assert paligemma.status == SUPPORTED and paligemma.test.endswith("test_one_image_equals_mlx_vlm[paligemma]")
     # DiffusionGemma denoises a canvas (its config's canvas_length): no token-by-token generation.
     [diffusion] = support.classify({VISION: ["diffusion_gemma"]})
     assert diffusion.status == NOT_GENERATOR and diffusion.detail.startswith("a diffusion decoder")
@@ -71,8 +71,8 @@ def test_refusals_name_the_reason():
     assert hunyuan_vl.status == SUPPORTED and hunyuan_vl.test.endswith("test_one_image_equals_mlx_vlm[hunyuan_vl]")
     assert siglip.status == NOT_GENERATOR and siglip.detail.startswith("no language model: an image encoder")
     # Its code reads as the generic path's; a tiny model of it is refused at load (the test is named).
-    assert molmo.status == REFUSED and molmo.detail.startswith("its processor puts every image before the whole")
-    assert molmo.detail.endswith(f"`{support.REFUSED_AT_LOAD_TEST}[molmo]`)")
+    assert phi4_siglip.status == REFUSED and phi4_siglip.detail.startswith("its processor (Phi4SigLipProcessor) wraps")
+    assert phi4_siglip.detail.endswith(f"`{support.REFUSED_AT_LOAD_TEST}[phi4_siglip]`)")
     assert gemma3n.status == RUNS  # its per_layer_inputs travel with the embeddings (TOKEN_FEATURES)
     assert glm4v.status == SUPPORTED  # positions from its own get_rope_index: tests/multimodal/test_vlm_families.py
     assert llava_next.status == SUPPORTED  # its model decides an image's length: the engine measures it

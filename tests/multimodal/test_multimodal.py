@@ -297,8 +297,8 @@ def test_the_generic_path_takes_deepstack_features_beside_the_embeddings(tmp_pat
     """Qwen3-VL through the generic adapter (not its family hook): its embeddings come with
     deepstack features (a list of rows at the image tokens) and the image-token mask, which the
     generic path now passes on (``vlm_generic.VISUAL_FEATURES``; Cohere Compass's oracle tests run
-    it). Deepstack in a form it cannot pass on is refused: tests/multimodal/test_vlm_families.py's
-    ``REFUSED_AT_LOAD["granite4_vision"]``."""
+    it). Deepstack as whole-prompt arrays (Granite 4 Vision's) goes as per-token rows cut per call
+    (tests/multimodal/test_vlm_families.py's granite4_vision tests)."""
     from mlx_vlm.utils import load_model, load_processor
     from tiny_vlm import build_tiny_qwen3_vl
 

@@ -1,7 +1,8 @@
 """Vision-language families in the paged engine, on tiny random-weight models (tests/tiny_vlm.py and
 tests/tiny_vlm_*.py, a module per group of families that share a processor, tower or text model).
 
-Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / LLaVA:
+Oracle: mlx-vlm's own greedy generation (for ``MODEL_CALL_ORACLE``: the model's own call, greedy
+over mlx-vlm's cache). What each family adds over Qwen2-VL / LLaVA:
 
 * Qwen3-VL: deepstack (vision-block features added to the first text layers' hidden states at
   the image positions) and interleaved multi-axis rotary positions.
@@ -45,10 +46,10 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
 * Phi-4-multimodal and Bunny: the processor (Bunny's: mlx-vlm's prompt builder) leaves one mark
   (-200, outside the vocabulary) per image and the model splices the image's rows in: served as an
   image the model expands, its run written as an in-vocabulary stand-in; Bunny one image a prompt.
-* FastVLM (tests/tiny_vlm_llava_like.py): its processor leaves a -200 mark per image, served as an
-  image the model expands; mlx-vlm builds its FastViTHD tower at full size (~125M weights, ~20 s to
-  load; its family tests run with ``VLLM_MLX_SLOW_TESTS=1`` only: ``SLOW``). One image a prompt
-  (``ONE_IMAGE``): mlx-vlm's model puts a second image one token late.
+* FastVLM (tests/tiny_vlm_towers.py): its processor leaves a -200 mark per image, served as an image
+  the model expands; mlx-vlm builds its FastViTHD tower from class constants, shrunk while its tests
+  build and load it. One image a prompt (``ONE_IMAGE``): mlx-vlm's model puts a second image one
+  token late.
 * Refused at load, saying why: Phi-4-SigLIP (its processor wraps the prompt in its chat template),
   Moondream 3 (the image always after the BOS, no placeholder).
 * Idefics2 (a perceiver resampler to 4 latents per image): its processor rewrites the text
@@ -69,8 +70,10 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
   the processor, decides an image's length (a tile's features and a block of newlines per image
   token): the engine's run is the model's rows, measured on the engine thread; one image a prompt
   (mlx-vlm's model merges the first image's tiles only).
-* Refused at load, saying why: GOT-OCR 2.0 (its processor names no placeholder and wraps every
-  prompt in its own conversation).
+* Molmo, Moondream 3, GOT-OCR 2.0 (tests/tiny_vlm_layout.py): their processor places the image
+  itself (before the whole text; after the BOS; inside a conversation of its own), and the engine
+  serves them as mlx-vlm does: the processor writes the prompt (``places_images_itself``). One image
+  a prompt. PLaMo 2 VL too, loaded but untested (``support.WHY_UNTESTED``).
 * Molmo 2: the generic path alone, with the placeholder its processor names
   ``image_placeholder_token``: a low-resolution view and overlapping crops, rows closed by
   ``<im_col>``, features added to the ``<im_patch>`` embeddings; its images are 400+ tokens
@@ -93,18 +96,21 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
 * Refused before loading, saying why (tests/tiny_vlm_falcon.py): Falcon Perception (its decode steps
   feed decoded boxes back into the next embedding).
 * Refused at load, saying why: GLM-5-Next (sparse-attention layers with an indexer's pooled-key
-  cache), ERNIE 4.5 VL (vision experts chosen by token types mlx-vlm's generation never passes),
-  Mistral Large 3 without torch (mlx-vlm leaves it transformers' torch-only PixtralProcessor).
+  cache), Mistral Large 3 without torch (mlx-vlm leaves it transformers' torch-only PixtralProcessor).
 * Gemma 4 with ``use_bidirectional_attention="vision"`` (Gemma 4 unified's default): each block of
   soft tokens sees itself whole; its span stays in one prefill chunk whatever the budget.
-* Refused, saying why: PaliGemma (``use_bidirectional_attention=True``: the whole prompt both
-  ways, a prefix LM); DiffusionGemma is no token-by-token generator (it denoises a canvas).
+* DiffusionGemma is refused, saying why: no token-by-token generator (it denoises a canvas).
 * Cohere Compass (tests/tiny_vlm_deepstack.py): the generic path with image-token features:
   ``visual_pos_masks`` and deepstack rows (vision blocks 0 and 1, added after text layers 0 and 1)
   travel with the image's rows and reach the text model by name, the mask over the step's tokens
   and each layer's rows at its image tokens; multi-axis positions from its ``get_rope_index``.
-* Refused at load, saying why: Granite 4 Vision (deepstack features as whole-prompt arrays its
-  text model slices at one cache offset for the batch), Zaya1-VL (CCA state in a CacheList).
+* Refused at load, saying why: Zaya1-VL (CCA state in a CacheList).
+* Granite 4 Vision (tests/tiny_vlm_granite.py): deepstack features as whole-prompt arrays (a row
+  per prompt token, zeros at text) that its text model slices at its cache's offset, one slice for
+  the call: the engine keeps each layer's row with the image's rows and gives each call its rows'
+  own positions (``vlm_generic.StepWindow``); its embeddings are zeros at image tokens, so images
+  reach it through deepstack alone. One image a prompt: mlx-vlm builds every image token's rows
+  from the first image (the engine's probe at load).
 * MiniCPM-o (tests/tiny_vlm_minicpm.py): a resampler's queries per image and Qwen3-VL's text
   model on plain 1-D positions (the model's own, kept as state: the engine counts tokens), under
   a processor that gives ``tgt_sizes`` for grids and ``image_bound`` in its prompt's coordinates.
@@ -157,11 +163,24 @@ Oracle: mlx-vlm's own greedy generation. What each family adds over Qwen2-VL / L
   4-axis path at every offset (mlx-vlm's attention takes it only at offset 0); an image is 274+
   tokens (512x512 px at least), so its pools are larger. One image a prompt (``ONE_IMAGE``):
   mlx-vlm's tower attends across a prompt's images, where the engine encodes each alone.
+* Jina VLM (tests/tiny_vlm_towers.py): SigLIP-style crops pooled 2x2, columns closed by ``<im_col>``, a
+  text model with extra embeddings past the vocabulary, one row a call (``ONE_ROW_PER_CALL``); its
+  processor's crops (378 px, fixed) shrunk to 56 px while its tests build and load it. mlx-vlm's own
+  generation raises on two images (``ORACLE_FAILS_ON_TWO``): each is held to it alone.
+* ERNIE 4.5 VL (tests/tiny_vlm_ernie.py): a MoE whose vision experts take the image tokens, by token
+  types its model's own call builds from the ids (and the engine from its image runs), beside 3-D
+  positions its ``get_rope_index`` gives batch first; the oracle is that call (``MODEL_CALL_ORACLE``:
+  mlx-vlm's generation passes no token types, so there its image tokens take the text experts).
 * Janus (``multi_modality``, tests/tiny_vlm_deepseek_ocr.py): mlx-vlm's ``load`` gives a tokenizer
   alone, so the engine builds the prompt as mlx-vlm's ``prepare_inputs`` does (``SplicingPromptBuilder``:
   a BOS on the text after the image); its model expands the one ``<image>`` token to 16 image
   tokens (``MODEL_EXPANDS``), and that BOS keeps its own id after them. One image a prompt
   (``ONE_IMAGE``): mlx-vlm's model splices every image's features at the first mark.
+
+* PaliGemma (tests/tiny_vlm_paligemma.py): a prefix LM (``use_bidirectional_attention=True``): the
+  whole prompt, text-only ones too, is one both-ways span (one prefill chunk whatever the budget, no
+  prefix hit inside it: ``WHOLE_PROMPT_BOTH_WAYS``); its processor writes the BOS after the image and a
+  closing newline (its hook). One image a prompt (``ONE_IMAGE``): mlx-vlm merges the first image only.
 
 All: one and two images (one for ``ONE_IMAGE``) equal mlx-vlm, batched with text-only requests
 equals solo (chunked prefills ending inside images, preemption), prefix cache on equals off with an
@@ -171,7 +190,6 @@ image in the cached prefix, and the MLLM cache runs the encoder once for an imag
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -225,6 +243,7 @@ PLACEHOLDER = {
     "llava_next": "<image>",
     "granite_vision": "<image>",
     "cohere_compass": "<|VISION_START|><|IMAGE_PAD|><|VISION_END|>",
+    "granite4_vision": "<image>",
     "minicpmo": "<image>",
     "minicpmv4_6": "<|image_pad|>",
     "minicpmv4_7": "<|image_pad|>",
@@ -239,24 +258,65 @@ PLACEHOLDER = {
     "locateanything": "<image-1>",
     "inkling": "<|content_image|><|unused_200054|>",
     "hunyuan_vl": "<hy_im_start><hy_image><hy_im_end>",
+    # Their processor places the image itself, whatever the text says (``PROMPT_WRITTEN_BY_PROCESSOR``):
+    # no placeholder (a text one would be text to them; PLaMo 2 VL's own would count as one image more).
+    "molmo": "",
+    "moondream3": "",
+    "got": "",
+    "paligemma": "<image>",
+    "fastvlm": "<image>",
+    "jina_vlm": "<|image|>",
+    "ernie4_5_moe_vl": "<|IMAGE_START|><|image@placeholder|><|IMAGE_END|>",
 }
 
-SLOW = {"fastvlm": "<image>"}
-"""Families whose tiny model is not tiny (mlx-vlm builds FastVLM's tower at full size: ~3 minutes of
-family tests on 2 CPU cores): in ``PLACEHOLDER``, so tested, only with ``VLLM_MLX_SLOW_TESTS=1``."""
-if os.environ.get("VLLM_MLX_SLOW_TESTS") == "1":
-    PLACEHOLDER |= SLOW
+MODEL_CALL_ORACLE = {"ernie4_5_moe_vl"}
+"""Families whose oracle is the model's own call (``model_call_greedy``), not mlx-vlm's generation,
+which disagrees with it: ERNIE 4.5 VL's ``Model.__call__`` builds token types from the ids (image
+tokens to the vision experts), which its generation, running the text model on embeddings, never
+passes (``test_ernie_token_types_reach_the_text_model``)."""
+
+
+def greedy(name: str, model_dir, text: str, images: list, max_tokens: int) -> list[int]:
+    """The family's oracle: mlx-vlm's generation, or the model's own call (``MODEL_CALL_ORACLE``)."""
+    oracle = model_call_greedy if name in MODEL_CALL_ORACLE else mlx_vlm_greedy
+    return oracle(model_dir, text, images, max_tokens)
+
+
+def model_call_greedy(model_dir, text: str, images: list, max_tokens: int) -> list[int]:
+    """Greedy tokens of mlx-vlm's ``Model.__call__`` over its own cache: the prompt as mlx-vlm's
+    ``prepare_inputs`` gives it, with the pixels and the processor's other outputs, then one token a
+    call without them (as mlx-vlm's decode steps run). No end-of-sequence stop, as ``mlx_vlm_greedy``."""
+    import mlx.core as mx
+    from mlx_vlm import load
+    from mlx_vlm.models.cache import make_prompt_cache
+    from mlx_vlm.utils import prepare_inputs
+
+    model, processor = load(str(model_dir))
+    inputs = prepare_inputs(processor, images=images, prompts=text)
+    rest = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
+    cache = make_prompt_cache(model.language_model)
+    logits = model(inputs["input_ids"], inputs["pixel_values"], cache=cache, **rest).logits
+    out = []
+    for _ in range(max_tokens):
+        out.append(int(logits[0, -1].argmax().item()))
+        logits = model(mx.array([[out[-1]]]), cache=cache).logits
+    return out
+
 
 HYBRID = {"qwen3_5", "qwen3_5_moe", "lfm2_vl", "d1", "nemotron_h_nano_omni", "clef", "indic_ocr",
-          "prism_hadamard_qwen35", "kimi_k3", "minicpmv4_6", "minicpmv4_7", "inkling"}
+          "prism_hadamard_qwen35", "kimi_k3", "minicpmv4_6", "minicpmv4_7", "inkling",
+          "plamo2vl"}
 """Families whose text model has recurrent layers (a state pool beside the KV blocks)."""
 
-KV_SCALE = {"molmo2": 8, "step3p7": 2, "gemma4_unified": 5, "llava_bunny": 7, "hunyuan_vl": 3}
+KV_SCALE = {"molmo2": 8, "step3p7": 2, "gemma4_unified": 5, "llava_bunny": 7, "hunyuan_vl": 3, "moondream3": 7,
+            "got": 4, "plamo2vl": 3}
 """Families whose images are hundreds of tokens even in a tiny model (mlx-vlm's ``load`` builds
 Molmo 2's image processor with its defaults: 378 px crops, 424 tokens or more an image; Step
 3.7's processor resizes every image to 728 px, 171 tokens; Gemma 4 unified's, built with its
 defaults too, up to 280 tokens, 531 for the batched test's two images; mlx-vlm's Bunny asserts
-729 features an image; Hunyuan-VL's processor resizes to 512x512 px or more, 274 tokens or more):
+729 features an image; Hunyuan-VL's processor resizes to 512x512 px or more, 274 tokens or more;
+Moondream 3's processor writes 729 image tokens; GOT-OCR's 256 inside a conversation of its own;
+PLaMo 2 VL's an instruction template of 190 tokens before the image):
 their KV pools are this many times larger, so the same prompts fit, and the small pool still preempts."""
 
 
@@ -269,6 +329,9 @@ ONE_IMAGE = {
     # first image token run: the text between two images and the second never reach its text model.
     "llava_next": "mlx-vlm's model merges the first image's features only",
     "granite_vision": "mlx-vlm's model merges the first image's features only",
+    # mlx-vlm's Granite 4 Vision builds every image token's deepstack rows from the first image's pixels
+    # (a second image's tokens get the first's last row; its size still changes the prompt's length).
+    "granite4_vision": "builds every image token's features from the first image",
     "paddleocr_vl": "fails on two",  # its processor stacks a prompt's images as one array
     "step3p7": "fails on two",  # its processor puts all of a prompt's images at its one <im_patch>
     "falcon_ocr": "writes the prompt itself, with one image",  # and expands the first image only
@@ -283,10 +346,23 @@ ONE_IMAGE = {
     # mlx-vlm's FastVLM splits the text between images at the marks' indices in the prompt, not in the
     # text without them: each image after the first lands one token late (the engine's probe at load).
     "fastvlm": "places an image after the first off its run",
+    # Their processor places images itself, and not two in one prompt as each alone (Molmo's makes a prompt
+    # an image, Moondream 3's and GOT-OCR's write one image's tokens).
+    **dict.fromkeys(("molmo", "moondream3", "got"), "places images itself"),
+    # mlx-vlm's PaliGemma keeps the first image's features alone and writes them by prompt position:
+    # right for one image at the prompt's start, as its checkpoints are prompted.
+    "paligemma": "mlx-vlm's model merges the first image's features only",
 }
 """Families the engine serves one image a prompt (the reason its refusal gives): mlx-vlm's own
 generation (the oracle) cannot take two either. A prompt of two is refused, that request alone,
 and their batched test uses one image a prompt."""
+
+ORACLE_FAILS_ON_TWO = {"jina_vlm": "Cannot reshape"}
+"""Families the engine serves two images a prompt (each image encoded alone, its processor takes the pair)
+where mlx-vlm's own generation raises on two (the message): Jina VLM's model reshapes a prompt's stacked
+crops as one image's. Their two-image test holds the engine to mlx-vlm's greedy tokens for each image
+alone instead, and the two-image prompt's to swapping its images (both reach the text model, in order);
+their batched test (a prompt of two images among others) holds it to itself solo."""
 
 SECOND_IMAGE_SPLICED_AFTER_FIRST = {"multi_modality"}
 """Of ``ONE_IMAGE``: mlx-vlm's model (Janus's) splices every image's features at the first mark, one
@@ -294,10 +370,17 @@ after another, and its prompt builder drops the text after the second: the secon
 text model, but not where the prompt puts it."""
 
 
-PROMPT_WRITTEN_BY_PROCESSOR = {"falcon_ocr"}
+WHOLE_PROMPT_BOTH_WAYS = {"paligemma"}
+"""Prefix LMs: a prompt's tokens see each other both ways, so a prefix-cache hit never ends inside a prompt
+(``resumable_blocks``): prompts share no blocks (a preempted request resumes past its prompt), and a
+repeated image comes from the MLLM cache."""
+
+
+PROMPT_WRITTEN_BY_PROCESSOR = {"falcon_ocr", "molmo", "moondream3", "got", "plamo2vl"}
 """Families whose processor writes the whole prompt itself (Falcon OCR's: the image, then the instruction
-of the OCR category the text names): two prompts with the same image and other words are the same prompt,
-so only a test with the prefix cache off sees the MLLM cache serve the second."""
+of the OCR category the text names; Molmo's, Moondream 3's, GOT-OCR's and PLaMo 2 VL's: the image before
+the text, in a template of their own): two prompts with the same image and other words share the image's
+blocks (or are the same prompt), so only a test with the prefix cache off sees the MLLM cache serve the second."""
 
 
 def kv_blocks(name: str, blocks: int) -> int:
@@ -320,8 +403,14 @@ def tiny_builder(name: str):
 
 @pytest.fixture(scope="module", params=list(PLACEHOLDER))
 def family(request, tmp_path_factory):
+    """A family's tiny model, its tests run inside its tower's shrink (tests/tiny_vlm_towers.py: mlx-vlm
+    builds some towers at sizes no config sets, so building and every load, the engine's and the
+    oracle's, take the same small one)."""
+    from tiny_vlm_towers import shrunk_tower
+
     name = request.param
-    return name, tiny_builder(name)(tmp_path_factory.mktemp(name))
+    with shrunk_tower(name):
+        yield name, tiny_builder(name)(tmp_path_factory.mktemp(name))
 
 
 @pytest.fixture(scope="module")
@@ -344,7 +433,7 @@ def test_one_image_equals_mlx_vlm(family, engine):
     name, model_dir = family
     image = picture(1, (100, 60))
     text = PLACEHOLDER[name] + "What is in the picture?"
-    expected = mlx_vlm_greedy(model_dir, text, [image], max_tokens=8)
+    expected = greedy(name, model_dir, text, [image], max_tokens=8)
     [out] = run_prompts(engine, [(text, [image])])
     [bare] = run_prompts(engine, [("What is in the picture?", [image])])  # the engine adds the placeholder
     assert out.outputs[0].token_ids == bare.outputs[0].token_ids == expected
@@ -362,8 +451,16 @@ def test_two_images_in_order_equal_mlx_vlm(family, engine):
         with pytest.raises(ValueError, match=rf"at most 1 image\(s\) per prompt \(.*{ONE_IMAGE[name]}.*has 2"):
             engine.prepare_prompt(text, [a, b])
         return
-    expected = mlx_vlm_greedy(model_dir, text, [a, b], max_tokens=8)
-    swapped = mlx_vlm_greedy(model_dir, text, [b, a], max_tokens=8)
+    if name in ORACLE_FAILS_ON_TWO:
+        with pytest.raises(Exception, match=ORACLE_FAILS_ON_TWO[name]):
+            mlx_vlm_greedy(model_dir, text, [a, b], max_tokens=8)
+        alone = [mlx_vlm_greedy(model_dir, f"First {PLACEHOLDER[name]} compare.", [x], 8) for x in (a, b)]
+        engine_alone = tokens(run_prompts(engine, [(f"First {PLACEHOLDER[name]} compare.", [x]) for x in (a, b)]))
+        both, swapped = tokens(run_prompts(engine, [(text, [a, b]), (text, [b, a])]))
+        assert engine_alone == alone and both != swapped
+        return
+    expected = greedy(name, model_dir, text, [a, b], max_tokens=8)
+    swapped = greedy(name, model_dir, text, [b, a], max_tokens=8)
     assert tokens(run_prompts(engine, [(text, [a, b]), (text, [b, a])])) == [expected, swapped]
     assert expected != swapped
 
@@ -376,10 +473,11 @@ def test_the_prompt_is_expanded_as_mlx_vlm_expands_it(family, engine):
 
     name, model_dir = family
     _, processor = load(str(model_dir))
-    pad = PLACEHOLDER[name]
-    texts = [f"First {pad} then {pad} compare.", f"user\n{pad}\nWhat?", f"A:{pad}{pad}\n\nB", pad]
-    for text in texts:
-        images = [picture(i, (100, 60)) for i in range(text.count(pad))]
+    pad, mark = PLACEHOLDER[name], "\0"  # the mark counts the images where the placeholder is "" (no text)
+    texts = [f"First {mark} then {mark} compare.", f"user\n{mark}\nWhat?", f"A:{mark}{mark}\n\nB", mark]
+    for marked in texts:
+        text = marked.replace(mark, pad)
+        images = [picture(i, (100, 60)) for i in range(marked.count(mark))]
         if name in ONE_IMAGE and len(images) > 1:  # refused, that request alone, saying why
             with pytest.raises(ValueError, match=r"at most 1 image\(s\) per prompt .*has 2"):
                 engine.prepare_prompt(text, images)
@@ -459,7 +557,7 @@ def test_batched_with_text_requests_equals_solo(family):
         engine.shutdown()
     assert batched == solo
     assert preemptions > 0
-    assert mlx_vlm_greedy(model_dir, pad + "Another look.", [picture(7, (90, 90))], 8) == solo[4]
+    assert greedy(name, model_dir, pad + "Another look.", [picture(7, (90, 90))], 8) == solo[4]
 
 
 # -- caches -----------------------------------------------------------------------------------
@@ -487,6 +585,10 @@ def test_prefix_cache_on_equals_off_with_an_image_in_the_prefix(family):
     (on, cached_on, mllm_on, image_end, length, hybrid), (off, cached_off, *_) = outputs(True), outputs(False)
     assert on == off
     assert cached_off == [0, 0, 0]
+    if name in WHOLE_PROMPT_BOTH_WAYS:  # every prompt is one span: no hit ends inside it
+        assert cached_on == [0, 0, 0]
+        assert mllm_on["encoder_runs"] == 1 and mllm_on["hits"] == 2
+        return
     if hybrid:  # recurrent layers resume only where a state checkpoint was kept
         assert name in HYBRID
         # The second prompt branches off the first after the image: no checkpoint there yet.
@@ -555,6 +657,49 @@ def test_qwen3_omni_deepstack_features_reach_the_text_model(tmp_path):
     processor.tokenizer.stopping_criteria = lambda token: False
     steps = stream_generate(model, processor, text, image=[image], max_tokens=8, temperature=0.0)
     assert [s.token for s in steps][:8] != with_deepstack
+
+
+def test_ernie_token_types_reach_the_text_model(tmp_path):
+    """ERNIE 4.5 VL's image tokens go to its vision experts by the token types the engine passes
+    (``vlm_generic.TOKEN_TYPES``): mlx-vlm's generation, which passes none, answers otherwise than
+    the model's own call (the oracle), and so does the engine with the token types off."""
+    from tiny_vlm_ernie import build_tiny_ernie4_5_moe_vl
+
+    model_dir = build_tiny_ernie4_5_moe_vl(tmp_path / "ernie4_5_moe_vl")
+    text, image = PLACEHOLDER["ernie4_5_moe_vl"] + "What is in the picture?", picture(1, (100, 60))
+    engine = family_engine(model_dir, num_kv_blocks=96, enable_prefix_caching=False)  # each run computes all
+    try:
+        assert engine.vision.token_types and engine.vision.positions_batch_first
+        typed = tokens(run_prompts(engine, [(text, [image])]))[0]
+        engine.vision.token_types = False
+        untyped = tokens(run_prompts(engine, [(text, [image])]))[0]
+    finally:
+        engine.shutdown()
+    generated = mlx_vlm_greedy(model_dir, text, [image], max_tokens=8)
+    assert typed == model_call_greedy(model_dir, text, [image], max_tokens=8) != generated
+    assert untyped == generated
+
+
+def test_granite4_vision_image_rows_at_different_offsets_share_a_call_and_equal_mlx_vlm(tmp_path):
+    """Granite 4 Vision's text model slices whole-prompt deepstack arrays at its cache's offset, one
+    slice for the call: the engine gives it each row's own positions (``vlm_generic.StepWindow``).
+    Two image prompts whose images sit at different offsets, prefilled together in chunks that end
+    inside the images, each equal mlx-vlm; its embeddings are zeros at image tokens, so an image
+    reaches the text model through deepstack alone, and another picture answers differently."""
+    from tiny_vlm_granite import build_tiny_granite4_vision
+
+    model_dir = build_tiny_granite4_vision(tmp_path / "granite4_vision")
+    pad = PLACEHOLDER["granite4_vision"]
+    prompts = [(f"{pad}What is it?", [picture(1, (100, 60))]),
+               (f"A longer question comes first, then {pad} a look.", [picture(2)])]  # fmt: skip
+    engine = family_engine(model_dir, num_kv_blocks=96, max_num_batched_tokens=12, enable_prefix_caching=False)
+    try:
+        batched = tokens(run_prompts(engine, prompts))
+        other_picture = tokens(run_prompts(engine, [(prompts[0][0], [picture(2)])]))[0]
+    finally:
+        engine.shutdown()
+    assert batched == [mlx_vlm_greedy(model_dir, text, images, max_tokens=8) for text, images in prompts]
+    assert other_picture != batched[0]
 
 
 def test_qwen3_5_rows_of_different_lengths_share_a_padded_call_and_equal_solo(tmp_path):
@@ -633,29 +778,17 @@ def test_mistral3_with_a_ministral3_text_model_is_refused_before_loading(tmp_pat
 REFUSED_AT_LOAD = {
     # Phi-4-SigLIP's processor writes one id (-200, outside the vocabulary) per "<image>" after
     # wrapping any prompt without "<|im_start|>" in its chat template, so its run is not where the text put it.
-    # (mlx-vlm 0.7.10 never installs that processor: its load gives the tokenizer alone, and its generation
-    # gives the same tokens with or without an image, so no oracle could hold a served image prompt.)
+    # (mlx-vlm 0.7.10 installs that processor; on this tiny model it gives SigLIP's [1, 3, 28, 28] pixels,
+    # which the tower, wanting NaFlex patches, cannot take: mlx-vlm's own generation fails on an image.)
     "phi4_siglip": "its run is not put where the placeholder stands in a prompt",
-    # Moondream 3's processor puts the one image after the BOS whatever the text says; GOT-OCR's
-    # wraps every prompt in a conversation of its own.
-    "moondream3": "its run is not put where the placeholder stands in a prompt",
-    "got": "its run is not put where the placeholder stands in a prompt",
     # MolmoPoint's point predictor keeps per-request image state on the model between steps.
     "molmo_point": r"'molmo_point'.*per-request image state.*point predictor",
-    # Molmo's processor ignores placeholders: every image's tokens go before the whole text.
-    "molmo": r"'molmo'.*its processor expands no image placeholder it names",
     # GLM-5-Next's delta-net layers talk to their state through calls of mlx-vlm's own (and its
     # sparse-attention layers keep an indexer's pooled keys beside the latent cache).
     "glm5_next": r"its recurrent layers call update_\w+\(\) on their state cache",
-    # ERNIE 4.5 VL routes image tokens to vision experts by token types that mlx-vlm's generation
-    # never passes: its generation and its own model call disagree.
-    "ernie4_5_moe_vl": r"send image tokens to experts of their own \(moe_num_experts=\[4, 4\]\)",
     # Falcon Perception: Falcon OCR's layout, positions and mask (served), but its decode steps feed boxes
     # decoded from the previous step's hidden state back into the next embedding (state on its text model).
     "falcon_perception": r"'falcon_perception'.*decode steps feed coordinates and sizes decoded",
-    # Granite 4 Vision's deepstack features are whole-prompt arrays (a row per prompt token) that its
-    # text model slices at the cache's offset, one for the batch: rows at other offsets cannot share them.
-    "granite4_vision": r"deepstack features as whole-prompt arrays \(\(2, \d+, 64\)\).*different offsets",
     # Zaya1-VL's image-token mask passes; its CCA layers keep a convolution and the previous hidden
     # state in a CacheList beside the KV, a recurrent state no oracle test has checked in the state pool.
     "zaya1_vl": r"'zaya1_vl'.*keeps, in each CCA layer, a convolution state and the previous hidden state",
@@ -667,9 +800,6 @@ REFUSED_AT_LOAD = {
     # layout) keep the indexer's keys beside the KV in MiniMaxM3KVCache, a cache class of mlx-vlm's own
     # (not a CacheList of plain caches, as mlx-lm's MiniMax-M3 keeps them), which the engine does not page.
     "minimax_m3_vl": r"'minimax_m3_vl' needs MiniMaxM3KVCache caches",
-    # PLaMo 2 VL's processor names no placeholder: it writes the prompt into a fixed instruction
-    # template with every image at the start (a placeholder in the text is counted as an extra image).
-    "plamo2vl": r"'plamo2vl'.*it puts an image's tokens into a prompt that has no placeholder",
 }
 """Families the engine refuses at load, on a tiny model of their own: the message each must say
 (``support.REFUSED_AT_LOAD`` gives the support table the same verdict, naming this test)."""
@@ -814,8 +944,8 @@ def model_expanded_run(model_dir, image) -> list[int]:
 
 
 def test_moondream2_is_refused_before_its_processor_reaches_for_the_hub(tmp_path):
-    """mlx-vlm's Moondream2Processor is Moondream 3's (which puts the one image after the BOS,
-    refused above) with the tokenizer always fetched from the hub (``moondream/starmie-v1``):
+    """mlx-vlm's Moondream2Processor is Moondream 3's (served: the one image after the BOS) with
+    the tokenizer always fetched from the hub (``moondream/starmie-v1``), whatever the directory holds:
     the engine refuses it from its config, at once, rather than after a minute of retries offline."""
     import time
 
@@ -823,7 +953,7 @@ def test_moondream2_is_refused_before_its_processor_reaches_for_the_hub(tmp_path
 
     model_dir = build_tiny_moondream2(tmp_path / "moondream2")
     start = time.perf_counter()
-    with pytest.raises(UnsupportedModelError, match="'moondream2'.*Moondream 3's processor.*after the BOS"):
+    with pytest.raises(UnsupportedModelError, match="'moondream2'.*from the hub.*starmie-v1"):
         EngineCore(model=str(model_dir), num_kv_blocks=32, block_size=4)
     assert time.perf_counter() - start < 5
 
@@ -850,19 +980,50 @@ def test_locateanything_numbered_placeholders_are_expanded_as_its_processor_expa
 def test_jina_vlm_rows_at_different_positions_take_a_call_each_and_equal_mlx_vlm(tmp_path):
     """Jina VLM's rotary positions start at ``offset.max()`` for every row of a call, so rows take
     a call each (``ONE_ROW_PER_CALL``): an image prompt batched with a text one equals both solo and
-    mlx-vlm. (Not a family above: mlx-vlm's own generation fails on two images in one prompt, its
-    processor stacking them as a batch of prompts; and its processor's 378 px crops make every
-    image 400+ tokens.)"""
-    from tiny_vlm_misc import build_tiny_jina_vlm
+    mlx-vlm (its image processor shrunk as in its family tests: tests/tiny_vlm_towers.py)."""
+    from tiny_vlm_towers import build_tiny_jina_vlm, shrunk_tower
 
-    model_dir = build_tiny_jina_vlm(tmp_path / "jina_vlm")
     image = picture(1, (100, 60))
     prompts = [("<|image|>What is in the picture?", [image]), ("A plain text prompt, no image.", [])]
-    engine = family_engine(model_dir, num_kv_blocks=240, enable_prefix_caching=False)  # images of 400+ tokens
+    with shrunk_tower("jina_vlm"):
+        model_dir = build_tiny_jina_vlm(tmp_path / "jina_vlm")
+        engine = family_engine(model_dir, num_kv_blocks=96, enable_prefix_caching=False)
+        try:
+            solo = [tokens(run_prompts(engine, [p]))[0] for p in prompts]
+            batched = tokens(run_prompts(engine, prompts))
+        finally:
+            engine.shutdown()
+        assert batched == solo
+        assert solo[0] == mlx_vlm_greedy(model_dir, *prompts[0], max_tokens=8)
+
+
+@pytest.mark.parametrize("budget", [None, 5])
+def test_a_prefix_lm_prompt_attends_both_ways_whole_and_equals_mlx_vlm(tmp_path, budget):
+    """PaliGemma (``use_bidirectional_attention=True``): mlx-vlm prefills the whole prompt in one call with
+    no mask, text-only prompts too. The engine's span is the whole prompt, image or not; a budget of 5
+    tokens (prompts of 28 and 29) gets it whole in one chunk; the tokens equal mlx-vlm's, and causal
+    attention (the same checkpoint with the field False) answers otherwise. A block's hash carries its
+    span, so the prompt's blocks and those of a longer prompt with the same start are not shared."""
+    from tiny_vlm_paligemma import build_tiny_paligemma
+
+    model_dir = build_tiny_paligemma(tmp_path / "paligemma")
+    image = picture(1, (100, 60))
+    prompts = [(PLACEHOLDER["paligemma"] + "What is in the picture?", [image]), ("Plain text, no image at all.", [])]
+    expected = [mlx_vlm_greedy(model_dir, text, images, max_tokens=8) for text, images in prompts]
+    options = {} if budget is None else {"max_num_batched_tokens": budget}
+    engine = family_engine(model_dir, num_kv_blocks=64, **options)
     try:
-        solo = [tokens(run_prompts(engine, [p]))[0] for p in prompts]
-        batched = tokens(run_prompts(engine, prompts))
+        prepared = [engine.prepare_prompt(*prompt) for prompt in prompts]
+        outs = tokens(run_prompts(engine, prompts))
+        solo = [tokens(run_prompts(engine, [prompt]))[0] for prompt in prompts]
     finally:
         engine.shutdown()
-    assert batched == solo
-    assert solo[0] == mlx_vlm_greedy(model_dir, *prompts[0], max_tokens=8)
+    assert [p.mm_input.both_ways for p in prepared] == [[(0, len(p.token_ids))] for p in prepared]
+    assert outs == solo == expected
+    config = json.loads((model_dir / "config.json").read_text())
+    config["text_config"]["use_bidirectional_attention"] = False
+    (model_dir / "config.json").write_text(json.dumps(config))
+    assert [mlx_vlm_greedy(model_dir, text, images, max_tokens=8) for text, images in prompts] != expected
+    text_only = prepared[1].mm_input
+    longer = type(text_only)(both_ways=[(0, len(prepared[1].token_ids) + 4)])
+    assert text_only.block_extra_keys(0, 4) != longer.block_extra_keys(0, 4)

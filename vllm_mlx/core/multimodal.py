@@ -74,13 +74,18 @@ class MultiModalInput:
     (``use_bidirectional_attention``: an image's soft tokens in Gemma 4, PaliGemma's whole prompt):
     a query in a span also sees the keys up to its end. Invariants the engine keeps: a prefill
     chunk never ends inside a span (``whole_spans``), and a prefix-cache hit never ends inside one
-    (``resumable_blocks``: the whole span is recomputed); a span is an image's run (its blocks'
-    hashes carry the image's) or starts at 0, so a block hit before a span was computed causally."""
+    (``resumable_blocks``: the whole span is recomputed); a span is an image's run or starts at 0 (a
+    prefix LM's whole prompt: ``VisionLanguageModel.text_only_input``), and the blocks it overlaps carry
+    it in their hashes (``block_extra_keys``), so a block hit before a span was computed causally."""
 
     def block_extra_keys(self, block_index: int, block_size: int) -> tuple:
-        """Hashes, in order, of the images whose placeholders overlap block ``block_index``."""
+        """Hashes, in order, of the images whose placeholders overlap block ``block_index``, then the
+        both-ways spans that overlap it (so a block is shared only by prompts whose spans are the same)."""
         start, end = block_index * block_size, (block_index + 1) * block_size
-        return tuple(im.image_hash for im in self.images if im.offset < end and im.end > start)
+        images = tuple(im.image_hash for im in self.images if im.offset < end and im.end > start)
+        # The spans too: a block's KV depends on where its span ends (a whole-prompt span's end is the
+        # prompt's length, which no token of the block says), and a hit past a span takes its blocks.
+        return images + tuple(("both_ways", s, e) for s, e in self.spans_in(start, block_size))
 
     def position_ids(self, start: int, count: int) -> np.ndarray:
         """``[axes, count]`` positions of tokens ``start .. start + count - 1`` (``axes``: the prompt's,

@@ -194,9 +194,17 @@ class InputProcessor:
         policy = media_policy or self.config.media_policy or MediaPolicy.operator()
         policy.check_image_count(len(images))
         text, token_ids = self.encode(prompt)
-        if not images:
-            return PreparedPrompt(text, token_ids)
-        if isinstance(prompt, str):
+        if not images:  # a prefix LM's text prompt still attends both ways (``text_only_input``)
+            mm_input = self.vision.text_only_input(len(token_ids)) if self.vision is not None else None
+            return PreparedPrompt(text, token_ids, mm_input)
+        if isinstance(prompt, str) and getattr(self.vision, "places_images_itself", False):
+            # Its processor decides where images go, whatever the text says (mlx-vlm's generation too):
+            # the prompt is the processor's own, each image one stand-in token for ``prepare`` to expand.
+            try:
+                token_ids = self.vision.layout_prompt_ids(prompt, len(images))
+            except ValueError as exc:
+                raise ValueError(f"this model {exc}") from None
+        elif isinstance(prompt, str):
             token_ids = self._image_prompt_ids(prompt, token_ids)
             if self.vision.placeholder_token_id not in token_ids:
                 text = self.image_text * len(images) + prompt

@@ -95,6 +95,8 @@ RECURRENT_ARCHITECTURES: dict[str, bool] = {
     "indic_ocr": True,  # mlx-vlm's IndicOCR (OCR stage): Qwen3.5's model whole (a subclass)
     "minicpmv4_6": True,  # MiniCPM-V 4.6 through mlx-vlm: Qwen3.5's text model (its layers)
     "minicpmv4_7": True,  # MiniCPM-V 4.7 through mlx-vlm: Qwen3.5's (or Qwen3.5-MoE's) text model
+    # PLaMo 2 VL through mlx-vlm: its own copy of plamo2's Mamba layers; never padded (no test pads them yet).
+    "plamo2vl": False,
 }
 
 

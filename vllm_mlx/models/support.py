@@ -105,6 +105,7 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
                         "kimi_k25", "mimo_v2", "kimi_k3",
                         "llava_next", "granite_vision",
                         "cohere_compass",
+                        "granite4_vision",
                         "minicpmo", "minicpmv4_6", "minicpmv4_7",
                         "paddleocr_vl",
                         "qwen3_omni_moe", "step3p7",
@@ -115,6 +116,11 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
                         "locateanything", "inkling",
                         "hunyuan_vl",
                         "multi_modality",
+                        "molmo", "moondream3", "got",
+                        "paligemma",
+                        "fastvlm",
+                        "jina_vlm",
+                        "ernie4_5_moe_vl",
                         )},
     },
 }
@@ -126,32 +132,27 @@ REFUSED_AT_LOAD_TEST = (
 # code does that the code reader above cannot see): the reason, in a line. The test (its
 # REFUSED_AT_LOAD, by name) holds the engine to it; the table calls them refused, naming the test.
 REFUSED_AT_LOAD: dict[str, str] = {
-    # mlx-vlm 0.7.10 never imports processing_phi4_siglip.py (its processor patch), so its load gives the
-    # tokenizer alone and its own generation drops the images: no oracle for an image prompt.
-    "phi4_siglip": "mlx-vlm loads no image processor for it (its Phi4SigLipProcessor is never installed), so "
-    "mlx-vlm's own generation ignores images; its processor would also wrap any prompt in its chat template",
-    "moondream3": "its processor puts the one image after the BOS whatever the prompt says",
-    "got": "its processor wraps every prompt in a conversation of its own (one image a prompt)",
-    "molmo": "its processor puts every image before the whole text, whatever the prompt says",
+    # mlx-vlm 0.7.10 does install its Phi4SigLipProcessor (phi4_siglip.py imports the patch), which wraps
+    # a prompt without "<|im_start|>" in the chat template before writing -200 per "<image>".
+    "phi4_siglip": "its processor (Phi4SigLipProcessor) wraps any prompt without \"<|im_start|>\" in its chat "
+    "template, so an image's run is not where the prompt's placeholder stands",
     "glm5_next": "its delta-net layers talk to their state through calls of mlx-vlm's own, and its "
     "sparse-attention layers keep an indexer's pooled keys beside the latent cache",
-    "ernie4_5_moe_vl": "its MoE sends image tokens to vision experts chosen by token types that mlx-vlm's "
-    "generation never passes (its generation and its own model call disagree)",
-    "granite4_vision": "its deepstack features are whole-prompt arrays its text model slices at the cache's "
-    "offset, one for the batch, where rows of the engine's batch are at different offsets",
     "qwen4_exp": "its sparse-attention (QSA) layers keep an indexer's pooled keys in a cache of their own, "
     "which the engine does not page, and its delta-net layers (n-gram per-layer embeddings beside them) talk "
     "to their state through calls of mlx-vlm's own",
     "minimax_m3_vl": "its sparse-attention layers keep the indexer's keys in MiniMaxM3KVCache, a cache class of "
     "mlx-vlm's own, which the engine does not page",
-    "plamo2vl": "its processor names no image placeholder: it writes the prompt into a fixed instruction template "
-    "with every image at its start, whatever the prompt says",
 }
 
 # mlx-vlm architectures the generic path takes (the check at load decides on a real checkpoint) that
 # no test here holds to mlx-vlm, and why: what keeps a tiny model of them out of the suite. The table
 # keeps them runs-untested with this reason.
 WHY_UNTESTED: dict[str, str] = {
+    # Its family tests pass on the tiny model (tests/tiny_vlm_layout.py) but prove nothing: the greedy tokens are the
+    # same for any image (a longer-window attention or another seed or scale did not change that).
+    "plamo2vl": "its processor writes the prompt into a fixed instruction template of ~200 tokens after every image, "
+    "and no tiny random model's output depends on an image that far back: the equality tests run but cannot fail",
     "youtu_vl": "mlx-vlm ships no processor for it: the checkpoint's own remote code is its processor (loaded "
     "with --trust-remote-code, then the check at load decides); without that code the engine raises "
     "ModelSourceError at load (transformers finds no processing class)",
@@ -162,11 +163,6 @@ WHY_UNTESTED: dict[str, str] = {
     "config says; its text side (per-layer inputs, KV sharing) is tested as Gemma 4's and mlx-lm's gemma3n",
     "phi3_v": "no tiny model: mlx-vlm builds its CLIP ViT-L/14-336 tower at full size (309M parameters) whatever the "
     "config says; one 336 px crop takes minutes on a CPU",
-    "fastvlm": "held to mlx-vlm by its family tests only with VLLM_MLX_SLOW_TESTS=1: mlx-vlm builds its FastViTHD "
-    "tower at full size (125M parameters) whatever the config says, ~3 minutes of tests on 2 CPU cores; one image a "
-    "prompt (mlx-vlm's model places a second image one token late)",
-    "jina_vlm": "runs one row a call (its rotary positions start at one offset for the batch); mlx-vlm's own "
-    "generation fails on two images, and its processor forces 378 px crops (435+ tokens an image)",
 }
 
 # mlx-vlm architectures whose processor needs a package that may be missing: (package, why). Without
@@ -270,6 +266,7 @@ def classify_vision(name: str) -> Architecture:
         TOKEN_FEATURES,
         VISION_BLOCKS,
         VISUAL_FEATURES,
+        WHOLE_PROMPT,
         both_ways_reason,
     )
 
@@ -287,7 +284,8 @@ def classify_vision(name: str) -> Architecture:
         reason = "its model has no get_input_embeddings, the interface the generic path drives"
         return Architecture(name, VISION, REFUSED, reason)
     both_ways = _bidirectional_by_default(name, code)
-    if both_ways and both_ways != VISION_BLOCKS:  # image blocks both ways are served; a whole prompt is not
+    # Image blocks both ways are served, and so is a prefix LM's whole prompt (one span); no other rule.
+    if both_ways and both_ways != VISION_BLOCKS and both_ways is not WHOLE_PROMPT:
         return Architecture(name, VISION, REFUSED, both_ways_reason(both_ways))
     rope_index = _defines_method(name, "get_rope_index")
     ignored = IGNORED_FEATURES | TOKEN_FEATURES | VISUAL_FEATURES

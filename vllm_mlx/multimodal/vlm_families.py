@@ -18,10 +18,13 @@ paged caches) unless a family hook here knows what the generic path cannot deriv
   positions (still over an image's run) and the image blocks its mask lets attend both ways.
 * ``HunyuanVLModel``: the generic path, with 4-axis rotary positions from its processor, applied
   at any cache offset (mlx-vlm applies them only where the batch's one offset is 0).
+* ``PaliGemmaModel``: the generic path, with the prompt its processor writes around the images (the
+  BOS after the last one, a closing newline); its prefix LM is the generic path's (``WHOLE_PROMPT``).
+* ``Ernie4_5VLModel``: the generic path, with the placeholder its processor expands, which no
+  attribute names.
 
 ``TEXT_MODEL_REFUSALS`` names text models refused whatever the vision side, for what the
-load-time check (one row) cannot see (as ``_experts_by_token_type`` does ERNIE 4.5 VL's
-per-modality experts); ``load_vision_language_model`` picks the adapter.
+load-time check (one row) cannot see; ``load_vision_language_model`` picks the adapter.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ __all__ = [
     "FAMILIES",
     "TEXT_MODEL_REFUSALS",
     "DeepseekVL2Model",
+    "Ernie4_5VLModel",
     "FalconOCRModel",
     "Gemma3Model",
     "HunyuanVLModel",
@@ -59,6 +63,7 @@ __all__ = [
     "LocateAnythingModel",
     "MiniCPMV47Model",
     "MiniCPMVModel",
+    "PaliGemmaModel",
     "Qwen2VLModel",
     "Qwen3VLModel",
     "Qwen3_5Model",
@@ -511,6 +516,44 @@ class FalconOCRModel(GenericVisionModel):
             opened = np.cumsum(ids == config.image_cls_token_id) - np.cumsum(ids == config.img_end_id)
             spans += [(image.offset + s, image.offset + e) for s, e in true_runs(opened > 0)]
         return spans
+class PaliGemmaModel(GenericVisionModel):
+    """PaliGemma: the generic path, with the prompt its processor writes around the images, which the
+    generic path cannot read off one placeholder: each ``<image>`` becomes the image's tokens where it
+    stands, the BOS goes after the *last* image (at the start where there is none) and a newline closes
+    the prompt. ``prompt_text`` writes the same text, so each placeholder's run is the image's tokens
+    alone. Its text model is a prefix LM, which the generic path serves (``WHOLE_PROMPT``)."""
+
+    model_types = ("paligemma",)
+
+    def __init__(self, model, processor, config: dict, path) -> None:
+        # mlx-vlm's model keeps the tower's output for the first image alone and writes it by prompt
+        # position (features[i] at token i), not in image-token order: one image a prompt, as
+        # checkpoints are used (an image first; the engine's own placement holds anywhere).
+        self.max_images_per_prompt = 1
+        self.images_limit_reason = "mlx-vlm's model merges the first image's features only, at the prompt's start"
+        super().__init__(model, processor, config, path)
+
+    def _find_placeholder(self, processor) -> tuple[str, list[int], ImageRun]:
+        """``<image>``, the ids of the prompt the processor writes for it (the placeholder, the BOS, the
+        newline) and the run against them: the image's tokens alone."""
+        from PIL import Image
+
+        text = processor.image_token
+        plain = text_ids(processor, self._processor_prompt(processor, text))
+        expanded = expanded_ids(processor, text, Image.new("RGB", PROBE_IMAGE_SIZE))
+        return text, plain, ImageRun.of(plain, expanded)
+
+    def prompt_text(self, text: str) -> str:
+        return self._processor_prompt(self.processor, text)
+
+    @staticmethod
+    def _processor_prompt(processor, text: str) -> str:
+        """``text`` as PaliGemma's processor writes it, its placeholders not expanded."""
+        image = processor.image_token
+        bos_at = text.rfind(image) + len(image) if image in text else 0
+        return f"{text[:bos_at]}{processor.tokenizer.bos_token}{text[bos_at:]}\n"
+
+
 XD_POSITIONS_KEY = "position_ids"
 """Hunyuan-VL's processor output of 4-axis positions (``[1, 4, prompt tokens]``)."""
 TOWER_MIXES_IMAGES = (
@@ -703,6 +746,16 @@ class LocateAnythingModel(GenericVisionModel):
         return self.NUMBERED_PLACEHOLDER.sub(self._stand_in_text, text)
 
 
+class Ernie4_5VLModel(GenericVisionModel):
+    """ERNIE 4.5 VL: the generic path (token types for its vision experts, its batch-first 3-D
+    positions) with the placeholder its processor expands: the chat template's whole
+    ``<|IMAGE_START|><|image@placeholder|><|IMAGE_END|>``, named by no attribute (its parts alone
+    stay text, and the conventional ``<image>`` would be taken as a run of one character)."""
+
+    model_types = ("ernie4_5_moe_vl",)
+    placeholder_texts = ("<|IMAGE_START|><|image@placeholder|><|IMAGE_END|>",)
+
+
 FAMILIES: tuple[type[VisionLanguageModel], ...] = (
     Qwen3VLModel,
     Qwen3_5Model,
@@ -714,6 +767,8 @@ FAMILIES: tuple[type[VisionLanguageModel], ...] = (
     FalconOCRModel,
     LocateAnythingModel,
     HunyuanVLModel,
+    PaliGemmaModel,
+    Ernie4_5VLModel,
 )
 """The hooks: families whose prompt or positions the generic path cannot derive."""
 
@@ -737,10 +792,10 @@ ARCHITECTURE_REFUSALS: dict[str, str] = {
     # take (TypeError) for any prompt of more than one token.
     "zaya1_vl": "keeps, in each CCA layer, a convolution state and the previous hidden state in a CacheList beside "
     "the KV, a recurrent state no oracle test has checked in the engine's state pool",
-    # Refused before loading: its processor would first try the hub for a tokenizer (a minute of
-    # retries offline) only to meet the refusal Moondream 3's processor gets at the check at load.
-    "moondream2": "has Moondream 3's processor (mlx-vlm's Moondream2Processor changes only where the tokenizer "
-    "comes from: moondream/starmie-v1 on the hub), which puts the one image after the BOS whatever the prompt says",
+    # Refused before loading, from the config: its processor would spend a minute of retries offline first.
+    "moondream2": "loads its tokenizer from the hub (moondream/starmie-v1) at every load, whatever the checkpoint "
+    "holds (mlx-vlm's Moondream2Processor; its prompt layout is Moondream 3's, which is served), so the engine "
+    "cannot load it offline and no local test holds it to mlx-vlm",
 }
 """Vision-language architectures (``model_type``) refused whatever their checkpoint, and why:
 what the generic path's check at load cannot see (one call of the pieces, no generation)."""
@@ -759,26 +814,9 @@ def refusal(config: dict) -> str | None:
         return family.refusal(config)
     if model_type in ARCHITECTURE_REFUSALS:
         return f"it {ARCHITECTURE_REFUSALS[model_type]}"
-    experts = _experts_by_token_type(config)
-    if experts is not None:
-        return experts
     text_type = (config.get("text_config") or {}).get("model_type")
     reason = TEXT_MODEL_REFUSALS.get(text_type)
     return f"its text model {text_type!r} {reason}" if reason else None
-
-
-def _experts_by_token_type(config: dict) -> str | None:
-    """Why a text model whose MoE keeps separate experts for image tokens is refused (None: it does not).
-
-    ERNIE 4.5 VL (``moe_num_experts`` = [text, vision], flat at the config's root) picks each
-    token's expert group by ``token_type_ids`` that only mlx-vlm's ``Model.__call__`` builds from
-    the ids; its generation, like the generic path, runs the text model on embeddings alone, so
-    image tokens take the text experts there (its logits differ from the model's own call)."""
-    experts = (config.get("text_config") or {}).get("moe_num_experts", config.get("moe_num_experts"))
-    if not (isinstance(experts, list) and len(experts) == 2 and experts[1]):
-        return None
-    return (f"its MoE layers send image tokens to experts of their own (moe_num_experts={experts}), chosen by "
-            "token_type_ids that neither mlx-vlm's generation nor the generic path passes its text model")  # fmt: skip
 
 
 def load_vision_language_model(path: Path, config: dict, trust_remote_code: bool = False) -> VisionLanguageModel:

@@ -28,7 +28,9 @@ adapter, a piece at a time, for rows at different stages of one batch:
   (``use_bidirectional_attention="vision"``: Gemma 4; mlx-vlm overlays each block of vision
   tokens on its causal mask) gets each block's span in the prompt's ``MultiModalInput.both_ways``:
   the engine's masks let a query in a span see all its keys, the scheduler keeps a span in one
-  prefill chunk, and a prefix-cache hit never ends inside one.
+  prefill chunk, and a prefix-cache hit never ends inside one. A prefix LM (``True``: PaliGemma,
+  whose mlx-vlm prefill is one maskless call) has its whole prompt as one span, text-only prompts
+  too (``text_only_input``), and gets the engine's mask passed in (its own code builds none).
 * image-token features: what ``get_input_embeddings`` returns for the image tokens alone
   (``VISUAL_FEATURES``): ``visual_pos_masks``, True at the image's feature tokens (not its
   markers), and ``deepstack_visual_embeds``, per text layer that takes them the rows to add at
@@ -36,12 +38,20 @@ adapter, a piece at a time, for rows at different stages of one batch:
   ``encode`` appends them to the run's rows (a flag, then each layer's row, zeros at markers);
   ``hidden_states`` gives the text model, by name, the mask over the step's tokens and each
   layer's rows at its True positions in flat order (batch row, then position), as Qwen3-VL's
-  hook does. A model that takes them as whole-prompt arrays it slices at the cache's offset
-  (Granite 4 Vision) is refused: rows of a batch are at different offsets.
+  hook does. A model that takes them as whole-prompt arrays, one row per prompt token, which it
+  slices at the cache's offset (Granite 4 Vision), keeps the same rows (each layer's row at every
+  run token), and gets each call's rows cut out per batch row for the positions the call computes,
+  in ``StepWindow``s: its slice at the cache's offset (one per row) is the call's rows.
 * positions: a text model with multi-axis rotary positions that it computes itself
   (``get_rope_index``: Qwen2-VL, GLM-4.1V, ...) gets them per prompt from that function, on the
   engine thread at the prompt's first step (``positions``), and passed with every call (mlx-vlm
-  keeps them as state on the model, which the rows of a batch cannot share).
+  keeps them as state on the model, which the rows of a batch cannot share), in the layout that
+  function gives (``[axes, batch, tokens]``, or ERNIE 4.5 VL's ``[batch, tokens, axes]``).
+* token types: a text model that takes ``token_type_ids`` and answers otherwise with them (ERNIE
+  4.5 VL's MoE sends image tokens to vision experts) gets them per step as its model's own call
+  builds them (``TOKEN_TYPES``: 1 at an image's feature tokens, 0 at text, markers and decode
+  steps), from the image runs the step computes: mlx-vlm's generation passes none (so its image
+  tokens take the text experts, unlike its own model call), which makes the model call the oracle.
 
 * images the model expands (``expands_in_model``): where ``get_input_embeddings`` gives an image
   another number of rows than the processor's run has tokens (LLaVA-NeXT and Granite Vision put a
@@ -63,8 +73,8 @@ adapter, a piece at a time, for rows at different stages of one batch:
 
 This holds where ``get_input_embeddings`` merges position by position and the text model needs
 nothing but embeddings, those positions and the cache; ``check`` runs the pipeline once at load
-on a small image and refuses, with the reason, a model that needs more (a whole prompt attending
-both ways, positions kept as state with no function to compute them, cross-attention states,
+on a small image and refuses, with the reason, a model that needs more (tokens attending both ways
+by another rule, positions kept as state with no function to compute them, cross-attention states,
 deepstack features in a form rows of a batch cannot share or that the text model uses only at
 offset 0, an image its processor leaves as one mark for the model to splice its features in).
 Family hooks (``vlm_families.py``) add what differs.
@@ -83,12 +93,15 @@ from vllm_mlx.multimodal.images import ImageSource, load_image
 from vllm_mlx.multimodal.media_policy import MediaPolicy
 from vllm_mlx.multimodal.vlm_models import VisionLanguageModel
 from vllm_mlx.multimodal.vlm_placeholder import (
+    LAYOUT_TEXT,
     PROBE_IMAGE_SIZE,
     ImageRun,
     SplicingPromptBuilder,
     fails_on_two_images,
     find_placeholder,
     model_run_ids,
+    places_images_itself,
+    replace_runs,
     stand_in_for_a_mark,
     stand_in_text,
 )
@@ -121,11 +134,6 @@ VISUAL_MASK, DEEPSTACK = "visual_pos_masks", "deepstack_visual_embeds"
 VISUAL_FEATURES = frozenset({VISUAL_MASK, DEEPSTACK})
 """``get_input_embeddings`` outputs about the image tokens alone, which the language model takes by
 name (module doc): the mask, and the deepstack rows at its True positions."""
-WHOLE_PROMPT_DEEPSTACK = (
-    "its text model takes deepstack features as whole-prompt arrays ({shape}) and slices each step's out at "
-    "the cache's offset, one offset for the batch, where rows of the engine's batch are at different offsets"
-)
-"""Why Granite 4 Vision's form of deepstack features (one row per prompt token) is refused."""
 TOKEN_FEATURE_MASKS = {VISUAL_MASK: DEEPSTACK}
 """Masks of where a per-token feature is non-zero, by the feature: nothing the text model needs
 once that feature comes one row per token with zeros elsewhere (Qwen3-Omni's thinker adds its
@@ -136,9 +144,15 @@ the engine's state pool, which implements it) lacks: only Qwen3.5's hook adds th
 (``vlm_families.MlxVlmStateCache``); elsewhere (GLM-5-Next) the check at load refuses them."""
 VISION_BLOCKS = "vision"
 """``use_bidirectional_attention`` for Gemma 4's rule: each block of vision tokens sees itself whole."""
+WHOLE_PROMPT = True
+"""``use_bidirectional_attention`` of a prefix LM (PaliGemma's default): mlx-vlm prefills the whole prompt
+in one call without a mask, so every prompt token sees every other; decode steps see what precedes them."""
 TOKEN_TYPES_KEY = "mm_token_type_ids"
 VISION_TOKEN_TYPES = (1, 2)
 """Gemma 4's processor's token types of image and video soft tokens (mlx-vlm's overlay takes these)."""
+TOKEN_TYPES = "token_type_ids"
+"""Per-position token types the text model takes by name (module doc): 1 at an image's feature tokens
+(``feature_token_id``), 0 elsewhere, as ERNIE 4.5 VL's ``Model._build_token_type_ids`` builds them."""
 GRID_KEY = "image_grid_thw"
 """The processor output ``get_rope_index`` reads an image's patch grid from."""
 PROMPT_POSITION_KEYS = frozenset({"image_bound"})
@@ -147,6 +161,32 @@ where each image's features go): ``_encoder_inputs`` moves them to the run's coo
 ``encode`` gives the model the run alone."""
 PROCESSOR_RUN_KEY = "processor_run_ids"
 """Where an image the model expands keeps the processor's run (``encode`` gives it to the model)."""
+
+
+class StepWindow:
+    """A whole-prompt array as a text model that slices each call's positions out of it sees it,
+    holding those positions only: the call's rows, ``[batch, width, ...]``, each batch row's own.
+
+    mlx-vlm's Granite 4 Vision takes its deepstack features and their mask whole-prompt (one row per
+    prompt token) and slices each call's positions at its cache's offset, ``[off : off + width]``:
+    one slice for the batch, where the engine's rows are at different offsets (``offset`` is then an
+    array, one per row). The engine cuts each row's positions out itself (``_step_windows``), so the
+    model's slice of the positions, whatever its bounds, is exactly these rows: a no-op. ``leading``
+    axes before the positions (a layer) are indexed by an integer, as on the whole array.
+    """
+
+    def __init__(self, rows: mx.array, leading: int = 0) -> None:
+        self.rows = rows
+        self.leading = leading
+
+    def __getitem__(self, key):
+        key = key if isinstance(key, tuple) else (key,)
+        if self.leading and len(key) == 1 and isinstance(key[0], int):
+            return StepWindow(self.rows[key[0]], self.leading - 1)
+        positions = key[1:] if key[:1] == (Ellipsis,) else key
+        if not self.leading and len(positions) == 1 and isinstance(positions[0], slice):
+            return self.rows
+        raise TypeError(f"a whole-prompt array of the step's rows is indexed by layer, then positions: not {key!r}")
 
 
 class LanguageSplit:
@@ -195,9 +235,23 @@ class GenericVisionModel(VisionLanguageModel):
     """Placeholders a family hook knows its processor expands, tried before the ones it names
     (``_candidate_texts``): LocateAnything's numbered ``<image-N>``, which no attribute names."""
 
+    places_images_itself = False
+    """Its processor, not the prompt, decides where images go (``layout_prompt_ids``, module doc)."""
+
     def __init__(self, model, processor, config: dict, path) -> None:
         processor = SplicingPromptBuilder.around(model, processor)
-        self.image_placeholder_text, self._plain_ids, self._run = self._find_placeholder(processor)
+        try:
+            self.image_placeholder_text, self._plain_ids, self._run = self._find_placeholder(processor)
+        except UnsupportedModelError as no_placeholder:
+            # mlx-vlm serves a processor that places images itself (Molmo, Moondream, PLaMo 2 VL, GOT-OCR)
+            # that way, whatever the prompt says: so does the engine, where one image's run can be found.
+            if not places_images_itself(processor):
+                raise
+            try:
+                self.image_placeholder_text, self._plain_ids, self._run = self._processor_layout(model, processor)
+            except (ValueError, TypeError, KeyError, IndexError):  # its model cannot merge the probe: why not first
+                raise no_placeholder from None
+            self.places_images_itself = True
         if self._run.stand_in < 0:  # the processor's mark (-200) is no token: the run needs one that is
             self._run = replace(self._run, stand_in=stand_in_for_a_mark(processor, self._run.stand_in))
         several = len(self._run.placeholder(self._plain_ids)) > 1
@@ -226,12 +280,71 @@ class GenericVisionModel(VisionLanguageModel):
         """With image-token features (``VISUAL_FEATURES``): how many text layers take deepstack
         rows (0: the mask alone); None without. ``encode`` puts them last: a flag, then the rows."""
         self.deepstack_width = 0
+        self.token_types = False
+        """The text model takes ``TOKEN_TYPES`` (module doc), and they change what it computes."""
+        self.feature_token_id = self._run.stand_in
+        """The id of an image's feature tokens in its run (the run's most frequent id; not its markers)."""
+        self.positions_batch_first = False
+        """``get_rope_index`` gives (and the text model takes) ``[batch, tokens, axes]`` positions."""
+        self.deepstack_per_token = False
+        """Deepstack rows at every run token (zeros at text), as whole-prompt arrays the text model slices
+        at the cache's offset (Granite 4 Vision's), not at the image tokens alone: ``StepWindow``s."""
         self.check()
 
     def _find_placeholder(self, processor) -> tuple[str, list[int], ImageRun]:
         """The placeholder text, its ids and the image's run against them (``find_placeholder``); a
         hook's own where its processor writes the prompt itself (Falcon OCR's)."""
         return find_placeholder(processor, self.placeholder_texts)
+
+    def _processor_layout(self, model, processor) -> tuple[str, list[int], ImageRun]:
+        """Where a processor that places images itself puts one image's run, for the empty text
+        (``LAYOUT_TEXT``): from its first to its last row that the pixels change (two probe images,
+        ``get_input_embeddings`` at load), or from the prompt's start where the model needs what
+        precedes the image to merge it (Moondream's BOS, Molmo's patch indices into the prompt).
+
+        Raises:
+            UnsupportedModelError: No start reproduces the model's rows for the run alone.
+        """
+        from PIL import Image
+
+        probes = [Image.new("RGB", PROBE_IMAGE_SIZE, color) for color in ((96, 160, 32), (32, 96, 160))]
+        outputs = [processor(text=[LAYOUT_TEXT], images=[probe], return_tensors="np") for probe in probes]
+        ids = np.asarray(outputs[0]["input_ids"])[0].tolist()
+        whole = ImageRun(0, 0, 0)
+        rows = [_embeds(_merged_layout(model, ids, out, whole))[0] for out in outputs]
+        changed = np.flatnonzero(np.array(mx.any(rows[0] != rows[1], axis=-1)))
+        if not changed.size:
+            raise UnsupportedModelError("its processor places images itself, and no row of its model depends on them")
+        first, last = int(changed[0]), int(changed[-1])
+        for start in dict.fromkeys([first, 0]):
+            run = ids[start : last + 1]
+            layout = ImageRun(start, len(ids) - 1 - last, max(run, key=run.count))
+            alone = _embeds(_merged_layout(model, run, outputs[0], layout))[0]
+            if alone.shape == rows[0][start : last + 1].shape and mx.allclose(alone, rows[0][start : last + 1]).item():
+                self._layout_probe = (probes[0], run)
+                return LAYOUT_TEXT, [*ids[:start], layout.stand_in, *ids[last + 1 :]], layout
+        raise UnsupportedModelError(
+            "its processor places images itself, and its model's rows for an image's run differ from its rows "
+            "for the whole prompt"
+        )
+
+    def layout_prompt_ids(self, text: str, count: int) -> list[int]:
+        """The ids of ``text`` with ``count`` images as its processor lays them out itself (only where
+        ``places_images_itself``): the processor's own prompt for probe images, each image's run one
+        stand-in token (``prepare`` expands it to the image's own run). The text goes to the processor as given, as
+        mlx-vlm's generation gives it: a placeholder written in it is text to such a processor.
+
+        Raises:
+            ValueError: The processor's prompt holds another number of images than ``count``.
+        """
+        probe, run = self._layout_probe
+        outputs = self.processor(text=[text], images=[probe] * count, return_tensors="np")
+        prompts = np.asarray(outputs["input_ids"])
+        ids = prompts[0].tolist() if prompts.shape[0] == 1 else []
+        placed = replace_runs(ids, run, self._run.stand_in)
+        if len(ids) == 0 or placed.count(self._run.stand_in) != count:
+            raise ValueError(f"its processor places the images itself and does not place {count} in one prompt")
+        return placed
 
     # ---- what mlx-vlm's models share ------------------------------------------------------
 
@@ -247,7 +360,8 @@ class GenericVisionModel(VisionLanguageModel):
         """The base class's, with the per-token features: text rows from the text-only call,
         the images' rows (after the embedding in ``images.features``) over their positions; and
         the image-token features of the step's image rows (``_visual_inputs``)."""
-        if not self.token_features and self.deepstack_layers is None:
+        types = self._step_token_types(inputs, images)
+        if not self.token_features and self.deepstack_layers is None and not types:
             return super().hidden_states(inputs, cache, position_ids, images)
         merged = self.model.get_input_embeddings(inputs, None)
         text = _fields(merged)
@@ -262,7 +376,16 @@ class GenericVisionModel(VisionLanguageModel):
                 features[name] = images.scatter(flat, rows[name]).reshape(*flat.shape[:2], *shape)
             if self.deepstack_layers is not None:
                 features.update(self._visual_inputs(images, rows[_VISUAL]))
-        return self.language_hidden_states(embeds, inputs, cache, position_ids, **features)
+        return self.language_hidden_states(embeds, inputs, cache, position_ids, **features, **types)
+
+    def _step_token_types(self, inputs: mx.array, images) -> dict:
+        """``TOKEN_TYPES`` for the step's tokens (1 at image feature tokens: ``feature_token_id`` at
+        image positions); {} where the model takes none or the step has no image row: all text,
+        which is what the model's own call gives a decode step (it passes none there either)."""
+        if not self.token_types or images is None:
+            return {}
+        is_feature = images.mask() & (inputs == self.feature_token_id)
+        return {TOKEN_TYPES: is_feature.astype(mx.int32)}
 
     def _visual_inputs(self, images, rows: mx.array) -> dict:
         """The mask over the step's tokens (True where a row's flag is) and each deepstack layer's
@@ -274,13 +397,32 @@ class GenericVisionModel(VisionLanguageModel):
         mask = np.zeros(images.batch * images.width, dtype=bool)
         mask[np.asarray(images.index)[flags]] = True
         inputs = {VISUAL_MASK: mx.array(mask.reshape(images.batch, images.width))}
+        if self.deepstack_per_token:
+            return self._step_windows(images, rows, inputs[VISUAL_MASK])
         if self.deepstack_layers:
             picked = rows[mx.array(np.flatnonzero(flags))][:, 1:]
             inputs[DEEPSTACK] = mx.split(picked, self.deepstack_layers, axis=-1)
         return inputs
 
+    def _step_windows(self, images, rows: mx.array, mask: mx.array) -> dict:
+        """The mask and the deepstack rows of the step's tokens as whole-prompt arrays a text model slices
+        at its cache's offset (``StepWindow``): ``[layers, batch, width, hidden]``, zeros off the images,
+        in the embeddings' dtype (mlx-vlm's Granite 4 Vision casts its rows so before adding them)."""
+        dtype = self.embed(mx.array([[0]])).dtype
+        zeros = mx.zeros((images.batch, images.width, self.deepstack_layers * self.deepstack_width), dtype=dtype)
+        dense = images.scatter(zeros, rows[:, 1:].astype(dtype))
+        dense = dense.reshape(images.batch, images.width, self.deepstack_layers, self.deepstack_width)
+        return {VISUAL_MASK: StepWindow(mask), DEEPSTACK: StepWindow(dense.transpose(2, 0, 1, 3), leading=1)}
+
     def language_hidden_states(self, embeds, inputs, cache, position_ids, **features):
+        if position_ids is not None and self.positions_batch_first:  # [axes, B, T] -> the model's [B, T, axes]
+            position_ids = position_ids.transpose(1, 2, 0)
         extra = {"position_ids": position_ids} if position_ids is not None else {}
+        if self.both_ways is WHOLE_PROMPT:
+            # mlx-vlm's prefix LM builds no mask at all (its one-row prefill is the whole prompt): the
+            # engine's rows are padded, chunked and decoding, so it gets the caches' mask (causal, the
+            # prompt's span seen whole, padding hidden), which it then uses as given.
+            extra["mask"] = _mask_of_the_caches(embeds, cache)
         return self.split.backbone(inputs, inputs_embeds=embeds, cache=cache, **extra, **features)
 
     def _split_rows(self, rows: mx.array) -> dict[str, mx.array]:
@@ -300,10 +442,16 @@ class GenericVisionModel(VisionLanguageModel):
         positions for a prompt (``get_rope_index`` on its ids and its images' grids); engine thread."""
         if self.sequential_positions:
             return np.broadcast_to(np.arange(len(token_ids)), (3, len(token_ids))).astype(np.int64), 0
+        positions, delta = self._rope_index(token_ids, images)
+        positions = positions[0].T if self.positions_batch_first else positions[:, 0, :]
+        return positions.astype(np.int64), int(np.array(delta).reshape(-1)[0])
+
+    def _rope_index(self, token_ids: list[int], images: list[ImageInput]) -> tuple[np.ndarray, mx.array]:
+        """``get_rope_index`` on one prompt and its images' grids, in the function's own layout."""
         grids = [image.encoder_inputs[GRID_KEY] for image in images]
         grid = mx.array(np.concatenate(grids).astype(np.int32)) if grids else None
         positions, delta = self.rope_index(mx.array([token_ids]), image_grid_thw=grid)
-        return np.array(positions)[:, 0, :].astype(np.int64), int(np.array(delta).reshape(-1)[0])
+        return np.array(positions), delta
 
     def logits(self, hidden: mx.array) -> mx.array:
         return self.split.head(hidden)
@@ -339,6 +487,10 @@ class GenericVisionModel(VisionLanguageModel):
         each deepstack layer's row there (zeros at markers, which the mask leaves out)."""
         mask = fields[VISUAL_MASK].reshape(run_length)
         flag = mask.astype(mx.float32)[:, None]
+        if self.deepstack_per_token:  # each layer's row at every run token already
+            layers = [fields[DEEPSTACK][layer].reshape(run_length, -1) for layer in range(self.deepstack_layers)]
+            deepstack = [mx.where(mask[:, None], layer, 0) for layer in layers]
+            return mx.concatenate([flag, *(d.astype(mx.float32) for d in deepstack)], axis=-1)
         layers = _deepstack_layers(fields.get(DEEPSTACK))
         if not layers:
             return flag
@@ -361,7 +513,7 @@ class GenericVisionModel(VisionLanguageModel):
         from PIL import Image
 
         self.both_ways = _bidirectional_attention(self.model)
-        if self.both_ways not in (None, False, VISION_BLOCKS):
+        if self.both_ways not in (None, False, VISION_BLOCKS, WHOLE_PROMPT):
             raise UnsupportedModelError(both_ways_reason(self.both_ways))
         probe = Image.new("RGB", PROBE_IMAGE_SIZE, (96, 160, 32))
         image = self.process(probe, MediaPolicy.operator())
@@ -385,6 +537,9 @@ class GenericVisionModel(VisionLanguageModel):
                 self.images_limit_reason = why_not
         self.token_features = self._token_features(merged, image.num_tokens)
         self._check_visual_features(_fields(merged), image.num_tokens)
+        if self.deepstack_per_token and self.max_images_per_prompt is None and not self._deepstack_of_each_image(image):
+            self.max_images_per_prompt = 1
+            self.images_limit_reason = "mlx-vlm's model builds every image token's features from the first image"
         visual = VISUAL_FEATURES if self.deepstack_layers is not None else frozenset()
         ignored = IGNORED_FEATURES | (POSITION_FEATURES if self.uses_mrope else frozenset()) | set(self.token_features)
         ignored |= visual
@@ -407,13 +562,33 @@ class GenericVisionModel(VisionLanguageModel):
         features = _embeds(merged)[0]
         visual_inputs = self._run_visual_inputs(image)
         self.split = self._refusing_known_failures(self.probe_split, features[None], **visual_inputs)
-        if mx.array_equal(self._logits_of(features[None]), self._logits_of(mx.zeros_like(features[None]))).item():
+        # Other rows, not zeros: Granite 4 Vision's rows are zeros at image tokens (its images come as deepstack).
+        if mx.array_equal(self._logits_of(features[None]), self._logits_of(features[None] + 1)).item():
             raise UnsupportedModelError("its text model ignores the embeddings it is given, so images cannot reach it")
         if DEEPSTACK in visual_inputs:
             self._check_deepstack_reaches(features[None], visual_inputs)
+        if self.max_images_per_prompt is None and self.places_images_itself:
+            self.images_limit_reason = self._layout_fails_on_two_images()
+            self.max_images_per_prompt = 1 if self.images_limit_reason else None
+        self.token_types = self._answers_to_token_types(features[None], image)
+        if self.rope_index is not None and not self.sequential_positions and GRID_KEY in image.encoder_inputs:
+            # The layout get_rope_index gives: batch first where its first axis is the one prompt's.
+            self.positions_batch_first = self._rope_index(image.token_ids, [image])[0].shape[0] == 1
         if self.max_images_per_prompt is None:
             self.images_limit_reason = fails_on_two_images(self.processor, self.image_placeholder_text)
             self.max_images_per_prompt = 1 if self.images_limit_reason else None
+
+    def _layout_fails_on_two_images(self) -> str:
+        """Why a processor that places images itself takes one a prompt ("" where it takes two):
+        Moondream's and GOT-OCR's write one image's tokens whatever the count, Molmo's one prompt an
+        image, PLaMo 2 VL's shares one tile budget among a prompt's images (each image's run then
+        depends on the others, where the engine processes and caches each alone)."""
+        try:
+            self.layout_prompt_ids(LAYOUT_TEXT, 2)
+        except Exception:  # noqa: BLE001 -- any failure: the processor cannot place the pair
+            return (f"its processor, {type(self.processor).__name__}, places images itself and does not lay out two "
+                    "in one prompt as it lays out each alone")
+        return ""
 
     def _expand_in_model(self) -> None:
         """Take each image's length from the model's rows (module doc), where the text model takes
@@ -513,8 +688,7 @@ class GenericVisionModel(VisionLanguageModel):
         """Set ``deepstack_layers`` where the model gives image-token features in a form the
         batch can give its text model (module doc); leave it None where it gives none.
 
-        Raises:
-            UnsupportedModelError: Deepstack features without a mask, or as whole-prompt arrays.
+        Leaves deepstack features in another form to the check's list of extra features.
         """
         mask, deepstack = fields.get(VISUAL_MASK), fields.get(DEEPSTACK)
         if DEEPSTACK in self.token_features:  # one row per token (Qwen3-Omni's): per-token features
@@ -523,12 +697,34 @@ class GenericVisionModel(VisionLanguageModel):
             return  # none, or not one per run token: the check's list of extra features names them
         layers = _deepstack_layers(deepstack)
         if layers is None:
-            raise UnsupportedModelError(WHOLE_PROMPT_DEEPSTACK.format(shape=tuple(deepstack.shape)))
+            self._check_whole_prompt_deepstack(deepstack, run_length)
+            return
         count = int(mask.astype(mx.int32).sum().item())
         if any(layer.shape[0] != count for layer in layers):
             return  # rows that do not match the mask's image tokens: left to the list of extra features
         self.deepstack_layers = len(layers)
         self.deepstack_width = layers[0].shape[-1] if layers else 0
+
+    def _check_whole_prompt_deepstack(self, deepstack, run_length: int) -> None:
+        """Deepstack features as one whole-prompt array, ``[layers, run tokens, width]`` (Granite 4
+        Vision's): served per token (``deepstack_per_token``); another shape stays unset (refused
+        by the check's list of extra features)."""
+        if isinstance(deepstack, mx.array) and deepstack.ndim == 3 and deepstack.shape[1] == run_length:
+            self.deepstack_per_token = True
+            self.deepstack_layers, self.deepstack_width = deepstack.shape[0], deepstack.shape[-1]
+
+    def _deepstack_of_each_image(self, image: ImageInput) -> bool:
+        """Whether whole-prompt deepstack rows for two images with a token between are each image's own
+        rows around that token's zeros: mlx-vlm's Granite 4 Vision builds them from the first image's
+        pixels alone (its embeddings are zeros at every image token, so they cannot tell)."""
+        run = [int(token) for token in image.token_ids]
+        between = max(self._run.stand_in, 0)
+        pair = {name: np.concatenate([value, value]) for name, value in image.encoder_inputs.items()}
+        pixels = np.concatenate([image.pixel_values, image.pixel_values])
+        both = self._visual_rows(_fields(self._merged_run([*run, between, *run], pixels, pair)), 2 * len(run) + 1)
+        one = self._visual_rows(_fields(self._merged(image)), len(run))
+        expected = mx.concatenate([one, mx.zeros((1, one.shape[-1]), dtype=one.dtype), one])
+        return both.shape == expected.shape and mx.allclose(both, expected, atol=1e-5).item()
 
     def _run_visual_inputs(self, image: ImageInput) -> dict:
         """The image-token features of one image's run as a one-row step gives them."""
@@ -546,7 +742,12 @@ class GenericVisionModel(VisionLanguageModel):
         Raises:
             UnsupportedModelError: The rows change nothing past offset 0.
         """
-        zeros = {**visual_inputs, DEEPSTACK: [mx.zeros_like(layer) for layer in visual_inputs[DEEPSTACK]]}
+        deepstack = visual_inputs[DEEPSTACK]
+        if isinstance(deepstack, StepWindow):
+            zeroed = StepWindow(mx.zeros_like(deepstack.rows), deepstack.leading)
+        else:
+            zeroed = [mx.zeros_like(layer) for layer in deepstack]
+        zeros = {**visual_inputs, DEEPSTACK: zeroed}
         outputs = []
         for inputs in (visual_inputs, zeros):
             cache = self.probe_cache()
@@ -557,6 +758,27 @@ class GenericVisionModel(VisionLanguageModel):
                 "its text model adds deepstack features only in a prompt's first forward call (cache at offset 0), "
                 "where the engine's chunked prefill and prefix cache need them in any call"
             )
+
+    def _answers_to_token_types(self, embeds: mx.array, image: ImageInput) -> bool:
+        """Whether the text model takes ``TOKEN_TYPES`` by name and its logits for the probe's run
+        change with the image's tokens typed (ERNIE 4.5 VL's vision experts). Not where image blocks
+        attend both ways: Gemma 4's text model reads token types as that rule's blocks, which the
+        engine's spans already serve (``both_ways``)."""
+        import inspect
+
+        if self.both_ways or self.expands_in_model:
+            return False
+        try:
+            takes = TOKEN_TYPES in inspect.signature(self.split.backbone).parameters
+        except (TypeError, ValueError):  # no signature to read: a builtin
+            return False
+        if not takes:
+            return False
+        run = list(image.token_ids)
+        self.feature_token_id = max(run, key=run.count)
+        types = mx.array([[int(token == self.feature_token_id) for token in run]], dtype=mx.int32)
+        typed = self._logits_of(embeds, **{TOKEN_TYPES: types})
+        return not mx.array_equal(typed, self._logits_of(embeds)).item()
 
     def probe_split(self, embeds: mx.array, **features) -> LanguageSplit:
         """The text model as backbone and head (``LanguageSplit.probe`` on the check's image rows);
@@ -599,10 +821,19 @@ class GenericVisionModel(VisionLanguageModel):
         mm.both_ways = self._both_ways_spans(num_tokens, images)
         return mm
 
+    def text_only_input(self, num_tokens: int) -> MultiModalInput | None:
+        """A prefix LM's text prompt: no image, its whole prompt one both-ways span (``WHOLE_PROMPT``)."""
+        if self.both_ways is not WHOLE_PROMPT:
+            return None
+        return MultiModalInput(both_ways=self._both_ways_spans(num_tokens, []))
+
     def _both_ways_spans(self, num_tokens: int, images: list[ImageInput]) -> list[tuple[int, int]]:
         """mlx-vlm's ``"vision"`` rule (Gemma 4): each contiguous block of an image's vision tokens
         (``mm_token_type_ids`` 1 or 2; the run's stand-in tokens where the processor gives none)
-        sees itself whole, on top of the causal mask; its markers stay causal."""
+        sees itself whole, on top of the causal mask; its markers stay causal. A prefix LM's rule
+        (``WHOLE_PROMPT``): the whole prompt, images or not, is one span (generated tokens follow it)."""
+        if self.both_ways is WHOLE_PROMPT:
+            return [(0, num_tokens)] if num_tokens else []
         if self.both_ways != VISION_BLOCKS:
             return []
         spans = []
@@ -620,6 +851,15 @@ class GenericVisionModel(VisionLanguageModel):
         if self._stand_in_text is None:
             return text
         return text.replace(self.image_placeholder_text, self._stand_in_text)
+
+
+def _merged_layout(model, run: list[int], outputs, layout: ImageRun):
+    """``get_input_embeddings`` on ``run``, the ids of ``outputs`` (a processor's) between ``layout``'s ends."""
+    encoder_inputs = _encoder_inputs(outputs, layout, np.asarray(outputs["input_ids"]).shape[-1])
+    pixels = next(encoder_inputs.pop(key) for key in PIXEL_KEYS if key in encoder_inputs)
+    inputs = {name: mx.array(value) for name, value in encoder_inputs.items()}
+    ids = mx.array([run])
+    return model.get_input_embeddings(ids, mx.array(pixels), mask=mx.ones(ids.shape, dtype=mx.int32), **inputs)
 
 
 def _call_here(fn):
@@ -666,17 +906,23 @@ def true_runs(flags: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
 
 
+def _mask_of_the_caches(embeds: mx.array, cache) -> mx.array | None:
+    """The mask the first cache makes for this call's tokens (the engine's paged caches: its layout's)."""
+    from mlx_vlm.models.base import create_attention_mask
+
+    return create_attention_mask(embeds, cache, return_array=True) if cache is not None else None
+
+
 def both_ways_reason(value: object) -> str:
     """Why a text model whose tokens attend both ways by a rule other than ``"vision"``'s image
-    blocks is refused: PaliGemma's ``True`` leaves its whole one-pass prefill unmasked (a prefix
-    LM, text-only prompts included), where the engine keeps both-ways spans for image blocks."""
-    return (f"its text model lets the whole prompt attend both ways (use_bidirectional_attention={value!r}: a "
-            "prefix LM, text-only prompts too), where the engine attends both ways only within an image's "
-            "block of tokens")  # fmt: skip
+    blocks and a prefix LM's whole prompt (``True``) is refused: the engine keeps those spans only."""
+    return (f"its text model lets tokens attend both ways by a rule the engine does not know "
+            f"(use_bidirectional_attention={value!r}), where it serves an image's block of tokens "
+            "(\"vision\") and a prefix LM's whole prompt (True)")  # fmt: skip
 
 
 def _bidirectional_attention(model) -> object:
-    """The text config's ``use_bidirectional_attention`` (PaliGemma's prefix, Gemma 4's
+    """The text config's ``use_bidirectional_attention`` (PaliGemma's prefix, ``WHOLE_PROMPT``; Gemma 4's
     ``"vision"``: image tokens see each other both ways in mlx-vlm), None where unset."""
     text_config = getattr(getattr(model, "config", None), "text_config", None)
     return getattr(text_config, "use_bidirectional_attention", None)
@@ -691,7 +937,7 @@ def _deepstack_layers(value) -> list[mx.array] | None:
     """Deepstack features as one ``[image tokens, width]`` array per text layer ([] where there
     are none): a list (Qwen3-VL's form), or one inside mlx-vlm's ``DeepstackVisualFeatures``
     (Cohere Compass's ``.embeddings``). None for another form: one row per prompt token
-    (Granite 4 Vision's ``[layers, tokens, width]``)."""
+    (Granite 4 Vision's ``[layers, tokens, width]``, ``deepstack_per_token``)."""
     if value is None:
         return []
     value = getattr(value, "embeddings", value)

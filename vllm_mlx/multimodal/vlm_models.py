@@ -254,6 +254,12 @@ class VisionLanguageModel:
     def multimodal_input(self, num_tokens: int, images: list[ImageInput]) -> MultiModalInput:
         return MultiModalInput(images)
 
+    def text_only_input(self, num_tokens: int) -> MultiModalInput | None:
+        """What a prompt of ``num_tokens`` text tokens and no image needs beside its ids: None for a
+        causal text model; a prefix LM's (PaliGemma's) whole prompt attends both ways, a span without
+        an image (``GenericVisionModel``), which the scheduler and the masks keep as an image's."""
+        return None
+
     def positions(self, token_ids: list[int], images: list[ImageInput]) -> tuple[np.ndarray, int]:
         """``(positions [position_axes, len(token_ids)], rope_delta)`` of a prompt whose ``multimodal_input``
         left them None (``uses_mrope`` models that compute them with MLX: the engine thread

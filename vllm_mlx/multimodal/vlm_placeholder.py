@@ -20,6 +20,7 @@ import numpy as np
 from vllm_mlx.executor.attention import UnsupportedModelError
 
 __all__ = [
+    "LAYOUT_TEXT",
     "PROBE_IMAGE_SIZE",
     "SPLICED_BY_THE_MODEL",
     "ImageRun",
@@ -28,6 +29,8 @@ __all__ = [
     "fails_on_two_images",
     "find_placeholder",
     "model_run_ids",
+    "places_images_itself",
+    "replace_runs",
     "stand_in_for_a_mark",
     "stand_in_text",
     "text_ids",
@@ -183,6 +186,31 @@ PLACES_IMAGES_ITSELF = "it puts an image's tokens into a prompt that has no plac
 """Why a processor that names no placeholder is refused, where it places images itself (PLaMo 2 VL's
 writes every image at the start of a fixed instruction template): the engine places an image's run
 where the prompt names it, so it cannot follow such a processor."""
+
+
+LAYOUT_TEXT = ""
+"""The text an image is processed with where its processor places images itself: its run is then cut
+at the ends found for this text (``GenericVisionModel._processor_layout``)."""
+
+
+def places_images_itself(processor) -> bool:
+    """Whether ``processor`` puts an image's tokens into a prompt that has no placeholder (a probe image)."""
+    from PIL import Image
+
+    return _places_images_itself(processor, Image.new("RGB", PROBE_IMAGE_SIZE))
+
+
+def replace_runs(ids: list[int], run: list[int], stand_in: int) -> list[int]:
+    """``ids`` with each occurrence of ``run`` (left to right, not overlapping) one ``stand_in``."""
+    out, i = [], 0
+    while i < len(ids):
+        if run and ids[i : i + len(run)] == run:
+            out.append(stand_in)
+            i += len(run)
+        else:
+            out.append(ids[i])
+            i += 1
+    return out
 
 
 def _places_images_itself(processor, image) -> bool:

@@ -31,7 +31,7 @@ from tiny_model import (
 
 from vllm_mlx import SamplingParams
 from vllm_mlx.core.kv.paged_cache import PagedCacheManager
-from vllm_mlx.core.kv.spec import FullAttentionSpec, RecurrentStateSpec
+from vllm_mlx.core.kv.spec import FullAttentionSpec, HeldCacheSpec, RecurrentStateSpec
 from vllm_mlx.engine.core import EngineCore, kv_bytes_per_token
 from vllm_mlx.executor import model_runner
 from vllm_mlx.executor.attention import RECURRENT_ARCHITECTURES, UnsupportedModelError, check_supported, layer_specs
@@ -102,9 +102,11 @@ def test_layer_specs_name_the_recurrent_layers(arch):
     assert specs == expected
 
 
-def test_unchecked_recurrent_architectures_are_refused_naming_the_cache():
-    """Recurrent layers are served for the architectures checked against mlx-lm (by model type,
-    aliases as mlx-lm maps them); the same layers under an unchecked name are refused."""
+def test_unchecked_recurrent_architectures_are_held_per_request_or_refused_naming_the_cache():
+    """Recurrent layers are served from the state pool for the architectures checked against mlx-lm
+    (by model type, aliases as mlx-lm maps them); the same layers under an unchecked name keep the
+    model's own caches per request (``HeldCacheSpec``: ``executor/held_caches.py``), and the vLLM
+    plugin's path, which serves neither, refuses them naming the cache."""
     import mlx_lm.models.mamba as mamba
 
     args = mamba.ModelArgs(
@@ -114,8 +116,9 @@ def test_unchecked_recurrent_architectures_are_refused_naming_the_cache():
     model = mamba.Model(args)
     assert check_supported(model) == [RecurrentStateSpec(2, pads=False)] * 2  # a pure recurrent model
     assert check_supported(model, "falcon_mamba") == check_supported(model)
+    assert check_supported(model, "mamba3") == [HeldCacheSpec()]
     with pytest.raises(UnsupportedModelError, match="'mamba3' needs ArraysCache caches"):
-        check_supported(model, "mamba3")
+        check_supported(model, "mamba3", recurrent=False)
 
 
 def test_the_vllm_plugin_path_still_refuses_recurrent_layers(tmp_path, default_model_dir):

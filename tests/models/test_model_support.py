@@ -19,7 +19,7 @@ import pytest
 
 from vllm_mlx.entrypoints.cli import main
 from vllm_mlx.models import support
-from vllm_mlx.models.probe import REFUSED, RUNS, UNKNOWN, Probe, ProbeWorker, probe_text
+from vllm_mlx.models.probe import HELD_DETAIL, REFUSED, RUNS, UNKNOWN, Probe, ProbeWorker, probe_text
 from vllm_mlx.models.support import NOT_GENERATOR, SUPPORTED, TESTED_ARCHITECTURES, TEXT, VISION
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,8 +44,11 @@ def test_tested_architectures_probe_as_runnable_and_are_supported():
     assert all(r.status == SUPPORTED and r.test == TESTED_ARCHITECTURES[r.source][r.name] for r in rows), rows
     # The probe itself says "runs" for each tested text architecture: the test is not all we have.
     with ProbeWorker() as worker:
-        probes = {name: worker.probe(name).status for name in TESTED_ARCHITECTURES[TEXT]}
-    assert probes == dict.fromkeys(TESTED_ARCHITECTURES[TEXT], RUNS)
+        probes = {name: worker.probe(name) for name in TESTED_ARCHITECTURES[TEXT]}
+    assert {name: probe.status for name, probe in probes.items()} == dict.fromkeys(TESTED_ARCHITECTURES[TEXT], RUNS)
+    # Served with per-request caches (executor/held_caches.py): exactly these, and the table says so.
+    assert {name for name, probe in probes.items() if probe.detail == HELD_DETAIL} == set(support.HELD_TEXT)
+    assert all(r.detail == HELD_DETAIL for r in rows if r.name in support.HELD_TEXT)
 
 
 def test_refusals_name_the_reason():
@@ -62,8 +65,9 @@ def test_refusals_name_the_reason():
     # DiffusionGemma denoises a canvas (its config's canvas_length): no token-by-token generation.
     [diffusion] = support.classify({VISION: ["diffusion_gemma"]})
     assert diffusion.status == NOT_GENERATOR and diffusion.detail.startswith("a diffusion decoder")
-    assert ngram.status == REFUSED and "needs ArraysCache caches" in ngram.detail
-    assert "a fixed-size state slot cannot hold" in ngram.detail  # why, for this architecture
+    # Its n-gram history (an ArraysCache a fixed-size state slot cannot hold) is held per request.
+    assert ngram.status == SUPPORTED and ngram.detail == HELD_DETAIL
+    assert ngram.test == TESTED_ARCHITECTURES[TEXT]["longcat_flash_ngram"]
     assert all(row.status == REFUSED for row in (florence2, mllama))
     assert florence2.detail.startswith("its image embeddings come with decoder_inputs_embeds, which its text model")
     assert "cross_attention_states" in mllama.detail
@@ -114,6 +118,7 @@ def test_probe_details():
     assert probe_text("gemma3_text") == Probe(RUNS, "sliding window + full attention")
     assert probe_text("gear") == Probe(RUNS, "sliding window + full attention")  # built from layer_types
     assert probe_text("lfm2") == Probe(RUNS, "recurrent state + full attention")  # short convolutions
+    assert probe_text("deepseek_v41") == Probe(RUNS, HELD_DETAIL)  # its LayerCache, held per request
     # mlx-lm's olmo exits on import without ai2-olmo, which its code never calls: probed with a
     # stand-in for it (and refused: it fails in mlx-lm's own generation).
     assert probe_text("olmo").detail.startswith("architecture 'olmo' is refused: mlx-lm's OLMo (1) attention")
@@ -141,6 +146,8 @@ def test_docs_page_agrees_with_the_code():
     rows = page_rows()
     supported = {key: row["detail"] for key, row in rows.items() if row["status"] == SUPPORTED}
     expected = {(s, n): f"`{node}`" for s, tested in TESTED_ARCHITECTURES.items() for n, node in tested.items()}
+    held = [(TEXT, n) for n in support.HELD_TEXT] + [(VISION, n) for n in support.HELD_VISION]
+    expected |= {(s, n): f"`{TESTED_ARCHITECTURES[s][n]}` ({HELD_DETAIL})" for s, n in held}
     assert supported == expected, "regenerate: python -m vllm_mlx.models.support --write docs/models.md"
     environment = json.loads(re.search(r"<!-- environment: (.*) -->", PAGE.read_text())[1])
     if environment != support.installed_versions():

@@ -113,9 +113,9 @@ def prepare_engine_model(config: EngineConfig, group=None) -> PreparedModel:
     """Load ``config.model`` and prepare it for a runner. With a distributed ``group`` every
     rank calls this (rank 0 from ``EngineCore``, the others from ``worker_loop``): the shard
     checks and the measuring forwards are collectives, issued here in the same order on all."""
-    from vllm_mlx.core.kv.spec import is_recurrent
+    from vllm_mlx.core.kv.spec import is_held, is_recurrent
     from vllm_mlx.engine.weight_plan import log_plan, plan_weight_format
-    from vllm_mlx.executor.attention import check_supported
+    from vllm_mlx.executor.attention import UnsupportedModelError, check_supported
     from vllm_mlx.executor.model_runner import measure_kv_layout
     from vllm_mlx.executor.state_pool import probe_state_layout
     from vllm_mlx.models import load_model, resolve_model
@@ -132,6 +132,11 @@ def prepare_engine_model(config: EngineConfig, group=None) -> PreparedModel:
     weight_format = prepare_model_weights(weights, plan.weight_format)
     # Decided on the whole model, so that every rank probes (a forward: collectives) or none does.
     recurrent = any(map(is_recurrent, specs))
+    if group is not None and is_held(specs):
+        raise UnsupportedModelError(
+            f"{loaded.config.get('model_type', '?')!r} keeps a cache of its own per request, which tensor and "
+            "pipeline parallelism do not split: run it on one process"
+        )
     if group is not None:
         specs = _split_model(config, loaded, specs, group)
     state_layout = probe_state_layout(loaded.model, specs) if recurrent else None
@@ -148,6 +153,33 @@ def prepare_engine_model(config: EngineConfig, group=None) -> PreparedModel:
 
         memory = combine_memory_needs(group, memory)
     return PreparedModel(loaded, specs, weight_format, state_layout, kv_layout, block_groups, memory, plan)
+
+
+HELD_NO_SPECULATION = (
+    "this model keeps a cache of its own per request, which cannot take back the rejected tokens of a "
+    "verification (it runs without speculative decoding)"
+)
+
+
+def _settle_held_caches(config: EngineConfig, prepared: PreparedModel) -> None:
+    """A model that keeps its own caches per request (``executor/held_caches.py``) shares nothing
+    between requests: prefix caching is turned off (said at INFO: asked for or by default, it is
+    not an error), and speculative decoding is refused.
+
+    Raises:
+        ValueError: ``speculative_config`` is set.
+    """
+    from vllm_mlx.core.kv.spec import is_held
+
+    if not is_held(prepared.specs):
+        return
+    model_type = prepared.loaded.config.get("model_type", "?")
+    if config.speculative_config is not None:
+        raise ValueError(f"speculative_config: {model_type!r}: {HELD_NO_SPECULATION}")
+    if config.enable_prefix_caching:
+        logger.info("prefix caching is off: %r keeps a cache of its own per request, which no other request "
+                    "can share (its KV blocks only count tokens)", model_type)  # fmt: skip
+        config.enable_prefix_caching = False
 
 
 def _memory_left(config: EngineConfig, plan: WeightPlan) -> int:
@@ -243,6 +275,7 @@ class EngineCore:
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         self.kv_layout = prepared.kv_layout
+        _settle_held_caches(config, prepared)
         draft = self._load_draft(loaded)
         # Sized for every rank: every rank allocates these counts for its own layers. A draft
         # model's weights come out of the memory left, and its pool has as many blocks.
@@ -429,6 +462,8 @@ class EngineCore:
             prompt, params, request_id, cache_salt=cache_salt, images=images, fairness_key=fairness_key,
             constraint=constraint, speculative=speculative, lora_id=lora_id, lora_digest=lora_digest,
         )  # fmt: skip
+        if speculative and self.runner.held is not None:
+            raise ValueError(f"speculative decoding: {HELD_NO_SPECULATION}")
         if speculative and self.speculator is None:  # asked for without a config: prompt lookup
             self.speculator = Speculator(SpeculativeConfig(), by_default=False)
         self.output_processor.add(processed)
@@ -552,6 +587,7 @@ class EngineCore:
             self.scheduler.abort_request(request.request_id)
             request.finish(RequestStatus.FINISHED_ABORTED)  # covers deferred siblings
         self.output_processor.finish_if_done(request_id)
+        self.runner.keep_held(r.request_id for r in self.scheduler.running)
         if self.speculator is not None:
             self.speculator.settle(self.scheduler.running)
 
@@ -603,6 +639,8 @@ class EngineCore:
         if self.disk is not None:
             self.disk.after_update(scheduler_output.scheduled)
         outputs += self.output_processor.process(advanced, runner_output)
+        # After the outputs: a stop string ends its request there. Preempted ones go too.
+        self.runner.keep_held(r.request_id for r in self.scheduler.running)
         self._release_deferred()
         self._collect_adapters()
         self._record_step(scheduler_output, runner_output, time.perf_counter() - start)

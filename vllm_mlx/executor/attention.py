@@ -44,12 +44,14 @@ import numpy as np
 from vllm_mlx.core.kv.spec import (
     BlockGroups,
     FullAttentionSpec,
+    HeldCacheSpec,
     LayerSpec,
     RecurrentStateSpec,
     SlidingWindowSpec,
     is_recurrent,
 )
 from vllm_mlx.executor.cache_list import flat_caches
+from vllm_mlx.executor.held_caches import HELD_REFUSED
 from vllm_mlx.executor.state_pool import RecurrentLayerCache, StateBatch, StatePool
 from vllm_mlx.platform.errors import VllmMlxError
 
@@ -144,11 +146,13 @@ def layer_specs(model, model_type: str | None = None, recurrent: bool = True) ->
     ``CacheList`` a cache of its own: ``CacheNesting``; without it, one full-attention layer per
     ``model.layers``). ``model_type`` defaults to the model's own.
 
+    A model with a cache of another class (not a plain ``KVCache``, a ``RotatingKVCache``
+    without kept tokens, nor the ``ArraysCache`` of an architecture in ``RECURRENT_ARCHITECTURES``)
+    is one ``HeldCacheSpec``: the runner keeps its own caches per request (``held_caches.py``).
+
     Raises:
-        UnsupportedModelError: Some layer needs a cache that is not a plain ``KVCache``, a
-            ``RotatingKVCache`` without kept tokens, or the ``ArraysCache`` of an architecture in
-            ``RECURRENT_ARCHITECTURES`` (``recurrent=False`` refuses those too); the message
-            names the kinds.
+        UnsupportedModelError: Such a model with ``recurrent=False`` (which refuses recurrent
+            layers too: the vLLM plugin), or one in ``HELD_REFUSED``; the message names the kinds.
     """
     model_type = model_type or model_type_of(model)
     if model_type in BROKEN_IN_MLX_LM:
@@ -162,6 +166,8 @@ def layer_specs(model, model_type: str | None = None, recurrent: bool = True) ->
         if spec is None:
             refused.add(_describe(cache))
         specs.append(spec)
+    if refused and recurrent and model_type not in HELD_REFUSED:
+        return [HeldCacheSpec()]  # the model keeps its own caches, one set per request (held_caches.py)
     if refused:
         raise UnsupportedModelError(
             f"architecture {model_type!r} needs {', '.join(sorted(refused))} caches, which the paged "
@@ -199,8 +205,8 @@ def _chunked_cache_types() -> tuple[type, ...]:
 _WHY_NOT = {
     "LayerCache": (
         "DeepSeek-V4.1's LayerCache keeps, per layer, a sliding window, compressed groups of closed "
-        "blocks and their index keys: a layout of its own, not pages (a cache held per request "
-        "inside the batch could serve it, without prefix caching)"
+        "blocks and their index keys: a layout of its own, not pages (the engine's own path keeps it per "
+        "request inside the batch, without prefix caching)"
     ),
     "longcat_flash_ngram": (
         "Its n-gram embedding keeps the last few token ids as a recurrent state that grows over "

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import hashlib
 from contextlib import nullcontext
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 
 from vllm_mlx.core.canonical import canonical_bytes
-from vllm_mlx.core.kv.spec import BlockGroups, GroupLayout, KVLayout, group_layers, is_recurrent
+from vllm_mlx.core.kv.spec import BlockGroups, GroupLayout, HeldCacheSpec, KVLayout, group_layers, is_held, is_recurrent
 from vllm_mlx.core.multimodal import ImageInput
 from vllm_mlx.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepRecord
 from vllm_mlx.core.request import Request, SamplingParams
@@ -48,6 +49,7 @@ from vllm_mlx.executor.attention import (
 from vllm_mlx.executor.bitmask import StepMasks
 from vllm_mlx.executor.cache_list import CacheNesting
 from vllm_mlx.executor.cpu_kernels import CPUKernels
+from vllm_mlx.executor.held_caches import HeldCaches, cache_arrays, measure_held
 from vllm_mlx.executor.sampling import sample, sampling_row
 from vllm_mlx.executor.state_pool import RecurrentLayerCache, StateLayout, StatePool, StateWrite, probe_state_layout
 from vllm_mlx.executor.verification import VerificationPlan, verify_proposals
@@ -184,8 +186,11 @@ class MLXModelRunner:
         self.state_pool = self._make_state_pool(num_state_slots, state_layout)
         self.pads = all(s.pads for s in self.specs if is_recurrent(s))
         chunks = chunk_sizes(model)
-        # Code that takes one position for the whole batch (a chunk mask built from host ints too).
-        self.one_row_per_call = model_type_of(model) in ONE_ROW_PER_CALL or bool(chunks)
+        self.held = HeldCaches(model) if is_held(self.specs) else None
+        """A model that keeps its own caches per request (``held_caches.py``); else None."""
+        # Code that takes one position for the whole batch (a chunk mask built from host ints
+        # too), and held caches (each row's own).
+        self.one_row_per_call = model_type_of(model) in ONE_ROW_PER_CALL or bool(chunks) or self.held is not None
         self.fresh_rows_apart = model_type_of(model) in FRESH_ROWS_APART
         self.attention = MLXAttentionBackend(
             self.pool, self.specs, self.state_pool, self.block_groups, chunks, host_offsets=self.one_row_per_call
@@ -214,6 +219,9 @@ class MLXModelRunner:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         output = ModelRunnerOutput()
+        if self.held is not None:
+            for request_id in scheduler_output.preempted_ids:
+                self.held.drop(request_id)
         runnable = [s for s in scheduler_output.scheduled if self._images_ready(s, output.errors)]
         groups = [[s] for s in runnable] if self.one_row_per_call else group_for_padding(runnable, self.pads)
         if self.fresh_rows_apart:
@@ -274,14 +282,26 @@ class MLXModelRunner:
         """
         probe = Request("engine-probe", [0], SamplingParams(temperature=0, seed=0))
         item = ScheduledRequest(probe, num_computed_tokens=0, num_new_tokens=1, block_ids=[NULL_BLOCK])
-        [rows] = self._forward([item], [])
-        sample(self._head(rows), [sampling_row(item)])
+        try:
+            [rows] = self._forward([item], [])
+            sample(self._head(rows), [sampling_row(item)])
+        finally:
+            if self.held is not None:
+                self.held.drop(probe.request_id)
+
+    def keep_held(self, request_ids) -> None:
+        """Drop the held caches of requests not in ``request_ids`` (the running ones): finished,
+        aborted or preempted requests' memory goes at once. Nothing without held caches."""
+        if self.held is not None:
+            self.held.keep_only(request_ids)
 
     def _forward(self, group: list[ScheduledRequest], states: list[StateWrite]) -> list[mx.array | None]:
         """One padded forward; for each sampling row (else None) the hidden states of the
         positions it samples (its last, and before it one per proposed token it verifies), or
         their logits when the model has no separate head (``_head`` finishes them). The
         recurrent states it computed are appended to ``states`` (not yet written)."""
+        if self.held is not None:
+            return [self._held_forward(item) for item in group]
         rows = [row_spec(s) for s in group]
         width = max(len(r.tokens) for r in rows)
         inputs = mx.array([r.tokens + [0] * (width - len(r.tokens)) for r in rows])
@@ -312,6 +332,35 @@ class MLXModelRunner:
             per_row[i] = picked[first : first + n]
             first += n
         return per_row
+
+    def _held_forward(self, item: ScheduledRequest) -> mx.array | None:
+        """One row through the model on the request's own caches (``held_caches.py``): what
+        ``_forward`` returns for it. A rebuilt cache's earlier tokens go first in the same call."""
+        row = self.held.row(item.request_id, item.request.all_token_ids, item.num_computed_tokens, item.token_ids)
+        inputs = mx.array([row.tokens])
+        adapters = self.lora.rows([item.request.lora_slot]) if self.lora is not None else nullcontext()
+        self.held.feeding(item.request_id)
+        with adapters:
+            if self.vision is not None:
+                out = self._held_vision_hidden_states(item, row.num_recomputed, inputs, row.caches)
+            else:
+                model = self.split.backbone if self.split is not None else self.model
+                out = model(inputs, cache=row.caches)
+        self.held.fed(item.request_id, item.num_computed_tokens + item.num_new_tokens)
+        picked = out[0, -(len(item.spec_token_ids) + 1) :] if item.samples else None
+        mx.async_eval([picked] if picked is not None else [], cache_arrays(row.caches))
+        return picked
+
+    def _held_vision_hidden_states(self, item: ScheduledRequest, recomputed: int, inputs: mx.array, caches):
+        """``_vision_hidden_states`` of a held row that also feeds ``recomputed`` earlier tokens: the
+        row as if scheduled from there, its images' features at hand for all of it."""
+        if recomputed:
+            start = item.num_computed_tokens - recomputed
+            item = replace(item, num_computed_tokens=start, num_new_tokens=item.num_new_tokens + recomputed)
+            errors: dict[str, str] = {}
+            if not self._images_ready(item, errors):
+                raise RuntimeError(errors[item.request_id])
+        return self._vision_hidden_states([item], inputs, caches)
 
     def _head(self, picked: mx.array) -> mx.array:
         """Logits of the sampling rows' hidden states, all forward calls of the step at once:
@@ -415,6 +464,9 @@ def measure_kv_layout(model, state_layout: StateLayout | None = None) -> KVLayou
     (``state_layout``, probed when not given). The scratch runner and its pools are dropped.
     """
     specs = layer_specs(model, getattr(model, "model_type", None))
+    if is_held(specs):
+        held = measure_held(model)
+        return KVLayout((GroupLayout(HeldCacheSpec(), (0,), held.bytes_per_token),), held.dtype)
     if state_layout is None and any(map(is_recurrent, specs)):
         state_layout = probe_state_layout(model, specs)
     slots = 2 if state_layout is not None else 0  # the null slot + one

@@ -120,6 +120,7 @@ class Probe:
 
 def probe_text(name: str) -> Probe:
     """Build a tiny ``name`` model, ask ``layer_specs`` and run one token (see the module doc)."""
+    from vllm_mlx.core.kv.spec import is_held
     from vllm_mlx.executor.attention import UnsupportedModelError, layer_specs
     from vllm_mlx.executor.model_runner import measure_kv_layout
 
@@ -144,6 +145,8 @@ def probe_text(name: str) -> Probe:
         return Probe(REFUSED, str(exc))
     if not specs:
         return Probe(UNKNOWN, "could not build a probe: the tiny config has no layers")
+    if is_held(specs):
+        return _probe_held(model)
     try:
         layout = measure_kv_layout(model)
     except Exception as exc:
@@ -153,6 +156,21 @@ def probe_text(name: str) -> Probe:
     gate = IMPORT_GATES.get(name)
     needs = f" (mlx-lm imports it only where {gate[1]} is installed: pip install {gate[1]})" if gate else ""
     return Probe(RUNS, " + ".join(kinds) + needs)
+
+
+HELD_DETAIL = "per-request cache: no prefix caching"
+"""The detail of a model whose caches the engine holds per request (``executor/held_caches.py``)."""
+
+
+def _probe_held(model) -> Probe:
+    """A held-cache model's probe: its caches measured (``PROBE_TOKENS`` tokens through them)."""
+    from vllm_mlx.executor.held_caches import measure_held
+
+    try:
+        measure_held(model)
+    except Exception as exc:  # foreign model code: any failure is an unknown, as the paged probe's
+        return Probe(UNKNOWN, f"a forward through the model's own caches failed: {_reason(exc)}")
+    return Probe(RUNS, HELD_DETAIL)
 
 
 @contextlib.contextmanager

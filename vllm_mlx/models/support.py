@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from vllm_mlx.models.probe import REFUSED, RUNS, UNKNOWN, ProbeWorker
+from vllm_mlx.models.probe import HELD_DETAIL, REFUSED, RUNS, UNKNOWN, ProbeWorker
 
 SUPPORTED = "supported"
 NOT_GENERATOR = "not-a-generator"
@@ -54,20 +54,29 @@ TEXT, VISION = "mlx-lm", "mlx-vlm"
 
 # mlx-lm architectures with no test of their own that the breadth sweep runs: a tiny model the
 # probe builds from the module's own ModelArgs, greedy tokens equal to mlx-lm's, batched and on a
-# prefix hit (tests/models/test_architecture_sweep.py).
+# prefix hit (tests/models/test_architecture_sweep.py); a model served with per-request caches
+# (deepseek_v41, longcat_flash_ngram: HELD_DETAIL) sends the prompt again with no hit instead.
 SWEPT_TEXT = (
     "afm7", "afmoe", "apertus", "baichuan_m1", "bitnet", "bailing_hybrid", "bailing_moe", "bailing_moe_linear",
-    "bailing_moe_v3", "cohere", "cohere2", "dbrx", "deepseek", "deepseek_v2", "deepseek_v32", "dots1", "ernie4_5_moe",
-    "exaone", "exaone4", "exaone_moe", "falcon_h1", "gear", "gemma3", "gemma3n", "gemma4", "gemma4_text", "glm",
-    "glm4", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt2", "gpt_bigcode", "gpt_neox", "gptj", "helium",
-    "hunyuan", "hunyuan_v1_dense", "internlm2", "internlm3", "iquestloopcoder", "jamba", "kimi_k25", "kimi_k3",
-    "kimi_linear", "kimi_vl", "Klear", "laguna", "lfm2-vl", "lfm2_moe", "lille-130m", "llama4", "llama4_text",
-    "longcat_flash", "mamba", "mamba2", "mellum", "mimo", "mimo_v2_flash", "minicpm", "minicpm3", "minimax",
-    "minimax_m3_vl", "ministral3", "mistral3", "mistral4", "mixtral", "muse_glimmer", "muse_spark", "nanbeige",
-    "nanochat", "nemotron", "nemotron-nas", "olmo3", "olmo_hybrid", "openelm", "phi3small", "phimoe", "phixtral",
-    "pixtral", "plamo", "plamo2", "plamo3", "prism_hadamard_qwen35", "qwen", "qwen2_vl", "qwen3_5_moe", "qwen3_vl",
-    "qwen3_vl_moe", "recurrent_gemma", "rwkv7", "seed_oss", "spark2_5", "step3p5", "talkie", "telechat3", "youtu_llm",
+    "bailing_moe_v3", "cohere", "cohere2", "dbrx", "deepseek", "deepseek_v2", "deepseek_v32", "deepseek_v41", "dots1",
+    "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "falcon_h1", "gear", "gemma3", "gemma3n", "gemma4",
+    "gemma4_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt2", "gpt_bigcode", "gpt_neox", "gptj",
+    "helium", "hunyuan", "hunyuan_v1_dense", "internlm2", "internlm3", "iquestloopcoder", "jamba", "kimi_k25",
+    "kimi_k3", "kimi_linear", "kimi_vl", "Klear", "laguna", "lfm2-vl", "lfm2_moe", "lille-130m", "llama4",
+    "llama4_text", "longcat_flash", "longcat_flash_ngram", "mamba", "mamba2", "mellum", "mimo", "mimo_v2_flash",
+    "minicpm", "minicpm3", "minimax", "minimax_m3_vl", "ministral3", "mistral3", "mistral4", "mixtral", "muse_glimmer",
+    "muse_spark", "nanbeige", "nanochat", "nemotron", "nemotron-nas", "olmo3", "olmo_hybrid", "openelm", "phi3small",
+    "phimoe", "phixtral", "pixtral", "plamo", "plamo2", "plamo3", "prism_hadamard_qwen35", "qwen", "qwen2_vl",
+    "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe", "recurrent_gemma", "rwkv7", "seed_oss", "spark2_5", "step3p5", "talkie",
+    "telechat3", "youtu_llm",
 )  # fmt: skip
+
+# The swept architectures the engine serves with per-request caches: their probe says HELD_DETAIL (the
+# engine decides at load from their cache classes; this names what tests/models/test_model_support.py expects).
+HELD_TEXT = ("deepseek_v41", "longcat_flash_ngram")
+# The tested mlx-vlm families served so (MiniMax-M3-VL's MiniMaxM3KVCache, Qwen4-Exp's QSAKVCache and state
+# caches): the code reader cannot see it.
+HELD_VISION = ("minimax_m3_vl", "qwen4_exp")
 
 # Architecture -> the tiny-model oracle test (pytest node id) that runs it in the engine.
 # Add a line with the test; tests/models/test_model_support.py checks every node id collects.
@@ -121,6 +130,7 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
                         "fastvlm",
                         "jina_vlm",
                         "ernie4_5_moe_vl",
+                        "minimax_m3_vl", "qwen4_exp",
                         )},
     },
 }
@@ -136,13 +146,6 @@ REFUSED_AT_LOAD: dict[str, str] = {
     # a prompt without "<|im_start|>" in the chat template before writing -200 per "<image>".
     "phi4_siglip": "its processor (Phi4SigLipProcessor) wraps any prompt without \"<|im_start|>\" in its chat "
     "template, so an image's run is not where the prompt's placeholder stands",
-    "glm5_next": "its delta-net layers talk to their state through calls of mlx-vlm's own, and its "
-    "sparse-attention layers keep an indexer's pooled keys beside the latent cache",
-    "qwen4_exp": "its sparse-attention (QSA) layers keep an indexer's pooled keys in a cache of their own, "
-    "which the engine does not page, and its delta-net layers (n-gram per-layer embeddings beside them) talk "
-    "to their state through calls of mlx-vlm's own",
-    "minimax_m3_vl": "its sparse-attention layers keep the indexer's keys in MiniMaxM3KVCache, a cache class of "
-    "mlx-vlm's own, which the engine does not page",
 }
 
 # mlx-vlm architectures the generic path takes (the check at load decides on a real checkpoint) that
@@ -436,7 +439,8 @@ def _with_evidence(row: Architecture) -> Architecture:
     test = TESTED_ARCHITECTURES.get(row.source, {}).get(row.name)
     if test is None or row.status == REFUSED:
         return row
-    return dataclasses.replace(row, status=SUPPORTED, test=test)
+    detail = HELD_DETAIL if row.source == VISION and row.name in HELD_VISION else row.detail
+    return dataclasses.replace(row, status=SUPPORTED, test=test, detail=detail)
 
 
 def _missing_processor_package(row: Architecture) -> str | None:
@@ -522,7 +526,7 @@ def format_table(rows: Sequence[Architecture]) -> str:
     lines = []
     for row in rows:
         name = f"{row.name} ({', '.join(row.aliases)})" if row.aliases else row.name
-        why = row.test if row.status == SUPPORTED else row.detail
+        why = f"{row.test}{_held_note(row)}" if row.status == SUPPORTED else row.detail
         gguf = ",".join(gguf_architectures(row)) or "-"
         lines.append(f"{row.source:8s} {name[:40]:40s} {row.status:14s} gguf:{gguf:10s} {why}")
     for source, by_status in counts(rows).items():
@@ -543,7 +547,7 @@ def markdown_page(rows: Sequence[Architecture]) -> str:
         parts.append(f"\n## {source}\n\n{summary}.\n")
         parts.append("| architecture | also | GGUF | status | detail |\n| --- | --- | --- | --- | --- |")
         for row in (r for r in rows if r.source == source):
-            detail = f"`{row.test}`" if row.status == SUPPORTED else row.detail
+            detail = f"`{row.test}`{_held_note(row)}" if row.status == SUPPORTED else row.detail
             also = ", ".join(row.aliases)
             gguf = ", ".join(f"`{name}`" for name in gguf_architectures(row))
             parts.append(f"| `{row.name}` | {also} | {gguf} | {row.status} | {_cell(detail)} |")
@@ -557,6 +561,11 @@ def gguf_architecture_table() -> str:
     rows = [f"| `{a.name}` | `{a.model_type}` | {a.families} |" for a in ARCHITECTURES.values()]
     head = "The GGUF architectures that convert:\n\n| `general.architecture` | mlx-lm model | models |\n| --- | --- | --- |"
     return "\n".join([head, *rows])
+
+
+def _held_note(row: Architecture) -> str:
+    """What a supported row served with per-request caches adds to its test (``HELD_DETAIL``)."""
+    return f" ({HELD_DETAIL})" if row.detail == HELD_DETAIL else ""
 
 
 def _cell(text: str) -> str:

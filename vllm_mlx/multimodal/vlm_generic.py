@@ -265,6 +265,9 @@ class GenericVisionModel(VisionLanguageModel):
         self.rope_index = getattr(self.language, "get_rope_index", None)
         self.uses_mrope = self.rope_index is not None
         self.sequential_positions = False
+        self.one_axis_positions = False
+        """Its ``get_rope_index`` gives one axis (``[B, T]``: MiniMax-M3-VL's token indices), which
+        its text model takes as it is: ``positions`` keeps it on every axis, the call passes one."""
         """The model's own positions count every token, image tokens included, one each
         (``_grid_free_positions``): ``positions`` is then the token index on all three axes."""
         self.split: LanguageSplit | None = None
@@ -417,6 +420,8 @@ class GenericVisionModel(VisionLanguageModel):
     def language_hidden_states(self, embeds, inputs, cache, position_ids, **features):
         if position_ids is not None and self.positions_batch_first:  # [axes, B, T] -> the model's [B, T, axes]
             position_ids = position_ids.transpose(1, 2, 0)
+        if position_ids is not None and self.one_axis_positions:  # its get_rope_index's own [B, T]
+            position_ids = position_ids[0]
         extra = {"position_ids": position_ids} if position_ids is not None else {}
         if self.both_ways is WHOLE_PROMPT:
             # mlx-vlm's prefix LM builds no mask at all (its one-row prefill is the whole prompt): the
@@ -443,7 +448,8 @@ class GenericVisionModel(VisionLanguageModel):
         if self.sequential_positions:
             return np.broadcast_to(np.arange(len(token_ids)), (3, len(token_ids))).astype(np.int64), 0
         positions, delta = self._rope_index(token_ids, images)
-        positions = positions[0].T if self.positions_batch_first else positions[:, 0, :]
+        self.one_axis_positions = positions.ndim == 2  # MiniMax-M3-VL's [B, T]: its text model takes them so
+        positions = positions[0].T if self.positions_batch_first else _three_axes(positions)[:, 0, :]
         return positions.astype(np.int64), int(np.array(delta).reshape(-1)[0])
 
     def _rope_index(self, token_ids: list[int], images: list[ImageInput]) -> tuple[np.ndarray, mx.array]:
@@ -554,6 +560,8 @@ class GenericVisionModel(VisionLanguageModel):
             raise UnsupportedModelError(
                 f"its text model computes multi-axis positions, but its processor gives no {GRID_KEY}"
             )
+        if self.uses_mrope and not self.sequential_positions:
+            self.positions(list(image.token_ids), [image])  # learns whether they are one axis
         # Positions kept as state are refused unless computed per request: by get_rope_index, or by a
         # hook that sets ``uses_mrope`` and its own ``positions`` (Hunyuan-VL's, from its processor).
         if not self.uses_mrope and any(hasattr(self.language, name) for name in ("_position_ids", "_rope_deltas")):
@@ -573,7 +581,8 @@ class GenericVisionModel(VisionLanguageModel):
         self.token_types = self._answers_to_token_types(features[None], image)
         if self.rope_index is not None and not self.sequential_positions and GRID_KEY in image.encoder_inputs:
             # The layout get_rope_index gives: batch first where its first axis is the one prompt's.
-            self.positions_batch_first = self._rope_index(image.token_ids, [image])[0].shape[0] == 1
+            own = self._rope_index(image.token_ids, [image])[0]
+            self.positions_batch_first = own.ndim == 3 and own.shape[0] == 1
         if self.max_images_per_prompt is None:
             self.images_limit_reason = fails_on_two_images(self.processor, self.image_placeholder_text)
             self.max_images_per_prompt = 1 if self.images_limit_reason else None
@@ -792,8 +801,13 @@ class GenericVisionModel(VisionLanguageModel):
 
     def probe_cache(self) -> list:
         """The caches ``check`` runs the text model over: ``make_cache``'s, as a hook's
-        ``language_hidden_states`` would pass them (MiniCPM-V's wraps its recurrent ones)."""
-        return self.make_cache()
+        ``language_hidden_states`` would pass them (MiniCPM-V's wraps its recurrent ones); the text
+        model's own (``held_caches``) where the engine will hold them per request (a cache it does not
+        page: GLM-5-Next's state caches, whose calls mlx-lm's ``ArraysCache`` lacks)."""
+        from vllm_mlx.core.kv.spec import is_held
+        from vllm_mlx.executor.attention import layer_specs
+
+        return self.held_caches() if is_held(layer_specs(self, self.model_type)) else self.make_cache()
 
     def _merged(self, image: ImageInput):
         """``get_input_embeddings`` on the image's run: the processor's, where the model expands it."""

@@ -151,6 +151,12 @@ class VisionLanguageModel:
             return [KVCache() for _ in self.layers]
         return [_as_mlx_lm_cache(cache) for cache in make()]
 
+    def held_caches(self) -> list:
+        """The text model's own caches, its package's classes as they are, for a model the
+        runner serves with per-request caches (``executor/held_caches.py``)."""
+        make = getattr(self.language, "make_cache", None)
+        return make() if make is not None else self.make_cache()
+
     def __call__(self, inputs: mx.array, cache: list) -> mx.array:
         """Text only, over ``make_cache()``'s caches: ``state_pool.probe_state_layout`` runs a
         token this way to read the recurrent states a hybrid text model leaves."""

@@ -68,11 +68,30 @@ class RecurrentStateSpec:
         return None
 
 
-LayerSpec = FullAttentionSpec | SlidingWindowSpec | RecurrentStateSpec
+@dataclass(frozen=True, slots=True)
+class HeldCacheSpec:
+    """The whole model keeps its own cache objects, one set per request, held by the runner
+    (``executor/held_caches.py``): its ``make_cache`` returns a class the engine does not page.
+    The model is then this one spec; its blocks hold no arrays, they count tokens, so the block
+    budget bounds the tokens in flight (``bytes_per_token`` measured from the held caches)."""
+
+    kind: ClassVar[str] = "held_per_request"
+
+    @property
+    def window(self) -> None:
+        return None
+
+
+LayerSpec = FullAttentionSpec | SlidingWindowSpec | RecurrentStateSpec | HeldCacheSpec
 
 
 def is_recurrent(spec: LayerSpec) -> bool:
     return isinstance(spec, RecurrentStateSpec)
+
+
+def is_held(specs: list[LayerSpec]) -> bool:
+    """Whether ``specs`` are a held-cache model's (``HeldCacheSpec``: its caches are its own)."""
+    return any(isinstance(spec, HeldCacheSpec) for spec in specs)
 
 
 @dataclass(frozen=True, slots=True)

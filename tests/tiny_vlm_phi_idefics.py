@@ -7,12 +7,9 @@ As tests/tiny_vlm.py (its helpers build the tokenizer, weights and config files 
   model). Its processor writes ``<fake_token_around_image> <image> x 4 <fake_token_around_image>``
   for an image, merges the marker where two images meet (one ``<fake_token_around_image>``
   between them) and puts a space after the closing marker when text follows it directly.
-* :func:`build_tiny_phi4_siglip`: Phi-4-reasoning-vision (SigLIP2 NaFlex tower, a phi3 text
-  model): the processor writes one ``-200`` per image and the model puts the image's features
-  in its place (the expansion happens inside the model, so the engine refuses it at load).
 * :func:`build_tiny_phi4mm`: Phi-4-multimodal (SigLIP2 tower, a phi3 text model with vision and
-  speech LoRA, a conformer audio encoder, here 1 block wide 32): as Phi-4-SigLIP, one ``-200``
-  per image expanded inside the model (refused at load).
+  speech LoRA, a conformer audio encoder, here 1 block wide 32): one ``-200`` per image, expanded
+  inside the model (an image the model expands). Phi-4-SigLIP's builder: tests/tiny_vlm_phi4.py.
 * :func:`build_tiny_moondream3`: Moondream 3 (its own tower on 378 px crops: 729 tokens, a
   mixture-of-experts text model): the processor puts one image after the BOS whatever the text
   says and rewrites the text as a question; no placeholder to expand (refused at load).
@@ -144,34 +141,6 @@ PHI4_VISION_CONFIG = {
     "patch_size": 14,
     "num_patches": 4,
 }
-
-
-def build_tiny_phi4_siglip(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
-    """A tiny random-weight Phi-4-SigLIP directory (SigLIP at 28 px, a phi3 text model); the
-    processor writes one -200 per image, which the model expands into the image's features."""
-    from mlx_vlm.models import phi4_siglip
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok = _make_tokenizer(tokenizer_dir, PHI4_SPECIAL_TOKENS)
-    ids = {t: tok.token_to_id(t) for t in PHI4_SPECIAL_TOKENS}
-    vocab_size = tok.get_vocab_size(with_added_tokens=True)
-    config = {
-        "model_type": "phi4-siglip",
-        "architectures": ["Phi4ForCausalLMV"],
-        **PHI4_TEXT_CONFIG,
-        "vocab_size": vocab_size,
-        "text_config": {**PHI4_TEXT_CONFIG, "vocab_size": vocab_size},
-        "vision_config": dict(PHI4_VISION_CONFIG),
-        "mm_hidden_size": PHI4_VISION_CONFIG["hidden_size"],
-        "mm_vision_tower": "siglip-tiny-patch14",
-        "eos_token_id": ids["<|im_end|>"],
-        "pad_token_id": ids["<|endoftext|>"],
-    }
-    model = _instantiate(phi4_siglip, config, seed)
-    _save_model(out_dir, model, config)
-    _save_tokenizer(out_dir, tok, "<|im_end|>", "<|endoftext|>", 4096, PHI4_CHAT_TEMPLATE)
-    return out_dir
 
 
 # Phi-4-multimodal's conformer audio encoder, 1 block of width 32 (its defaults are 24 of 1024).

@@ -37,6 +37,7 @@ from tiny_vlm import (
     _write_json,
 )
 from tiny_vlm_others import _simple_chat_template
+from tiny_vlm_phi3v import phi3_v_shrunk
 from tiny_vlm_qwen_like import _pinned_tokenizer
 
 
@@ -103,7 +104,18 @@ def _jina_vlm_shrunk() -> Iterator[None]:
         yield
 
 
-TOWER_SHRINKS: dict[str, Callable] = {"fastvlm": _fastvlm_shrunk, "jina_vlm": _jina_vlm_shrunk}
+def _gemma3n_shrunk():
+    from tiny_vlm_gemma3n import gemma3n_shrunk  # its own module (tests/tiny_vlm_gemma3n.py)
+
+    return gemma3n_shrunk()
+
+
+TOWER_SHRINKS: dict[str, Callable] = {
+    "fastvlm": _fastvlm_shrunk,
+    "jina_vlm": _jina_vlm_shrunk,
+    "gemma3n": _gemma3n_shrunk,
+    "phi3_v": phi3_v_shrunk,
+}
 """Families whose tiny model exists only while its shrink is applied: building and loading both."""
 
 

@@ -50,8 +50,6 @@ over mlx-vlm's cache). What each family adds over Qwen2-VL / LLaVA:
   the model expands; mlx-vlm builds its FastViTHD tower from class constants, shrunk while its tests
   build and load it. One image a prompt (``ONE_IMAGE``): mlx-vlm's model puts a second image one
   token late.
-* Refused at load, saying why: Phi-4-SigLIP (its processor wraps the prompt in its chat template),
-  Moondream 3 (the image always after the BOS, no placeholder).
 * Idefics2 (a perceiver resampler to 4 latents per image): its processor rewrites the text
   around an image (two images' markers merge into one, a space goes between a closing marker
   and the text after it), which the family hook applies where the pieces meet.
@@ -70,10 +68,13 @@ over mlx-vlm's cache). What each family adds over Qwen2-VL / LLaVA:
   the processor, decides an image's length (a tile's features and a block of newlines per image
   token): the engine's run is the model's rows, measured on the engine thread; one image a prompt
   (mlx-vlm's model merges the first image's tiles only).
-* Molmo, Moondream 3, GOT-OCR 2.0 (tests/tiny_vlm_layout.py): their processor places the image
-  itself (before the whole text; after the BOS; inside a conversation of its own), and the engine
-  serves them as mlx-vlm does: the processor writes the prompt (``places_images_itself``). One image
-  a prompt. PLaMo 2 VL too, loaded but untested (``support.WHY_UNTESTED``).
+* Molmo, Moondream 3, GOT-OCR 2.0: their processor places the image itself (before the whole text;
+  after the BOS; inside a conversation of its own), and the engine serves them as mlx-vlm does: the
+  processor writes the prompt (``places_images_itself``). One image a prompt.
+* PLaMo 2 VL (tests/tiny_vlm_plamo.py): its processor places the images itself too, at the start of
+  a fixed Japanese instruction template (2 tokens in the tiny vocabulary), and a PLaMo 2 hybrid text
+  model (Mamba state in the state pool). One image a prompt (``ONE_IMAGE``): its processor shares one
+  tile budget among a prompt's images, which the engine's probe at load fills with large ones.
 * Molmo 2: the generic path alone, with the placeholder its processor names
   ``image_placeholder_token``: a low-resolution view and overlapping crops, rows closed by
   ``<im_col>``, features added to the ``<im_patch>`` embeddings; its images are 400+ tokens
@@ -143,6 +144,8 @@ over mlx-vlm's cache). What each family adds over Qwen2-VL / LLaVA:
   (``use_bidirectional_attention="vision"``, its default) and keys as values in its global layer;
   its images are up to 280 tokens even in a tiny model (mlx-vlm's ``load`` builds its image processor
   with its defaults), so its pools are larger.
+* Refused at load, saying why (tests/tiny_vlm_gemma3n.py: its MobileNet-V5 tower shrunk): Gemma 3n (mlx-vlm's
+  prompt embeddings lack the sqrt(hidden_size) scale its text model gives the tokens it decodes).
 * Refused at load, saying why: MiniMax-M3-VL (its sparse-attention layers keep the indexer's keys in
   a cache kind of mlx-vlm's own, ``MiniMaxM3KVCache``, which the engine does not page).
 
@@ -153,10 +156,8 @@ over mlx-vlm's cache). What each family adds over Qwen2-VL / LLaVA:
   a text model without rotary positions (a banded relative-bias mask and log-scaled queries
   placed from the number of keys the cache returns: one row a forward call), with short
   convolutions whose states sit in the state pool beside each layer's KV (a ``CacheList``).
-* Refused at load, saying why (tests/tiny_vlm_misc.py): PLaMo 2 VL (its processor names no
-  placeholder and puts every image at the start of a fixed instruction template of its own), and,
-  from its config before anything loads, Moondream 2 (Moondream 3's processor, its tokenizer
-  always fetched from the hub).
+* Refused from its config before anything loads, saying why (tests/tiny_vlm_misc.py): Moondream 2
+  (Moondream 3's processor, its tokenizer always fetched from the hub).
 
 * Hunyuan-VL (tests/tiny_vlm_hunyuan.py): its family hook passes the processor's 4-axis rotary
   positions (base, w, h, t; grid values inside each image) with every call and takes mlx-vlm's
@@ -177,10 +178,19 @@ over mlx-vlm's cache). What each family adds over Qwen2-VL / LLaVA:
   tokens (``MODEL_EXPANDS``), and that BOS keeps its own id after them. One image a prompt
   (``ONE_IMAGE``): mlx-vlm's model splices every image's features at the first mark.
 
+* Phi-4-SigLIP (tests/tiny_vlm_phi4.py): a SigLIP2 NaFlex tower (an image's own patch grid) under a
+  phi3 text model; its processor wraps a prompt without ``<|im_start|>`` in the chat template, then
+  leaves one -200 mark per image (an image the model expands): its hook writes the same wrap, once.
+
 * PaliGemma (tests/tiny_vlm_paligemma.py): a prefix LM (``use_bidirectional_attention=True``): the
   whole prompt, text-only ones too, is one both-ways span (one prefill chunk whatever the budget, no
   prefix hit inside it: ``WHOLE_PROMPT_BOTH_WAYS``); its processor writes the BOS after the image and a
   closing newline (its hook). One image a prompt (``ONE_IMAGE``): mlx-vlm merges the first image only.
+
+* Phi-3-vision (``phi3_v``, tests/tiny_vlm_phi3v.py): its CLIP tower built from a class constant, shrunk
+  while its tests build and load it (1024 wide, 336 px crops: literals of mlx-vlm's code, 313 tokens an
+  image); numbered placeholders (``<|image_1|>``, ``<|image_2|>``: ``NUMBERED``) and runs of -N the model
+  overwrites with the image's rows, served as an image the model expands under an in-vocabulary stand-in.
 
 All: one and two images (one for ``ONE_IMAGE``) equal mlx-vlm, batched with text-only requests
 equals solo (chunked prefills ending inside images, preemption), prefix cache on equals off with an
@@ -190,6 +200,7 @@ image in the cached prefix, and the MLLM cache runs the encoder once for an imag
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -263,13 +274,31 @@ PLACEHOLDER = {
     "molmo": "",
     "moondream3": "",
     "got": "",
+    "plamo2vl": "",
     "paligemma": "<image>",
     "fastvlm": "<image>",
     "jina_vlm": "<|image|>",
     "ernie4_5_moe_vl": "<|IMAGE_START|><|image@placeholder|><|IMAGE_END|>",
     "minimax_m3_vl": "]<]image[>[",
     "qwen4_exp": "<|vision_start|><|image_pad|><|vision_end|>",
+    "phi4_siglip": "<image>",
+    "phi3_v": "<|image_1|>",  # numbered: a prompt's k-th image is <|image_k|> (``numbered``)
 }
+
+NUMBERED = {"phi3_v"}
+"""Families whose processor numbers a prompt's images and raises on a number written twice (Phi-3-vision's
+``<|image_1|>``, ``<|image_2|>``): a test prompt's k-th placeholder is written with k (``numbered``)."""
+
+
+def numbered(name: str, text: str) -> str:
+    """``text`` with its k-th placeholder numbered k, for ``NUMBERED`` families (as it is for others)."""
+    if name not in NUMBERED:
+        return text
+    pieces = text.split(PLACEHOLDER[name])
+    out = pieces[0]
+    for number, piece in enumerate(pieces[1:], start=1):
+        out += PLACEHOLDER[name].replace("1", str(number)) + piece
+    return out
 
 MODEL_CALL_ORACLE = {"ernie4_5_moe_vl"}
 """Families whose oracle is the model's own call (``model_call_greedy``), not mlx-vlm's generation,
@@ -315,18 +344,20 @@ HELD = {"minimax_m3_vl", "qwen4_exp"}
 request (``executor/held_caches.py``), with no prefix cache."""
 
 KV_SCALE = {"molmo2": 8, "step3p7": 2, "gemma4_unified": 5, "llava_bunny": 7, "hunyuan_vl": 3, "moondream3": 7,
-            "got": 4, "plamo2vl": 3}
+            "got": 4, "phi3_v": 6}
 """Families whose images are hundreds of tokens even in a tiny model (mlx-vlm's ``load`` builds
 Molmo 2's image processor with its defaults: 378 px crops, 424 tokens or more an image; Step
 3.7's processor resizes every image to 728 px, 171 tokens; Gemma 4 unified's, built with its
 defaults too, up to 280 tokens, 531 for the batched test's two images; mlx-vlm's Bunny asserts
 729 features an image; Hunyuan-VL's processor resizes to 512x512 px or more, 274 tokens or more;
 Moondream 3's processor writes 729 image tokens; GOT-OCR's 256 inside a conversation of its own;
-PLaMo 2 VL's an instruction template of 190 tokens before the image):
-their KV pools are this many times larger, so the same prompts fit, and the small pool still preempts."""
+Phi-3-vision's 313 tokens at least, a 336 px crop and the global view of its 1024-wide tower, literals of
+mlx-vlm's code): their KV pools are this many times larger, so the same prompts fit, and the small pool
+still preempts."""
 
 
-MODEL_EXPANDS = {"llava_next", "granite_vision", "phi4mm", "llava_bunny", "multi_modality", "fastvlm"}
+MODEL_EXPANDS = {"llava_next", "granite_vision", "phi4mm", "llava_bunny", "multi_modality", "fastvlm", "phi4_siglip",
+                 "phi3_v"}  # fmt: skip
 """Families whose model, not their processor, decides an image's length (``vlm_generic``:
 ``expands_in_model``): the engine's prompt is the sequence mlx-vlm's model generates over."""
 
@@ -355,6 +386,9 @@ ONE_IMAGE = {
     # Their processor places images itself, and not two in one prompt as each alone (Molmo's makes a prompt
     # an image, Moondream 3's and GOT-OCR's write one image's tokens).
     **dict.fromkeys(("molmo", "moondream3", "got"), "places images itself"),
+    # PLaMo 2 VL's processor gives a prompt's images fewer tiles together than alone once their tokens pass its
+    # tile_context_length (the engine processes and caches each image alone): the check at load lays out large ones.
+    "plamo2vl": "shares one budget of tokens",
     # mlx-vlm's PaliGemma keeps the first image's features alone and writes them by prompt position:
     # right for one image at the prompt's start, as its checkpoints are prompted.
     "paligemma": "mlx-vlm's model merges the first image's features only",
@@ -448,7 +482,7 @@ def test_one_image_equals_mlx_vlm(family, engine):
 def test_two_images_in_order_equal_mlx_vlm(family, engine):
     name, model_dir = family
     a, b = picture(3), picture(4, (100, 60))
-    text = f"First {PLACEHOLDER[name]} then {PLACEHOLDER[name]} compare."
+    text = numbered(name, f"First {PLACEHOLDER[name]} then {PLACEHOLDER[name]} compare.")
     if name in ONE_IMAGE:
         if name in SECOND_IMAGE_SPLICED_AFTER_FIRST:  # it reaches the text model, in the wrong place
             assert mlx_vlm_greedy(model_dir, text, [a, b], 8) != mlx_vlm_greedy(model_dir, text, [a, a], 8)
@@ -482,7 +516,7 @@ def test_the_prompt_is_expanded_as_mlx_vlm_expands_it(family, engine):
     pad, mark = PLACEHOLDER[name], "\0"  # the mark counts the images where the placeholder is "" (no text)
     texts = [f"First {mark} then {mark} compare.", f"user\n{mark}\nWhat?", f"A:{mark}{mark}\n\nB", mark]
     for marked in texts:
-        text = marked.replace(mark, pad)
+        text = numbered(name, marked.replace(mark, pad))
         images = [picture(i, (100, 60)) for i in range(marked.count(mark))]
         if name in ONE_IMAGE and len(images) > 1:  # refused, that request alone, saying why
             with pytest.raises(ValueError, match=r"at most 1 image\(s\) per prompt .*has 2"):
@@ -515,12 +549,15 @@ def model_expanded(model_dir, text: str, images: list, ids: list[int], stand_in:
     """The processor's ``ids`` with each image's run as long as the rows mlx-vlm's model merges for
     it: the sequence mlx-vlm's generation runs its text model over. One image: its run (first to last
     image token) takes the model's rows for the prompt; a mark outside the vocabulary (-200, one per
-    image) takes the model's rows for that image alone, written as the engine's ``stand_in``."""
+    image) takes the model's rows for that image alone, written as the engine's ``stand_in``; a run of marks
+    whose every mark the model overwrites with a row of the image (Phi-3-vision's -N) is the stand-in there."""
     from mlx_vlm import load
     from mlx_vlm.utils import prepare_inputs
 
     model, processor = load(str(model_dir))
-    image_token = model.config.image_token_index
+    image_token = getattr(model.config, "image_token_index", None)
+    if image_token is None:  # Phi-4-SigLIP's config names none: its model's module-level mark (-200)
+        image_token = sys.modules[type(model).__module__].IMAGE_TOKEN_INDEX
 
     def rows(prompt: str, pictures: list) -> int:
         inputs = prepare_inputs(processor, images=pictures, prompts=prompt, image_token_index=image_token)
@@ -528,6 +565,8 @@ def model_expanded(model_dir, text: str, images: list, ids: list[int], stand_in:
         merged = model.get_input_embeddings(inputs["input_ids"], inputs["pixel_values"], **rest)
         return merged.inputs_embeds.shape[1] - inputs["input_ids"].shape[1]  # rows the model adds
 
+    if min(ids) < 0 and rows(text, images) == 0:  # runs of marks the model overwrites one for one (Phi-3-vision's)
+        return [stand_in if token < 0 else token for token in ids]
     if image_token < 0:
         marks = iter(images)  # each mark's rows: the image alone under the placeholder these families share
         return [t for token in ids for t in ([stand_in] * (1 + rows("<image>", [next(marks)]))
@@ -535,6 +574,37 @@ def model_expanded(model_dir, text: str, images: list, ids: list[int], stand_in:
     first = ids.index(image_token)
     run = len(ids) - first - ids[::-1].index(image_token)
     return ids[:first] + [image_token] * (rows(text, images) + run) + ids[first + run :]
+
+
+def test_plamo2vl_greedy_tokens_depend_on_its_images(tmp_path):
+    """The tiny PLaMo 2 VL's family tests can fail: mlx-vlm's greedy tokens differ for other images and
+    for two images swapped (a random PLaMo 2 at init repeats the prompt's last token whatever the image)."""
+    from tiny_vlm_plamo import build_tiny_plamo2vl
+
+    model_dir = build_tiny_plamo2vl(tmp_path)
+    alone = {tuple(mlx_vlm_greedy(model_dir, "What is in the picture?", [picture(s, (100, 60))], 8)) for s in (1, 2, 3)}
+    a, b = picture(3), picture(4, (100, 60))
+    assert len(alone) == 3
+    assert mlx_vlm_greedy(model_dir, "First then compare.", [a, b], 8) != mlx_vlm_greedy(
+        model_dir, "First then compare.", [b, a], 8
+    )
+
+
+def test_plamo2vl_takes_two_images_where_its_budget_holds_large_ones(tmp_path):
+    """With a tile budget that four large images fit (the check at load's probe), each image's run is its
+    own in any prompt: the engine takes two, as mlx-vlm does, in both orders."""
+    from tiny_vlm_plamo import build_tiny_plamo2vl
+
+    model_dir = build_tiny_plamo2vl(tmp_path, tile_budget=1000)
+    engine = family_engine(model_dir, num_kv_blocks=300)
+    try:
+        assert engine.vision.max_images_per_prompt is None
+        a, b = picture(3), picture(4, (100, 60))
+        text = "First then compare."
+        expected = [mlx_vlm_greedy(model_dir, text, images, 8) for images in ([a, b], [b, a])]
+        assert tokens(run_prompts(engine, [(text, [a, b]), (text, [b, a])])) == expected
+    finally:
+        engine.shutdown()
 
 
 # -- batching, chunking, preemption -------------------------------------------------------------
@@ -546,7 +616,7 @@ def test_batched_with_text_requests_equals_solo(family):
     prompts = [
         ("Describe the image.", [picture(4)]),
         ("Plain text, no image at all, long enough to pass the window.", []),
-        (f"Two of them: {pad} and {pad}.", [picture(5, (100, 60)), picture(6)])
+        (numbered(name, f"Two of them: {pad} and {pad}."), [picture(5, (100, 60)), picture(6)])
         if name not in ONE_IMAGE
         else (f"One of them: {pad}.", [picture(5, (100, 60))]),
         ("Short text.", []),
@@ -783,12 +853,29 @@ def test_mistral3_with_a_ministral3_text_model_is_refused_before_loading(tmp_pat
         EngineCore(model=str(model_dir))
 
 
+def test_phi4_siglip_wraps_a_plain_prompt_once_as_its_processor_does(tmp_path):
+    """Phi-4-SigLIP's processor wraps a prompt without ``<|im_start|>`` in one user turn of its chat template
+    (mlx-vlm generates over that), and leaves one the template wrote as it is: so does the engine, never
+    twice. A plain prompt is prepared as the turn the template writes for it; a chat prompt (a system turn
+    first) keeps its own turns; both equal mlx-vlm on the same text."""
+    from tiny_vlm_phi4 import build_tiny_phi4_siglip
+
+    model_dir = build_tiny_phi4_siglip(tmp_path / "phi4_siglip")
+    image, question = picture(1, (100, 60)), "<image>What is in the picture?"
+    turn = f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"  # the tiny template's user turn
+    chat = "<|im_start|>system\nLook closely.<|im_end|>\n" + turn
+    engine = family_engine(model_dir, num_kv_blocks=64)
+    try:
+        plain_ids, turn_ids, chat_ids = (engine.prepare_prompt(t, [image]).token_ids for t in (question, turn, chat))
+        outs = tokens(run_prompts(engine, [(question, [image]), (chat, [image])]))
+    finally:
+        engine.shutdown()
+    im_start = engine.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert plain_ids == turn_ids and chat_ids.count(im_start) == 3  # wrapped once; the chat prompt not again
+    assert outs == [mlx_vlm_greedy(model_dir, text, [image], max_tokens=8) for text in (question, chat)]
+
+
 REFUSED_AT_LOAD = {
-    # Phi-4-SigLIP's processor writes one id (-200, outside the vocabulary) per "<image>" after
-    # wrapping any prompt without "<|im_start|>" in its chat template, so its run is not where the text put it.
-    # (mlx-vlm 0.7.10 installs that processor; on this tiny model it gives SigLIP's [1, 3, 28, 28] pixels,
-    # which the tower, wanting NaFlex patches, cannot take: mlx-vlm's own generation fails on an image.)
-    "phi4_siglip": "its run is not put where the placeholder stands in a prompt",
     # MolmoPoint's point predictor keeps per-request image state on the model between steps.
     "molmo_point": r"'molmo_point'.*per-request image state.*point predictor",
     # GLM-5-Next's state caches are held per request (executor/held_caches.py), but an image prompt's
@@ -800,6 +887,9 @@ REFUSED_AT_LOAD = {
     # Zaya1-VL's image-token mask passes; its CCA layers keep a convolution and the previous hidden
     # state in a CacheList beside the KV, a recurrent state no oracle test has checked in the state pool.
     "zaya1_vl": r"'zaya1_vl'.*keeps, in each CCA layer, a convolution state and the previous hidden state",
+    # Gemma 3n (tests/tiny_vlm_gemma3n.py: its MobileNet-V5 shrunk): mlx-vlm's prompt embeddings lack the scale its
+    # text model gives the tokens it decodes (test_gemma3n_prompt_embeddings_lack_the_scale_of_its_decode_steps).
+    "gemma3n": r"'gemma3n'.*without the sqrt\(hidden_size\) scale its text model applies to the tokens it decodes",
 }
 """Families the engine refuses at load, on a tiny model of their own: the message each must say
 (``support.REFUSED_AT_LOAD`` gives the support table the same verdict, naming this test)."""
@@ -812,6 +902,31 @@ def test_a_family_the_generic_path_cannot_drive_is_refused_at_load_saying_why(tm
     model_dir = tiny_builder(name)(tmp_path / name)
     with pytest.raises(UnsupportedModelError, match=REFUSED_AT_LOAD[name]):
         EngineCore(model=str(model_dir), num_kv_blocks=32, block_size=4)
+
+
+def test_gemma3n_prompt_embeddings_lack_the_scale_of_its_decode_steps(tmp_path):
+    """Why Gemma 3n is refused (``REFUSED_AT_LOAD``), held to mlx-vlm's code on its tiny model: the prompt path
+    (``get_input_embeddings``, which mlx-vlm's generation prefills with and its model call runs on every token)
+    gives text tokens ``embed_tokens(ids)`` unscaled, and the text model given the ids (mlx-vlm's decode steps)
+    scales them by sqrt(hidden_size), as Hugging Face's Gemma 3n scales every token: the two answer differently.
+    When mlx-vlm scales its prompt embeddings this fails, and the family can be served (its tiny model is ready)."""
+    import mlx.core as mx
+    from mlx_vlm import load
+    from tiny_vlm_gemma3n import build_tiny_gemma3n
+    from tiny_vlm_towers import shrunk_tower
+
+    with shrunk_tower("gemma3n"):
+        model, _ = load(str(build_tiny_gemma3n(tmp_path / "gemma3n")))
+    ids = mx.array([[40, 41, 42, 43, 44]])
+    prompt = model.get_input_embeddings(ids)
+    text_model = model.language_model
+    unscaled = text_model.model.embed_tokens(ids)
+    assert mx.array_equal(prompt.inputs_embeds, unscaled)
+    as_decoded = text_model(ids).logits
+    as_prompted = text_model(None, inputs_embeds=prompt.inputs_embeds, per_layer_inputs=prompt.per_layer_inputs).logits
+    scaled = text_model(None, inputs_embeds=unscaled * text_model.model.hidden_size**0.5,
+                        per_layer_inputs=prompt.per_layer_inputs).logits  # fmt: skip
+    assert mx.allclose(as_decoded, scaled, atol=1e-4) and not mx.allclose(as_decoded, as_prompted, atol=1e-2)
 
 
 @pytest.mark.parametrize("name", ["falcon_ocr", "falcon_perception"])

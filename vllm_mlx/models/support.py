@@ -128,9 +128,12 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
                         "molmo", "moondream3", "got",
                         "paligemma",
                         "fastvlm",
+                        "plamo2vl",
                         "jina_vlm",
                         "ernie4_5_moe_vl",
                         "minimax_m3_vl", "qwen4_exp",
+                        "phi4_siglip",
+                        "phi3_v",
                         )},
     },
 }
@@ -142,30 +145,18 @@ REFUSED_AT_LOAD_TEST = (
 # code does that the code reader above cannot see): the reason, in a line. The test (its
 # REFUSED_AT_LOAD, by name) holds the engine to it; the table calls them refused, naming the test.
 REFUSED_AT_LOAD: dict[str, str] = {
-    # mlx-vlm 0.7.10 does install its Phi4SigLipProcessor (phi4_siglip.py imports the patch), which wraps
-    # a prompt without "<|im_start|>" in the chat template before writing -200 per "<image>".
-    "phi4_siglip": "its processor (Phi4SigLipProcessor) wraps any prompt without \"<|im_start|>\" in its chat "
-    "template, so an image's run is not where the prompt's placeholder stands",
 }
 
 # mlx-vlm architectures the generic path takes (the check at load decides on a real checkpoint) that
 # no test here holds to mlx-vlm, and why: what keeps a tiny model of them out of the suite. The table
 # keeps them runs-untested with this reason.
 WHY_UNTESTED: dict[str, str] = {
-    # Its family tests pass on the tiny model (tests/tiny_vlm_layout.py) but prove nothing: the greedy tokens are the
-    # same for any image (a longer-window attention or another seed or scale did not change that).
-    "plamo2vl": "its processor writes the prompt into a fixed instruction template of ~200 tokens after every image, "
-    "and no tiny random model's output depends on an image that far back: the equality tests run but cannot fail",
     "youtu_vl": "mlx-vlm ships no processor for it: the checkpoint's own remote code is its processor (loaded "
     "with --trust-remote-code, then the check at load decides); without that code the engine raises "
     "ModelSourceError at load (transformers finds no processing class)",
     **dict.fromkeys(("deepseekocr", "deepseekocr_2", "unlimited_ocr"), "no tiny model: mlx-vlm builds its SAM "
                     "encoder as ViT-B (96M parameters) whatever the config says, and its processor fixes a 1024 px "
                     "global view; one forward takes minutes on a CPU"),
-    "gemma3n": "no tiny model: mlx-vlm builds its MobileNet-V5 tower at full size (294M parameters) whatever the "
-    "config says; its text side (per-layer inputs, KV sharing) is tested as Gemma 4's and mlx-lm's gemma3n",
-    "phi3_v": "no tiny model: mlx-vlm builds its CLIP ViT-L/14-336 tower at full size (309M parameters) whatever the "
-    "config says; one 336 px crop takes minutes on a CPU",
 }
 
 # mlx-vlm architectures whose processor needs a package that may be missing: (package, why). Without

@@ -22,6 +22,8 @@ paged caches) unless a family hook here knows what the generic path cannot deriv
   BOS after the last one, a closing newline); its prefix LM is the generic path's (``WHOLE_PROMPT``).
 * ``Ernie4_5VLModel``: the generic path, with the placeholder its processor expands, which no
   attribute names.
+* ``Phi4SigLipModel``: the generic path, with the prompt its processor writes (a prompt without
+  ``<|im_start|>`` wrapped in the chat template).
 
 ``TEXT_MODEL_REFUSALS`` names text models refused whatever the vision side, for what the
 load-time check (one row) cannot see; ``load_vision_language_model`` picks the adapter.
@@ -29,7 +31,6 @@ load-time check (one row) cannot see; ``load_vision_language_model`` picks the a
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -64,6 +65,7 @@ __all__ = [
     "MiniCPMV47Model",
     "MiniCPMVModel",
     "PaliGemmaModel",
+    "Phi4SigLipModel",
     "Qwen2VLModel",
     "Qwen3VLModel",
     "Qwen3_5Model",
@@ -734,16 +736,12 @@ class LocateAnythingModel(GenericVisionModel):
     ``<img> <IMG_CONTEXT> x n </img>``, and refuses a prompt without as many of them as images:
     its ``image_token`` (``<IMG_CONTEXT>``) is what the run repeats, not a placeholder, and no
     attribute names the numbered one. So ``<image-1>`` is the placeholder, and every ``<image-N>``
-    of a prompt becomes the run's token before tokenizing, as the processor replaces each."""
+    of a prompt becomes the run's token before tokenizing, as the processor replaces each (the generic
+    path's numbered placeholders: ``vlm_placeholder.NUMBERED_PLACEHOLDERS``, which find it too; named
+    here first, before its ``image_token``, which its processor refuses in a prompt)."""
 
     model_types = ("locateanything",)
     placeholder_texts = ("<image-1>",)
-    NUMBERED_PLACEHOLDER = re.compile(r"<image-\d+>")  # the processor's own pattern
-
-    def prompt_text(self, text: str) -> str:
-        if self._stand_in_text is None:  # a tokenizer with "<image-1>" as one token: no such checkpoint
-            return text
-        return self.NUMBERED_PLACEHOLDER.sub(self._stand_in_text, text)
 
 
 class Ernie4_5VLModel(GenericVisionModel):
@@ -754,6 +752,42 @@ class Ernie4_5VLModel(GenericVisionModel):
 
     model_types = ("ernie4_5_moe_vl",)
     placeholder_texts = ("<|IMAGE_START|><|image@placeholder|><|IMAGE_END|>",)
+
+
+class Phi4SigLipModel(GenericVisionModel):
+    """Phi-4-SigLIP (Phi-4-reasoning-vision): the generic path (its processor leaves one ``-200`` mark per
+    ``<image>``, an image the model expands), with the prompt its processor writes. mlx-vlm's
+    ``Phi4SigLipProcessor`` wraps any text without ``<|im_start|>`` in the chat template (one user turn and
+    the generation prompt) before tokenizing, so mlx-vlm generates over the wrapped prompt, and the
+    processor's run for the placeholder alone sits inside that wrap. ``prompt_text`` wraps a prompt by the
+    same rule (a chat prompt, which the engine's template already wrote, holds ``<|im_start|>``: never twice),
+    and the placeholder's own ids are the processor's for the placeholder alone, wrapped as its run is, so
+    the run against them is the mark alone."""
+
+    model_types = ("phi4-siglip",)
+    CHAT_MARK = "<|im_start|>"
+    """What the processor takes as a prompt the chat template already wrote (its own test)."""
+
+    def _find_placeholder(self, processor) -> tuple[str, list[int], ImageRun]:
+        """``<image>``, the processor's ids for it without an image (the wrap around the placeholder
+        token) and the run against its ids with one: the mark."""
+        from mlx_vlm.models.phi4_siglip.processing_phi4_siglip import DEFAULT_IMAGE_TOKEN
+        from PIL import Image
+
+        plain = np.asarray(processor(text=[DEFAULT_IMAGE_TOKEN])["input_ids"])[0].tolist()
+        expanded = expanded_ids(processor, DEFAULT_IMAGE_TOKEN, Image.new("RGB", PROBE_IMAGE_SIZE))
+        return DEFAULT_IMAGE_TOKEN, plain, ImageRun.of(plain, expanded)
+
+    def prompt_text(self, text: str) -> str:
+        """``text`` as the processor wraps it: in one user turn of the chat template, unless it holds
+        ``<|im_start|>``. The text is the request's, so the template renders in the engine's guarded
+        workers (``template_guard``), not here as the processor would."""
+        if self.CHAT_MARK in text or not getattr(self.tokenizer, "chat_template", None):
+            return text
+        from vllm_mlx.engine.template_guard import template_guard
+
+        messages = [{"role": "user", "content": text}]
+        return template_guard().render(self.tokenizer, messages, add_generation_prompt=True, tools=None)
 
 
 FAMILIES: tuple[type[VisionLanguageModel], ...] = (
@@ -769,6 +803,7 @@ FAMILIES: tuple[type[VisionLanguageModel], ...] = (
     HunyuanVLModel,
     PaliGemmaModel,
     Ernie4_5VLModel,
+    Phi4SigLipModel,
 )
 """The hooks: families whose prompt or positions the generic path cannot derive."""
 
@@ -796,6 +831,14 @@ ARCHITECTURE_REFUSALS: dict[str, str] = {
     "model's test; a text prompt equals mlx-vlm's, its caches held per request): not yet explained, so not served",
     "zaya1_vl": "keeps, in each CCA layer, a convolution state and the previous hidden state in a CacheList beside "
     "the KV, a recurrent state no oracle test has checked in the engine's state pool",
+    # mlx-vlm 0.7.10's Gemma 3n: its get_input_embeddings gives text tokens embed_tokens(ids) unscaled, where its
+    # text model, given ids (its decode steps), scales them by sqrt(hidden_size), as Hugging Face's model does for
+    # every token (Gemma 4's get_input_embeddings scales them): its generation prefills with one and decodes with
+    # the other, its model call is unscaled throughout, so no mlx-vlm path is both the real model and an oracle.
+    # (tests/tiny_vlm_gemma3n.py; the rest served on it: shrunk tower, per-layer inputs, shared KV.)
+    "gemma3n": "gives prompt tokens text embeddings without the sqrt(hidden_size) scale its text model applies "
+    "to the tokens it decodes (mlx-vlm's get_input_embeddings), so mlx-vlm's prompts and decode steps disagree "
+    "and neither its generation nor its model call is the real model to hold the engine to",
     # Refused before loading, from the config: its processor would spend a minute of retries offline first.
     "moondream2": "loads its tokenizer from the hub (moondream/starmie-v1) at every load, whatever the checkpoint "
     "holds (mlx-vlm's Moondream2Processor; its prompt layout is Moondream 3's, which is served), so the engine "

@@ -90,20 +90,23 @@ import numpy as np
 from vllm_mlx.core.multimodal import ImageInput, MultiModalInput
 from vllm_mlx.executor.attention import UnsupportedModelError
 from vllm_mlx.multimodal.images import ImageSource, load_image
-from vllm_mlx.multimodal.media_policy import MediaPolicy
+from vllm_mlx.multimodal.media_policy import SERVER_MAX_IMAGES, MediaPolicy
 from vllm_mlx.multimodal.vlm_models import VisionLanguageModel
 from vllm_mlx.multimodal.vlm_placeholder import (
     LAYOUT_TEXT,
     PROBE_IMAGE_SIZE,
     ImageRun,
     SplicingPromptBuilder,
+    drops_token_after_image,
     fails_on_two_images,
     find_placeholder,
     model_run_ids,
+    numbered_placeholder,
     places_images_itself,
     replace_runs,
     stand_in_for_a_mark,
     stand_in_text,
+    without_token_after_images,
 )
 
 __all__ = ["GenericVisionModel", "ImageRun", "LanguageSplit"]
@@ -126,6 +129,10 @@ per-layer inputs; Qwen3-Omni's deepstack residuals (``[batch, tokens, layers, hi
 text tokens, added to the first layers' hidden states); Falcon OCR's 2-D positions (``ZERO_AT_TEXT``).
 Only where they come one row per token (Qwen3-VL's and Cohere Compass's come per image token, with
 a mask: ``VISUAL_FEATURES``)."""
+BUDGET_PROBE_SIZE, BUDGET_PROBE_COUNT = (3072, 2048), SERVER_MAX_IMAGES
+"""Large images (a 3:2 photo of 6 MP, the server's default count in one prompt) that a processor placing
+images itself lays out at load, to see whether it shares a budget of tokens among a prompt's images
+(``_large_images_laid_out_alone``): the small probe pair fits any real budget."""
 ZERO_AT_TEXT = frozenset({"pos_hw"})
 """``TOKEN_FEATURES`` the text-only call omits, whose value at a text token is zero: Falcon OCR's 2-D
 "golden" positions (mlx-vlm's ``compute_pos_hw`` gives 0, 0 to every token but an image's patches,
@@ -233,7 +240,7 @@ class GenericVisionModel(VisionLanguageModel):
 
     placeholder_texts: tuple[str, ...] = ()
     """Placeholders a family hook knows its processor expands, tried before the ones it names
-    (``_candidate_texts``): LocateAnything's numbered ``<image-N>``, which no attribute names."""
+    (``_candidate_texts``): LocateAnything's numbered ``<image-1>``, which no attribute names."""
 
     places_images_itself = False
     """Its processor, not the prompt, decides where images go (``layout_prompt_ids``, module doc)."""
@@ -258,6 +265,10 @@ class GenericVisionModel(VisionLanguageModel):
         self._stand_in_text = (
             stand_in_text(processor, self.image_placeholder_text, self._run.stand_in) if several else None
         )
+        self._drops_token_after_image = not self.places_images_itself and drops_token_after_image(
+            processor, self.image_placeholder_text
+        )
+        """The processor drops the text's first token after an image (Phi-3-vision's): so does ``prepare``."""
         super().__init__(model, processor, config, path)
         # Multi-axis rotary positions, where the text model computes them itself from the prompt
         # and the images' grids (mlx-vlm keeps them as state on the model; here they are
@@ -591,13 +602,37 @@ class GenericVisionModel(VisionLanguageModel):
         """Why a processor that places images itself takes one a prompt ("" where it takes two):
         Moondream's and GOT-OCR's write one image's tokens whatever the count, Molmo's one prompt an
         image, PLaMo 2 VL's shares one tile budget among a prompt's images (each image's run then
-        depends on the others, where the engine processes and caches each alone)."""
+        depends on the others, where the engine processes and caches each alone), which two small
+        probe images never fill: large ones do (``_large_images_laid_out_alone``)."""
+        name = type(self.processor).__name__
         try:
             self.layout_prompt_ids(LAYOUT_TEXT, 2)
         except Exception:  # noqa: BLE001 -- any failure: the processor cannot place the pair
-            return (f"its processor, {type(self.processor).__name__}, places images itself and does not lay out two "
-                    "in one prompt as it lays out each alone")
+            return (f"its processor, {name}, places images itself and does not lay out two in one prompt as it lays "
+                    "out each alone")  # fmt: skip
+        if not self._large_images_laid_out_alone():
+            return (f"its processor, {name}, places images itself and shares one budget of tokens among a prompt's "
+                    "images: large ones get fewer tiles together than alone")  # fmt: skip
         return ""
+
+    def _large_images_laid_out_alone(self) -> bool:
+        """Whether ``BUDGET_PROBE_COUNT`` large images in one prompt each get the run one gets alone.
+        PLaMo 2 VL's processor gives a prompt's images fewer tiles while their tokens exceed its
+        ``tile_context_length``: at a real checkpoint's budget two probe images (64x48 px, a few tiles)
+        fit, four large photos (24 tiles each) do not. A budget wider than these is not seen: a probe
+        is no proof, but these are what the server takes by default (``SERVER_MAX_IMAGES``)."""
+        from PIL import Image
+
+        large = Image.new("RGB", BUDGET_PROBE_SIZE, (96, 160, 32))
+        alone = self.processor(text=[LAYOUT_TEXT], images=[large], return_tensors="np")
+        run = self._run.tokens(np.asarray(alone["input_ids"])[0].tolist())
+        try:
+            together = self.processor(text=[LAYOUT_TEXT], images=[large] * BUDGET_PROBE_COUNT, return_tensors="np")
+        except Exception:  # noqa: BLE001 -- any failure: the processor cannot place them
+            return False
+        ids = np.asarray(together["input_ids"])[0].tolist()
+        # Exactly one stand-in per image: a shorter run leaves its tokens (the stand-in's own id) unreplaced.
+        return replace_runs(ids, run, self._run.stand_in).count(self._run.stand_in) == BUDGET_PROBE_COUNT
 
     def _expand_in_model(self) -> None:
         """Take each image's length from the model's rows (module doc), where the text model takes
@@ -859,11 +894,22 @@ class GenericVisionModel(VisionLanguageModel):
             spans += [(image.offset + s, image.offset + e) for s, e in true_runs(vision)]
         return spans
 
+    def prepare(self, token_ids: list[int], images: list, policy: MediaPolicy):
+        """The base class's, after the processor's own rewriting where text follows an image: the text's first
+        token dropped there, where the processor drops it (``drops_token_after_image``), as mlx-vlm's prompt has."""
+        if self._drops_token_after_image:
+            token_ids = without_token_after_images(token_ids, self.placeholder_token_id)
+        return super().prepare(token_ids, images, policy)
+
     def prompt_text(self, text: str) -> str:
         """``text`` with the stand-in token's text for each placeholder of several tokens
-        (``ImageRun.stand_in``; the text as it is where the placeholder is one token)."""
+        (``ImageRun.stand_in``; the text as it is where the placeholder is one token); a numbered
+        placeholder's every number (``numbered_placeholder``: Phi-3-vision's ``<|image_2|>`` too)."""
         if self._stand_in_text is None:
             return text
+        numbered = numbered_placeholder(self.image_placeholder_text)
+        if numbered is not None:
+            return numbered.sub(lambda _: self._stand_in_text, text)
         return text.replace(self.image_placeholder_text, self._stand_in_text)
 
 

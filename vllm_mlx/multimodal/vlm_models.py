@@ -36,11 +36,16 @@ from vllm_mlx.platform.errors import ImageInputError
 __all__ = ["ImageRows", "VisionLanguageModel", "is_vision_language_config"]
 
 
+VISION_TOWER_KEYS = ("vision_config", "img_processor")
+"""Config keys that name a vision tower's settings: ``vision_config``, or Phi-3-vision's ``img_processor``
+(its checkpoints name no ``vision_config``: mlx-vlm builds its CLIP tower from constants of its own)."""
+
+
 def is_vision_language_config(config: dict) -> bool:
-    """True for a model directory mlx-vlm should load (it has a vision tower): at the config's
-    root, or in a sub-model's config (Qwen3-Omni's ``thinker_config``, whose model mlx-vlm loads
-    whole and whose ``get_input_embeddings`` delegates to that sub-model)."""
-    if "vision_config" in config:
+    """True for a model directory mlx-vlm should load (it has a vision tower, ``VISION_TOWER_KEYS``): at
+    the config's root, or in a sub-model's config (Qwen3-Omni's ``thinker_config``, whose model mlx-vlm
+    loads whole and whose ``get_input_embeddings`` delegates to that sub-model)."""
+    if any(key in config for key in VISION_TOWER_KEYS):
         return True
     return any(isinstance(value, dict) and "vision_config" in value for value in config.values())
 

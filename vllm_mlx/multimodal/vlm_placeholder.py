@@ -6,13 +6,15 @@ names a processor or tokenizer gives, then the conventional ``<image>``, that th
 *where it stands* in a prompt), where the processor's expansion of it lies against its own ids
 (``ImageRun``), a token that can stand for a placeholder of several tokens or for a mark outside
 the vocabulary (``stand_in_text``, ``stand_in_for_a_mark``), how many images one prompt takes
-(``fails_on_two_images``), and, where mlx-vlm's ``load`` gives a tokenizer alone, mlx-vlm's own
-prompt builder as a processor (``SplicingPromptBuilder``). Each is probed at load on small images;
+(``fails_on_two_images``), placeholders numbered per image (``numbered_placeholder``), a processor's
+rewriting where text follows an image (``drops_token_after_image``), and, where mlx-vlm's ``load`` gives
+a tokenizer alone, mlx-vlm's own prompt builder as a processor (``SplicingPromptBuilder``). Each is probed at load on small images;
 what cannot be found is refused, saying why.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,15 +27,19 @@ __all__ = [
     "SPLICED_BY_THE_MODEL",
     "ImageRun",
     "SplicingPromptBuilder",
+    "drops_token_after_image",
     "expanded_ids",
     "fails_on_two_images",
     "find_placeholder",
     "model_run_ids",
+    "nth_placeholder",
+    "numbered_placeholder",
     "places_images_itself",
     "replace_runs",
     "stand_in_for_a_mark",
     "stand_in_text",
     "text_ids",
+    "without_token_after_images",
 ]
 
 
@@ -169,6 +175,9 @@ def find_placeholder(processor, known: tuple[str, ...] = ()) -> tuple[str, list[
         try:
             expanded = expanded_ids(processor, text, probe)
             plain = text_ids(processor, text)
+            if expanded == plain:  # left as text (Phi-3-vision's processor with "<image>"): ImageRun.of would
+                failures.append(f"{text!r}: its processor leaves it as text")  # take a text token for the run
+                continue
             run = ImageRun.of(plain, expanded)
             if _expands_in_place(processor, text, run.tokens(expanded), probe):
                 return text, plain, run
@@ -253,7 +262,7 @@ def fails_on_two_images(processor, text: str) -> str:
     images = [Image.new("RGB", (width, height)), Image.new("RGB", (height, width))]
     try:
         # The text alone, as mlx-vlm's generation passes it (DeepSeek-VL2's takes a list as a batch).
-        processor(text=text + text, images=images, return_tensors="np")
+        processor(text=text + nth_placeholder(text, 2), images=images, return_tensors="np")
     except Exception as exc:  # noqa: BLE001 -- any failure: the processor cannot take the pair
         return f"its processor, {type(processor).__name__}, fails on two: {exc}".splitlines()[0]
     return ""
@@ -261,6 +270,27 @@ def fails_on_two_images(processor, text: str) -> str:
 
 IN_PLACE_HEAD, IN_PLACE_TAIL = "Look:", " Then."
 """The text around a placeholder in ``_expands_in_place``'s prompt."""
+
+
+def drops_token_after_image(processor, text: str) -> bool:
+    """Whether the processor drops the first token of the text after an image: the probe prompt's ids end
+    with its tail's ids but the first. mlx-vlm's Phi-3-vision processor tokenizes the text after each image
+    alone, without special tokens, and still drops its first token as the BOS it no longer adds there."""
+    from PIL import Image
+
+    tokenizer = getattr(processor, "tokenizer", processor)
+    try:
+        tail = list(tokenizer.encode(IN_PLACE_TAIL, add_special_tokens=False))
+        ids = expanded_ids(processor, IN_PLACE_HEAD + text + IN_PLACE_TAIL, Image.new("RGB", PROBE_IMAGE_SIZE))
+    except Exception:  # noqa: BLE001 -- a processor that refuses the probe keeps the text as it is
+        return False
+    return len(tail) > 1 and ids[-len(tail) :] != tail and ids[1 - len(tail) :] == tail[1:]
+
+
+def without_token_after_images(token_ids: list[int], placeholder: int) -> list[int]:
+    """``token_ids`` without the text token right after each ``placeholder`` (``drops_token_after_image``)."""
+    return [token for i, token in enumerate(token_ids)
+            if i == 0 or token_ids[i - 1] != placeholder or token == placeholder]  # fmt: skip
 
 
 def _expands_in_place(processor, text: str, run: list[int], image) -> bool:
@@ -281,16 +311,37 @@ CONVENTIONAL_PLACEHOLDERS = ("<image>",)
 """Placeholders tried where the processor names none that it expands: the text LLaVA-style chat
 templates write for an image (InternVL-Chat's processor replaces it, and names nothing)."""
 
+NUMBERED_PLACEHOLDERS = ("<|image_1|>", "<image-1>")
+"""Placeholders of processors that number a prompt's images from 1, tried after ``CONVENTIONAL_PLACEHOLDERS``
+(their processors name none): Phi-3-vision's ``<|image_N|>`` (its processor raises on a number written twice
+or skipped, and writes image N's run as ids -N) and LocateAnything's ``<image-N>`` (numbers ignored). Found as
+the first image's; a prompt's placeholders are every number's (``numbered_placeholder``): the images go in the
+order the placeholders stand, as both models merge them whatever the numbers."""
+
+
+def numbered_placeholder(text: str) -> re.Pattern | None:
+    """Every number's form of ``text``, where it is one of ``NUMBERED_PLACEHOLDERS`` (None: not numbered)."""
+    if text not in NUMBERED_PLACEHOLDERS:
+        return None
+    return re.compile(re.escape(text).replace("1", r"\d+"))
+
+
+def nth_placeholder(text: str, number: int) -> str:
+    """The placeholder of a prompt's ``number``-th image (from 1): ``text`` where it is not numbered."""
+    return text.replace("1", str(number)) if text in NUMBERED_PLACEHOLDERS else text
+
 
 def _candidate_texts(processor):
     """The processor's ``image_token``, its ``boi_token``, its ``image_placeholder_token`` (Molmo
-    2's ``<|image|>``), the tokenizer's ``image_token``; then ``CONVENTIONAL_PLACEHOLDERS``. (Not
+    2's ``<|image|>``), the tokenizer's ``image_token``; then ``CONVENTIONAL_PLACEHOLDERS`` and
+    ``NUMBERED_PLACEHOLDERS``. (Not
     the chat template's own image text: rendering it is the engine's, in its guarded workers.)"""
     tokenizer = getattr(processor, "tokenizer", None)
     owners = ((processor, "image_token"), (processor, "boi_token"), (processor, "image_placeholder_token"),
               (tokenizer, "image_token"))  # fmt: skip
     candidates = [getattr(owner, name, None) for owner, name in owners]
-    yield from dict.fromkeys([*(c for c in candidates if isinstance(c, str) and c), *CONVENTIONAL_PLACEHOLDERS])
+    named = (c for c in candidates if isinstance(c, str) and c)
+    yield from dict.fromkeys([*named, *CONVENTIONAL_PLACEHOLDERS, *NUMBERED_PLACEHOLDERS])
 
 
 def stand_in_text(processor, placeholder_text: str, stand_in: int) -> str:

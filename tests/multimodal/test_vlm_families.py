@@ -1131,6 +1131,8 @@ def test_a_prefix_lm_prompt_attends_both_ways_whole_and_equals_mlx_vlm(tmp_path,
         prepared = [engine.prepare_prompt(*prompt) for prompt in prompts]
         outs = tokens(run_prompts(engine, prompts))
         solo = [tokens(run_prompts(engine, [prompt]))[0] for prompt in prompts]
+        with pytest.raises(ValueError, match="attends to itself both ways"):  # its blocks are its own
+            engine.save_prefix(prompts[1][0], tmp_path / "prefix.vmx")
     finally:
         engine.shutdown()
     assert [p.mm_input.both_ways for p in prepared] == [[(0, len(p.token_ids))] for p in prepared]

@@ -49,12 +49,16 @@ class PrefixTransfer:
 
         Raises:
             ValueError: none of the prompt's blocks are cached (run the prompt first), the
-                prompt has images, or the engine cannot use prefix files (see ``_check``).
+                prompt has images (or, to a prefix LM, attends both ways: its blocks are its own), or
+                the engine cannot use prefix files (see ``_check``).
         """
         self._check()
         prepared = self.engine.prepare_prompt(prompt)
-        if prepared.mm_input is not None:
+        if prepared.mm_input is not None and prepared.mm_input.images:
             raise ValueError("prefix files hold text prompts only: this prompt has images")
+        if prepared.mm_input is not None:  # a prefix LM's text prompt: one span, so no other prompt shares it
+            raise ValueError("prefix files hold prompts whose blocks other prompts can share: this model's prompt "
+                             "attends to itself both ways (a prefix LM), so its blocks are its own")
         blocks = self.engine.scheduler.kv.prefix_cache.lookup(prepared.token_ids, cache_salt)
         if not blocks:
             raise ValueError("none of this prompt's blocks are cached: generate from it first (cache_salt included)")

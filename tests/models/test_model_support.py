@@ -69,8 +69,12 @@ def test_refusals_name_the_reason():
     # Its n-gram history (an ArraysCache a fixed-size state slot cannot hold) is held per request.
     assert ngram.status == SUPPORTED and ngram.detail == HELD_DETAIL
     assert ngram.test == TESTED_ARCHITECTURES[TEXT]["longcat_flash_ngram"]
-    assert all(row.status == REFUSED for row in (florence2, mllama))
-    assert florence2.detail.startswith("its image embeddings come with decoder_inputs_embeds, which its text model")
+    assert mllama.status == REFUSED
+    # An encoder-decoder: its prompt through the encoder once, the decoder's caches held per request.
+    assert florence2.status == SUPPORTED and florence2.detail == HELD_DETAIL
+    assert florence2.test.endswith("test_one_image_equals_mlx_vlm[florence2]")
+    [nemotron_parse] = support.classify({VISION: ["nemotron_parse"]})
+    assert nemotron_parse.status == REFUSED and "the prompt's text seeds its decoder" in nemotron_parse.detail
     assert "cross_attention_states" in mllama.detail
     # Its positions are kept as state on its text model: its family hook passes its processor's with every call.
     assert hunyuan_vl.status == SUPPORTED and hunyuan_vl.test.endswith("test_one_image_equals_mlx_vlm[hunyuan_vl]")

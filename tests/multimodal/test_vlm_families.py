@@ -75,6 +75,9 @@ over mlx-vlm's cache). What each family adds over Qwen2-VL / LLaVA:
   a fixed Japanese instruction template (2 tokens in the tiny vocabulary), and a PLaMo 2 hybrid text
   model (Mamba state in the state pool). One image a prompt (``ONE_IMAGE``): its processor shares one
   tile budget among a prompt's images, which the engine's probe at load fills with large ones.
+* Florence-2 (tests/tiny_vlm_encdec.py): an encoder-decoder (BART): the prompt, its image first (its
+  processor places it), goes through the encoder once, the decoder generates from its start token over
+  caches of its own held per request (``HELD``; the adapter's ``encoder_decoder``). One image a prompt.
 * Molmo 2: the generic path alone, with the placeholder its processor names
   ``image_placeholder_token``: a low-resolution view and overlapping crops, rows closed by
   ``<im_col>``, features added to the ``<im_patch>`` embeddings; its images are 400+ tokens
@@ -275,6 +278,7 @@ PLACEHOLDER = {
     "moondream3": "",
     "got": "",
     "plamo2vl": "",
+    "florence2": "",
     "paligemma": "<image>",
     "fastvlm": "<image>",
     "jina_vlm": "<|image|>",
@@ -339,12 +343,14 @@ HYBRID = {"qwen3_5", "qwen3_5_moe", "lfm2_vl", "d1", "nemotron_h_nano_omni", "cl
           "plamo2vl"}
 """Families whose text model has recurrent layers (a state pool beside the KV blocks)."""
 
-HELD = {"minimax_m3_vl", "qwen4_exp"}
+HELD = {"minimax_m3_vl", "qwen4_exp",
+        "florence2"}
 """Families whose text model keeps caches of its own package's classes: the engine holds them per
 request (``executor/held_caches.py``), with no prefix cache."""
 
 KV_SCALE = {"molmo2": 8, "step3p7": 2, "gemma4_unified": 5, "llava_bunny": 7, "hunyuan_vl": 3, "moondream3": 7,
-            "got": 4, "phi3_v": 6}
+            "got": 4, "phi3_v": 6,
+            "florence2": 0.7}
 """Families whose images are hundreds of tokens even in a tiny model (mlx-vlm's ``load`` builds
 Molmo 2's image processor with its defaults: 378 px crops, 424 tokens or more an image; Step
 3.7's processor resizes every image to 728 px, 171 tokens; Gemma 4 unified's, built with its
@@ -353,7 +359,8 @@ defaults too, up to 280 tokens, 531 for the batched test's two images; mlx-vlm's
 Moondream 3's processor writes 729 image tokens; GOT-OCR's 256 inside a conversation of its own;
 Phi-3-vision's 313 tokens at least, a 336 px crop and the global view of its 1024-wide tower, literals of
 mlx-vlm's code): their KV pools are this many times larger, so the same prompts fit, and the small pool
-still preempts."""
+still preempts. Florence-2's is smaller (its held prompts prefill whole and finish fast: 30 blocks never fill).
+"""
 
 
 MODEL_EXPANDS = {"llava_next", "granite_vision", "phi4mm", "llava_bunny", "multi_modality", "fastvlm", "phi4_siglip",
@@ -389,6 +396,8 @@ ONE_IMAGE = {
     # PLaMo 2 VL's processor gives a prompt's images fewer tiles together than alone once their tokens pass its
     # tile_context_length (the engine processes and caches each image alone): the check at load lays out large ones.
     "plamo2vl": "shares one budget of tokens",
+    # Florence-2's processor writes one image's tokens before BOS, the text and EOS.
+    "florence2": "places images itself",
     # mlx-vlm's PaliGemma keeps the first image's features alone and writes them by prompt position:
     # right for one image at the prompt's start, as its checkpoints are prompted.
     "paligemma": "mlx-vlm's model merges the first image's features only",
@@ -416,7 +425,8 @@ WHOLE_PROMPT_BOTH_WAYS = {"paligemma"}
 repeated image comes from the MLLM cache."""
 
 
-PROMPT_WRITTEN_BY_PROCESSOR = {"falcon_ocr", "molmo", "moondream3", "got", "plamo2vl"}
+PROMPT_WRITTEN_BY_PROCESSOR = {"falcon_ocr", "molmo", "moondream3", "got", "plamo2vl",
+                               "florence2"}
 """Families whose processor writes the whole prompt itself (Falcon OCR's: the image, then the instruction
 of the OCR category the text names; Molmo's, Moondream 3's, GOT-OCR's and PLaMo 2 VL's: the image before
 the text, in a template of their own): two prompts with the same image and other words share the image's
@@ -424,7 +434,7 @@ blocks (or are the same prompt), so only a test with the prefix cache off sees t
 
 
 def kv_blocks(name: str, blocks: int) -> int:
-    return blocks * KV_SCALE.get(name, 1)
+    return int(blocks * KV_SCALE.get(name, 1))
 
 
 def tiny_builder(name: str):

@@ -360,6 +360,12 @@ class MLXModelRunner:
             errors: dict[str, str] = {}
             if not self._images_ready(item, errors):
                 raise RuntimeError(errors[item.request_id])
+        if self.vision.encoder_decoder:
+            # Its prompt goes through the encoder at the request's first row (held whole: one both-ways
+            # span), every later token through the decoder alone (``encoder_decoder_hidden_states``).
+            encoder_tokens = item.request.num_prompt_tokens if item.num_computed_tokens == 0 else 0
+            images = self._image_rows([item], inputs.shape[1]) if encoder_tokens else None
+            return self.vision.encoder_decoder_hidden_states(inputs, caches, images, encoder_tokens)
         return self._vision_hidden_states([item], inputs, caches)
 
     def _head(self, picked: mx.array) -> mx.array:
@@ -408,9 +414,15 @@ class MLXModelRunner:
 
     def _vision_hidden_states(self, group: list[ScheduledRequest], inputs: mx.array, caches) -> mx.array:
         """The language model's hidden states, images' features over their placeholders."""
+        images = self._image_rows(group, inputs.shape[1])
+        positions = self._position_ids(group, inputs.shape[1]) if self.vision.uses_mrope else None
+        return self.vision.hidden_states(inputs, caches, positions, images)
+
+    def _image_rows(self, group: list[ScheduledRequest], width: int):
+        """The images' features the rows' tokens cover, at their positions in the batch (None: no image)."""
         from vllm_mlx.multimodal.vlm_models import ImageRows
 
-        batch, width = inputs.shape
+        batch = len(group)
         index: list[int] = []
         pieces: list[mx.array] = []
         for row, item in enumerate(group):
@@ -422,9 +434,7 @@ class MLXModelRunner:
                 pieces.append(image.features[lo - image.offset : hi - image.offset])
                 first = row * width + lo - start
                 index.extend(range(first, first + hi - lo))
-        images = ImageRows(index, mx.concatenate(pieces), batch, width) if pieces else None
-        positions = self._position_ids(group, width) if self.vision.uses_mrope else None
-        return self.vision.hidden_states(inputs, caches, positions, images)
+        return ImageRows(index, mx.concatenate(pieces), batch, width) if pieces else None
 
     def _position_ids(self, group: list[ScheduledRequest], width: int) -> mx.array:
         """``[axes, B, T]`` multi-axis rotary positions (padding positions are never seen). A prompt

@@ -76,7 +76,8 @@ SWEPT_TEXT = (
 HELD_TEXT = ("deepseek_v41", "longcat_flash_ngram")
 # The tested mlx-vlm families served so (MiniMax-M3-VL's MiniMaxM3KVCache, Qwen4-Exp's QSAKVCache and state
 # caches): the code reader cannot see it.
-HELD_VISION = ("minimax_m3_vl", "qwen4_exp")
+HELD_VISION = ("minimax_m3_vl", "qwen4_exp",
+               "florence2")
 
 # Architecture -> the tiny-model oracle test (pytest node id) that runs it in the engine.
 # Add a line with the test; tests/models/test_model_support.py checks every node id collects.
@@ -134,6 +135,7 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
                         "minimax_m3_vl", "qwen4_exp",
                         "phi4_siglip",
                         "phi3_v",
+                        "florence2",
                         )},
     },
 }
@@ -255,6 +257,7 @@ def classify_vision(name: str) -> Architecture:
     and the check at load confirms it on the real model."""
     from vllm_mlx.multimodal.vlm_families import ARCHITECTURE_REFUSALS, FAMILIES
     from vllm_mlx.multimodal.vlm_generic import (
+        DECODER_START,
         IGNORED_FEATURES,
         POSITION_FEATURES,
         TOKEN_FEATURES,
@@ -284,6 +287,9 @@ def classify_vision(name: str) -> Architecture:
     rope_index = _defines_method(name, "get_rope_index")
     ignored = IGNORED_FEATURES | TOKEN_FEATURES | VISUAL_FEATURES
     ignored |= POSITION_FEATURES if rope_index else frozenset()
+    # The decoder's start token beside the encoder's input: an encoder-decoder, its caches and encoder outputs
+    # held per request (vlm_models.encoder_decoder); the check at load decides.
+    ignored |= {DECODER_START}
     fields = sorted(set(_keywords(embeddings, "InputEmbeddingsFeatures")) & _feature_fields() - ignored)
     if fields:
         reason = (f"its image embeddings come with {', '.join(fields)}, which its text model needs beside them "

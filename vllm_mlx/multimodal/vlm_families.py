@@ -816,6 +816,13 @@ TEXT_MODEL_REFUSALS: dict[str, str] = {
 what the load-time check cannot see because it runs one row."""
 
 ARCHITECTURE_REFUSALS: dict[str, str] = {
+    # An encoder-decoder (its ``decoder_inputs_embeds``), but not as the engine's encoder-decoder path runs one
+    # (the prompt through the encoder): mlx-vlm's Nemotron-Parse encodes the image alone and, for a prompt of
+    # more than one token, seeds its decoder with the prompt's ids (BOS and EOS stripped); its embeddings
+    # without pixels raise, so a text-only prompt has no call at all.
+    "nemotron_parse": "is an encoder-decoder whose encoder reads the image alone while the prompt's text seeds its "
+    "decoder (mlx-vlm's own generation), where the engine's encoder-decoder path sends the prompt through the "
+    "encoder: send it to mlx-vlm directly",
     "molmo_point": "keeps per-request image state on the model between steps: its point predictor extends "
     "the logits over the image's patches, from the prefill's hidden states, and a logit processor follows "
     "the tokens generated so far (mlx-vlm routes its generation through the whole model's call), where the "

@@ -114,6 +114,9 @@ __all__ = ["GenericVisionModel", "ImageRun", "LanguageSplit"]
 PROCESSOR_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "labels"})
 """Processor outputs about the text, not the image (the run's own ids replace them)."""
 PIXEL_KEYS = ("pixel_values", "images")
+DECODER_START = "decoder_inputs_embeds"
+"""What an encoder-decoder's ``get_input_embeddings`` gives beside the encoder's input: the decoder's start
+token embedded (``encoder_decoder``)."""
 """Where a processor puts the pixels: DeepSeek-VL2's says ``images`` (mlx-vlm's ``prepare_inputs``
 renames it to ``pixel_values``)."""
 IGNORED_FEATURES = frozenset({"inputs_embeds", "attention_mask_4d", "attention_mask"})
@@ -374,6 +377,10 @@ class GenericVisionModel(VisionLanguageModel):
         """The base class's, with the per-token features: text rows from the text-only call,
         the images' rows (after the embedding in ``images.features``) over their positions; and
         the image-token features of the step's image rows (``_visual_inputs``)."""
+        if self.encoder_decoder:  # a probe's text (the runner calls ``encoder_decoder_hidden_states`` itself)
+            return self.encoder_decoder_hidden_states(
+                inputs, cache, images, inputs.shape[1] * (cache[-1].outputs is None)
+            )
         types = self._step_token_types(inputs, images)
         if not self.token_features and self.deepstack_layers is None and not types:
             return super().hidden_states(inputs, cache, position_ids, images)
@@ -562,11 +569,17 @@ class GenericVisionModel(VisionLanguageModel):
         ignored |= visual
         ignored |= {mask for mask, feature in TOKEN_FEATURE_MASKS.items() if feature in self.token_features}
         extra = sorted({name for name, value in _fields(merged).items() if value is not None} - ignored)
+        # The decoder's start embedding beside the encoder's input: an encoder-decoder, served its own way.
+        self.encoder_decoder = DECODER_START in extra
+        extra = [name for name in extra if name != DECODER_START]
         if extra:
             raise UnsupportedModelError(
                 f"its image embeddings come with {', '.join(extra)}, which its text model needs beside them "
                 "(the generic path passes embeddings and the cache only)"
             )
+        if self.encoder_decoder:
+            self._settle_encoder_decoder()
+            return
         if self.uses_mrope and GRID_KEY not in image.encoder_inputs and not self._grid_free_positions(merged, image):
             raise UnsupportedModelError(
                 f"its text model computes multi-axis positions, but its processor gives no {GRID_KEY}"
@@ -823,6 +836,42 @@ class GenericVisionModel(VisionLanguageModel):
         types = mx.array([[int(token == self.feature_token_id) for token in run]], dtype=mx.int32)
         typed = self._logits_of(embeds, **{TOKEN_TYPES: types})
         return not mx.array_equal(typed, self._logits_of(embeds)).item()
+
+    def _settle_encoder_decoder(self) -> None:
+        """``check``'s end for an encoder-decoder (``encoder_decoder``): its encoder reads the whole prompt
+        at once (one both-ways span, which the scheduler keeps in one chunk), and its text model's call gives
+        the logits (``encoder_decoder_hidden_states``: the head is that call's)."""
+        self.both_ways = WHOLE_PROMPT
+        self.split = LanguageSplit(None, lambda logits: logits)
+        if self.max_images_per_prompt is None and self.places_images_itself:
+            self.images_limit_reason = self._layout_fails_on_two_images()
+        if self.max_images_per_prompt is None and not self.images_limit_reason:
+            self.images_limit_reason = fails_on_two_images(self.processor, self.image_placeholder_text)
+        self.max_images_per_prompt = 1 if self.images_limit_reason else self.max_images_per_prompt
+
+    def encoder_decoder_hidden_states(self, inputs: mx.array, caches: list, images, encoder_tokens: int) -> mx.array:
+        """An encoder-decoder's logits for one row (``encoder_decoder``), as mlx-vlm's generation drives it: the
+        row's first ``encoder_tokens`` (a prompt's, at its first row; else 0) go through the encoder, images over
+        their tokens, with the decoder on its start token (``DECODER_START``); the row's other tokens are the
+        decoder's (the tokens it generated), which attend to the encoder's outputs kept in ``caches[-1]``."""
+        *decoder_caches, encoder = caches
+        logits = []
+        if encoder_tokens:
+            # Image tokens' ids as 0: their rows are the features (Florence-2's embedding drops its image ids).
+            merged = self.model.get_input_embeddings(inputs if images is None else mx.where(images.mask(), 0, inputs))
+            embeds = _embeds(merged) if images is None else images.scatter(_embeds(merged), images.features)
+            embeds = embeds[:, :encoder_tokens]
+            # mlx-vlm's call masks nothing: the all-ones mask its model gives with an image, as given.
+            mask = {"attention_mask": mx.ones(embeds.shape[:2])} if images is not None else {}
+            start = _fields(merged)[DECODER_START]
+            out = self.language(None, inputs_embeds=embeds, decoder_inputs_embeds=start, cache=decoder_caches, **mask)
+            encoder.outputs = out.encoder_outputs
+            logits.append(_logits(out))
+            inputs = inputs[:, encoder_tokens:]
+        if inputs.shape[1]:
+            out = self.language(None, decoder_input_ids=inputs, encoder_outputs=encoder.outputs, cache=decoder_caches)
+            logits.append(_logits(out))
+        return mx.concatenate(logits, axis=1)
 
     def probe_split(self, embeds: mx.array, **features) -> LanguageSplit:
         """The text model as backbone and head (``LanguageSplit.probe`` on the check's image rows);

@@ -108,6 +108,11 @@ class VisionLanguageModel:
     placeholder_token_id: int
     """The token that stands for a whole image in a prompt before expansion (for most families
     ``image_token_id`` itself; Gemma 3's ``<start_of_image>``)."""
+    encoder_decoder: bool = False
+    """An encoder-decoder text model (Florence-2's BART): the prompt, images over their tokens, goes
+    through the encoder once; the decoder starts from its start token and reads the generated tokens,
+    over caches of its own and the encoder's outputs (``EncoderOutputs``), held per request
+    (``executor/held_caches.py``; ``encoder_decoder_hidden_states``)."""
     max_images_per_prompt: int | None = None
     """Most images one prompt may carry for this model (None: no limit of its own); a request with
     more is refused alone (``check_image_count``), never served with images the model cannot place."""
@@ -151,6 +156,8 @@ class VisionLanguageModel:
         """
         from mlx_lm.models.cache import KVCache
 
+        if self.encoder_decoder:  # its own classes and the encoder's outputs: never paged, held per request
+            return self.held_caches()
         make = getattr(self.language, "make_cache", None)
         if make is None:
             return [KVCache() for _ in self.layers]
@@ -158,8 +165,11 @@ class VisionLanguageModel:
 
     def held_caches(self) -> list:
         """The text model's own caches, its package's classes as they are, for a model the
-        runner serves with per-request caches (``executor/held_caches.py``)."""
+        runner serves with per-request caches (``executor/held_caches.py``); an encoder-decoder's
+        end with its ``EncoderOutputs``."""
         make = getattr(self.language, "make_cache", None)
+        if self.encoder_decoder:
+            return [*make(), EncoderOutputs()]
         return make() if make is not None else self.make_cache()
 
     def __call__(self, inputs: mx.array, cache: list) -> mx.array:
@@ -299,6 +309,26 @@ class VisionLanguageModel:
 
     def _hash(self, image) -> str:
         return image_content_hash(image, self.processor_key)
+
+
+class EncoderOutputs:
+    """An encoder-decoder request's encoder outputs, beside its decoder's caches (``held_caches``): its
+    decoder layers attend to them only where given (their cross-attention caches hold the keys).
+    Never trimmed: the decoder's positions are not the engine's, so a rewound request starts afresh."""
+
+    def __init__(self) -> None:
+        self.outputs: mx.array | None = None
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [self.outputs] if self.outputs is not None else []
+
+    @property
+    def nbytes(self) -> int:
+        return self.outputs.nbytes if self.outputs is not None else 0
+
+    def is_trimmable(self) -> bool:
+        return False
 
 
 def _preprocessor_settings(path: Path) -> Any:

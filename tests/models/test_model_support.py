@@ -69,13 +69,14 @@ def test_refusals_name_the_reason():
     # Its n-gram history (an ArraysCache a fixed-size state slot cannot hold) is held per request.
     assert ngram.status == SUPPORTED and ngram.detail == HELD_DETAIL
     assert ngram.test == TESTED_ARCHITECTURES[TEXT]["longcat_flash_ngram"]
-    assert mllama.status == REFUSED
     # An encoder-decoder: its prompt through the encoder once, the decoder's caches held per request.
     assert florence2.status == SUPPORTED and florence2.detail == HELD_DETAIL
     assert florence2.test.endswith("test_one_image_equals_mlx_vlm[florence2]")
     [nemotron_parse] = support.classify({VISION: ["nemotron_parse"]})
     assert nemotron_parse.status == REFUSED and "the prompt's text seeds its decoder" in nemotron_parse.detail
-    assert "cross_attention_states" in mllama.detail
+    # Its cross-attention states (and per-token masks: its hook) go with each call of its held caches.
+    assert mllama.status == SUPPORTED and mllama.detail == HELD_DETAIL
+    assert mllama.test.endswith("test_one_image_equals_mlx_vlm[mllama]")
     # Its positions are kept as state on its text model: its family hook passes its processor's with every call.
     assert hunyuan_vl.status == SUPPORTED and hunyuan_vl.test.endswith("test_one_image_equals_mlx_vlm[hunyuan_vl]")
     assert siglip.status == NOT_GENERATOR and siglip.detail.startswith("no language model: an image encoder")

@@ -195,6 +195,11 @@ over mlx-vlm's cache). What each family adds over Qwen2-VL / LLaVA:
   image); numbered placeholders (``<|image_1|>``, ``<|image_2|>``: ``NUMBERED``) and runs of -N the model
   overwrites with the image's rows, served as an image the model expands under an in-vocabulary stand-in.
 
+* Llama 3.2 Vision (``mllama``, tests/tiny_vlm_mllama.py): an image is its one ``<|image|>`` token; the
+  tower's states (every tile) reach a cross-attention layer beside the embeddings with per-token masks from
+  the whole prompt: per-request inputs, kept with its caches held per request (``HELD``), each call given its
+  own; the states are kept per image in the MLLM cache, after the image token's row.
+
 All: one and two images (one for ``ONE_IMAGE``) equal mlx-vlm, batched with text-only requests
 equals solo (chunked prefills ending inside images, preemption), prefix cache on equals off with an
 image in the cached prefix, and the MLLM cache runs the encoder once for an image seen twice.
@@ -287,6 +292,7 @@ PLACEHOLDER = {
     "qwen4_exp": "<|vision_start|><|image_pad|><|vision_end|>",
     "phi4_siglip": "<image>",
     "phi3_v": "<|image_1|>",  # numbered: a prompt's k-th image is <|image_k|> (``numbered``)
+    "mllama": "<|image|>",
 }
 
 NUMBERED = {"phi3_v"}
@@ -344,7 +350,8 @@ HYBRID = {"qwen3_5", "qwen3_5_moe", "lfm2_vl", "d1", "nemotron_h_nano_omni", "cl
 """Families whose text model has recurrent layers (a state pool beside the KV blocks)."""
 
 HELD = {"minimax_m3_vl", "qwen4_exp",
-        "florence2"}
+        "florence2",
+        "mllama"}
 """Families whose text model keeps caches of its own package's classes: the engine holds them per
 request (``executor/held_caches.py``), with no prefix cache."""
 

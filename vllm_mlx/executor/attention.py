@@ -157,6 +157,10 @@ def layer_specs(model, model_type: str | None = None, recurrent: bool = True) ->
     model_type = model_type or model_type_of(model)
     if model_type in BROKEN_IN_MLX_LM:
         raise UnsupportedModelError(f"architecture {model_type!r} is refused: {BROKEN_IN_MLX_LM[model_type]}")
+    if getattr(model, "holds_request_inputs", False):
+        # Per-request inputs beside the embeddings (mllama's cross-attention states: a vision adapter's
+        # request_inputs) go with one row's calls: its caches are held per request, one row a call.
+        return [HeldCacheSpec()]
     make_cache = getattr(model, "make_cache", None)
     if make_cache is None:
         return [FullAttentionSpec()] * len(model.layers)

@@ -52,6 +52,9 @@ class HeldCache:
 
     caches: list
     num_tokens: int = 0
+    inputs: dict | None = None
+    """Per-request inputs beside the embeddings (a vision adapter's ``request_inputs``: mllama's cross-attention
+    states and masks), built at the request's first row from its images and kept with its caches."""
 
 
 @dataclass
@@ -171,6 +174,10 @@ class HeldCaches:
             held.num_tokens = start
             return held
         return None
+
+    def entry(self, request_id: str) -> HeldCache:
+        """The request's held caches (after ``row``)."""
+        return self._held[request_id]
 
     def feeding(self, request_id: str) -> None:
         """A forward call is about to feed the request's caches: their count is unknown until

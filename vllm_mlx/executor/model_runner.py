@@ -366,7 +366,25 @@ class MLXModelRunner:
             encoder_tokens = item.request.num_prompt_tokens if item.num_computed_tokens == 0 else 0
             images = self._image_rows([item], inputs.shape[1]) if encoder_tokens else None
             return self.vision.encoder_decoder_hidden_states(inputs, caches, images, encoder_tokens)
-        return self._vision_hidden_states([item], inputs, caches)
+        return self._vision_hidden_states([item], inputs, caches, self._held_request_inputs(item))
+
+    def _held_request_inputs(self, item: ScheduledRequest) -> dict:
+        """What the row's call takes beside the embeddings (``GenericVisionModel.step_inputs``): its request's
+        inputs (mllama's cross-attention states of every image of its prompt, and masks), built at its first
+        row from its images' features (from the MLLM cache, as any row's) and kept with its held caches, so
+        later calls (decode steps, long after the images' rows) need no image again."""
+        if not getattr(self.vision, "holds_request_inputs", False):
+            return {}
+        held = self.held.entry(item.request_id)
+        request = item.request
+        if held.inputs is None:
+            images = request.mm_input.images if request.mm_input is not None else []
+            features = [self._image_features(image, request.cache_salt) for image in images]
+            held.inputs = self.vision.request_inputs(request.prompt_token_ids, images, features)
+        if not held.inputs:
+            return {}
+        return self.vision.step_inputs(held.inputs, len(request.prompt_token_ids), item.num_computed_tokens,
+                                       item.num_new_tokens)  # fmt: skip
 
     def _head(self, picked: mx.array) -> mx.array:
         """Logits of the sampling rows' hidden states, all forward calls of the step at once:
@@ -412,11 +430,14 @@ class MLXModelRunner:
         image.features = features
         return features
 
-    def _vision_hidden_states(self, group: list[ScheduledRequest], inputs: mx.array, caches) -> mx.array:
-        """The language model's hidden states, images' features over their placeholders."""
+    def _vision_hidden_states(
+        self, group: list[ScheduledRequest], inputs: mx.array, caches, row_inputs: dict | None = None
+    ) -> mx.array:
+        """The language model's hidden states, images' features over their placeholders; ``row_inputs``: a
+        held row's own inputs beside the embeddings (``_held_request_inputs``), passed by name."""
         images = self._image_rows(group, inputs.shape[1])
         positions = self._position_ids(group, inputs.shape[1]) if self.vision.uses_mrope else None
-        return self.vision.hidden_states(inputs, caches, positions, images)
+        return self.vision.hidden_states(inputs, caches, positions, images, **(row_inputs or {}))
 
     def _image_rows(self, group: list[ScheduledRequest], width: int):
         """The images' features the rows' tokens cover, at their positions in the batch (None: no image)."""

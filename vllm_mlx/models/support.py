@@ -75,9 +75,11 @@ SWEPT_TEXT = (
 # engine decides at load from their cache classes; this names what tests/models/test_model_support.py expects).
 HELD_TEXT = ("deepseek_v41", "longcat_flash_ngram")
 # The tested mlx-vlm families served so (MiniMax-M3-VL's MiniMaxM3KVCache, Qwen4-Exp's QSAKVCache and state
-# caches): the code reader cannot see it.
+# caches; mllama's, for its per-request cross-attention states; Florence-2's encoder outputs): the code
+# reader cannot see it.
 HELD_VISION = ("minimax_m3_vl", "qwen4_exp",
-               "florence2")
+               "florence2",
+               "mllama")
 
 # Architecture -> the tiny-model oracle test (pytest node id) that runs it in the engine.
 # Add a line with the test; tests/models/test_model_support.py checks every node id collects.
@@ -136,6 +138,7 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
                         "phi4_siglip",
                         "phi3_v",
                         "florence2",
+                        "mllama",
                         )},
     },
 }
@@ -259,6 +262,7 @@ def classify_vision(name: str) -> Architecture:
     from vllm_mlx.multimodal.vlm_generic import (
         DECODER_START,
         IGNORED_FEATURES,
+        IMAGE_STATES,
         POSITION_FEATURES,
         TOKEN_FEATURES,
         VISION_BLOCKS,
@@ -285,7 +289,9 @@ def classify_vision(name: str) -> Architecture:
     if both_ways and both_ways != VISION_BLOCKS and both_ways is not WHOLE_PROMPT:
         return Architecture(name, VISION, REFUSED, both_ways_reason(both_ways))
     rope_index = _defines_method(name, "get_rope_index")
-    ignored = IGNORED_FEATURES | TOKEN_FEATURES | VISUAL_FEATURES
+    # Image states beside the embeddings go with a held request's calls (IMAGE_STATES); their per-token masks
+    # (STEP_MASKS) only where a family hook builds them, which returned above.
+    ignored = IGNORED_FEATURES | TOKEN_FEATURES | VISUAL_FEATURES | {IMAGE_STATES}
     ignored |= POSITION_FEATURES if rope_index else frozenset()
     # The decoder's start token beside the encoder's input: an encoder-decoder, its caches and encoder outputs
     # held per request (vlm_models.encoder_decoder); the check at load decides.

@@ -24,6 +24,8 @@ paged caches) unless a family hook here knows what the generic path cannot deriv
   attribute names.
 * ``Phi4SigLipModel``: the generic path, with the prompt its processor writes (a prompt without
   ``<|im_start|>`` wrapped in the chat template).
+* ``MllamaModel``: the generic path with image states beside the embeddings (held per request), with
+  its one-token image, the BOS its processor writes after leading images, and its per-token masks.
 
 ``TEXT_MODEL_REFUSALS`` names text models refused whatever the vision side, for what the
 load-time check (one row) cannot see; ``load_vision_language_model`` picks the adapter.
@@ -42,6 +44,7 @@ from vllm_mlx.multimodal.images import ImageSource, load_image
 from vllm_mlx.multimodal.media_policy import MediaPolicy
 from vllm_mlx.multimodal.vlm_generic import (
     GRID_KEY,
+    IMAGE_STATES,
     PROMPT_POSITION_KEYS,
     GenericVisionModel,
     LanguageSplit,
@@ -64,6 +67,7 @@ __all__ = [
     "LocateAnythingModel",
     "MiniCPMV47Model",
     "MiniCPMVModel",
+    "MllamaModel",
     "PaliGemmaModel",
     "Phi4SigLipModel",
     "Qwen2VLModel",
@@ -790,6 +794,69 @@ class Phi4SigLipModel(GenericVisionModel):
         return template_guard().render(self.tokenizer, messages, add_generation_prompt=True, tools=None)
 
 
+class MllamaModel(GenericVisionModel):
+    """Llama 3.2 Vision: the generic path, its image's states beside the embeddings (``IMAGE_STATES``, a held
+    request's inputs), with what is its own: an image is its ``<|image|>`` token alone (the processor expands
+    nothing; the token's row is its embedding), the processor writes the BOS after the prompt's leading images
+    (``prompt_text``: the package's own function), and which images each prompt token sees comes from the
+    whole prompt (``request_inputs``: the processor's rule and the model's mask code, both mlx-vlm's own).
+
+    mlx-vlm's generation passes the masks with its prompt's calls and none with its decode steps (every image's
+    states, unmasked): ``step_inputs`` does the same, past the prompt with masks that change nothing."""
+
+    model_types = ("mllama",)
+    builds_step_masks = True
+    MASK, ROW_MASK = "cross_attention_mask", "full_text_row_masked_out_mask"
+
+    def _find_placeholder(self, processor) -> tuple[str, list[int], ImageRun]:
+        """``<|image|>``, the ids of the prompt the processor writes for it (the image token, the BOS after
+        it), and the run against them: the image token alone."""
+        text = processor.image_token
+        plain = text_ids(processor, self.prompt_text(text, processor))
+        return text, plain, ImageRun(0, len(plain) - 1, processor.image_token_id)
+
+    def prompt_text(self, text: str, processor=None) -> str:
+        from mlx_vlm.models.mllama.processing_mllama import build_string_from_input
+
+        processor = processor or self.processor
+        return build_string_from_input(text, processor.bos_token, processor.image_token)
+
+    def request_inputs(self, prompt_ids: list[int], images: list[ImageInput], features: list[mx.array]) -> dict:
+        """The states of every image, and the prompt's masks as mlx-vlm's processor and model build them for
+        the whole prompt: each image's tiles from its own processor output (``cross_attention_mask``)."""
+        from mlx_vlm.models.mllama.processing_mllama import (
+            convert_sparse_cross_attention_mask_to_dense,
+            get_cross_attention_token_mask,
+        )
+
+        inputs = super().request_inputs(prompt_ids, images, features)
+        if not inputs:
+            return inputs
+        tiles = [int(np.asarray(image.encoder_inputs[self.MASK])[0, 0, 0].sum()) for image in images]
+        spans = [get_cross_attention_token_mask(prompt_ids, self.image_token_id)]
+        max_tiles = self.processor.image_processor.max_image_tiles
+        dense = convert_sparse_cross_attention_mask_to_dense(spans, [tiles], max_tiles, len(prompt_ids))
+        vision = self.model.config.vision_config
+        per_tile = (vision.image_size // vision.patch_size) ** 2 + 1
+        mask, rows = self.model._prepare_cross_attention_mask(mx.array(dense), num_vision_tokens=per_tile)
+        return {**inputs, self.MASK: mask, self.ROW_MASK: rows}
+
+    def step_inputs(self, request_inputs: dict, prompt_length: int, start: int, count: int) -> dict:
+        """The states, and the masks of the call's positions: none for a decode step (as mlx-vlm's); past
+        the prompt (a recomputed request's generated tokens) masks that leave every state seen, no row out."""
+        states = {IMAGE_STATES: request_inputs[IMAGE_STATES]}
+        if start >= prompt_length:
+            return states
+        mask, rows = request_inputs[self.MASK], request_inputs[self.ROW_MASK]
+        past = max(start + count - prompt_length, 0)
+        mask = mask[:, :, start : start + count - past]
+        rows = rows[:, :, start : start + count - past]
+        if past:
+            mask = mx.concatenate([mask, mx.zeros((*mask.shape[:2], past, mask.shape[-1]), dtype=mask.dtype)], axis=2)
+            rows = mx.concatenate([rows, mx.ones((*rows.shape[:2], past, rows.shape[-1]), dtype=rows.dtype)], axis=2)
+        return {**states, self.MASK: mask, self.ROW_MASK: rows}
+
+
 FAMILIES: tuple[type[VisionLanguageModel], ...] = (
     Qwen3VLModel,
     Qwen3_5Model,
@@ -804,6 +871,7 @@ FAMILIES: tuple[type[VisionLanguageModel], ...] = (
     PaliGemmaModel,
     Ernie4_5VLModel,
     Phi4SigLipModel,
+    MllamaModel,
 )
 """The hooks: families whose prompt or positions the generic path cannot derive."""
 

@@ -169,6 +169,14 @@ PROMPT_POSITION_KEYS = frozenset({"image_bound"})
 """Processor outputs whose values are positions in the processor's prompt (MiniCPM's ``image_bound``:
 where each image's features go): ``_encoder_inputs`` moves them to the run's coordinates, as
 ``encode`` gives the model the run alone."""
+IMAGE_STATES = "cross_attention_states"
+"""``get_input_embeddings``'s output of an image's states that the text model attends to beside the prompt
+(mllama's cross-attention layers), not one row per token: ``encode`` keeps them, flattened, after the run's
+embedding rows (so the MLLM cache keeps them per image content hash), and a request's calls get all its
+images' states (``request_inputs``), each with its own, one row a call (the engine holds its caches)."""
+STEP_MASKS = frozenset({"cross_attention_mask", "full_text_row_masked_out_mask"})
+"""Per-token masks of which image states a prompt token sees: served where a family hook builds them for a
+request's prompt (``builds_step_masks``), else refused by the check's list of extra features."""
 PROCESSOR_RUN_KEY = "processor_run_ids"
 """Where an image the model expands keeps the processor's run (``encode`` gives it to the model)."""
 
@@ -303,10 +311,41 @@ class GenericVisionModel(VisionLanguageModel):
         """The id of an image's feature tokens in its run (the run's most frequent id; not its markers)."""
         self.positions_batch_first = False
         """``get_rope_index`` gives (and the text model takes) ``[batch, tokens, axes]`` positions."""
+        self.image_states_shape: tuple[int, ...] | None = None
+        """An image's ``IMAGE_STATES`` shape (``[states, width]``) where the model gives them; None without."""
+        self.image_states_width = 0
+        """Columns of each run row that hold the image's states (``_states_rows``), from the probe's run."""
+        self.image_states_dtype = mx.float32
         self.deepstack_per_token = False
         """Deepstack rows at every run token (zeros at text), as whole-prompt arrays the text model slices
         at the cache's offset (Granite 4 Vision's), not at the image tokens alone: ``StepWindow``s."""
         self.check()
+
+    builds_step_masks = False
+    """A family hook builds ``STEP_MASKS`` per request (``request_inputs``), from its prompt's images."""
+
+    @property
+    def holds_request_inputs(self) -> bool:
+        """Its text model takes per-request inputs beside the embeddings (``IMAGE_STATES``): the engine then
+        holds its caches per request, one row a call, so each call gets its own request's
+        (``attention.layer_specs``)."""
+        return self.image_states_shape is not None
+
+    def request_inputs(self, prompt_ids: list[int], images: list[ImageInput], features: list[mx.array]) -> dict:
+        """What a request's every call takes beside the embeddings: its images' ``IMAGE_STATES``, in prompt
+        order, from each image's ``encode`` rows (``features``); {} without images (the text model's own
+        text-only path). A hook adds what depends on the whole prompt (mllama's masks)."""
+        if not self.holds_request_inputs or not images:
+            return {}
+        states = [self._split_rows(rows)[IMAGE_STATES] for rows in features]
+        size = int(np.prod(self.image_states_shape))
+        each = [s.reshape(-1)[:size].reshape(self.image_states_shape).astype(self.image_states_dtype) for s in states]
+        return {IMAGE_STATES: mx.concatenate(each)[None]}
+
+    def step_inputs(self, request_inputs: dict, prompt_length: int, start: int, count: int) -> dict:
+        """The part of ``request_inputs`` a call computing positions ``[start, start + count)`` takes: all of it
+        (a hook cuts its per-token masks)."""
+        return request_inputs
 
     def _find_placeholder(self, processor) -> tuple[str, list[int], ImageRun]:
         """The placeholder text, its ids and the image's run against them (``find_placeholder``); a
@@ -373,16 +412,18 @@ class GenericVisionModel(VisionLanguageModel):
     def embed(self, inputs: mx.array) -> mx.array:
         return _embeds(self.model.get_input_embeddings(inputs, None))
 
-    def hidden_states(self, inputs, cache, position_ids, images):
+    def hidden_states(self, inputs, cache, position_ids, images, **request_inputs):
         """The base class's, with the per-token features: text rows from the text-only call,
         the images' rows (after the embedding in ``images.features``) over their positions; and
-        the image-token features of the step's image rows (``_visual_inputs``)."""
+        the image-token features of the step's image rows (``_visual_inputs``). ``request_inputs``: the
+        row's own (``step_inputs``), passed by name."""
         if self.encoder_decoder:  # a probe's text (the runner calls ``encoder_decoder_hidden_states`` itself)
             return self.encoder_decoder_hidden_states(
                 inputs, cache, images, inputs.shape[1] * (cache[-1].outputs is None)
             )
         types = self._step_token_types(inputs, images)
-        if not self.token_features and self.deepstack_layers is None and not types:
+        plain = not self.token_features and self.deepstack_layers is None and self.image_states_shape is None
+        if plain and not types and not request_inputs:
             return super().hidden_states(inputs, cache, position_ids, images)
         merged = self.model.get_input_embeddings(inputs, None)
         text = _fields(merged)
@@ -397,7 +438,7 @@ class GenericVisionModel(VisionLanguageModel):
                 features[name] = images.scatter(flat, rows[name]).reshape(*flat.shape[:2], *shape)
             if self.deepstack_layers is not None:
                 features.update(self._visual_inputs(images, rows[_VISUAL]))
-        return self.language_hidden_states(embeds, inputs, cache, position_ids, **features, **types)
+        return self.language_hidden_states(embeds, inputs, cache, position_ids, **features, **types, **request_inputs)
 
     def _step_token_types(self, inputs: mx.array, images) -> dict:
         """``TOKEN_TYPES`` for the step's tokens (1 at image feature tokens: ``feature_token_id`` at
@@ -453,12 +494,30 @@ class GenericVisionModel(VisionLanguageModel):
         widths = [rows.shape[-1] - sum(int(np.prod(s)) for s in self.token_features.values())]
         widths += [int(np.prod(shape)) for shape in self.token_features.values()]
         names = [_EMBEDDING, *self.token_features]
+        if self.image_states_shape is not None:  # after the embedding: the rest of the row's width
+            width = self.image_states_width
+            widths = [widths[0] - width, *widths[1:], width]
+            names.append(IMAGE_STATES)
         if self.deepstack_layers is not None:
             visual = 1 + self.deepstack_layers * self.deepstack_width
             widths = [widths[0] - visual, *widths[1:], visual]
             names.append(_VISUAL)
         parts = mx.split(rows, list(np.cumsum(widths)[:-1]), axis=-1)
         return dict(zip(names, parts))
+
+    def _states_rows(self, states: mx.array, run_length: int) -> mx.array:
+        """An image's states (``[1, states, width]``) flattened over its run's rows, ``image_states_width``
+        columns each (every row of a run is as wide), zero-padded.
+
+        Raises:
+            ValueError: Its run has fewer rows than the probe image's at load: its states do not fit.
+        """
+        flat = states.reshape(-1)
+        room = self.image_states_width * run_length
+        if flat.size > room:
+            raise ValueError(f"an image of {run_length} tokens has no room for its {flat.size} state values")
+        flat = mx.concatenate([flat, mx.zeros((room - flat.size,), dtype=flat.dtype)])
+        return flat.reshape(run_length, self.image_states_width)
 
     def positions(self, token_ids: list[int], images: list[ImageInput]) -> tuple[np.ndarray, int]:
         """``(positions [3, len(token_ids)], rope_delta)``: the text model's own multi-axis
@@ -497,6 +556,10 @@ class GenericVisionModel(VisionLanguageModel):
         merged = self._merged(image)
         fields = _fields(merged)
         rows = [_embeds(merged)[0], *(fields[name][0].reshape(image.num_tokens, -1) for name in self.token_features)]
+        if self.image_states_shape is not None:
+            if tuple(fields[IMAGE_STATES].shape[1:]) != self.image_states_shape:
+                raise ValueError(f"image states of shape {fields[IMAGE_STATES].shape}, not {self.image_states_shape}")
+            rows.append(self._states_rows(fields[IMAGE_STATES], image.num_tokens))
         if self.deepstack_layers is not None:
             rows.append(self._visual_rows(fields, image.num_tokens))
         if len(rows) == 1:
@@ -564,9 +627,12 @@ class GenericVisionModel(VisionLanguageModel):
         if self.deepstack_per_token and self.max_images_per_prompt is None and not self._deepstack_of_each_image(image):
             self.max_images_per_prompt = 1
             self.images_limit_reason = "mlx-vlm's model builds every image token's features from the first image"
+        self._check_image_states(_fields(merged), image.num_tokens)
         visual = VISUAL_FEATURES if self.deepstack_layers is not None else frozenset()
         ignored = IGNORED_FEATURES | (POSITION_FEATURES if self.uses_mrope else frozenset()) | set(self.token_features)
         ignored |= visual
+        if self.image_states_shape is not None:
+            ignored |= {IMAGE_STATES} | (STEP_MASKS if self.builds_step_masks else frozenset())
         ignored |= {mask for mask, feature in TOKEN_FEATURE_MASKS.items() if feature in self.token_features}
         extra = sorted({name for name, value in _fields(merged).items() if value is not None} - ignored)
         # The decoder's start embedding beside the encoder's input: an encoder-decoder, served its own way.
@@ -610,6 +676,15 @@ class GenericVisionModel(VisionLanguageModel):
         if self.max_images_per_prompt is None:
             self.images_limit_reason = fails_on_two_images(self.processor, self.image_placeholder_text)
             self.max_images_per_prompt = 1 if self.images_limit_reason else None
+
+    def _check_image_states(self, fields: dict, run_length: int) -> None:
+        """Set ``image_states_shape`` where the model gives an image's ``IMAGE_STATES`` as one batch row
+        (``[1, states, width]``); else leave them to the check's list of extra features."""
+        states = fields.get(IMAGE_STATES)
+        if isinstance(states, mx.array) and states.ndim == 3 and states.shape[0] == 1:
+            self.image_states_shape = tuple(states.shape[1:])
+            self.image_states_width = -(-states.size // run_length)
+            self.image_states_dtype = states.dtype
 
     def _layout_fails_on_two_images(self) -> str:
         """Why a processor that places images itself takes one a prompt ("" where it takes two):

@@ -22,8 +22,11 @@ mlx-vlm loads offline. Helpers and conventions are tests/tiny_vlm.py's.
 * :func:`build_tiny_glm5_next`: GLM-5-Next: GLM-4.1V's prompt layout and Qwen2-VL-style patches
   (its own processor, token-count based resizing), a hybrid text model without positions: a
   linear (delta) attention layer, a DeepSeek sparse-attention layer (NoPE MLA with a top-k
-  indexer), hyper-connections (the hidden state kept as several streams), a MoE. Refused at
-  load: the engine does not page the indexer's pooled keys.
+  indexer), hyper-connections (the hidden state kept as several streams), a MoE. Its caches are
+  the text model's own, held per request (``executor/held_caches.py``). mlx-vlm's ``load`` replaces
+  the processor's image processor by the package's, built with its defaults (16 to 8000 tokens an
+  image): the token budget its ``processor_config.json`` writes (4 to 16) is ignored, as the engine,
+  loading as mlx-vlm does, must ignore it too (a 100x60 picture is 24 tokens, not 12).
 """
 
 from __future__ import annotations
@@ -291,7 +294,9 @@ GLM5_NEXT_VISION_CONFIG = {
 
 def build_tiny_glm5_next(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
     """A tiny random-weight GLM-5-Next directory (``GLM5_NEXT_TEXT_CONFIG``, a one-block tower of
-    width 32; 4 to 16 tokens per image). ``tokenizer_dir`` as in ``build_tiny_qwen2_vl``."""
+    width 32). Its processor config asks 4 to 16 tokens per image, which mlx-vlm's ``load`` ignores
+    (the package's image processor, at its defaults: 16 tokens or more), so the family tests hold the
+    engine to loading the processor as mlx-vlm does. ``tokenizer_dir`` as in ``build_tiny_qwen2_vl``."""
     from mlx_vlm.models import glm5_next
 
     out_dir = Path(out_dir)

@@ -36,6 +36,7 @@ from tiny_vlm import (
     _save_tokenizer,
     _write_json,
 )
+from tiny_vlm_encdec import nemotron_parse_shrunk
 from tiny_vlm_others import _simple_chat_template
 from tiny_vlm_phi3v import phi3_v_shrunk
 from tiny_vlm_qwen_like import _pinned_tokenizer
@@ -115,6 +116,7 @@ TOWER_SHRINKS: dict[str, Callable] = {
     "jina_vlm": _jina_vlm_shrunk,
     "gemma3n": _gemma3n_shrunk,
     "phi3_v": phi3_v_shrunk,
+    "nemotron_parse": nemotron_parse_shrunk,
 }
 """Families whose tiny model exists only while its shrink is applied: building and loading both."""
 

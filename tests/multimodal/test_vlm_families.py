@@ -78,6 +78,9 @@ over mlx-vlm's cache). What each family adds over Qwen2-VL / LLaVA:
 * Florence-2 (tests/tiny_vlm_encdec.py): an encoder-decoder (BART): the prompt, its image first (its
   processor places it), goes through the encoder once, the decoder generates from its start token over
   caches of its own held per request (``HELD``; the adapter's ``encoder_decoder``). One image a prompt.
+* NeMo Parse (tests/tiny_vlm_encdec.py): an encoder-decoder whose encoder reads the image alone and whose
+  decoder the prompt's ids seed (``IMAGE_ALONE``): the image's encoder states go first in the engine's prompt,
+  the processor's ids after them. Held as Florence-2's; one image a prompt; a text alone is refused.
 * Molmo 2: the generic path alone, with the placeholder its processor names
   ``image_placeholder_token``: a low-resolution view and overlapping crops, rows closed by
   ``<im_col>``, features added to the ``<im_patch>`` embeddings; its images are 400+ tokens
@@ -99,8 +102,13 @@ over mlx-vlm's cache). What each family adds over Qwen2-VL / LLaVA:
   feature, zero at text), and its image blocks attend to themselves both ways (one prefill chunk each).
 * Refused before loading, saying why (tests/tiny_vlm_falcon.py): Falcon Perception (its decode steps
   feed decoded boxes back into the next embedding).
-* Refused at load, saying why: GLM-5-Next (sparse-attention layers with an indexer's pooled-key
-  cache), Mistral Large 3 without torch (mlx-vlm leaves it transformers' torch-only PixtralProcessor).
+* GLM-5-Next (tests/tiny_vlm_moe_text.py): GLM-4.1V's prompt layout and Qwen2-VL-style patches under a
+  hybrid text model without positions (delta attention, NoPE sparse attention with an indexer's pooled
+  keys, hyper-connections, a MoE) whose caches the engine holds per request (``HELD``); its images are laid
+  out by the package's own image processor, which mlx-vlm's ``load`` puts over the checkpoint's (so does the
+  engine's load), at its defaults whatever the processor config says (the tiny model's asks fewer tokens).
+* Refused at load, saying why: Mistral Large 3 without torch (mlx-vlm leaves it transformers' torch-only
+  PixtralProcessor).
 * Gemma 4 with ``use_bidirectional_attention="vision"`` (Gemma 4 unified's default): each block of
   soft tokens sees itself whole; its span stays in one prefill chunk whatever the budget.
 * DiffusionGemma is refused, saying why: no token-by-token generator (it denoises a canvas).
@@ -134,8 +142,8 @@ over mlx-vlm's cache). What each family adds over Qwen2-VL / LLaVA:
   larger), and a Step 3.5 text model: a sliding-window layer with fewer heads and half-rotary
   heads, a global layer with a sigmoid-routed MoE, head-wise gates. One image a prompt
   (``ONE_IMAGE``): its processor puts all of a prompt's images at its one ``<im_patch>``.
-* Refused at load, saying why: Qwen4-Exp (tests/tiny_vlm_qwen_rest.py: delta-net layers with
-  n-gram PLE and sparse-attention layers whose indexer keeps pooled keys in a cache of its own).
+* Qwen4-Exp (tests/tiny_vlm_qwen_rest.py): delta-net layers with n-gram PLE and sparse-attention
+  layers whose indexer keeps pooled keys in a cache of its own: held per request (``HELD``).
 
 * DeepSeek-VL2 (tests/tiny_vlm_deepseek.py): SigLIP tiles plus a global view, each row closed by
   a learned newline, a learned view separator, and a DeepSeek-V2 text model (latent attention, a
@@ -149,8 +157,8 @@ over mlx-vlm's cache). What each family adds over Qwen2-VL / LLaVA:
   with its defaults), so its pools are larger.
 * Refused at load, saying why (tests/tiny_vlm_gemma3n.py: its MobileNet-V5 tower shrunk): Gemma 3n (mlx-vlm's
   prompt embeddings lack the sqrt(hidden_size) scale its text model gives the tokens it decodes).
-* Refused at load, saying why: MiniMax-M3-VL (its sparse-attention layers keep the indexer's keys in
-  a cache kind of mlx-vlm's own, ``MiniMaxM3KVCache``, which the engine does not page).
+* MiniMax-M3-VL: its sparse-attention layers keep the indexer's keys in a cache kind of mlx-vlm's
+  own, ``MiniMaxM3KVCache``: held per request (``HELD``).
 
 * LocateAnything (tests/tiny_vlm_misc.py): MoonViT and a Qwen2 text model under a processor
   that expands numbered ``<image-N>`` placeholders, not its ``image_token``: a hook names the
@@ -284,6 +292,7 @@ PLACEHOLDER = {
     "got": "",
     "plamo2vl": "",
     "florence2": "",
+    "nemotron_parse": "",
     "paligemma": "<image>",
     "fastvlm": "<image>",
     "jina_vlm": "<|image|>",
@@ -293,6 +302,7 @@ PLACEHOLDER = {
     "phi4_siglip": "<image>",
     "phi3_v": "<|image_1|>",  # numbered: a prompt's k-th image is <|image_k|> (``numbered``)
     "mllama": "<|image|>",
+    "glm5_next": "<|begin_of_image|><|image|><|end_of_image|>",
 }
 
 NUMBERED = {"phi3_v"}
@@ -351,7 +361,9 @@ HYBRID = {"qwen3_5", "qwen3_5_moe", "lfm2_vl", "d1", "nemotron_h_nano_omni", "cl
 
 HELD = {"minimax_m3_vl", "qwen4_exp",
         "florence2",
-        "mllama"}
+        "mllama",
+        "glm5_next",
+        "nemotron_parse"}
 """Families whose text model keeps caches of its own package's classes: the engine holds them per
 request (``executor/held_caches.py``), with no prefix cache."""
 
@@ -405,6 +417,8 @@ ONE_IMAGE = {
     "plamo2vl": "shares one budget of tokens",
     # Florence-2's processor writes one image's tokens before BOS, the text and EOS.
     "florence2": "places images itself",
+    # NeMo Parse's encoder reads one image (its processor stacks a prompt's images as a batch).
+    "nemotron_parse": "its encoder reads one image",
     # mlx-vlm's PaliGemma keeps the first image's features alone and writes them by prompt position:
     # right for one image at the prompt's start, as its checkpoints are prompted.
     "paligemma": "mlx-vlm's model merges the first image's features only",
@@ -433,11 +447,18 @@ repeated image comes from the MLLM cache."""
 
 
 PROMPT_WRITTEN_BY_PROCESSOR = {"falcon_ocr", "molmo", "moondream3", "got", "plamo2vl",
-                               "florence2"}
+                               "florence2",
+                               "nemotron_parse"}
 """Families whose processor writes the whole prompt itself (Falcon OCR's: the image, then the instruction
 of the OCR category the text names; Molmo's, Moondream 3's, GOT-OCR's and PLaMo 2 VL's: the image before
 the text, in a template of their own): two prompts with the same image and other words share the image's
 blocks (or are the same prompt), so only a test with the prefix cache off sees the MLLM cache serve the second."""
+
+
+IMAGE_ALONE = {"nemotron_parse"}
+"""Encoder-decoders whose encoder reads the image alone, the prompt's ids seeding the decoder (the adapter's
+``image_alone``): a text alone has no call in mlx-vlm and is refused, that request alone; the engine's prompt
+is one stand-in per encoder state (mlx-vlm's ``inputs_embeds`` rows), then the processor's ids."""
 
 
 def kv_blocks(name: str, blocks: int) -> int:
@@ -542,6 +563,8 @@ def test_the_prompt_is_expanded_as_mlx_vlm_expands_it(family, engine):
         # The text alone, not in a list, as mlx-vlm's generation passes it (DeepSeek-VL2's processor
         # takes a list as a batch of prompts with one image each).
         expected = processor_ids(model_dir, processor, text, images)
+        if name in IMAGE_ALONE:
+            expected = [engine.vision.image_token_id] * encoder_rows(model_dir, images) + expected
         if name in MODEL_EXPANDS:
             expected = model_expanded(model_dir, text, images, expected, engine.vision.image_token_id)
         assert engine.prepare_prompt(text, images).token_ids == expected, text
@@ -560,6 +583,17 @@ def processor_ids(model_dir, processor, text: str, images: list) -> list[int]:
     mark = load_config(model_dir).get("image_token_index")
     inputs = prepare_inputs(processor, images=images, prompts=text, image_token_index=mark)
     return np.array(inputs["input_ids"])[0].tolist()
+
+
+def encoder_rows(model_dir, images: list) -> int:
+    """The encoder states mlx-vlm's model gives for ``images`` (an ``IMAGE_ALONE`` family's)."""
+    import mlx.core as mx
+    from mlx_vlm import load
+    from mlx_vlm.utils import prepare_inputs
+
+    model, processor = load(str(model_dir))
+    inputs = prepare_inputs(processor, images=images, prompts="x")
+    return model.get_input_embeddings(inputs["input_ids"], mx.array(inputs["pixel_values"])).inputs_embeds.shape[1]
 
 
 def model_expanded(model_dir, text: str, images: list, ids: list[int], stand_in: int) -> list[int]:
@@ -643,6 +677,11 @@ def test_batched_with_text_requests_equals_solo(family):
     options = {"num_kv_blocks": kv_blocks(name, 30), "max_num_batched_tokens": 12, "enable_prefix_caching": False}
     engine = family_engine(model_dir, **options)
     try:
+        if name in IMAGE_ALONE:  # a text alone is refused, saying why; the text requests take an image instead
+            for text, _ in [p for p in prompts if not p[1]]:
+                with pytest.raises(ValueError, match="it needs an image"):
+                    engine.prepare_prompt(text, [])
+            prompts = [(text, images or [picture(10 + i)]) for i, (text, images) in enumerate(prompts)]
         solo = [tokens(run_prompts(engine, [p]))[0] for p in prompts]
         batched = tokens(run_prompts(engine, prompts))
         preemptions = engine.get_stats()["scheduler"]["preemptions"]
@@ -895,9 +934,6 @@ def test_phi4_siglip_wraps_a_plain_prompt_once_as_its_processor_does(tmp_path):
 REFUSED_AT_LOAD = {
     # MolmoPoint's point predictor keeps per-request image state on the model between steps.
     "molmo_point": r"'molmo_point'.*per-request image state.*point predictor",
-    # GLM-5-Next's state caches are held per request (executor/held_caches.py), but an image prompt's
-    # tokens leave mlx-vlm's after a few, not yet explained: refused by name until then.
-    "glm5_next": r"'glm5_next'.*image prompt, greedy tokens that leave mlx-vlm's own",
     # Falcon Perception: Falcon OCR's layout, positions and mask (served), but its decode steps feed boxes
     # decoded from the previous step's hidden state back into the next embedding (state on its text model).
     "falcon_perception": r"'falcon_perception'.*decode steps feed coordinates and sizes decoded",

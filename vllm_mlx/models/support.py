@@ -75,11 +75,13 @@ SWEPT_TEXT = (
 # engine decides at load from their cache classes; this names what tests/models/test_model_support.py expects).
 HELD_TEXT = ("deepseek_v41", "longcat_flash_ngram")
 # The tested mlx-vlm families served so (MiniMax-M3-VL's MiniMaxM3KVCache, Qwen4-Exp's QSAKVCache and state
-# caches; mllama's, for its per-request cross-attention states; Florence-2's encoder outputs): the code
-# reader cannot see it.
+# caches, GLM-5-Next's indexer and state caches; mllama's, for its per-request cross-attention states;
+# Florence-2's encoder outputs): the code reader cannot see it.
 HELD_VISION = ("minimax_m3_vl", "qwen4_exp",
                "florence2",
-               "mllama")
+               "mllama",
+               "glm5_next",
+               "nemotron_parse")
 
 # Architecture -> the tiny-model oracle test (pytest node id) that runs it in the engine.
 # Add a line with the test; tests/models/test_model_support.py checks every node id collects.
@@ -139,6 +141,8 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
                         "phi3_v",
                         "florence2",
                         "mllama",
+                        "glm5_next",
+                        "nemotron_parse",
                         )},
     },
 }

@@ -884,13 +884,6 @@ TEXT_MODEL_REFUSALS: dict[str, str] = {
 what the load-time check cannot see because it runs one row."""
 
 ARCHITECTURE_REFUSALS: dict[str, str] = {
-    # An encoder-decoder (its ``decoder_inputs_embeds``), but not as the engine's encoder-decoder path runs one
-    # (the prompt through the encoder): mlx-vlm's Nemotron-Parse encodes the image alone and, for a prompt of
-    # more than one token, seeds its decoder with the prompt's ids (BOS and EOS stripped); its embeddings
-    # without pixels raise, so a text-only prompt has no call at all.
-    "nemotron_parse": "is an encoder-decoder whose encoder reads the image alone while the prompt's text seeds its "
-    "decoder (mlx-vlm's own generation), where the engine's encoder-decoder path sends the prompt through the "
-    "encoder: send it to mlx-vlm directly",
     "molmo_point": "keeps per-request image state on the model between steps: its point predictor extends "
     "the logits over the image's patches, from the prefill's hidden states, and a logit processor follows "
     "the tokens generated so far (mlx-vlm routes its generation through the whole model's call), where the "
@@ -900,10 +893,6 @@ ARCHITECTURE_REFUSALS: dict[str, str] = {
     "state back into the next embedding (per-request state kept on its text model, _pending_coord_xy)",
     # No oracle either: mlx-vlm 0.7.10's own prefill calls its text model with ``inputs=``, which it does not
     # take (TypeError) for any prompt of more than one token.
-    # Its delta-net state caches (mlx-vlm's own calls) are held per request now (executor/held_caches.py),
-    # and a text prompt equals mlx-vlm's, but an image prompt's tokens leave mlx-vlm's after six.
-    "glm5_next": "gives, on an image prompt, greedy tokens that leave mlx-vlm's own after a few (its tiny "
-    "model's test; a text prompt equals mlx-vlm's, its caches held per request): not yet explained, so not served",
     "zaya1_vl": "keeps, in each CCA layer, a convolution state and the previous hidden state in a CacheList beside "
     "the KV, a recurrent state no oracle test has checked in the engine's state pool",
     # mlx-vlm 0.7.10's Gemma 3n: its get_input_embeddings gives text tokens embed_tokens(ids) unscaled, where its
@@ -971,8 +960,10 @@ def load_vision_language_model(path: Path, config: dict, trust_remote_code: bool
         model = load_model(path)
         make_portable(model)  # Metal-only kernels (Muse Spark's) in MLX ops, on a backend without Metal
         processor = load_processor(path, add_detokenizer=False, trust_remote_code=trust_remote_code)
-        if getattr(processor, "tokenizer", None) is None:  # a tokenizer alone (Bunny, Janus): mlx-vlm's
-            _attach_image_processor(processor, path)  # load attaches the package's image processor to it
+        # mlx-vlm's load puts the package's own image processor on every processor (a tokenizer alone too:
+        # Bunny, Janus), in place of the one the checkpoint's processor config built (GLM-5-Next's then sizes
+        # images by its defaults, not the config's token budget): the engine's images are laid out as its.
+        _attach_image_processor(processor, path)
     except (ValueError, OSError, KeyError, TypeError) as exc:
         raise ModelSourceError(f"cannot load the vision-language model in {path}: {exc}".splitlines()[0]) from exc
     except ImportError as exc:  # a processor class whose backend is missing: transformers' torch-only ones
@@ -987,14 +978,15 @@ def load_vision_language_model(path: Path, config: dict, trust_remote_code: bool
         ) from None
 
 
-def _attach_image_processor(tokenizer, path: Path) -> None:
-    """The model package's own image processor on ``tokenizer``, as mlx-vlm's ``load`` attaches it
-    (its ``prepare_inputs`` then builds the prompt itself: ``vlm_generic.SplicingPromptBuilder``)."""
+def _attach_image_processor(processor, path: Path) -> None:
+    """The model package's own image processor (its ``ImageProcessor``, where it has one) on ``processor``,
+    as mlx-vlm's ``load`` attaches it: over the processor's own, or on a tokenizer alone (mlx-vlm's
+    ``prepare_inputs`` then builds the prompt itself: ``vlm_generic.SplicingPromptBuilder``)."""
     from mlx_vlm.utils import load_image_processor
 
     image_processor = load_image_processor(path)
     if image_processor is not None:
-        tokenizer.image_processor = image_processor
+        processor.image_processor = image_processor
 
 
 def _first_paragraph(exc: Exception) -> str:

@@ -91,7 +91,7 @@ from vllm_mlx.core.multimodal import ImageInput, MultiModalInput
 from vllm_mlx.executor.attention import UnsupportedModelError
 from vllm_mlx.multimodal.images import ImageSource, load_image
 from vllm_mlx.multimodal.media_policy import SERVER_MAX_IMAGES, MediaPolicy
-from vllm_mlx.multimodal.vlm_models import VisionLanguageModel
+from vllm_mlx.multimodal.vlm_models import ImageRows, VisionLanguageModel
 from vllm_mlx.multimodal.vlm_placeholder import (
     LAYOUT_TEXT,
     PROBE_IMAGE_SIZE,
@@ -151,7 +151,8 @@ deepstack rows at every position and leaves the mask unused); any other way, the
 STATE_CALLS = frozenset({"update_window", "update_recurrent"})
 """Calls some mlx-vlm recurrent layers make on their state cache that mlx-lm's ``ArraysCache`` (and
 the engine's state pool, which implements it) lacks: only Qwen3.5's hook adds them
-(``vlm_families.MlxVlmStateCache``); elsewhere (GLM-5-Next) the check at load refuses them."""
+(``vlm_families.MlxVlmStateCache``); elsewhere the check at load refuses them, unless the engine holds
+the model's own caches per request (GLM-5-Next's: ``held_caches``)."""
 VISION_BLOCKS = "vision"
 """``use_bidirectional_attention`` for Gemma 4's rule: each block of vision tokens sees itself whole."""
 WHOLE_PROMPT = True
@@ -256,6 +257,12 @@ class GenericVisionModel(VisionLanguageModel):
     places_images_itself = False
     """Its processor, not the prompt, decides where images go (``layout_prompt_ids``, module doc)."""
 
+    image_alone = False
+    """An encoder-decoder whose encoder reads the image alone and whose decoder the prompt's ids seed (NeMo
+    Parse): its processor puts the image nowhere in the prompt; the engine's prompt is the image's run (one
+    stand-in per encoder state, the model's rows: ``expands_in_model``) before the processor's ids, the run
+    through the encoder, the ids after it through the decoder (``encoder_decoder_hidden_states``)."""
+
     def __init__(self, model, processor, config: dict, path) -> None:
         processor = SplicingPromptBuilder.around(model, processor)
         try:
@@ -263,10 +270,13 @@ class GenericVisionModel(VisionLanguageModel):
         except UnsupportedModelError as no_placeholder:
             # mlx-vlm serves a processor that places images itself (Molmo, Moondream, PLaMo 2 VL, GOT-OCR)
             # that way, whatever the prompt says: so does the engine, where one image's run can be found.
-            if not places_images_itself(processor):
+            # An encoder-decoder whose encoder reads the image alone puts it nowhere in the prompt (NeMo Parse).
+            self.image_alone = not places_images_itself(processor) and _encodes_the_image_alone(model, processor)
+            if not places_images_itself(processor) and not self.image_alone:
                 raise
             try:
-                self.image_placeholder_text, self._plain_ids, self._run = self._processor_layout(model, processor)
+                layout = self._image_alone_layout if self.image_alone else self._processor_layout
+                self.image_placeholder_text, self._plain_ids, self._run = layout(model, processor)
             except (ValueError, TypeError, KeyError, IndexError):  # its model cannot merge the probe: why not first
                 raise no_placeholder from None
             self.places_images_itself = True
@@ -384,6 +394,19 @@ class GenericVisionModel(VisionLanguageModel):
             "for the whole prompt"
         )
 
+    def _image_alone_layout(self, model, processor) -> tuple[str, list[int], ImageRun]:
+        """``_processor_layout`` for an encoder that reads the image alone (``image_alone``): the image's run is
+        empty in the processor's ids (the model gives its length), put before the prompt's ids; its stand-in
+        any token of the vocabulary (the model never embeds it: its rows are the encoder's)."""
+        from PIL import Image
+
+        ids = np.asarray(processor(text=[LAYOUT_TEXT], return_tensors="np")["input_ids"]).reshape(-1).tolist()
+        stand_in = getattr(processor.tokenizer, "pad_token_id", None) or 0
+        self._layout_probe = (Image.new("RGB", PROBE_IMAGE_SIZE), [])
+        self.max_images_per_prompt = 1
+        self.images_limit_reason = "its encoder reads one image"
+        return LAYOUT_TEXT, [stand_in, *ids], ImageRun(0, len(ids), stand_in)
+
     def layout_prompt_ids(self, text: str, count: int) -> list[int]:
         """The ids of ``text`` with ``count`` images as its processor lays them out itself (only where
         ``places_images_itself``): the processor's own prompt for probe images, each image's run one
@@ -394,6 +417,10 @@ class GenericVisionModel(VisionLanguageModel):
             ValueError: The processor's prompt holds another number of images than ``count``.
         """
         probe, run = self._layout_probe
+        if self.image_alone:  # the image before the prompt's ids (``image_alone``); a text alone has no call
+            if count != 1:
+                raise ValueError("it needs an image: its encoder reads the image alone (one a prompt)")
+            return [self._run.stand_in, *np.asarray(self.processor(text=[text])["input_ids"]).reshape(-1).tolist()]
         outputs = self.processor(text=[text], images=[probe] * count, return_tensors="np")
         prompts = np.asarray(outputs["input_ids"])
         ids = prompts[0].tolist() if prompts.shape[0] == 1 else []
@@ -618,7 +645,7 @@ class GenericVisionModel(VisionLanguageModel):
             self._expand_in_model()
             image = self.process(probe, MediaPolicy.operator())
             merged = self._merged(image)
-            why_not = self._why_images_do_not_merge_alone(image, merged)
+            why_not = "" if self.image_alone else self._why_images_do_not_merge_alone(image, merged)
             if why_not:
                 self.max_images_per_prompt = 1
                 self.images_limit_reason = why_not
@@ -644,6 +671,9 @@ class GenericVisionModel(VisionLanguageModel):
                 "(the generic path passes embeddings and the cache only)"
             )
         if self.encoder_decoder:
+            # Its decoder's start token embedded (the same for every image): the image-alone encoder's text
+            # has no call of its own to give it (its embeddings without pixels raise).
+            self._decoder_start = _fields(merged)[DECODER_START]
             self._settle_encoder_decoder()
             return
         if self.uses_mrope and GRID_KEY not in image.encoder_inputs and not self._grid_free_positions(merged, image):
@@ -791,7 +821,7 @@ class GenericVisionModel(VisionLanguageModel):
     @staticmethod
     def _refusing_known_failures(call, *args, **kwargs):
         """``call(*args, **kwargs)``, refusing a model whose code fails in a way the engine knows:
-        its recurrent layers make ``STATE_CALLS`` on their cache (GLM-5-Next's)."""
+        its recurrent layers make ``STATE_CALLS`` on a cache the engine pages (GLM-5-Next's caches are held)."""
         try:
             return call(*args, **kwargs)
         except AttributeError as exc:
@@ -931,7 +961,13 @@ class GenericVisionModel(VisionLanguageModel):
         decoder's (the tokens it generated), which attend to the encoder's outputs kept in ``caches[-1]``."""
         *decoder_caches, encoder = caches
         logits = []
-        if encoder_tokens:
+        if encoder_tokens and self.image_alone:
+            if images is None:  # a text alone is refused (``text_only_input``): the probes at load, as an image
+                states = mx.zeros((encoder_tokens, self._decoder_start.shape[-1]))
+                images = ImageRows(list(range(encoder_tokens)), states, 1, inputs.shape[1])
+            logits.append(self._image_alone_prefill(inputs[:, :encoder_tokens], decoder_caches, images, encoder))
+            inputs = inputs[:, encoder_tokens:]
+        elif encoder_tokens:
             # Image tokens' ids as 0: their rows are the features (Florence-2's embedding drops its image ids).
             merged = self.model.get_input_embeddings(inputs if images is None else mx.where(images.mask(), 0, inputs))
             embeds = _embeds(merged) if images is None else images.scatter(_embeds(merged), images.features)
@@ -947,6 +983,21 @@ class GenericVisionModel(VisionLanguageModel):
             out = self.language(None, decoder_input_ids=inputs, encoder_outputs=encoder.outputs, cache=decoder_caches)
             logits.append(_logits(out))
         return mx.concatenate(logits, axis=1)
+
+    def _image_alone_prefill(self, prompt: mx.array, decoder_caches: list, images, encoder) -> mx.array:
+        """The prompt's logits for an encoder that reads the image alone (``image_alone``): its image's rows
+        through the encoder, the ids after them to mlx-vlm's text model as its generation passes the prompt
+        (its own code seeds the decoder with them, or with its start token for one id), at the image's rows
+        the start token's logits (never sampled)."""
+        length = int(images.features.shape[0])
+        embeds = images.features[None].astype(self._decoder_start.dtype)
+        ids = prompt[:, length:]
+        out = self.language(ids, inputs_embeds=embeds, decoder_inputs_embeds=self._decoder_start,
+                            attention_mask=mx.ones(embeds.shape[:2]), cache=decoder_caches)  # fmt: skip
+        encoder.outputs = out.encoder_outputs
+        logits = _logits(out)
+        pad = mx.broadcast_to(logits[:, :1], (1, prompt.shape[1] - logits.shape[1], logits.shape[2]))
+        return mx.concatenate([pad, logits], axis=1)
 
     def probe_split(self, embeds: mx.array, **features) -> LanguageSplit:
         """The text model as backbone and head (``LanguageSplit.probe`` on the check's image rows);
@@ -996,6 +1047,8 @@ class GenericVisionModel(VisionLanguageModel):
 
     def text_only_input(self, num_tokens: int) -> MultiModalInput | None:
         """A prefix LM's text prompt: no image, its whole prompt one both-ways span (``WHOLE_PROMPT``)."""
+        if self.image_alone:  # mlx-vlm's model has no call for a text alone (its embeddings without pixels raise)
+            raise ValueError("it needs an image: its encoder reads the image alone, the text seeds its decoder")
         if self.both_ways is not WHOLE_PROMPT:
             return None
         return MultiModalInput(both_ways=self._both_ways_spans(num_tokens, []))
@@ -1044,6 +1097,26 @@ def _merged_layout(model, run: list[int], outputs, layout: ImageRun):
     inputs = {name: mx.array(value) for name, value in encoder_inputs.items()}
     ids = mx.array([run])
     return model.get_input_embeddings(ids, mx.array(pixels), mask=mx.ones(ids.shape, dtype=mx.int32), **inputs)
+
+
+def _encodes_the_image_alone(model, processor) -> bool:
+    """Whether ``model`` is an encoder-decoder whose encoder input is the image alone (``image_alone``): its
+    embeddings for a probe image come with the decoder's start (``DECODER_START``) and as many rows for two
+    texts of different lengths."""
+    from PIL import Image
+
+    probe = Image.new("RGB", PROBE_IMAGE_SIZE)
+    try:
+        rows = []
+        for text in ("a", "a longer text"):
+            out = processor(text=[text], images=[probe], return_tensors="np")
+            merged = model.get_input_embeddings(mx.array(out["input_ids"]), mx.array(out["pixel_values"]))
+            if _fields(merged).get(DECODER_START) is None:
+                return False
+            rows.append(_embeds(merged).shape[1])
+    except Exception:  # noqa: BLE001 -- a processor or model of another kind refuses the probe its own way
+        return False
+    return rows[0] == rows[1]
 
 
 def _call_here(fn):

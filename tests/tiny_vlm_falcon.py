@@ -9,9 +9,8 @@ so an image is 4-12 tokens) projected straight to the text width.
   positions of the image's patches (``pos_hw``: floats, zero at every other token), and its mask lets
   the run, from ``<|image_cls|>`` to the last patch, attend to itself both ways. Its processor writes
   the whole prompt itself: the text is only the name of an OCR category.
-* :func:`build_tiny_falcon_perception` (refused): Falcon Perception: Falcon OCR's layout and mask,
-  with coordinate, size and segmentation heads whose outputs its decode steps feed back into the
-  next token's embedding (per-request state on the model).
+  (Falcon Perception, Falcon OCR's layout with heads whose outputs its decode steps feed back:
+  tests/tiny_vlm_perception2.py.)
 """
 
 from __future__ import annotations
@@ -37,21 +36,25 @@ def build_tiny_falcon_ocr(out_dir: Path, tokenizer_dir: Path | None = None, *, s
     return _build_falcon(out_dir, "falcon_ocr", {}, seed)
 
 
-def build_tiny_falcon_perception(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
-    """A tiny random-weight Falcon Perception directory (module doc)."""
-    heads = {"coord_enc_dim": 16, "coord_dec_dim": 32, "coord_out_dim": 16, "size_enc_dim": 16,
-             "size_dec_dim": 32, "size_out_dim": 16, "do_segmentation": False}  # fmt: skip
-    return _build_falcon(out_dir, "falcon_perception", heads, seed)
-
-
-def _build_falcon(out_dir: Path, model_type: str, extra: dict, seed: int) -> Path:
+def _build_falcon(
+    out_dir: Path,
+    model_type: str,
+    extra: dict,
+    seed: int,
+    tokens: dict | None = None,
+    adjust=None,
+    patch: int = FALCON_PATCH,
+) -> Path:
     """A Falcon package's model under the tiny tokenizer's ids for its image tokens (the config's
-    defaults are the real vocabulary's, outside the tiny one)."""
+    defaults are the real vocabulary's, outside the tiny one); ``tokens``: more special tokens, by the
+    config key that names each one's id; ``adjust(model, ids)``: changes to the model before it is saved;
+    ``patch``: pixels a side of a patch."""
     arch = importlib.import_module(f"mlx_vlm.models.{model_type}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok = _char_level_tokenizer(FALCON_SPECIAL_TOKENS)
-    ids = {t: tok.token_to_id(t) for t in FALCON_SPECIAL_TOKENS}
+    tokens = tokens or {}
+    tok = _char_level_tokenizer([*FALCON_SPECIAL_TOKENS, *tokens.values()])
+    ids = {t: tok.token_to_id(t) for t in [*FALCON_SPECIAL_TOKENS, *tokens.values()]}
     registers = {f"image_reg_{n}_token_id": ids[token] for n, token in enumerate(FALCON_REGISTERS, start=1)}
     config = {
         "model_type": model_type,
@@ -65,12 +68,15 @@ def _build_falcon(out_dir: Path, model_type: str, extra: dict, seed: int) -> Pat
         "eos_token_id": [ids["<|end_of_text|>"]],
         # The package's from_dict and its processor read the patch size from the root; the engine
         # takes a config with a vision_config for mlx-vlm's (is_vision_language_config).
-        "spatial_patch_size": FALCON_PATCH,
-        "vision_config": {"spatial_patch_size": FALCON_PATCH, "temporal_patch_size": 1, "channel_size": 3},
+        "spatial_patch_size": patch,
+        "vision_config": {"spatial_patch_size": patch, "temporal_patch_size": 1, "channel_size": 3},
         **extra,
+        **{key: ids[token] for key, token in tokens.items()},
     }
     model = _instantiate(arch, config, seed)
     _randomize_zero_initialized(model.language_model.model)
+    if adjust is not None:
+        adjust(model, ids)
     _save_model(out_dir, model, config)
     _save_tokenizer(out_dir, tok, "<|end_of_text|>", "<|end_of_text|>", 512, FALCON_TEMPLATE)
     return out_dir

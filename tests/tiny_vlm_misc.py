@@ -15,9 +15,6 @@ are far from ties), each with mlx-vlm's own processor class:
   states sit beside the KV cache in a ``CacheList``, and a sigmoid-routed MoE). Its attention
   takes query positions from the number of keys its cache returns, one start for the whole call.
   A 100x60 picture is 2 rows of 3 tiles: 6 tokens.
-* :func:`build_tiny_moondream2`: Moondream 2 (a SigLIP-style tower on 378 px crops, a Phi text
-  model), weights and config only: mlx-vlm's processor for it always fetches its tokenizer from the
-  hub, and the engine refuses the architecture from its config before any processor loads.
 """
 
 from __future__ import annotations
@@ -37,7 +34,6 @@ from tiny_vlm_others import _simple_chat_template
 __all__ = [
     "build_tiny_inkling",
     "build_tiny_locateanything",
-    "build_tiny_moondream2",
 ]
 
 
@@ -54,36 +50,6 @@ def _plamo2_vocabulary(special_tokens: list[str]) -> list[list]:
     rows += [[f"<0x{byte:02X}>", 0.0, "BYTE"] for byte in range(256)]
     rows += [[ch, -1.0] for ch in CHARS]
     return rows
-
-
-# -- Moondream 2 --------------------------------------------------------------------------------
-
-
-def build_tiny_moondream2(out_dir: Path, *, seed: int = 0) -> Path:
-    """A tiny random-weight Moondream 2 model, no processor files (module doc): text hidden 32 and
-    1 layer, a 1-layer tower of width 32."""
-    from mlx_vlm.models import moondream2
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    text = {
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 1,
-        "vocab_size": 128,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
-    }
-    vision = {
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "proj_inner_dim": 64,
-        "proj_out_dim": 32,
-    }
-    config = {"model_type": "moondream2", "text_config": text, "vision_config": vision}
-    _save_model(out_dir, _instantiate(moondream2, config, seed), config)
-    return out_dir
 
 
 # -- LocateAnything -----------------------------------------------------------------------------

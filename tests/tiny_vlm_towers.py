@@ -106,9 +106,19 @@ def _jina_vlm_shrunk() -> Iterator[None]:
 
 
 def _gemma3n_shrunk():
-    from tiny_vlm_gemma3n import gemma3n_shrunk  # its own module (tests/tiny_vlm_gemma3n.py)
+    from tiny_vlm_gemma3n import (
+        gemma3n_shrunk,  # its own module (tests/tiny_vlm_gemma3n.py)
+    )
 
     return gemma3n_shrunk()
+
+
+def _deepseekocr_shrunk():
+    from tiny_vlm_ocr import (
+        _deepseekocr_shrunk as shrunk,  # lazily: it imports this module
+    )
+
+    return shrunk()
 
 
 TOWER_SHRINKS: dict[str, Callable] = {
@@ -117,6 +127,7 @@ TOWER_SHRINKS: dict[str, Callable] = {
     "gemma3n": _gemma3n_shrunk,
     "phi3_v": phi3_v_shrunk,
     "nemotron_parse": nemotron_parse_shrunk,
+    **dict.fromkeys(("deepseekocr", "unlimited_ocr"), _deepseekocr_shrunk),
 }
 """Families whose tiny model exists only while its shrink is applied: building and loading both."""
 

@@ -100,8 +100,10 @@ over mlx-vlm's cache). What each family adds over Qwen2-VL / LLaVA:
   writes the whole prompt (one image, then the instruction of the OCR category the text names), its
   1-D positions stand still over an image's run, beside 2-D positions of the patches (a per-token
   feature, zero at text), and its image blocks attend to themselves both ways (one prefill chunk each).
-* Refused before loading, saying why (tests/tiny_vlm_falcon.py): Falcon Perception (its decode steps
-  feed decoded boxes back into the next embedding).
+* Falcon Perception (tests/tiny_vlm_perception2.py): Falcon OCR's layout, positions and mask, its processor
+  placing the image before an instruction and the text (its query), and decode steps that feed a coordinate
+  and a size decoded from the previous step's hidden state back into the next embedding (state on its text
+  model): held per request (``HELD``, one row a call); its tiny model generates such tokens. One image a prompt.
 * GLM-5-Next (tests/tiny_vlm_moe_text.py): GLM-4.1V's prompt layout and Qwen2-VL-style patches under a
   hybrid text model without positions (delta attention, NoPE sparse attention with an indexer's pooled
   keys, hyper-connections, a MoE) whose caches the engine holds per request (``HELD``); its images are laid
@@ -116,7 +118,11 @@ over mlx-vlm's cache). What each family adds over Qwen2-VL / LLaVA:
   ``visual_pos_masks`` and deepstack rows (vision blocks 0 and 1, added after text layers 0 and 1)
   travel with the image's rows and reach the text model by name, the mask over the step's tokens
   and each layer's rows at its image tokens; multi-axis positions from its ``get_rope_index``.
-* Refused at load, saying why: Zaya1-VL (CCA state in a CacheList).
+* Zaya1-VL (tests/tiny_vlm_zaya.py): CCA attention (queries and keys through causal convolutions, values
+  half from the previous token) whose convolution inputs and last hidden state sit in a ``CacheList``
+  beside the KV: the engine holds its own caches per request (``HELD``); a vision LoRA where its
+  ``visual_pos_masks`` (which travel with the image's rows) are True. Its oracle is its model's own call
+  (``MODEL_CALL_ORACLE``: mlx-vlm's generation prefills with ``inputs=``, which its text model does not take).
 * Granite 4 Vision (tests/tiny_vlm_granite.py): deepstack features as whole-prompt arrays (a row
   per prompt token, zeros at text) that its text model slices at its cache's offset, one slice for
   the call: the engine keeps each layer's row with the image's rows and gives each call its rows'
@@ -167,8 +173,10 @@ over mlx-vlm's cache). What each family adds over Qwen2-VL / LLaVA:
   a text model without rotary positions (a banded relative-bias mask and log-scaled queries
   placed from the number of keys the cache returns: one row a forward call), with short
   convolutions whose states sit in the state pool beside each layer's KV (a ``CacheList``).
-* Refused from its config before anything loads, saying why (tests/tiny_vlm_misc.py): Moondream 2
-  (Moondream 3's processor, its tokenizer always fetched from the hub).
+* Moondream 2 (tests/tiny_vlm_moondream2.py): Moondream 3's processor (the image placed by it, after the
+  BOS), its tokenizer always loaded from the hub repo ``moondream/starmie-v1``: its tests run offline on a
+  warm hub cache holding a tiny tokenizer as that repo, which the engine and mlx-vlm both read; without
+  it the engine fails at once naming the repo. A Phi text model (partial rotary positions).
 
 * Hunyuan-VL (tests/tiny_vlm_hunyuan.py): its family hook passes the processor's 4-axis rotary
   positions (base, w, h, t; grid values inside each image) with every call and takes mlx-vlm's
@@ -197,6 +205,12 @@ over mlx-vlm's cache). What each family adds over Qwen2-VL / LLaVA:
   whole prompt, text-only ones too, is one both-ways span (one prefill chunk whatever the budget, no
   prefix hit inside it: ``WHOLE_PROMPT_BOTH_WAYS``); its processor writes the BOS after the image and a
   closing newline (its hook). One image a prompt (``ONE_IMAGE``): mlx-vlm merges the first image only.
+* DeepSeek-OCR (tests/tiny_vlm_ocr.py): SAM's features are CLIP's patch embeddings, a global view of rows
+  closed by a learned newline and a view separator; its processor, told to keep the whole prompt (its hook:
+  by default it drops the last token), writes its BOS itself and gives its pixels as a list of arrays of
+  several sizes (kept apart). SAM (built from ``SAMViTConfig()``'s defaults) and the 1024 px global view
+  shrunk while its tests build and load it. mlx-vlm's own generation raises on two images
+  (``ORACLE_FAILS_ON_TWO``): each is held to it alone.
 
 * Phi-3-vision (``phi3_v``, tests/tiny_vlm_phi3v.py): its CLIP tower built from a class constant, shrunk
   while its tests build and load it (1024 wide, 336 px crops: literals of mlx-vlm's code, 313 tokens an
@@ -215,6 +229,7 @@ image in the cached prefix, and the MLLM cache runs the encoder once for an imag
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -289,6 +304,7 @@ PLACEHOLDER = {
     # no placeholder (a text one would be text to them; PLaMo 2 VL's own would count as one image more).
     "molmo": "",
     "moondream3": "",
+    "moondream2": "",
     "got": "",
     "plamo2vl": "",
     "florence2": "",
@@ -300,9 +316,12 @@ PLACEHOLDER = {
     "minimax_m3_vl": "]<]image[>[",
     "qwen4_exp": "<|vision_start|><|image_pad|><|vision_end|>",
     "phi4_siglip": "<image>",
+    "zaya1_vl": "<|vision_start|><image><|vision_end|>",
+    "falcon_perception": "",  # its processor places the image itself: the text is its query
     "phi3_v": "<|image_1|>",  # numbered: a prompt's k-th image is <|image_k|> (``numbered``)
     "mllama": "<|image|>",
     "glm5_next": "<|begin_of_image|><|image|><|end_of_image|>",
+    "deepseekocr": "<image>",
 }
 
 NUMBERED = {"phi3_v"}
@@ -320,11 +339,12 @@ def numbered(name: str, text: str) -> str:
         out += PLACEHOLDER[name].replace("1", str(number)) + piece
     return out
 
-MODEL_CALL_ORACLE = {"ernie4_5_moe_vl"}
+MODEL_CALL_ORACLE = {"ernie4_5_moe_vl", "zaya1_vl"}
 """Families whose oracle is the model's own call (``model_call_greedy``), not mlx-vlm's generation,
 which disagrees with it: ERNIE 4.5 VL's ``Model.__call__`` builds token types from the ids (image
 tokens to the vision experts), which its generation, running the text model on embeddings, never
-passes (``test_ernie_token_types_reach_the_text_model``)."""
+passes (``test_ernie_token_types_reach_the_text_model``); or fails: mlx-vlm 0.7.10's prefill calls
+Zaya1-VL's text model with ``inputs=``, which it does not take (``test_zaya1_vl_generation_fails_in_mlx_vlm``)."""
 
 
 def greedy(name: str, model_dir, text: str, images: list, max_tokens: int) -> list[int]:
@@ -337,12 +357,17 @@ def model_call_greedy(model_dir, text: str, images: list, max_tokens: int) -> li
     """Greedy tokens of mlx-vlm's ``Model.__call__`` over its own cache: the prompt as mlx-vlm's
     ``prepare_inputs`` gives it, with the pixels and the processor's other outputs, then one token a
     call without them (as mlx-vlm's decode steps run). No end-of-sequence stop, as ``mlx_vlm_greedy``."""
-    import mlx.core as mx
     from mlx_vlm import load
+
+    return loaded_model_call_greedy(*load(str(model_dir)), text, images, max_tokens)
+
+
+def loaded_model_call_greedy(model, processor, text: str, images: list, max_tokens: int) -> list[int]:
+    """``model_call_greedy`` on a model and processor already loaded (a test may change the model first)."""
+    import mlx.core as mx
     from mlx_vlm.models.cache import make_prompt_cache
     from mlx_vlm.utils import prepare_inputs
 
-    model, processor = load(str(model_dir))
     inputs = prepare_inputs(processor, images=images, prompts=text)
     rest = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
     cache = make_prompt_cache(model.language_model)
@@ -363,20 +388,22 @@ HELD = {"minimax_m3_vl", "qwen4_exp",
         "florence2",
         "mllama",
         "glm5_next",
-        "nemotron_parse"}
+        "nemotron_parse",
+        "zaya1_vl",
+        "falcon_perception"}
 """Families whose text model keeps caches of its own package's classes: the engine holds them per
 request (``executor/held_caches.py``), with no prefix cache."""
 
 KV_SCALE = {"molmo2": 8, "step3p7": 2, "gemma4_unified": 5, "llava_bunny": 7, "hunyuan_vl": 3, "moondream3": 7,
-            "got": 4, "phi3_v": 6,
+            "got": 4, "phi3_v": 6, "moondream2": 7,
             "florence2": 0.7}
 """Families whose images are hundreds of tokens even in a tiny model (mlx-vlm's ``load`` builds
 Molmo 2's image processor with its defaults: 378 px crops, 424 tokens or more an image; Step
 3.7's processor resizes every image to 728 px, 171 tokens; Gemma 4 unified's, built with its
 defaults too, up to 280 tokens, 531 for the batched test's two images; mlx-vlm's Bunny asserts
 729 features an image; Hunyuan-VL's processor resizes to 512x512 px or more, 274 tokens or more;
-Moondream 3's processor writes 729 image tokens; GOT-OCR's 256 inside a conversation of its own;
-Phi-3-vision's 313 tokens at least, a 336 px crop and the global view of its 1024-wide tower, literals of
+Moondream 3's and Moondream 2's processor writes 729 image tokens; GOT-OCR's 256 inside a conversation of its
+own; Phi-3-vision's 313 tokens at least, a 336 px crop and the global view of its 1024-wide tower, literals of
 mlx-vlm's code): their KV pools are this many times larger, so the same prompts fit, and the small pool
 still preempts. Florence-2's is smaller (its held prompts prefill whole and finish fast: 30 blocks never fill).
 """
@@ -398,6 +425,7 @@ ONE_IMAGE = {
     "paddleocr_vl": "fails on two",  # its processor stacks a prompt's images as one array
     "step3p7": "fails on two",  # its processor puts all of a prompt's images at its one <im_patch>
     "falcon_ocr": "writes the prompt itself, with one image",  # and expands the first image only
+    "falcon_perception": "places the image itself",  # before its instruction and the query, one image
     # mlx-vlm builds Bunny's prompt itself, keeping the text up to a second <image> only, and its
     # model splices the first image's features alone.
     "llava_bunny": "mlx-vlm's model merges the first image's features only",
@@ -410,8 +438,8 @@ ONE_IMAGE = {
     # text without them: each image after the first lands one token late (the engine's probe at load).
     "fastvlm": "places an image after the first off its run",
     # Their processor places images itself, and not two in one prompt as each alone (Molmo's makes a prompt
-    # an image, Moondream 3's and GOT-OCR's write one image's tokens).
-    **dict.fromkeys(("molmo", "moondream3", "got"), "places images itself"),
+    # an image, Moondream 3's, Moondream 2's and GOT-OCR's write one image's tokens).
+    **dict.fromkeys(("molmo", "moondream3", "moondream2", "got"), "places images itself"),
     # PLaMo 2 VL's processor gives a prompt's images fewer tiles together than alone once their tokens pass its
     # tile_context_length (the engine processes and caches each image alone): the check at load lays out large ones.
     "plamo2vl": "shares one budget of tokens",
@@ -427,12 +455,12 @@ ONE_IMAGE = {
 generation (the oracle) cannot take two either. A prompt of two is refused, that request alone,
 and their batched test uses one image a prompt."""
 
-ORACLE_FAILS_ON_TWO = {"jina_vlm": "Cannot reshape"}
+ORACLE_FAILS_ON_TWO = {"jina_vlm": "Cannot reshape", "deepseekocr": "cannot be broadcast"}
 """Families the engine serves two images a prompt (each image encoded alone, its processor takes the pair)
 where mlx-vlm's own generation raises on two (the message): Jina VLM's model reshapes a prompt's stacked
-crops as one image's. Their two-image test holds the engine to mlx-vlm's greedy tokens for each image
-alone instead, and the two-image prompt's to swapping its images (both reach the text model, in order);
-their batched test (a prompt of two images among others) holds it to itself solo."""
+crops as one image's; DeepSeek-OCR's writes each image's features to all of its prompt's image positions.
+Their two-image test holds the engine to mlx-vlm's greedy tokens for each image alone instead, and the
+two-image prompt's to swapping its images (both reach the text model, in order); their batched test (a prompt of two images among others) holds it to itself solo."""
 
 SECOND_IMAGE_SPLICED_AFTER_FIRST = {"multi_modality"}
 """Of ``ONE_IMAGE``: mlx-vlm's model (Janus's) splices every image's features at the first mark, one
@@ -446,12 +474,13 @@ WHOLE_PROMPT_BOTH_WAYS = {"paligemma"}
 repeated image comes from the MLLM cache."""
 
 
-PROMPT_WRITTEN_BY_PROCESSOR = {"falcon_ocr", "molmo", "moondream3", "got", "plamo2vl",
+PROMPT_WRITTEN_BY_PROCESSOR = {"falcon_ocr", "molmo", "moondream3", "moondream2", "got", "plamo2vl",
                                "florence2",
-                               "nemotron_parse"}
+                               "nemotron_parse",
+                               "falcon_perception"}
 """Families whose processor writes the whole prompt itself (Falcon OCR's: the image, then the instruction
-of the OCR category the text names; Molmo's, Moondream 3's, GOT-OCR's and PLaMo 2 VL's: the image before
-the text, in a template of their own): two prompts with the same image and other words share the image's
+of the OCR category the text names; Molmo's, Moondream 3's and 2's, GOT-OCR's and PLaMo 2 VL's: the image
+before the text, in a template of their own): two prompts with the same image and other words share the image's
 blocks (or are the same prompt), so only a test with the prefix cache off sees the MLLM cache serve the second."""
 
 
@@ -483,12 +512,16 @@ def tiny_builder(name: str):
 def family(request, tmp_path_factory):
     """A family's tiny model, its tests run inside its tower's shrink (tests/tiny_vlm_towers.py: mlx-vlm
     builds some towers at sizes no config sets, so building and every load, the engine's and the
-    oracle's, take the same small one)."""
+    oracle's, take the same small one) and, for Moondream 2, on the warm hub cache its builder writes
+    (tests/tiny_vlm_moondream2.py: its processor loads its tokenizer from the hub, offline from there)."""
+    from tiny_vlm_moondream2 import hub_cache_of, warm_hub_cache
     from tiny_vlm_towers import shrunk_tower
 
     name = request.param
     with shrunk_tower(name):
-        yield name, tiny_builder(name)(tmp_path_factory.mktemp(name))
+        model_dir = tiny_builder(name)(tmp_path_factory.mktemp(name))
+        with warm_hub_cache(hub_cache_of(model_dir)) if name == "moondream2" else contextlib.nullcontext():
+            yield name, model_dir
 
 
 @pytest.fixture(scope="module")
@@ -814,6 +847,44 @@ def test_ernie_token_types_reach_the_text_model(tmp_path):
     assert untyped == generated
 
 
+def test_zaya1_vl_generation_fails_in_mlx_vlm(tmp_path):
+    """Why Zaya1-VL's oracle is its model's own call (``MODEL_CALL_ORACLE``): mlx-vlm 0.7.10's generation
+    prefills by calling the text model with ``inputs=``, a keyword its ``LanguageModel.__call__`` does not
+    take (its ids are ``input_ids``), so it raises on any prompt of more than one token. When it runs, its
+    tokens should equal the model call's, and the family can be held to it."""
+    from tiny_vlm_zaya import build_tiny_zaya1_vl
+
+    model_dir = build_tiny_zaya1_vl(tmp_path / "zaya1_vl")
+    text, image = PLACEHOLDER["zaya1_vl"] + "What is in the picture?", picture(1, (100, 60))
+    with pytest.raises(TypeError, match="input_ids"):
+        mlx_vlm_greedy(model_dir, text, [image], max_tokens=8)
+
+
+def test_zaya1_vl_caches_are_held_and_its_image_mask_reaches_the_text_model(tmp_path):
+    """Zaya1-VL's ``make_cache`` gives each layer a ``CacheList`` of mlx-vlm's ``KVCache`` and an
+    ``ArraysCache`` (its CCA convolution's last inputs and the last hidden state) of an architecture no test
+    checks in the state pool: the engine holds them per request, from their classes (``layer_specs``). Its
+    vision LoRA applies where ``visual_pos_masks`` is True, which travels with the image's rows: the engine
+    equals the model's call, which answers otherwise with the LoRA off."""
+    from mlx_vlm import load
+    from tiny_vlm_zaya import build_tiny_zaya1_vl
+
+    from vllm_mlx.core.kv.spec import HeldCacheSpec
+
+    model_dir = build_tiny_zaya1_vl(tmp_path / "zaya1_vl")
+    text, image = PLACEHOLDER["zaya1_vl"] + "What is in the picture?", picture(1, (100, 60))
+    engine = family_engine(model_dir, num_kv_blocks=96)
+    try:
+        assert engine.runner.specs == [HeldCacheSpec()]
+        served = tokens(run_prompts(engine, [(text, [image])]))[0]
+    finally:
+        engine.shutdown()
+    model, processor = load(str(model_dir))
+    with_lora = loaded_model_call_greedy(model, processor, text, [image], max_tokens=8)
+    model.language_model.args.vision_lora = False  # the config every layer reads at each call
+    assert served == with_lora != loaded_model_call_greedy(model, processor, text, [image], max_tokens=8)
+
+
 def test_granite4_vision_image_rows_at_different_offsets_share_a_call_and_equal_mlx_vlm(tmp_path):
     """Granite 4 Vision's text model slices whole-prompt deepstack arrays at its cache's offset, one
     slice for the call: the engine gives it each row's own positions (``vlm_generic.StepWindow``).
@@ -934,15 +1005,13 @@ def test_phi4_siglip_wraps_a_plain_prompt_once_as_its_processor_does(tmp_path):
 REFUSED_AT_LOAD = {
     # MolmoPoint's point predictor keeps per-request image state on the model between steps.
     "molmo_point": r"'molmo_point'.*per-request image state.*point predictor",
-    # Falcon Perception: Falcon OCR's layout, positions and mask (served), but its decode steps feed boxes
-    # decoded from the previous step's hidden state back into the next embedding (state on its text model).
-    "falcon_perception": r"'falcon_perception'.*decode steps feed coordinates and sizes decoded",
-    # Zaya1-VL's image-token mask passes; its CCA layers keep a convolution and the previous hidden
-    # state in a CacheList beside the KV, a recurrent state no oracle test has checked in the state pool.
-    "zaya1_vl": r"'zaya1_vl'.*keeps, in each CCA layer, a convolution state and the previous hidden state",
     # Gemma 3n (tests/tiny_vlm_gemma3n.py: its MobileNet-V5 shrunk): mlx-vlm's prompt embeddings lack the scale its
     # text model gives the tokens it decodes (test_gemma3n_prompt_embeddings_lack_the_scale_of_its_decode_steps).
     "gemma3n": r"'gemma3n'.*without the sqrt\(hidden_size\) scale its text model applies to the tokens it decodes",
+    # Unlimited-OCR (DeepSeek-OCR's towers and processor, tests/tiny_vlm_ocr.py): its decode steps attend to the
+    # whole prompt plus a ring of the last generated tokens (RingSlidingKVCache, mlx-vlm's own), which a held
+    # cache rebuilt after a preemption (one prefill of prompt and generated tokens) does not reproduce.
+    "unlimited_ocr": r"'unlimited-ocr' needs RingSlidingKVCache caches.*cannot rebuild after a preemption",
 }
 """Families the engine refuses at load, on a tiny model of their own: the message each must say
 (``support.REFUSED_AT_LOAD`` gives the support table the same verdict, naming this test)."""
@@ -952,9 +1021,12 @@ REFUSED_AT_LOAD = {
 def test_a_family_the_generic_path_cannot_drive_is_refused_at_load_saying_why(tmp_path, name):
     """The check at load runs the generic path on a small image: a family it cannot drive is
     refused with what differs, never served wrong."""
-    model_dir = tiny_builder(name)(tmp_path / name)
-    with pytest.raises(UnsupportedModelError, match=REFUSED_AT_LOAD[name]):
-        EngineCore(model=str(model_dir), num_kv_blocks=32, block_size=4)
+    from tiny_vlm_towers import shrunk_tower
+
+    with shrunk_tower(name):  # built and loaded at the same small size (a no-op but for shrunk towers)
+        model_dir = tiny_builder(name)(tmp_path / name)
+        with pytest.raises(UnsupportedModelError, match=REFUSED_AT_LOAD[name]):
+            EngineCore(model=str(model_dir), num_kv_blocks=32, block_size=4)
 
 
 def test_gemma3n_prompt_embeddings_lack_the_scale_of_its_decode_steps(tmp_path):
@@ -1111,19 +1183,29 @@ def model_expanded_run(model_dir, image) -> list[int]:
     return [token for token in ids if token == processor.tokenizer.convert_tokens_to_ids("<image>")]
 
 
-def test_moondream2_is_refused_before_its_processor_reaches_for_the_hub(tmp_path):
-    """mlx-vlm's Moondream2Processor is Moondream 3's (served: the one image after the BOS) with
-    the tokenizer always fetched from the hub (``moondream/starmie-v1``), whatever the directory holds:
-    the engine refuses it from its config, at once, rather than after a minute of retries offline."""
+def test_moondream2_offline_without_its_hub_tokenizer_fails_at_once_naming_it(tmp_path):
+    """mlx-vlm's Moondream2Processor loads its tokenizer from the hub (``moondream/starmie-v1``) whatever the
+    directory holds: offline, on a hub cache without that repo, the engine says so at once (transformers'
+    own attempt retries for most of a minute), and serves the same directory once the cache holds it."""
     import time
 
-    from tiny_vlm_misc import build_tiny_moondream2
+    from tiny_vlm_moondream2 import (
+        build_tiny_moondream2,
+        hub_cache_of,
+        tokenizer_repo,
+        warm_hub_cache,
+    )
 
     model_dir = build_tiny_moondream2(tmp_path / "moondream2")
-    start = time.perf_counter()
-    with pytest.raises(UnsupportedModelError, match="'moondream2'.*from the hub.*starmie-v1"):
-        EngineCore(model=str(model_dir), num_kv_blocks=32, block_size=4)
-    assert time.perf_counter() - start < 5
+    with warm_hub_cache(tmp_path / "empty-hub-cache"):
+        start = time.perf_counter()
+        missing = rf"'moondream2'.*Hub repo '{tokenizer_repo()}'.*neither in the local hub cache"
+        with pytest.raises(ModelSourceError, match=missing):
+            EngineCore(model=str(model_dir), num_kv_blocks=32, block_size=4)
+        assert time.perf_counter() - start < 5
+    with warm_hub_cache(hub_cache_of(model_dir)):
+        engine = family_engine(model_dir, num_kv_blocks=kv_blocks("moondream2", 32))
+        engine.shutdown()
 
 
 def test_locateanything_numbered_placeholders_are_expanded_as_its_processor_expands_them(tmp_path):
@@ -1197,3 +1279,42 @@ def test_a_prefix_lm_prompt_attends_both_ways_whole_and_equals_mlx_vlm(tmp_path,
     text_only = prepared[1].mm_input
     longer = type(text_only)(both_ways=[(0, len(prepared[1].token_ids) + 4)])
     assert text_only.block_extra_keys(0, 4) != longer.block_extra_keys(0, 4)
+
+
+def test_falcon_perception_feeds_decoded_boxes_back_and_replays_them_after_preemption(tmp_path):
+    """Falcon Perception's decode steps give a generated ``<|coord|>`` (``<|size|>``) the coordinate (size)
+    decoded from the previous step's hidden state as its embedding, state its text model keeps per request
+    (``FalconPerceptionModel``). Its tiny model generates both tokens; mlx-vlm's tokens without the feedback
+    differ, so equality needs it; two such requests in a pool too small for both equal mlx-vlm's, the one
+    preempted in its decode replaying its tokens, feedback included, from a fresh state."""
+    import mlx.core as mx
+    from mlx_vlm import load
+    from mlx_vlm.generate import stream_generate
+    from tiny_vlm_perception2 import build_tiny_falcon_perception
+
+    from vllm_mlx import SamplingParams
+
+    model_dir = build_tiny_falcon_perception(tmp_path / "falcon_perception")
+    config = json.loads((model_dir / "config.json").read_text())
+    prompts = [("What is in the picture?", [picture(seed, (100, 60))]) for seed in (1, 2)]
+    expected = [mlx_vlm_greedy(model_dir, text, images, max_tokens=16) for text, images in prompts]
+    for out in expected:  # a size and a coordinate fed back, with tokens after them
+        assert config["size_token_id"] in out[:-1] and config["coord_token_id"] in out[:-1]
+    model, processor = load(str(model_dir))
+    object.__delattr__(model.language_model, "_perception_config")  # no coordinates or sizes decoded, none fed back
+    processor.tokenizer.stopping_criteria = lambda token: False
+    text, images = prompts[0]
+    steps = stream_generate(model, processor, text, image=images, max_tokens=16, temperature=0.0)
+    assert [s.token for s in steps][:16] != expected[0]
+    mx.clear_cache()
+    # Both prompts' blocks fit (103 tokens, 26 blocks each), not both decodes: one request is preempted about
+    # 9 tokens into its decode (past its first size and coordinate tokens), and replays them.
+    engine = family_engine(model_dir, num_kv_blocks=56, enable_prefix_caching=False)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        outputs = tokens(run_prompts(engine, prompts, params))
+        preemptions = engine.get_stats()["scheduler"]["preemptions"]
+    finally:
+        engine.shutdown()
+    assert outputs == expected
+    assert preemptions > 0

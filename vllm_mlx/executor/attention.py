@@ -157,9 +157,11 @@ def layer_specs(model, model_type: str | None = None, recurrent: bool = True) ->
     model_type = model_type or model_type_of(model)
     if model_type in BROKEN_IN_MLX_LM:
         raise UnsupportedModelError(f"architecture {model_type!r} is refused: {BROKEN_IN_MLX_LM[model_type]}")
-    if getattr(model, "holds_request_inputs", False):
+    if getattr(model, "holds_request_inputs", False) or getattr(model, "request_state", ()):
         # Per-request inputs beside the embeddings (mllama's cross-attention states: a vision adapter's
-        # request_inputs) go with one row's calls: its caches are held per request, one row a call.
+        # request_inputs) go with one row's calls, and state the model keeps per request between calls (its
+        # ``request_state``) with the request's own caches, swapped onto the model for its row's call: the
+        # caches are held per request, one row a call (held_caches.py).
         return [HeldCacheSpec()]
     make_cache = getattr(model, "make_cache", None)
     if make_cache is None:
@@ -180,6 +182,7 @@ def layer_specs(model, model_type: str | None = None, recurrent: bool = True) ->
             + ("the architectures checked against mlx-lm, which `vllm-mlx models --supported` lists"
                if recurrent else "no architecture here") + ")"
             + "".join(f". {_WHY_NOT[kind]}" for kind in [*sorted(refused), model_type] if kind in _WHY_NOT)
+            + (f". It {HELD_REFUSED[model_type]}" if model_type in HELD_REFUSED else "")
             + ("" if recurrent else _THROUGH_VLLM)
         )
     return specs

@@ -32,7 +32,14 @@ logger = logging.getLogger(__name__)
 # Architectures that make_cache a class the engine does not page, and that a held cache does not
 # serve either (state kept on the model object between calls, shared by every request): why. The
 # engine refuses them at load as before. None of mlx-lm's is known to need it.
-HELD_REFUSED: dict[str, str] = {}
+HELD_REFUSED: dict[str, str] = {
+    # mlx-vlm's Unlimited-OCR (its checkpoints spell it so): held, one image equals mlx-vlm, but its ring tells
+    # prompt tokens from generated ones, which a held cache rebuilt after a preemption (one prefill of both)
+    # does not, and two images leave mlx-vlm's tokens after a few (not yet explained).
+    "unlimited-ocr": "its RingSlidingKVCache keeps the whole prompt and a ring of the last generated tokens apart, "
+    "which a cache held per request cannot rebuild after a preemption (it feeds prompt and generated tokens "
+    "again as one prefill)",
+}
 
 UNKNOWN_TOKENS = -1
 """``HeldCache.num_tokens`` while a forward call feeds the caches: a call that fails midway leaves
@@ -55,6 +62,9 @@ class HeldCache:
     inputs: dict | None = None
     """Per-request inputs beside the embeddings (a vision adapter's ``request_inputs``: mllama's cross-attention
     states and masks), built at the request's first row from its images and kept with its caches."""
+    model_state: dict | None = None
+    """What the model keeps of this request between calls (its ``request_state``), saved after each
+    of the row's calls; None until the first. It goes with the caches: made fresh with them."""
 
 
 @dataclass
@@ -65,6 +75,7 @@ class HeldRow:
     caches: list
     tokens: list[int]
     num_recomputed: int
+    held: HeldCache
 
 
 def make_held_caches(model) -> list:
@@ -160,7 +171,7 @@ class HeldCaches:
         if held is None:
             held = self._held[request_id] = HeldCache(make_held_caches(self.model))
         earlier = all_token_ids[held.num_tokens : start]
-        return HeldRow(held.caches, earlier + new_tokens, len(earlier))
+        return HeldRow(held.caches, earlier + new_tokens, len(earlier), held)
 
     def _rewound(self, held: HeldCache, start: int) -> HeldCache | None:
         """``held`` back at ``start`` tokens: as it is when it is behind (the row feeds the rest),
@@ -169,7 +180,9 @@ class HeldCaches:
 
         if 0 <= held.num_tokens < start:
             return held
-        if held.num_tokens > start and can_trim_prompt_cache(held.caches):
+        # Model state kept per request has no way back: such a cache is made fresh, its tokens fed again.
+        rewindable = held.model_state is None
+        if held.num_tokens > start and rewindable and can_trim_prompt_cache(held.caches):
             trim_prompt_cache(held.caches, held.num_tokens - start)
             held.num_tokens = start
             return held

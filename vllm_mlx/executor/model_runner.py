@@ -342,7 +342,7 @@ class MLXModelRunner:
         self.held.feeding(item.request_id)
         with adapters:
             if self.vision is not None:
-                out = self._held_vision_hidden_states(item, row.num_recomputed, inputs, row.caches)
+                out = self._held_vision_row(item, row, inputs)
             else:
                 model = self.split.backbone if self.split is not None else self.model
                 out = model(inputs, cache=row.caches)
@@ -350,6 +350,17 @@ class MLXModelRunner:
         picked = out[0, -(len(item.spec_token_ids) + 1) :] if item.samples else None
         mx.async_eval([picked] if picked is not None else [], cache_arrays(row.caches))
         return picked
+
+    def _held_vision_row(self, item: ScheduledRequest, row, inputs: mx.array) -> mx.array:
+        """A held vision row's hidden states, with the state its model keeps per request (its
+        ``request_state``) on the model for the call: the request's own, or a fresh one with fresh caches."""
+        if not self.vision.request_state:
+            return self._held_vision_hidden_states(item, row.num_recomputed, inputs, row.caches)
+        self.vision.put_request_state(row.held.model_state, item.request)
+        try:
+            return self._held_vision_hidden_states(item, row.num_recomputed, inputs, row.caches)
+        finally:
+            row.held.model_state = self.vision.take_request_state()
 
     def _held_vision_hidden_states(self, item: ScheduledRequest, recomputed: int, inputs: mx.array, caches):
         """``_vision_hidden_states`` of a held row that also feeds ``recomputed`` earlier tokens: the

@@ -76,12 +76,14 @@ SWEPT_TEXT = (
 HELD_TEXT = ("deepseek_v41", "longcat_flash_ngram")
 # The tested mlx-vlm families served so (MiniMax-M3-VL's MiniMaxM3KVCache, Qwen4-Exp's QSAKVCache and state
 # caches, GLM-5-Next's indexer and state caches; mllama's, for its per-request cross-attention states;
-# Florence-2's encoder outputs): the code reader cannot see it.
+# Florence-2's encoder outputs; Zaya1-VL's CacheList of mlx-vlm's KVCache and
+# ArraysCache): the code reader cannot see it.
 HELD_VISION = ("minimax_m3_vl", "qwen4_exp",
                "florence2",
                "mllama",
                "glm5_next",
-               "nemotron_parse")
+               "nemotron_parse",
+               "zaya1_vl")
 
 # Architecture -> the tiny-model oracle test (pytest node id) that runs it in the engine.
 # Add a line with the test; tests/models/test_model_support.py checks every node id collects.
@@ -143,6 +145,10 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
                         "mllama",
                         "glm5_next",
                         "nemotron_parse",
+                        "zaya1_vl",
+                        "deepseekocr",
+                        "moondream2",
+                        "falcon_perception",
                         )},
     },
 }
@@ -154,6 +160,9 @@ REFUSED_AT_LOAD_TEST = (
 # code does that the code reader above cannot see): the reason, in a line. The test (its
 # REFUSED_AT_LOAD, by name) holds the engine to it; the table calls them refused, naming the test.
 REFUSED_AT_LOAD: dict[str, str] = {
+    "unlimited_ocr": "its decode steps attend to the whole prompt plus a ring of the last generated tokens "
+    "(RingSlidingKVCache, a cache class of mlx-vlm's own), which a cache held per request cannot rebuild after a "
+    "preemption",
 }
 
 # mlx-vlm architectures the generic path takes (the check at load decides on a real checkpoint) that
@@ -163,9 +172,10 @@ WHY_UNTESTED: dict[str, str] = {
     "youtu_vl": "mlx-vlm ships no processor for it: the checkpoint's own remote code is its processor (loaded "
     "with --trust-remote-code, then the check at load decides); without that code the engine raises "
     "ModelSourceError at load (transformers finds no processing class)",
-    **dict.fromkeys(("deepseekocr", "deepseekocr_2", "unlimited_ocr"), "no tiny model: mlx-vlm builds its SAM "
-                    "encoder as ViT-B (96M parameters) whatever the config says, and its processor fixes a 1024 px "
-                    "global view; one forward takes minutes on a CPU"),
+    # DeepSeek-OCR's SAM and 1024 px view shrink in its tests (tests/tiny_vlm_ocr.py); OCR 2's sizes are literals.
+    "deepseekocr_2": "no tiny model: mlx-vlm builds its Qwen2 vision encoder at full size whatever the config says "
+    "(VisionConfig.from_dict writes 24 layers 4864 wide, ~360M parameters; its width must be SAM's output, which the "
+    "model fixes at 896), and its encoder's queries fit a 768 or 1024 px view only; one forward takes minutes on a CPU",
 }
 
 # mlx-vlm architectures whose processor needs a package that may be missing: (package, why). Without

@@ -51,7 +51,13 @@ from vllm_mlx.multimodal.vlm_generic import (
     true_runs,
 )
 from vllm_mlx.multimodal.vlm_models import VisionLanguageModel
-from vllm_mlx.multimodal.vlm_placeholder import PROBE_IMAGE_SIZE, ImageRun, expanded_ids, text_ids
+from vllm_mlx.multimodal.vlm_placeholder import (
+    LAYOUT_TEXT,
+    PROBE_IMAGE_SIZE,
+    ImageRun,
+    expanded_ids,
+    text_ids,
+)
 from vllm_mlx.platform.errors import ModelSourceError
 
 __all__ = [
@@ -522,6 +528,139 @@ class FalconOCRModel(GenericVisionModel):
             opened = np.cumsum(ids == config.image_cls_token_id) - np.cumsum(ids == config.img_end_id)
             spans += [(image.offset + s, image.offset + e) for s, e in true_runs(opened > 0)]
         return spans
+
+
+class FalconPerceptionModel(FalconOCRModel):
+    """Falcon Perception: Falcon OCR's layout, positions and mask, with heads whose outputs its decode
+    steps feed back. After each call its text model decodes a coordinate and a size from the last
+    hidden state (a coordinate already detected is skipped); a decode step whose token is
+    ``coord_token_id`` (``size_token_id``) gets them encoded as its embedding, and ``seg_token_id``
+    closes a detection. mlx-vlm keeps all this on its text model between calls (``request_state``):
+    the engine holds it per request beside the request's caches, one row a call.
+
+    * Prompt: its processor places the image itself, always: ``<|image|>``, an instruction, then the
+      whole text as the query (``_make_prompt``), so a placeholder in the text would be a second image
+      token there. The engine follows it (``places_images_itself``): the text is the query, and an image
+      is processed with the empty one (``_find_placeholder``).
+    * 2-D positions: its ``get_input_embeddings`` keeps them on the model for the whole prompt and
+      returns none, so ``_merged_run`` gives each image run's own (``pos_hw``, Falcon OCR's feature).
+    * Prompt tokens but the last: Falcon OCR's path (the engine's positions and ``pos_hw``), with the
+      model's own mask of the prompt (held caches take no engine mask), sliced as its text model does,
+      through its transformer (``probe_split``: its text model's call reads these from the model).
+    * The last prompt token and each generated one: one call of the text model itself
+      (``LanguageModel.__call__``, as mlx-vlm's generation calls it), which decodes the coordinate and
+      size; the prompt's last token with its embedding (no feedback, as mlx-vlm's prefill), a generated
+      one by id (the feedback). A request whose caches are made fresh (preempted) replays its generated
+      tokens so, one a call, from a fresh state: the same states again.
+    * Not served: the detections' segmentation masks (mlx-vlm's ``get_detections``: outputs beside the
+      tokens, which they do not change).
+    """
+
+    model_types = ("falcon_perception",)
+    places_images_itself = True  # its processor puts the image before an instruction and the text, the query
+    request_state = ("language._pending_coord_xy", "language._pending_size_hw", "language._detections",
+                     "language._current_det", "prompt_length", "prompt_delta", "prompt_mask")  # fmt: skip
+
+    def __init__(self, model, processor, config: dict, path) -> None:
+        super().__init__(model, processor, config, path)
+        # Segmentation masks are not served (class doc): no parent reference, so decode steps compute none.
+        object.__setattr__(self.language, "_parent_model_ref", None)
+        self.images_limit_reason = "its processor places the image itself, before its instruction and the query"
+        self.prompt_length, self.prompt_delta, self.prompt_mask = 0, 0, None
+
+    def check(self) -> None:
+        self.uses_mrope = True  # its positions are ``positions``' (the generic __init__ looks for get_rope_index)
+        super().check()
+
+    def prompt_text(self, text: str) -> str:
+        """Its processor's own wrap of any text it is given with an image (``_make_prompt``: the image,
+        an instruction, the text as the query), as mlx-vlm generates over it."""
+        from mlx_vlm.models.falcon_perception.processing_falcon_perception import (
+            FalconPerceptionProcessor,
+        )
+
+        return FalconPerceptionProcessor._make_prompt(None, text)
+
+    def _find_placeholder(self, processor) -> tuple[str, list[int], ImageRun]:
+        """The empty query (``LAYOUT_TEXT``: an image is processed with it, as Falcon OCR's with its
+        image token, which here would be a second image token in the query), the ids of the prompt the
+        processor writes for it, and the run it puts at that prompt's image token, ``<|image|>``."""
+        from PIL import Image
+
+        plain = text_ids(processor, self.prompt_text(LAYOUT_TEXT))
+        expanded = expanded_ids(processor, LAYOUT_TEXT, Image.new("RGB", PROBE_IMAGE_SIZE))
+        return LAYOUT_TEXT, plain, ImageRun.of(plain, expanded)
+
+    def layout_prompt_ids(self, text: str, count: int) -> list[int]:
+        """The prompt its processor writes for ``text`` (the query) and one image: the whole text is the
+        query, a placeholder in it is text (``places_images_itself``), and its image token is the image's."""
+        if count != 1:
+            raise ValueError(f"its processor places the image itself and does not place {count} in one prompt")
+        ids = text_ids(self.processor, self.prompt_text(text))
+        if ids.count(self.placeholder_token_id) != 1:  # its processor would expand the first alone
+            raise ValueError("its processor places the image itself, before the text: the text takes no image token")
+        return ids
+
+    def positions(self, token_ids: list[int], images: list[ImageInput]) -> tuple[np.ndarray, int]:
+        """Its model's own 1-D positions (``_precompute_positions``), on all three axes; engine thread."""
+        position_ids, _, delta = self.model._precompute_positions(mx.array([token_ids]), None)
+        positions = np.array(position_ids).astype(np.int64)
+        return np.broadcast_to(positions, (3, positions.shape[0])).copy(), int(delta)
+
+    def _merged_run(self, run: list[int], pixels: np.ndarray, encoder_inputs: dict[str, np.ndarray]):
+        """``get_input_embeddings``'s rows with the run's 2-D positions: its model (unlike Falcon OCR's)
+        keeps them as state, for the whole prompt, and returns none. The same function on the run alone
+        gives each patch its own (zero at the markers: a prompt's one image's patches are the run's), to
+        travel as Falcon OCR's do (a per-token feature, ``ZERO_AT_TEXT``)."""
+        from mlx_vlm.models.falcon_perception.language import compute_pos_hw
+
+        merged = super()._merged_run(run, pixels, encoder_inputs)
+        grids = [tuple(int(n) for n in grid) for grid in np.asarray(encoder_inputs["image_grid_hw"]).reshape(-1, 2)]
+        merged.pos_hw = compute_pos_hw(mx.array(run), self.model.config.img_id, grids)
+        return merged
+
+    def probe_split(self, embeds: mx.array, **features) -> LanguageSplit:
+        """Its transformer and head: its text model's own call ignores the positions, 2-D positions and
+        mask it is given for a prompt, taking them from what ``get_input_embeddings`` last left on it (a
+        prompt's, maybe another request's). The hook gives them to the transformer itself, and calls the
+        whole text model only one token at a time, where it reads none of them (``language_hidden_states``)."""
+        head = getattr(self.language, "lm_head", None)
+        return LanguageSplit(
+            self.language.model, head if head is not None else self.language.model.embed_tokens.as_linear
+        )
+
+    def fresh_request_state(self, request) -> dict:
+        from mlx_vlm.models.falcon_perception.language import (
+            create_falcon_perception_mask,
+        )
+
+        ids = mx.array([request.prompt_token_ids])
+        _, _, delta = self.model._precompute_positions(ids, None)
+        config = self.model.config
+        mask = create_falcon_perception_mask(ids, config.image_cls_token_id, config.img_end_id)
+        return {"language._pending_coord_xy": None, "language._pending_size_hw": None, "language._detections": [],
+                "language._current_det": {}, "prompt_length": len(request.prompt_token_ids),
+                "prompt_delta": delta, "prompt_mask": mask}  # fmt: skip
+
+    def language_hidden_states(self, embeds, inputs, cache, position_ids, **features):
+        offset, width = cache[0].offset, inputs.shape[1]
+        before_last = max(min(self.prompt_length - 1 - offset, width), 0)  # prompt tokens but its last
+        pieces = []
+        if before_last:
+            end = offset + before_last
+            pieces.append(super().language_hidden_states(
+                embeds[:, :before_last], inputs[:, :before_last], cache,
+                position_ids[..., :before_last] if position_ids is not None else None,
+                mask=self.prompt_mask[:, :, offset:end, :end], **{k: v[:, :before_last] for k, v in features.items()},
+            ))  # fmt: skip
+        for i in range(before_last, width):
+            self.language._rope_delta = self.prompt_delta  # its decode positions (mlx-vlm's get_input_embeddings)
+            by_id = offset + i >= self.prompt_length  # a generated token: the text model feeds back
+            self.language(inputs[:, i : i + 1], inputs_embeds=None if by_id else embeds[:, i : i + 1], cache=cache)
+            pieces.append(self.language.model._last_hidden_state)
+        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=1)
+
+
 class PaliGemmaModel(GenericVisionModel):
     """PaliGemma: the generic path, with the prompt its processor writes around the images, which the
     generic path cannot read off one placeholder: each ``<image>`` becomes the image's tokens where it
@@ -775,7 +914,9 @@ class Phi4SigLipModel(GenericVisionModel):
     def _find_placeholder(self, processor) -> tuple[str, list[int], ImageRun]:
         """``<image>``, the processor's ids for it without an image (the wrap around the placeholder
         token) and the run against its ids with one: the mark."""
-        from mlx_vlm.models.phi4_siglip.processing_phi4_siglip import DEFAULT_IMAGE_TOKEN
+        from mlx_vlm.models.phi4_siglip.processing_phi4_siglip import (
+            DEFAULT_IMAGE_TOKEN,
+        )
         from PIL import Image
 
         plain = np.asarray(processor(text=[DEFAULT_IMAGE_TOKEN])["input_ids"])[0].tolist()
@@ -857,6 +998,33 @@ class MllamaModel(GenericVisionModel):
         return {**states, self.MASK: mask, self.ROW_MASK: rows}
 
 
+class WholePromptProcessor:
+    """A DeepSeek-OCR-style processor called with ``inference_mode=False`` (``DeepseekOCRModel``); its other
+    attributes are the processor's."""
+
+    def __init__(self, processor) -> None:
+        self._processor = processor
+
+    def __call__(self, *args, **kwargs):
+        return self._processor(*args, **kwargs, inference_mode=False)
+
+    def __getattr__(self, name: str):
+        return getattr(self._processor, name)
+
+
+class DeepseekOCRModel(GenericVisionModel):
+    """DeepSeek-OCR, DeepSeek-OCR 2 and Unlimited-OCR: the generic path, their processor told to keep the
+    whole prompt. Why: in its default ``inference_mode`` it drops a prompt's last token (meant for an EOS
+    that its training conversations end with and no prompt here has), so an image's run processed alone
+    (``process``) would lose its last token, and every prompt its last word (mlx-vlm's generation does lose
+    it)."""
+
+    model_types = ("deepseekocr", "deepseekocr_2", "unlimited_ocr", "unlimited-ocr")  # its checkpoints spell it so
+
+    def __init__(self, model, processor, config: dict, path) -> None:
+        super().__init__(model, WholePromptProcessor(processor), config, path)
+
+
 FAMILIES: tuple[type[VisionLanguageModel], ...] = (
     Qwen3VLModel,
     Qwen3_5Model,
@@ -866,12 +1034,14 @@ FAMILIES: tuple[type[VisionLanguageModel], ...] = (
     MiniCPMV47Model,
     DeepseekVL2Model,
     FalconOCRModel,
+    FalconPerceptionModel,
     LocateAnythingModel,
     HunyuanVLModel,
     PaliGemmaModel,
     Ernie4_5VLModel,
     Phi4SigLipModel,
     MllamaModel,
+    DeepseekOCRModel,
 )
 """The hooks: families whose prompt or positions the generic path cannot derive."""
 
@@ -888,13 +1058,6 @@ ARCHITECTURE_REFUSALS: dict[str, str] = {
     "the logits over the image's patches, from the prefill's hidden states, and a logit processor follows "
     "the tokens generated so far (mlx-vlm routes its generation through the whole model's call), where the "
     "engine runs the text model alone over a batch",
-    # Falcon OCR's layout, positions and mask (served: ``FalconOCRModel``), and what no batch can share:
-    "falcon_perception": "lets its decode steps feed coordinates and sizes decoded from the previous step's hidden "
-    "state back into the next embedding (per-request state kept on its text model, _pending_coord_xy)",
-    # No oracle either: mlx-vlm 0.7.10's own prefill calls its text model with ``inputs=``, which it does not
-    # take (TypeError) for any prompt of more than one token.
-    "zaya1_vl": "keeps, in each CCA layer, a convolution state and the previous hidden state in a CacheList beside "
-    "the KV, a recurrent state no oracle test has checked in the engine's state pool",
     # mlx-vlm 0.7.10's Gemma 3n: its get_input_embeddings gives text tokens embed_tokens(ids) unscaled, where its
     # text model, given ids (its decode steps), scales them by sqrt(hidden_size), as Hugging Face's model does for
     # every token (Gemma 4's get_input_embeddings scales them): its generation prefills with one and decodes with
@@ -903,13 +1066,16 @@ ARCHITECTURE_REFUSALS: dict[str, str] = {
     "gemma3n": "gives prompt tokens text embeddings without the sqrt(hidden_size) scale its text model applies "
     "to the tokens it decodes (mlx-vlm's get_input_embeddings), so mlx-vlm's prompts and decode steps disagree "
     "and neither its generation nor its model call is the real model to hold the engine to",
-    # Refused before loading, from the config: its processor would spend a minute of retries offline first.
-    "moondream2": "loads its tokenizer from the hub (moondream/starmie-v1) at every load, whatever the checkpoint "
-    "holds (mlx-vlm's Moondream2Processor; its prompt layout is Moondream 3's, which is served), so the engine "
-    "cannot load it offline and no local test holds it to mlx-vlm",
 }
 """Vision-language architectures (``model_type``) refused whatever their checkpoint, and why:
 what the generic path's check at load cannot see (one call of the pieces, no generation)."""
+
+PROCESSOR_HUB_REPOS = dict.fromkeys(("moondream1", "moondream2"), "moondream/starmie-v1")
+"""Hugging Face Hub repos that an architecture's mlx-vlm processor loads from at every load, whatever the
+checkpoint holds (Moondream 2's: its tokenizer, ``TOKENIZER_REPO``; the checkpoint bundles a stale one):
+``_processor_hub_repo_at_hand`` finds or fetches them before anything loads."""
+PROCESSOR_HUB_FILES = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+"""What a tokenizer repo's snapshot needs (its configs, vocabularies, merges, templates)."""
 
 
 def supported_model_types() -> list[str]:
@@ -950,6 +1116,7 @@ def load_vision_language_model(path: Path, config: dict, trust_remote_code: bool
         )
     from vllm_mlx.models.portable_layers import make_portable
 
+    _processor_hub_repo_at_hand(model_type)
     try:
         from mlx_vlm.utils import load_model, load_processor
     except ImportError as exc:
@@ -976,6 +1143,28 @@ def load_vision_language_model(path: Path, config: dict, trust_remote_code: bool
         raise UnsupportedModelError(
             f"vision-language architecture {model_type!r} is not supported by the paged engine: {exc}"
         ) from None
+
+
+def _processor_hub_repo_at_hand(model_type: str) -> None:
+    """The hub repo ``model_type``'s processor loads from (``PROCESSOR_HUB_REPOS``), found in the local hub
+    cache or fetched into it before anything loads. Where it is neither (offline, not cached), a
+    ``ModelSourceError`` at once naming it: transformers' own attempt, in the processor, retries for most of
+    a minute first, then says nothing of which repo the checkpoint lacks."""
+    repo = PROCESSOR_HUB_REPOS.get(model_type)
+    if repo is None:
+        return
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        snapshot_download(repo, allow_patterns=PROCESSOR_HUB_FILES)  # the cached snapshot when offline
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
+        raise ModelSourceError(
+            f"the processor of {model_type!r} (mlx-vlm's) loads its tokenizer from the Hugging Face Hub repo "
+            f"{repo!r} whatever the checkpoint holds, and that repo is neither in the local hub cache nor reachable "
+            f"({_first_paragraph(exc)}); fetch it once where the hub is reachable (hf download {repo}) or copy that "
+            "cache here (HF_HUB_CACHE); offline, set HF_HUB_OFFLINE=1 too, or the processor retries the hub first"
+        ) from exc
 
 
 def _attach_image_processor(processor, path: Path) -> None:

@@ -1027,10 +1027,10 @@ class GenericVisionModel(VisionLanguageModel):
 
     def _merged_run(self, run: list[int], pixels: np.ndarray, encoder_inputs: dict[str, np.ndarray]):
         ids = mx.array([run])
-        inputs = {name: mx.array(value) for name, value in encoder_inputs.items() if name != PROCESSOR_RUN_KEY}
+        inputs = {name: _model_input(value) for name, value in encoder_inputs.items() if name != PROCESSOR_RUN_KEY}
         # An integer mask, as mlx-vlm's prepare_inputs gives: FastVLM slices the ids by its sums.
         mask = mx.ones(ids.shape, dtype=mx.int32)
-        return self.model.get_input_embeddings(ids, mx.array(pixels), mask=mask, **inputs)
+        return self.model.get_input_embeddings(ids, _model_input(pixels), mask=mask, **inputs)
 
     def _model_rows(self, run: list[int], pixels: np.ndarray, encoder_inputs: dict[str, np.ndarray]) -> mx.array:
         """The model's rows for the processor's run, unevaluated (their shape is the run's length)."""
@@ -1094,9 +1094,9 @@ def _merged_layout(model, run: list[int], outputs, layout: ImageRun):
     """``get_input_embeddings`` on ``run``, the ids of ``outputs`` (a processor's) between ``layout``'s ends."""
     encoder_inputs = _encoder_inputs(outputs, layout, np.asarray(outputs["input_ids"]).shape[-1])
     pixels = next(encoder_inputs.pop(key) for key in PIXEL_KEYS if key in encoder_inputs)
-    inputs = {name: mx.array(value) for name, value in encoder_inputs.items()}
+    inputs = {name: _model_input(value) for name, value in encoder_inputs.items()}
     ids = mx.array([run])
-    return model.get_input_embeddings(ids, mx.array(pixels), mask=mx.ones(ids.shape, dtype=mx.int32), **inputs)
+    return model.get_input_embeddings(ids, _model_input(pixels), mask=mx.ones(ids.shape, dtype=mx.int32), **inputs)
 
 
 def _encodes_the_image_alone(model, processor) -> bool:
@@ -1128,18 +1128,59 @@ def _encoder_inputs(outputs, run: ImageRun, length: int) -> dict[str, np.ndarray
     """The processor's outputs about the image, as arrays: not the text's, not strings or lists
     of them (DeepSeek-VL2's ``sft_format``). An output with one entry per prompt token (a
     ``[1, length]`` mask: DeepSeek-VL2's ``images_seq_mask``, which counts the BOS) is cut to the
-    run, as the run's ids are: ``encode`` gives the model the run alone."""
+    run, as the run's ids are: ``encode`` gives the model the run alone. A list of Python numbers stays
+    the list (``_plain_list``), where nothing is cut or moved in it."""
     inputs = {}
     for name, value in outputs.items():
-        array = np.asarray(value)
+        if name in PIXEL_KEYS and _is_array_list(value):  # arrays of several sizes, kept as the model takes them
+            inputs[name] = list(value)
+            continue
+        array = _as_array(value)
         if name in PROCESSOR_TEXT_KEYS or array.dtype.kind not in "biuf":
             continue
+        kept = name not in PIXEL_KEYS and array.shape != (1, length) and name not in PROMPT_POSITION_KEYS
         if array.shape == (1, length):
             array = array[:, run.prefix : length - run.suffix]
         if name in PROMPT_POSITION_KEYS:
             array = array - run.prefix
-        inputs[name] = array
+        inputs[name] = value if kept and _plain_list(value) else array
     return inputs
+
+
+def _as_array(value) -> np.ndarray:
+    """A processor output as a NumPy array; an mlx array of bfloat16 (DeepSeek-OCR's processor makes its
+    outputs mlx arrays; NumPy has no such type) widened to float32, exactly."""
+    if isinstance(value, mx.array) and value.dtype == mx.bfloat16:
+        return np.array(value.astype(mx.float32))
+    return np.asarray(value)
+
+
+def _is_array_list(value) -> bool:
+    """Whether a processor output is a list of mlx arrays: DeepSeek-OCR's pixels, its local crops then its
+    global view, whose sizes differ (a 1024 px placeholder where an image has no crops, in a batch). Its
+    model takes them as that list (``_model_input``), in their dtype (bfloat16: its SAM runs at its weights'
+    precision)."""
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, mx.array) for v in value)
+
+
+def _plain_list(value) -> bool:
+    """Whether ``value`` is a list of Python numbers, or of tuples or lists of them: what mlx-vlm's
+    ``prepare_inputs`` hands the model as it is (arrays it converts to ``mx.array``), and some models read
+    as Python values: Moondream's tower tests ``crop_layouts``' truth (an array of several raises) and
+    counts crops from ``num_crops``' entries. So the engine keeps them lists (``_model_input``)."""
+
+    def plain(item) -> bool:
+        if isinstance(item, (tuple, list)):
+            return all(plain(inner) for inner in item)
+        return isinstance(item, (int, float)) and not isinstance(item, bool)
+
+    return isinstance(value, list) and plain(value)
+
+
+def _model_input(value):
+    """An encoder input as mlx-vlm's ``prepare_inputs`` gives it to the model: a list as it is (plain numbers,
+    ``_plain_list``; DeepSeek-OCR's pixels, ``_is_array_list``), else an array."""
+    return value if isinstance(value, list) else mx.array(value)
 
 
 def _positions_outside_the_run(image: ImageInput) -> str | None:

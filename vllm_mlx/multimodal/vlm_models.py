@@ -118,6 +118,11 @@ class VisionLanguageModel:
     more is refused alone (``check_image_count``), never served with images the model cannot place."""
     images_limit_reason: str = ""
     """Why the model takes no more than ``max_images_per_prompt`` images, for the refusal."""
+    request_state: ClassVar[tuple[str, ...]] = ()
+    """Attributes (dotted paths from this adapter) in which the model keeps one request's state between
+    its calls (Falcon Perception's decoded coordinates): the engine then holds each request's caches
+    and this state (``executor/held_caches.py``), runs one row a call, and puts the row's state on the
+    model for its call (``put_request_state``), taking it back after (``take_request_state``)."""
 
     def __init__(self, model, processor, config: dict, path: Path) -> None:
         self.model = model
@@ -196,6 +201,31 @@ class VisionLanguageModel:
     def logits(self, hidden: mx.array) -> mx.array:
         head = getattr(self.language, "lm_head", None)
         return head(hidden) if head is not None else self.language.model.embed_tokens.as_linear(hidden)
+
+    def put_request_state(self, state: dict | None, request) -> None:
+        """Set ``request_state``'s attributes to ``state``, or to ``fresh_request_state(request)`` where
+        the request has none yet (its first call, or its caches made fresh)."""
+        for path, value in (state if state is not None else self.fresh_request_state(request)).items():
+            owner, _, name = path.rpartition(".")
+            setattr(self._attribute_owner(owner), name, value)
+
+    def take_request_state(self) -> dict:
+        """``request_state``'s attributes as the row's call left them."""
+        state = {}
+        for path in self.request_state:
+            owner, _, name = path.rpartition(".")
+            state[path] = getattr(self._attribute_owner(owner), name)
+        return state
+
+    def fresh_request_state(self, request) -> dict:
+        """``request_state`` of a request before its first call (a family with state gives its own)."""
+        raise NotImplementedError
+
+    def _attribute_owner(self, path: str):
+        owner = self
+        for name in filter(None, path.split(".")):
+            owner = getattr(owner, name)
+        return owner
 
     # ---- prompts ---------------------------------------------------------------------------
 

@@ -8,8 +8,8 @@ names a processor or tokenizer gives, then the conventional ``<image>``, that th
 the vocabulary (``stand_in_text``, ``stand_in_for_a_mark``), how many images one prompt takes
 (``fails_on_two_images``), placeholders numbered per image (``numbered_placeholder``), a processor's
 rewriting where text follows an image (``drops_token_after_image``), and, where mlx-vlm's ``load`` gives
-a tokenizer alone, mlx-vlm's own prompt builder as a processor (``SplicingPromptBuilder``). Each is probed at load on small images;
-what cannot be found is refused, saying why.
+a tokenizer alone, mlx-vlm's own prompt builder as a processor (``SplicingPromptBuilder``). Each is
+probed at load on small images; what cannot be found is refused, saying why.
 """
 
 from __future__ import annotations

@@ -16,9 +16,10 @@ the model is built and loaded (``tiny_vlm_towers.shrunk_tower("gemma3n")`` appli
   0's), AltUp and Laurel blocks, sliding-window and global layers and KV sharing in its last two layers;
   the audio tower is built from its config alone, tiny here (never used: no audio input). The vocabulary
   keeps the real one's layout, shrunk: text ids below 128 (per-layer inputs), the vision range 128-135
-  (``<end_of_image>`` 128, ``<image_soft_token>`` 129), the audio range 136-143. Refused at load
-  (tests/multimodal/test_vlm_families.py, ``REFUSED_AT_LOAD``): mlx-vlm's prompt embeddings lack the
-  scale its text model gives the tokens it decodes.
+  (``<end_of_image>`` 128, ``<image_soft_token>`` 129), the audio range 136-143. Served
+  (``vlm_families.Gemma3nModel``) as Hugging Face's model runs: its text rows scaled, which mlx-vlm's prompt
+  embeddings lack, and its KV-shared layers' queries at their positions, which mlx-vlm's place one call's
+  length late; its oracle is mlx-vlm's generation with these two corrections (:func:`gemma3n_corrected`).
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ GEMMA3N_TEXT_CONFIG = {
     "hidden_size_per_layer_input": 8,
     "laurel_rank": 8,
     "altup_num_inputs": 4,
+    # mlx-vlm's defaults, which mlx-lm's gemma3n (the text-only oracle) requires in the config (the real one's)
+    "altup_active_idx": 0,
+    "altup_coef_clip": 120.0,
+    "altup_correct_scale": True,
     "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
     "final_logit_softcapping": 30.0,
     "rope_theta": 1_000_000.0,
@@ -238,4 +243,92 @@ def build_tiny_gemma3n(out_dir: Path, *, seed: int = 0, weight_scale: float = 1.
     _write_json(out_dir / "preprocessor_config.json", preprocessor)
     _write_json(out_dir / "processor_config.json", {"processor_class": "Gemma3nProcessor",
                                                     "image_seq_length": GEMMA3N_SOFT_TOKENS})  # fmt: skip
+    return out_dir
+
+
+@contextmanager
+def gemma3n_prompt_embeddings_scaled() -> Iterator[None]:
+    """The oracle's correction of mlx-vlm 0.7.10's Gemma 3n, and nothing else: ``Model.get_input_embeddings``
+    gives text tokens ``embed_tokens(ids)`` without the sqrt(hidden_size) its text model applies to the ids it
+    embeds itself (its decode steps) and Hugging Face's to every text token
+    (``test_gemma3n_prompt_embeddings_lack_the_scale_of_its_decode_steps``). Inside, its rows of text ids
+    (below the vision range) are scaled so; the vision range's rows (its embedder's) are left as they are."""
+    import mlx.core as mx
+    from mlx_vlm.models.gemma3n.gemma3n import Model
+    from tiny_vlm_towers import _class_attributes
+
+    unscaled = Model.get_input_embeddings
+
+    def get_input_embeddings(self, input_ids=None, pixel_values=None, **kwargs):
+        out = unscaled(self, input_ids, pixel_values, **kwargs)
+        if input_ids is not None:
+            text_rows = (input_ids < self.embed_vision.vocab_offset)[..., None]
+            scaled = out.inputs_embeds * (self.language_model.model.hidden_size**0.5)
+            out.inputs_embeds = mx.where(text_rows, scaled, out.inputs_embeds)
+        return out
+
+    with _class_attributes(Model, get_input_embeddings=get_input_embeddings):
+        yield
+
+
+class _OffsetBeforeThisCall:
+    """A shared layer's view of the cache it reads: its ``state`` (keys and values), at the offset before the
+    layer it shares wrote this call's ``length`` tokens (where this call's queries stand)."""
+
+    def __init__(self, cache, length: int) -> None:
+        self.cache, self.length = cache, length
+
+    @property
+    def offset(self):
+        return self.cache.offset - self.length
+
+    @property
+    def state(self):
+        return self.cache.state
+
+
+@contextmanager
+def gemma3n_shared_kv_queries_at_their_positions() -> Iterator[None]:
+    """The oracle's correction of mlx-vlm 0.7.10's Gemma 3n KV sharing, and nothing else: a shared layer rotates
+    its queries at ``cache.offset`` read after the layer it shares has written this call's keys, so its
+    queries stand one call's length past their positions (its answer depends on how a prompt is chunked:
+    ``test_gemma3n_shared_kv_layers_rotate_queries_past_their_positions``); Hugging Face's rotate them at their
+    positions, as the engine does. Inside, a shared layer reads the offset before this call's write."""
+    from mlx_vlm.models.gemma3n.language import Gemma3nAttention
+    from tiny_vlm_towers import _class_attributes
+
+    shifted = Gemma3nAttention.__call__
+
+    def call(self, x, mask=None, cache=None):
+        if self.is_kv_shared_layer and cache is not None:
+            cache = _OffsetBeforeThisCall(cache, x.shape[1])
+        return shifted(self, x, mask, cache)
+
+    with _class_attributes(Gemma3nAttention, __call__=call):
+        yield
+
+
+@contextmanager
+def gemma3n_corrected() -> Iterator[None]:
+    """Both corrections of mlx-vlm's Gemma 3n (its oracle's): text rows scaled, shared layers' queries placed."""
+    with gemma3n_prompt_embeddings_scaled(), gemma3n_shared_kv_queries_at_their_positions():
+        yield
+
+
+def gemma3n_text_model_dir(model_dir: Path, out_dir: Path) -> Path:
+    """The tiny Gemma 3n's text model as mlx-lm's ``gemma3n`` loads it: the same config, tokenizer and text
+    weights (mlx-vlm's ``language_model.model.*`` under the checkpoint's ``model.language_model.*``), no tower."""
+    import shutil
+
+    import mlx.core as mx
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.json"):
+        if (Path(model_dir) / name).exists():
+            shutil.copy(Path(model_dir) / name, out_dir / name)
+    prefix = "language_model.model."
+    weights = mx.load(str(Path(model_dir) / "model.safetensors"))
+    text = {"model.language_model." + k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+    mx.save_safetensors(str(out_dir / "model.safetensors"), text)
     return out_dir

@@ -240,6 +240,22 @@ def test_layout_writes_then_reads_the_window_through_the_pool():
     assert forward(18, 1) == list(range(18 - WINDOW + 1, 19))
 
 
+def test_a_kv_shared_layer_reads_the_keys_of_this_call_through_state_without_writing():
+    """mlx-vlm's Gemma 3n shares KV as ``cache.state`` (mlx-lm's models call ``keys_and_values()``): both give
+    what the layer's ``update_and_fetch`` returned in this call, ``state`` read-only, and neither writes."""
+    pool = KVPool(num_layers=1, num_blocks=6, block_size=4)
+    cache = MLXAttentionBackend(pool, [SWA]).make_caches([RowSpec([0] * 5, 0, [3, 1])])[0]
+    with pytest.raises(RuntimeError, match="read before this forward call wrote them"):
+        _ = cache.state
+    keys = mx.arange(5, dtype=mx.float32).reshape(1, 1, 5, 1)
+    fetched = cache.update_and_fetch(keys, keys + 10)
+    before = [np.array(a) for a in (pool.keys[0], pool.values[0])]
+    assert cache.state is cache.keys_and_values() is fetched
+    assert all(np.array_equal(b, np.array(a)) for b, a in zip(before, (pool.keys[0], pool.values[0])))
+    with pytest.raises(AttributeError):
+        cache.state = fetched
+
+
 def test_chunked_attention_layers_are_stored_as_full_attention_and_fetched_from_their_chunk():
     """Llama 4's layout, three chunked layers to one full: all page as full attention (every
     block kept), and a chunked layer fetches, for its one row, the keys from the start of the

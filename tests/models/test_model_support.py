@@ -63,6 +63,9 @@ def test_refusals_name_the_reason():
     # Its config sets use_bidirectional_attention=True when a checkpoint leaves it out: the whole prompt
     # attends both ways (a prefix LM), one span the engine keeps whole; its hook writes its processor's prompt.
     assert paligemma.status == SUPPORTED and paligemma.test.endswith("test_one_image_equals_mlx_vlm[paligemma]")
+    # Its logits grow by its image's patches, from state it keeps on the model: refused by name, saying so.
+    [molmo_point] = support.classify({VISION: ["molmo_point"]})
+    assert molmo_point.status == REFUSED and "point predictor extends the logits" in molmo_point.detail
     # DiffusionGemma denoises a canvas (its config's canvas_length): no token-by-token generation.
     [diffusion] = support.classify({VISION: ["diffusion_gemma"]})
     assert diffusion.status == NOT_GENERATOR and diffusion.detail.startswith("a diffusion decoder")
@@ -86,9 +89,9 @@ def test_refusals_name_the_reason():
     assert minimax_m3_vl.status == SUPPORTED and minimax_m3_vl.detail == HELD_DETAIL
     # Its processor wraps a prompt in its chat template: its hook writes that prompt (the oracle test is named).
     assert phi4_siglip.status == SUPPORTED and phi4_siglip.test.endswith("test_one_image_equals_mlx_vlm[phi4_siglip]")
-    # Its per_layer_inputs travel with the embeddings (TOKEN_FEATURES), but mlx-vlm's prompt embeddings lack the
-    # scale of its decode steps' (vlm_families.ARCHITECTURE_REFUSALS, held to mlx-vlm's code on its tiny model).
-    assert gemma3n.status == REFUSED and "without the sqrt(hidden_size) scale" in gemma3n.detail
+    # Its per_layer_inputs travel with the embeddings (TOKEN_FEATURES); its hook scales the text rows mlx-vlm's
+    # prompt embeddings leave unscaled (vlm_families.Gemma3nModel; the oracle test is named).
+    assert gemma3n.status == SUPPORTED and gemma3n.test.endswith("test_one_image_equals_mlx_vlm[gemma3n]")
     assert glm4v.status == SUPPORTED  # positions from its own get_rope_index: tests/multimodal/test_vlm_families.py
     assert llava_next.status == SUPPORTED  # its model decides an image's length: the engine measures it
 

@@ -161,8 +161,10 @@ over mlx-vlm's cache). What each family adds over Qwen2-VL / LLaVA:
   (``use_bidirectional_attention="vision"``, its default) and keys as values in its global layer;
   its images are up to 280 tokens even in a tiny model (mlx-vlm's ``load`` builds its image processor
   with its defaults), so its pools are larger.
-* Refused at load, saying why (tests/tiny_vlm_gemma3n.py: its MobileNet-V5 tower shrunk): Gemma 3n (mlx-vlm's
-  prompt embeddings lack the sqrt(hidden_size) scale its text model gives the tokens it decodes).
+* Gemma 3n (tests/tiny_vlm_gemma3n.py: its MobileNet-V5 tower shrunk): per-layer inputs as Gemma 4's, KV
+  sharing read as ``cache.state``, Gemma 3's newline frame around an image (``<image_soft_token>``); its
+  hook scales text rows as Hugging Face does, which mlx-vlm's prompt embeddings lack: the oracle is mlx-vlm's
+  generation with that one correction (``ORACLE_CORRECTIONS``), and a text prompt equals mlx-lm's gemma3n.
 * MiniMax-M3-VL: its sparse-attention layers keep the indexer's keys in a cache kind of mlx-vlm's
   own, ``MiniMaxM3KVCache``: held per request (``HELD``).
 
@@ -322,6 +324,7 @@ PLACEHOLDER = {
     "mllama": "<|image|>",
     "glm5_next": "<|begin_of_image|><|image|><|end_of_image|>",
     "deepseekocr": "<image>",
+    "gemma3n": "<image_soft_token>",  # its processor expands the image token itself (no <start_of_image> here)
 }
 
 NUMBERED = {"phi3_v"}
@@ -347,10 +350,27 @@ passes (``test_ernie_token_types_reach_the_text_model``); or fails: mlx-vlm 0.7.
 Zaya1-VL's text model with ``inputs=``, which it does not take (``test_zaya1_vl_generation_fails_in_mlx_vlm``)."""
 
 
+def _gemma3n_corrected():
+    from tiny_vlm_gemma3n import gemma3n_corrected
+
+    return gemma3n_corrected()
+
+
+ORACLE_CORRECTIONS = {"gemma3n": _gemma3n_corrected}
+"""Families whose oracle runs with documented corrections of mlx-vlm's bugs (a context), each held to
+mlx-vlm's code by a test of its own: Gemma 3n's prompt embeddings get the scale its decode steps and Hugging
+Face's model give text tokens (``test_gemma3n_prompt_embeddings_lack_the_scale_of_its_decode_steps``), and its
+KV-shared layers' queries their positions (``test_gemma3n_shared_kv_layers_rotate_queries_past_their_positions``)."""
+
+
 def greedy(name: str, model_dir, text: str, images: list, max_tokens: int) -> list[int]:
-    """The family's oracle: mlx-vlm's generation, or the model's own call (``MODEL_CALL_ORACLE``)."""
+    """The family's oracle: mlx-vlm's generation, or the model's own call (``MODEL_CALL_ORACLE``), under
+    the family's correction of mlx-vlm where it has one (``ORACLE_CORRECTIONS``)."""
+    from contextlib import nullcontext
+
     oracle = model_call_greedy if name in MODEL_CALL_ORACLE else mlx_vlm_greedy
-    return oracle(model_dir, text, images, max_tokens)
+    with ORACLE_CORRECTIONS.get(name, nullcontext)():
+        return oracle(model_dir, text, images, max_tokens)
 
 
 def model_call_greedy(model_dir, text: str, images: list, max_tokens: int) -> list[int]:
@@ -601,7 +621,7 @@ def test_the_prompt_is_expanded_as_mlx_vlm_expands_it(family, engine):
         if name in MODEL_EXPANDS:
             expected = model_expanded(model_dir, text, images, expected, engine.vision.image_token_id)
         assert engine.prepare_prompt(text, images).token_ids == expected, text
-    if name == "gemma3":  # "user\n" + "\n\n<start_of_image>" tokenized as one "\n\n\n"
+    if name in ("gemma3", "gemma3n"):  # "user\n" + "\n\n<start_of_image>" tokenized as one "\n\n\n"
         [three_newlines] = engine.tokenizer.encode("\n\n\n", add_special_tokens=False)
         assert three_newlines in engine.prepare_prompt(f"user\n{pad}\nWhat?", [picture(0)]).token_ids
 
@@ -1005,9 +1025,6 @@ def test_phi4_siglip_wraps_a_plain_prompt_once_as_its_processor_does(tmp_path):
 REFUSED_AT_LOAD = {
     # MolmoPoint's point predictor keeps per-request image state on the model between steps.
     "molmo_point": r"'molmo_point'.*per-request image state.*point predictor",
-    # Gemma 3n (tests/tiny_vlm_gemma3n.py: its MobileNet-V5 shrunk): mlx-vlm's prompt embeddings lack the scale its
-    # text model gives the tokens it decodes (test_gemma3n_prompt_embeddings_lack_the_scale_of_its_decode_steps).
-    "gemma3n": r"'gemma3n'.*without the sqrt\(hidden_size\) scale its text model applies to the tokens it decodes",
     # Unlimited-OCR (DeepSeek-OCR's towers and processor, tests/tiny_vlm_ocr.py): its decode steps attend to the
     # whole prompt plus a ring of the last generated tokens (RingSlidingKVCache, mlx-vlm's own), which a held
     # cache rebuilt after a preemption (one prefill of prompt and generated tokens) does not reproduce.
@@ -1030,11 +1047,12 @@ def test_a_family_the_generic_path_cannot_drive_is_refused_at_load_saying_why(tm
 
 
 def test_gemma3n_prompt_embeddings_lack_the_scale_of_its_decode_steps(tmp_path):
-    """Why Gemma 3n is refused (``REFUSED_AT_LOAD``), held to mlx-vlm's code on its tiny model: the prompt path
-    (``get_input_embeddings``, which mlx-vlm's generation prefills with and its model call runs on every token)
-    gives text tokens ``embed_tokens(ids)`` unscaled, and the text model given the ids (mlx-vlm's decode steps)
-    scales them by sqrt(hidden_size), as Hugging Face's Gemma 3n scales every token: the two answer differently.
-    When mlx-vlm scales its prompt embeddings this fails, and the family can be served (its tiny model is ready)."""
+    """mlx-vlm 0.7.10's bug that Gemma 3n's oracle corrects (``ORACLE_CORRECTIONS``), held to its code on the tiny
+    model: the prompt path (``get_input_embeddings``, which mlx-vlm's generation prefills with and its model call
+    runs on every token) gives text tokens ``embed_tokens(ids)`` unscaled, and the text model given the ids
+    (mlx-vlm's decode steps) scales them by sqrt(hidden_size), as Hugging Face's Gemma 3n scales every text
+    token: the two answer differently. The engine's hook (``vlm_families.Gemma3nModel``) scales them. When
+    mlx-vlm scales its prompt embeddings this fails, and the correction can go."""
     import mlx.core as mx
     from mlx_vlm import load
     from tiny_vlm_gemma3n import build_tiny_gemma3n
@@ -1052,6 +1070,58 @@ def test_gemma3n_prompt_embeddings_lack_the_scale_of_its_decode_steps(tmp_path):
     scaled = text_model(None, inputs_embeds=unscaled * text_model.model.hidden_size**0.5,
                         per_layer_inputs=prompt.per_layer_inputs).logits  # fmt: skip
     assert mx.allclose(as_decoded, scaled, atol=1e-4) and not mx.allclose(as_decoded, as_prompted, atol=1e-2)
+
+
+def test_gemma3n_shared_kv_layers_rotate_queries_past_their_positions(tmp_path):
+    """mlx-vlm 0.7.10's other Gemma 3n bug that its oracle corrects, held to its code on the tiny model: a
+    KV-shared layer rotates its queries at ``cache.offset`` read after the layer it shares wrote this call's
+    keys, one call's length past their positions, so the same prompt prefilled whole or in two calls (mlx-vlm's
+    generation prefills all but the last token, then that one) gives other logits. With its queries at their
+    positions (``gemma3n_shared_kv_queries_at_their_positions``: Hugging Face's, mlx-lm's gemma3n's one offset
+    for the whole call, the engine's pre-call offsets) both agree."""
+    import mlx.core as mx
+    from mlx_vlm import load
+    from mlx_vlm.models.cache import make_prompt_cache
+    from tiny_vlm_gemma3n import build_tiny_gemma3n, gemma3n_shared_kv_queries_at_their_positions
+    from tiny_vlm_towers import shrunk_tower
+
+    with shrunk_tower("gemma3n"):
+        model, _ = load(str(build_tiny_gemma3n(tmp_path / "gemma3n")))
+    text_model, ids = model.language_model, mx.array([list(range(40, 60))])
+
+    def last_logits(split: int | None) -> mx.array:
+        cache, logits = make_prompt_cache(text_model), None
+        for part in [ids] if split is None else [ids[:, :split], ids[:, split:]]:
+            logits = text_model(part, cache=cache).logits
+        return logits[0, -1]
+
+    assert not mx.allclose(last_logits(None), last_logits(19), atol=1e-2)
+    with gemma3n_shared_kv_queries_at_their_positions():
+        assert mx.allclose(last_logits(None), last_logits(19), atol=1e-4)
+        assert mx.allclose(last_logits(None), last_logits(7), atol=1e-4)
+
+
+def test_gemma3n_text_prompt_equals_mlx_lm_and_the_corrected_oracle(tmp_path):
+    """A text prompt on the tiny Gemma 3n's text weights: the engine equals mlx-lm's ``gemma3n`` (which scales
+    every token and places the shared layers' queries as Hugging Face does) and mlx-vlm's generation with its
+    two corrections (``ORACLE_CORRECTIONS``), which mlx-vlm's uncorrected generation does not."""
+    from oracles import mlx_lm_tokens
+    from tiny_vlm_gemma3n import build_tiny_gemma3n, gemma3n_corrected, gemma3n_text_model_dir
+    from tiny_vlm_towers import shrunk_tower
+
+    text = "A question about the weather today?"
+    with shrunk_tower("gemma3n"):
+        model_dir = build_tiny_gemma3n(tmp_path / "gemma3n")
+        engine = family_engine(model_dir, num_kv_blocks=32)
+        try:
+            served = tokens(run_prompts(engine, [(text, [])]))[0]
+        finally:
+            engine.shutdown()
+        uncorrected = mlx_vlm_greedy(model_dir, text, [], max_tokens=8)
+        with gemma3n_corrected():
+            corrected = mlx_vlm_greedy(model_dir, text, [], max_tokens=8)
+    [mlx_lm] = mlx_lm_tokens(gemma3n_text_model_dir(model_dir, tmp_path / "text"), [text], max_tokens=8)
+    assert served == mlx_lm == corrected != uncorrected
 
 
 @pytest.mark.parametrize("name", ["falcon_ocr", "falcon_perception"])

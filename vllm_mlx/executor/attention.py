@@ -566,6 +566,12 @@ class PagedLayerCache:
         return self._fetched
 
     @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        """``keys_and_values()`` under the name mlx-vlm's KV-sharing layers read (Gemma 3n's ``cache.state``,
+        where mlx-lm's call ``keys_and_values()``): read-only, so the shared layers never write the pool."""
+        return self.keys_and_values()
+
+    @property
     def keys(self) -> mx.array:
         """This layer's pool array of keys. Only mlx-lm's pipeline stages use it: a stage ties
         its ``send`` to its last layer's cache (``cache.keys = mx.depends(cache.keys, h)``), so

@@ -149,6 +149,7 @@ TESTED_ARCHITECTURES: dict[str, dict[str, str]] = {
                         "deepseekocr",
                         "moondream2",
                         "falcon_perception",
+                        "gemma3n",
                         )},
     },
 }

@@ -10,6 +10,8 @@ paged caches) unless a family hook here knows what the generic path cannot deriv
   (``mrope_positions``);
 * ``Gemma3Model``: the newlines framing an image merge with the prompt's own (Gemma's tokenizer
   has single tokens for runs of newlines), so the expansion is re-tokenized where they meet;
+* ``Gemma3nModel``: the generic path, with its text rows' embedding scale (mlx-vlm's prompt embeddings
+  lack it) and Gemma 3's newline merge around an image;
 * ``Idefics2Model``: the generic path, with the processor's rewriting of the text where an
   image meets its neighbours (markers merged, a space before text);
 * ``DeepseekVL2Model``: the generic path, with the processor's per-image tile counts padded so
@@ -68,6 +70,7 @@ __all__ = [
     "Ernie4_5VLModel",
     "FalconOCRModel",
     "Gemma3Model",
+    "Gemma3nModel",
     "HunyuanVLModel",
     "Idefics2Model",
     "LocateAnythingModel",
@@ -237,7 +240,28 @@ class MlxVlmStateCache:
         return output, state
 
 
-class Gemma3Model(VisionLanguageModel):
+class MergesNewlineRuns:
+    """Gemma's tokenizers have single tokens for runs of newlines, and its processors expand an image's
+    placeholder to text framed by ``"\\n\\n"`` before tokenizing the whole prompt: the frame's newlines merge
+    with the prompt's own next to the placeholder (``"user\\n"`` + ``"\\n\\n"`` is one ``"\\n\\n\\n"`` token).
+    ``_extend`` re-tokenizes the newline tokens where two pieces meet, as that whole-prompt tokenizing does."""
+
+    def _extend(self, expanded: list[int], tokens: list[int]) -> None:
+        """Append, re-tokenizing the run of newline tokens where the two lists meet."""
+        left = _newline_run(expanded, self._newline_text, from_end=True)
+        right = _newline_run(tokens, self._newline_text, from_end=False)
+        if left and right:
+            text = "".join(self._newline_text(t) for t in expanded[-left:] + tokens[:right])
+            del expanded[-left:]
+            tokens = self.tokenizer.encode(text, add_special_tokens=False) + tokens[right:]
+        expanded += tokens
+
+    def _newline_text(self, token_id: int) -> str | None:
+        text = self.tokenizer.decode([token_id])
+        return text if text and set(text) == {"\n"} else None
+
+
+class Gemma3Model(MergesNewlineRuns, VisionLanguageModel):
     r"""Gemma 3: a SigLIP tower at a fixed resolution, an average-pooling projector, and a Gemma 3
     text model whose layers alternate sliding-window and global attention.
 
@@ -280,20 +304,6 @@ class Gemma3Model(VisionLanguageModel):
         end = self._token_id("eoi_token_index", "eoi_token")
         return newlines + [self.placeholder_token_id], [end] + newlines
 
-    def _extend(self, expanded: list[int], tokens: list[int]) -> None:
-        """Append, re-tokenizing the run of newline tokens where the two lists meet."""
-        left = _newline_run(expanded, self._newline_text, from_end=True)
-        right = _newline_run(tokens, self._newline_text, from_end=False)
-        if left and right:
-            text = "".join(self._newline_text(t) for t in expanded[-left:] + tokens[:right])
-            del expanded[-left:]
-            tokens = self.tokenizer.encode(text, add_special_tokens=False) + tokens[right:]
-        expanded += tokens
-
-    def _newline_text(self, token_id: int) -> str | None:
-        text = self.tokenizer.decode([token_id])
-        return text if text and set(text) == {"\n"} else None
-
     def process(self, source: ImageSource, policy: MediaPolicy) -> ImageInput:
         rgb = load_image(source, policy)
         out = self.processor.image_processor(images=[rgb], return_tensors="np", do_pan_and_scan=False)
@@ -307,6 +317,62 @@ class Gemma3Model(VisionLanguageModel):
         hidden, _, _ = model.vision_tower(pixels, output_hidden_states=True)
         features = model.multi_modal_projector(hidden) / (model.config.hidden_size**0.5)
         return features.reshape(-1, features.shape[-1])
+
+
+class Gemma3nModel(MergesNewlineRuns, GenericVisionModel):
+    r"""Gemma 3n: the generic path (its per-layer inputs travel as per-token features, its last layers read
+    the keys and values of earlier ones as ``cache.state``), with two things it cannot derive. (Those shared
+    layers rotate their queries at ``cache.offset``: the paged caches' is the call's start, as Hugging Face
+    places them; mlx-vlm's own caches have advanced by the call's length there, which its oracle corrects.)
+
+    * Prompt embeddings: mlx-vlm 0.7.10's ``get_input_embeddings`` gives text tokens ``embed_tokens(ids)``
+      unscaled, where its text model given ids (mlx-vlm's decode steps) scales them by sqrt(hidden_size), as
+      Hugging Face's Gemma 3n scales every text token (its scaled word embedding; mlx-vlm's Gemma 4 scales
+      them in ``get_input_embeddings`` too). Every call of it here scales the rows of text ids (below the
+      vision range): prompt and decode steps agree, as in HF. Vision-range ids (``<end_of_image>``, the soft
+      tokens) keep the vision embedder's rows, as HF's, which writes them over the text rows unscaled.
+    * Newlines: the processor expands ``<image_soft_token>`` to ``"\n\n<start_of_image>"`` + soft tokens +
+      ``"<end_of_image>\n\n"`` before tokenizing the prompt, so those newlines are the image's frame, merged
+      with the prompt's own where they meet (``MergesNewlineRuns``), and the run is what lies between.
+    """
+
+    model_types = ("gemma3n",)
+
+    def __init__(self, model, processor, config: dict, path) -> None:
+        model.get_input_embeddings = _text_rows_scaled(model)  # before the check at load: every path scaled
+        super().__init__(model, processor, config, path)
+
+    def image_frame(self) -> tuple[list[int], list[int]]:
+        newlines = self.tokenizer.encode("\n\n", add_special_tokens=False)
+        return newlines, newlines
+
+    def process(self, source: ImageSource, policy: MediaPolicy) -> ImageInput:
+        """The generic image, its run without the frame's newlines (``image_frame`` puts them back)."""
+        image = super().process(source, policy)
+        before, after = self.image_frame()
+        run = list(image.token_ids)
+        if run[: len(before)] != before or run[len(run) - len(after) :] != after:
+            raise UnsupportedModelError(f"its processor's image run is not framed by newlines: {run}")
+        image.token_ids = run[len(before) : len(run) - len(after)]
+        image.num_tokens = len(image.token_ids)
+        return image
+
+
+def _text_rows_scaled(model):
+    """mlx-vlm's Gemma 3n ``model.get_input_embeddings`` with Hugging Face's sqrt(hidden_size) on the rows of
+    text ids (``Gemma3nModel``), computed as its text model scales the ids it embeds itself."""
+    unscaled = model.get_input_embeddings
+    scale = model.language_model.model.hidden_size**0.5
+    vision_start = model.embed_vision.vocab_offset
+
+    def get_input_embeddings(input_ids=None, pixel_values=None, **kwargs):
+        merged = unscaled(input_ids, pixel_values, **kwargs)
+        if input_ids is not None:
+            is_text = (input_ids < vision_start)[..., None]
+            merged.inputs_embeds = mx.where(is_text, merged.inputs_embeds * scale, merged.inputs_embeds)
+        return merged
+
+    return get_input_embeddings
 
 
 class Idefics2Model(GenericVisionModel):
@@ -1029,6 +1095,7 @@ FAMILIES: tuple[type[VisionLanguageModel], ...] = (
     Qwen3VLModel,
     Qwen3_5Model,
     Gemma3Model,
+    Gemma3nModel,
     Idefics2Model,
     MiniCPMVModel,
     MiniCPMV47Model,
@@ -1058,14 +1125,6 @@ ARCHITECTURE_REFUSALS: dict[str, str] = {
     "the logits over the image's patches, from the prefill's hidden states, and a logit processor follows "
     "the tokens generated so far (mlx-vlm routes its generation through the whole model's call), where the "
     "engine runs the text model alone over a batch",
-    # mlx-vlm 0.7.10's Gemma 3n: its get_input_embeddings gives text tokens embed_tokens(ids) unscaled, where its
-    # text model, given ids (its decode steps), scales them by sqrt(hidden_size), as Hugging Face's model does for
-    # every token (Gemma 4's get_input_embeddings scales them): its generation prefills with one and decodes with
-    # the other, its model call is unscaled throughout, so no mlx-vlm path is both the real model and an oracle.
-    # (tests/tiny_vlm_gemma3n.py; the rest served on it: shrunk tower, per-layer inputs, shared KV.)
-    "gemma3n": "gives prompt tokens text embeddings without the sqrt(hidden_size) scale its text model applies "
-    "to the tokens it decodes (mlx-vlm's get_input_embeddings), so mlx-vlm's prompts and decode steps disagree "
-    "and neither its generation nor its model call is the real model to hold the engine to",
 }
 """Vision-language architectures (``model_type``) refused whatever their checkpoint, and why:
 what the generic path's check at load cannot see (one call of the pieces, no generation)."""

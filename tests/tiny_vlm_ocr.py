@@ -29,7 +29,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from tiny_vlm import CHARS, _instantiate, _save_model, _save_tokenizer, _write_json
-from tiny_vlm_deepseek import DEEPSEEK_CHAT_TEMPLATE, DEEPSEEK_SPECIAL_TOKENS
+from tiny_vlm_deepseek import (
+    DEEPSEEK_CHAT_TEMPLATE,
+    DEEPSEEK_SPECIAL_TOKENS,
+    DEEPSEEK_V2_TINY_TEXT_CONFIG,
+)
 
 OCR_GLOBAL_VIEW = 256
 """The processor's global view (its ``base_size``, 1024 in mlx-vlm): SAM's 16 px patches then the neck's
@@ -80,26 +84,14 @@ def _ocr_tokenizer(out_dir: Path):
     return tok
 
 
-# A DeepSeek-V2 text model as DeepSeek-OCR's: plain attention (no latent ranks, qk_nope_head_dim 0 selects
-# LlamaAttention), layer 0 dense, layer 1 a mixture of 4 routed experts (2 a token) and a shared one.
+# DeepSeek-VL2's tiny DeepSeek-V2 text model as DeepSeek-OCR's: plain attention (no latent ranks,
+# qk_nope_head_dim 0 selects LlamaAttention), layer 0 dense, layer 1 a mixture of experts.
 OCR_TEXT_CONFIG = {
-    "model_type": "deepseek_v2",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "moe_intermediate_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "n_shared_experts": 1,
-    "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
-    "first_k_dense_replace": 1,
+    **DEEPSEEK_V2_TINY_TEXT_CONFIG,
     "kv_lora_rank": None,
     "q_lora_rank": None,
     "qk_rope_head_dim": 0,
     "qk_nope_head_dim": 0,
-    "v_head_dim": 16,
-    "max_position_embeddings": 4096,
 }
 
 

@@ -20,21 +20,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tiny_vlm import HALF, _instantiate, _make_tokenizer, _save_model, _save_tokenizer, _write_json
-from tiny_vlm_phi_idefics import PHI4_CHAT_TEMPLATE, PHI4_SPECIAL_TOKENS, PHI4_TEXT_CONFIG
+from tiny_vlm import (
+    HALF,
+    _instantiate,
+    _make_tokenizer,
+    _save_model,
+    _save_tokenizer,
+    _write_json,
+)
+from tiny_vlm_phi_idefics import (
+    PHI4_CHAT_TEMPLATE,
+    PHI4_SPECIAL_TOKENS,
+    PHI4_TEXT_CONFIG,
+    PHI4_VISION_CONFIG,
+)
 
 # SigLIP2 NaFlex: 14 px patches flattened (3 x 14 x 14 = 588 inputs), 2x2 learned positions
 # interpolated to each image's patch grid.
-PHI4_SIGLIP_VISION_CONFIG = {
-    "model_type": "siglip2_vision_model",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "image_size": 28,
-    "patch_size": 14,
-    "num_patches": 4,
-}
+PHI4_SIGLIP_VISION_CONFIG = PHI4_VISION_CONFIG  # Phi-4-multimodal's tiny SigLIP2, as NaFlex patches here
 PHI4_SIGLIP_PATCHES = {"min_num_patches": 4, "max_num_patches": 16}
 """An image's patch budget (the real model's: 256 to 3600): 4 to 16 image tokens."""
 

@@ -219,10 +219,21 @@ class InputProcessor:
         """``text``'s ids with each image placeholder one token: a placeholder of several tokens
         (InternVL's ``<image>``) is replaced before tokenizing (``prompt_text``), as the processor
         replaces it; ``token_ids``: ``text``'s own ids, kept where nothing is replaced."""
-        tokenized = self.vision.prompt_text(text)
+        tokenized = self.vision.prompt_text(self._wrapped_as_the_processor_wraps(text))
         if token_ids is not None and tokenized == text:
             return token_ids
         return self.encode(tokenized)[1]
+
+    def _wrapped_as_the_processor_wraps(self, text: str) -> str:
+        """``text`` in one user turn of the chat template where the model's processor wraps it so
+        (``VisionLanguageModel.chat_wrap_unless``), rendered in the guarded template workers."""
+        mark = self.vision.chat_wrap_unless
+        if mark is None or mark in text or not getattr(self.tokenizer, "chat_template", None):
+            return text
+        from vllm_mlx.engine.template_guard import template_guard
+
+        messages = [{"role": "user", "content": text}]
+        return template_guard().render(self.tokenizer, messages, add_generation_prompt=True, tools=None)
 
     def check_images(self, images: Sequence[ImageSource]) -> None:
         """Raise ``ValueError`` if there are images and the model is text-only, or more of them than

@@ -968,14 +968,13 @@ class Phi4SigLipModel(GenericVisionModel):
     ``<image>``, an image the model expands), with the prompt its processor writes. mlx-vlm's
     ``Phi4SigLipProcessor`` wraps any text without ``<|im_start|>`` in the chat template (one user turn and
     the generation prompt) before tokenizing, so mlx-vlm generates over the wrapped prompt, and the
-    processor's run for the placeholder alone sits inside that wrap. ``prompt_text`` wraps a prompt by the
-    same rule (a chat prompt, which the engine's template already wrote, holds ``<|im_start|>``: never twice),
+    processor's run for the placeholder alone sits inside that wrap. The engine wraps a prompt by the same
+    rule (``chat_wrap_unless``: a chat prompt, which its template already wrote, holds ``<|im_start|>``),
     and the placeholder's own ids are the processor's for the placeholder alone, wrapped as its run is, so
     the run against them is the mark alone."""
 
     model_types = ("phi4-siglip",)
-    CHAT_MARK = "<|im_start|>"
-    """What the processor takes as a prompt the chat template already wrote (its own test)."""
+    chat_wrap_unless = "<|im_start|>"  # its processor's own test for a prompt the chat template wrote
 
     def _find_placeholder(self, processor) -> tuple[str, list[int], ImageRun]:
         """``<image>``, the processor's ids for it without an image (the wrap around the placeholder
@@ -988,17 +987,6 @@ class Phi4SigLipModel(GenericVisionModel):
         plain = np.asarray(processor(text=[DEFAULT_IMAGE_TOKEN])["input_ids"])[0].tolist()
         expanded = expanded_ids(processor, DEFAULT_IMAGE_TOKEN, Image.new("RGB", PROBE_IMAGE_SIZE))
         return DEFAULT_IMAGE_TOKEN, plain, ImageRun.of(plain, expanded)
-
-    def prompt_text(self, text: str) -> str:
-        """``text`` as the processor wraps it: in one user turn of the chat template, unless it holds
-        ``<|im_start|>``. The text is the request's, so the template renders in the engine's guarded
-        workers (``template_guard``), not here as the processor would."""
-        if self.CHAT_MARK in text or not getattr(self.tokenizer, "chat_template", None):
-            return text
-        from vllm_mlx.engine.template_guard import template_guard
-
-        messages = [{"role": "user", "content": text}]
-        return template_guard().render(self.tokenizer, messages, add_generation_prompt=True, tools=None)
 
 
 class MllamaModel(GenericVisionModel):

@@ -278,6 +278,11 @@ class VisionLanguageModel:
         self._extend(expanded, token_ids[cursor:])
         return expanded, self.multimodal_input(len(expanded), placed)
 
+    chat_wrap_unless: str | None = None
+    """A family whose processor wraps a text prompt in one user turn of the chat template unless it holds
+    this mark (Phi-4-SigLIP's ``<|im_start|>``): the engine wraps an image prompt the same way, rendering the
+    template in its guarded workers (the text is the request's), so the prompt is the one mlx-vlm generates on."""
+
     def prompt_text(self, text: str) -> str:
         """A text prompt with images as it is tokenized for ``prepare`` (the generic adapter
         writes one token in for a placeholder of several: ``ImageRun.stand_in``)."""

@@ -36,3 +36,18 @@ def engine_tokens(engine, prompts: list[str], params) -> list[list[int]]:
     ids = [engine.add_request(p, params) for p in prompts]
     final = finish(engine)
     return [final[i].outputs[0].token_ids for i in ids]
+
+
+def staggered_tokens(engine, prompts: list, params, after_step=None, max_steps: int = 5000) -> list[list[int]]:
+    """Submit a prompt every other step while earlier ones run, step until idle (``after_step()`` after
+    each step: an invariant to check); each prompt's tokens, in order."""
+    ids, final = [], {}
+    for step in range(max_steps):
+        if step % 2 == 0 and len(ids) < len(prompts):
+            ids.append(engine.add_request(prompts[len(ids)], params))
+        elif not engine.has_unfinished_requests():
+            break
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+        if after_step is not None:
+            after_step()
+    return [final[i].outputs[0].token_ids for i in ids]

@@ -11,6 +11,7 @@ import mlx.core as mx
 import pytest
 
 from factories import run_to_end
+from oracles import staggered_tokens
 from vllm_mlx import SamplingParams
 from vllm_mlx.engine.core import EngineCore
 from vllm_mlx.llm import LLM
@@ -319,14 +320,7 @@ def test_prefill_charged_for_attention_keeps_greedy_output(engine_factory):
     equals solo with the policy off."""
     expected = solo_tokens(lambda: engine_factory(prefill_attention_tokens=0), PROMPTS)
     engine = engine_factory(max_num_batched_tokens=16, prefill_attention_tokens=8)
-    ids, final = [], {}
-    for step in range(2000):
-        if step % 2 == 0 and len(ids) < len(PROMPTS):
-            ids.append(engine.add_request(PROMPTS[len(ids)], GREEDY))
-        elif not engine.has_unfinished_requests():
-            break
-        final.update((out.request_id, out) for out in engine.step() if out.finished)
-    assert [final[i].outputs[0].token_ids for i in ids] == expected
+    assert staggered_tokens(engine, PROMPTS, GREEDY, max_steps=2000) == expected
     chunks = [q.num_new_tokens for r in engine.step_records for q in r.requests if not q.is_decode]
     assert max(chunks) < 16  # cut below the token budget (policy off: prompts of 16+ tokens take 16)
     assert engine.kv_cache.stats().num_used_blocks == 0

@@ -18,7 +18,7 @@ import functools
 import mlx.core as mx
 import numpy as np
 import pytest
-from oracles import engine_tokens, finish
+from oracles import engine_tokens, finish, staggered_tokens
 from oracles import mlx_lm_tokens
 from tiny_model import (
     TINY_GRANITE_HYBRID,
@@ -159,15 +159,7 @@ def test_chunked_prefill_carries_the_state_across_chunks(recurrent_engines, arch
 def test_staggered_arrivals_and_preemption_equal_mlx_lm(recurrent_engines, arch):
     # 13 usable blocks of 4 tokens cannot hold the five requests at once: preemption happens.
     engine = recurrent_engines(block_size=4, num_kv_blocks=14, max_num_batched_tokens=16)
-    request_ids, final = [], {}
-    for step in range(5000):
-        if step % 2 == 0 and len(request_ids) < len(PROMPTS):
-            request_ids.append(engine.add_request(PROMPTS[len(request_ids)], GREEDY))
-        elif not engine.has_unfinished_requests():
-            break
-        final.update((o.request_id, o) for o in engine.step() if o.finished)
-        engine.kv_cache.check_invariants()
-    assert [final[i].outputs[0].token_ids for i in request_ids] == arch[2]
+    assert staggered_tokens(engine, PROMPTS, GREEDY, after_step=engine.kv_cache.check_invariants) == arch[2]
     assert engine.scheduler.num_preemptions > 0
     assert_nothing_held(engine)
 

@@ -15,7 +15,7 @@ import logging
 
 import mlx.core as mx
 import pytest
-from oracles import engine_tokens, finish, mlx_lm_tokens
+from oracles import engine_tokens, finish, mlx_lm_tokens, staggered_tokens
 from tiny_model import build_tiny_architecture
 
 from vllm_mlx import SamplingParams
@@ -75,15 +75,10 @@ def test_prefill_chunks_and_preemption_equal_mlx_lm(held_model):
     _, path, expected = held_model
     engine = make_engine(path, num_kv_blocks=10, max_num_batched_tokens=8)
     try:
-        request_ids, final = [], {}
-        for step in range(5000):
-            if step % 2 == 0 and len(request_ids) < len(PROMPTS):
-                request_ids.append(engine.add_request(PROMPTS[len(request_ids)], GREEDY))
-            elif not engine.has_unfinished_requests():
-                break
-            final.update((o.request_id, o) for o in engine.step() if o.finished)
-            assert len(engine.runner.held) <= len(engine.scheduler.running)  # preempted ones dropped
-        assert [final[i].outputs[0].token_ids for i in request_ids] == expected
+        def preempted_ones_dropped() -> None:
+            assert len(engine.runner.held) <= len(engine.scheduler.running)
+
+        assert staggered_tokens(engine, PROMPTS, GREEDY, after_step=preempted_ones_dropped) == expected
         assert engine.scheduler.num_preemptions > 0
         assert max(n for r in engine.step_records for n in r.num_new_tokens) <= 8
         assert_nothing_held(engine)
